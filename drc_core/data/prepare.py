@@ -1,0 +1,225 @@
+"""Prepare a corpus: read documents, split by document, train BPE on train, write token memmaps.
+
+Output directory (``PrepareConfig.out``)::
+
+    train.bin, val.bin   token ids, uint16 (uint32 when the vocabulary exceeds 65535), documents joined
+                         with <|endoftext|> after each one
+    docs.parquet         one row per document: split, source, doc_id, n_chars, tok_start, tok_end
+    tokenizer.json       the byte-level BPE
+    meta.json            source, counts, vocab size, tokenizer hash, seed and the input fingerprint
+
+A second run with the same inputs finds the fingerprint in ``meta.json`` and does nothing. A run that
+fails (bad input, corpus too small) leaves an existing prepared directory untouched: everything is built in
+a temporary sibling directory and swapped in only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from drc_core.data.sources import SourceSpec, fingerprint, load_documents
+from drc_core.data.tokenizer import EOT, check_vocab_size, tokenizer_hash, train_bpe
+from drc_core.errors import DrcError
+
+FORMAT_VERSION = 1
+DEFAULT_OUT = "data/corpus/default"
+
+
+@dataclass
+class PrepareConfig:
+    source: SourceSpec = field(default_factory=SourceSpec)
+    out: str = DEFAULT_OUT
+    vocab_size: int = 4096
+    val_fraction: float = 0.1
+    seed: int = 0
+    seq_len: int = 256  # each split must hold at least one window of seq_len + 1 tokens
+    force: bool = False
+
+    def validate(self) -> None:
+        check_vocab_size(self.vocab_size)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise DrcError(f"val fraction {self.val_fraction} must be strictly between 0 and 1: e.g. 0.1")
+        if self.seq_len < 1:
+            raise DrcError(f"seq_len {self.seq_len} must be positive: e.g. --seq-len 256")
+        self.source.parts()
+
+    def fingerprint(self) -> str:
+        blob = {
+            "format": FORMAT_VERSION,
+            "source": fingerprint(self.source),
+            "vocab_size": self.vocab_size,
+            "val_fraction": self.val_fraction,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+        }
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class PrepareResult:
+    out: Path
+    meta: dict
+    cached: bool
+    seconds: float
+
+
+def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
+    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
+
+
+def split_documents(sources: list[str], val_fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask of validation documents, stratified by source, deterministic by seed.
+
+    Every source with at least two documents puts at least one in each split.
+    """
+    sources_arr = np.asarray(sources)
+    is_val = np.zeros(len(sources_arr), dtype=bool)
+    for i, src in enumerate(sorted(set(sources))):
+        idx = np.flatnonzero(sources_arr == src)
+        if len(idx) < 2:
+            raise DrcError(
+                f"source '{src}' has {len(idx)} document(s): a document-level split needs at least 2; add text "
+                "or raise --max-docs"
+            )
+        rng = np.random.default_rng([seed, i])
+        n_val = min(len(idx) - 1, max(1, round(val_fraction * len(idx))))
+        is_val[rng.permutation(idx)[:n_val]] = True
+    return is_val
+
+
+def is_prepared(out: Path) -> bool:
+    return (out / "meta.json").exists()
+
+
+def _encode(tok, texts: list[str], eot_id: int, desc: str, progress: bool) -> tuple[list[np.ndarray], int]:
+    chunks, total = [], 0
+    bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress)
+    for start in range(0, len(texts), 64):
+        for enc in tok.encode_batch(texts[start : start + 64]):
+            ids = np.asarray(enc.ids + [eot_id], dtype=np.int64)
+            chunks.append(ids)
+            total += len(ids)
+        bar.update(min(64, len(texts) - start))
+    bar.close()
+    return chunks, total
+
+
+def _write_split(path: Path, chunks: list[np.ndarray], total: int, dtype) -> None:
+    arr = np.memmap(path, dtype=dtype, mode="w+", shape=(total,))
+    pos = 0
+    for c in chunks:
+        arr[pos : pos + len(c)] = c
+        pos += len(c)
+    arr.flush()
+    del arr
+
+
+def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
+    """Build (or find cached) the prepared corpus described by ``cfg``."""
+    t0 = time.perf_counter()
+    cfg.validate()
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise DrcError(f"output '{out}' is a file: pass a directory to --out")
+    if out.is_dir() and any(out.iterdir()) and not is_prepared(out):
+        raise DrcError(f"output '{out}' holds files that are not a prepared corpus: choose an empty --out")
+    fp = cfg.fingerprint()
+    if is_prepared(out) and not cfg.force:
+        meta = json.loads((out / "meta.json").read_text())
+        if meta.get("fingerprint") == fp and all((out / f).exists() for f in meta["files"]):
+            return PrepareResult(out, meta, cached=True, seconds=time.perf_counter() - t0)
+
+    docs = load_documents(cfg.source)
+    texts: list[str] = docs["text"]
+    sources: list[str] = docs["source"]
+    doc_ids: list[str] = docs["doc_id"]
+    is_val = split_documents(sources, cfg.val_fraction, cfg.seed)
+    train_idx, val_idx = np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+    train_texts = [texts[i] for i in train_idx]
+    tok = train_bpe(train_texts, cfg.vocab_size, length=len(train_texts))
+    eot_id = tok.token_to_id(EOT)
+    vocab = tok.get_vocab_size()
+    dtype = token_dtype(vocab)
+
+    rows, counts = [], {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        for split, idx in (("train", train_idx), ("val", val_idx)):
+            chunks, total = _encode(tok, [texts[i] for i in idx], eot_id, f"tokenize {split}", progress)
+            if total < cfg.seq_len + 1:
+                raise DrcError(
+                    f"{split} split has {total} tokens, fewer than seq_len+1={cfg.seq_len + 1}: add text, raise "
+                    "--val-fraction/--max-docs, or lower --seq-len"
+                )
+            _write_split(tmp / f"{split}.bin", chunks, total, dtype)
+            pos = 0
+            for i, c in zip(idx, chunks, strict=True):
+                rows.append(
+                    {
+                        "split": split,
+                        "source": sources[i],
+                        "doc_id": doc_ids[i],
+                        "n_chars": len(texts[i]),
+                        "n_bytes": len(texts[i].encode()),
+                        "tok_start": pos,
+                        "tok_end": pos + len(c),
+                    }
+                )
+                pos += len(c)
+            counts[split] = total
+        tok.save(str(tmp / "tokenizer.json"))
+        frame = pd.DataFrame(rows)
+        frame.to_parquet(tmp / "docs.parquet", index=False)
+        per_source = {
+            f"{split}/{src}": {"documents": int(len(g)), "characters": int(g.n_chars.sum()),
+                               "tokens": int((g.tok_end - g.tok_start).sum())}
+            for (split, src), g in frame.groupby(["split", "source"])
+        }
+        meta = {
+            "format": FORMAT_VERSION,
+            "source": cfg.source.name,
+            "config": {**asdict(cfg), "force": False},
+            "fingerprint": fp,
+            "documents": {"train": int(len(train_idx)), "val": int(len(val_idx))},
+            "characters": {s: int(frame[frame.split == s].n_chars.sum()) for s in ("train", "val")},
+            "tokens": counts,
+            "per_source": per_source,
+            "vocab_size": vocab,
+            "vocab_size_requested": cfg.vocab_size,
+            "eot_id": eot_id,
+            "dtype": np.dtype(dtype).name,
+            "tokenizer_sha256": tokenizer_hash(tok),
+            "seed": cfg.seed,
+            "files": ["train.bin", "val.bin", "docs.parquet", "tokenizer.json", "meta.json"],
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PrepareResult(out, meta, cached=False, seconds=time.perf_counter() - t0)
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Replace ``out`` by the complete ``tmp`` directory; the old one is removed only after the rename."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

