@@ -1,0 +1,202 @@
+"""Training configuration, the named presets, and ``key=value`` overrides.
+
+A :class:`TrainConfig` nests the :class:`~drc_core.model.ModelConfig` and the
+:class:`~drc_core.recurrence.RecurrenceConfig`; overrides use dotted keys (``model.d_model=256``,
+``recurrence.mean=4``, ``lr=1e-3``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from drc_core.errors import DrcError
+from drc_core.model import ModelConfig
+from drc_core.recurrence import RecurrenceConfig
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    recurrence: RecurrenceConfig = field(default_factory=RecurrenceConfig)
+    seq_len: int = 256
+    batch_size: int = 32  # global: split across data-parallel ranks
+    max_steps: int = 1000
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    eval_windows: int = 64
+    eval_loops: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    ckpt_every: int = 200
+    keep_last: int = 2
+    log_every: int = 10
+    seed: int = 0
+    compile: bool = False
+    autocast: str = "none"  # "none" | "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "batch_size", "max_steps", "eval_every", "eval_windows", "ckpt_every",
+                     "keep_last", "log_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise DrcError(f"{name}={v!r} must be a positive integer")
+        for name in ("warmup_steps", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise DrcError(f"{name}={v!r} must be an integer >= 0")
+        for name in ("lr", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise DrcError(f"{name}={getattr(self, name)!r} must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise DrcError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        if not self.eval_loops or any(n < 1 for n in self.eval_loops):
+            raise DrcError(f"eval_loops={self.eval_loops!r} must be a non-empty list of loop counts >= 1")
+        if self.autocast not in ("none", "bf16"):
+            raise DrcError(f"autocast={self.autocast!r} is not supported: use none or bf16")
+        if self.seq_len > self.model.max_seq_len:
+            raise DrcError(f"seq_len={self.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
+                           "lower seq_len or raise model.max_seq_len")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        d = dict(d)
+        model = ModelConfig.from_dict(d.pop("model"))
+        rec = RecurrenceConfig(**d.pop("recurrence"))
+        if "eval_loops" in d:
+            d["eval_loops"] = tuple(d["eval_loops"])
+        return cls(model=model, recurrence=rec, **d)
+
+
+# ------------------------------------------------------------------------------------------- presets
+
+
+def _tiny() -> TrainConfig:
+    """Seconds on a CPU: for tests and the notebook smoke run (corpus prepared with --vocab-size 512)."""
+    return TrainConfig(
+        model=ModelConfig(vocab_size=512, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1,
+                          max_seq_len=64),
+        recurrence=RecurrenceConfig(mean=4.0, backprop_loops=2, max_loops=16),
+        seq_len=32, batch_size=8, max_steps=30, lr=3e-3, warmup_steps=5, eval_every=15, eval_windows=8,
+        eval_loops=(1, 2, 4, 8), ckpt_every=10, log_every=5,
+    )
+
+
+def _cpu() -> TrainConfig:
+    """The reference model for 2 CPU cores and the embedded corpus (vocab 4096); see the book for why."""
+    return TrainConfig(
+        model=ModelConfig(vocab_size=4096, d_model=192, n_heads=6, n_prelude=1, n_core=2, n_coda=1,
+                          max_seq_len=256),
+        recurrence=RecurrenceConfig(mean=8.0, backprop_loops=4, max_loops=32),
+        seq_len=256, batch_size=32, max_steps=3000, lr=3e-3, warmup_steps=150, eval_every=250,
+        eval_windows=64, ckpt_every=250,
+    )
+
+
+def _paper_135m() -> TrainConfig:
+    """A 135M-parameter class model for a GPU and FineWeb-Edu (prepared with --vocab-size 49152).
+
+    d=768, 12 heads, prelude 2 / core 4 / coda 2: 8 distinct blocks (85M) + tied 49152x768 embedding (38M) +
+    concat adapter (1.2M) = ~124M parameters; at the training-mean depth 8 a token passes 36 block
+    applications. 16k steps of 256 x 1024 tokens = 4.2B tokens; see the README for GPU-hours.
+    """
+    return TrainConfig(
+        model=ModelConfig(vocab_size=49152, d_model=768, n_heads=12, n_prelude=2, n_core=4, n_coda=2,
+                          max_seq_len=1024),
+        recurrence=RecurrenceConfig(mean=8.0, backprop_loops=8, max_loops=32),
+        seq_len=1024, batch_size=256, max_steps=16_000, lr=1e-3, warmup_steps=500, eval_every=500,
+        eval_windows=256, ckpt_every=500, keep_last=3, autocast="bf16", compile=True,
+    )
+
+
+PRESETS: dict[str, typing.Callable[[], TrainConfig]] = {"tiny": _tiny, "cpu": _cpu, "paper-135m": _paper_135m}
+
+
+def preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise DrcError(f"unknown preset '{name}': choose from {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ------------------------------------------------------------------------------------------ overrides
+
+
+def _coerce(raw: str, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if raw.lower() in ("none", "null"):
+            return None
+        return _coerce(raw, args[0], key)
+    if origin is tuple:
+        inner = typing.get_args(hint)[0]
+        return tuple(_coerce(p, inner, key) for p in raw.strip("()[] ").split(",") if p.strip())
+    try:
+        if hint is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if hint is int:
+            return int(raw)
+        if hint is float:
+            return float(raw)
+    except ValueError:
+        raise DrcError(f"--set {key}={raw}: expected a value of type {hint.__name__}") from None
+    return raw
+
+
+def apply_overrides(cfg: TrainConfig, pairs: list[str]) -> TrainConfig:
+    """Return a new config with ``key=value`` overrides applied (validated by the dataclasses)."""
+    d = cfg.to_dict()
+    for pair in pairs:
+        if "=" not in pair:
+            raise DrcError(f"--set '{pair}' is not key=value: e.g. --set model.d_model=256")
+        key, raw = pair.split("=", 1)
+        parts = key.strip().split(".")
+        target_cls: type = TrainConfig
+        node = d
+        for i, part in enumerate(parts):
+            hints = typing.get_type_hints(target_cls)
+            names = [f.name for f in dataclasses.fields(target_cls)]
+            if part not in names:
+                prefix = ".".join(parts[:i])
+                valid = ", ".join(f"{prefix + '.' if prefix else ''}{n}" for n in names)
+                raise DrcError(f"unknown config key '{key}': valid keys here are {valid}")
+            if i == len(parts) - 1:
+                if dataclasses.is_dataclass(hints[part]):
+                    raise DrcError(f"'{key}' is a section: set one of its fields, e.g. {key}.{names[0]}=...")
+                node[part] = _coerce(raw.strip(), hints[part], key)
+            else:
+                if not dataclasses.is_dataclass(hints[part]):
+                    raise DrcError(f"'{'.'.join(parts[: i + 1])}' has no sub-keys: use --set {part}=VALUE")
+                target_cls, node = hints[part], node[part]
+    try:
+        return TrainConfig.from_dict(d)
+    except ValueError as exc:
+        raise DrcError(str(exc)) from None
+
+
+def config_diff(a: TrainConfig, b: TrainConfig) -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = json.dumps(v)
+        return out
+
+    fa, fb = flat(a.to_dict()), flat(b.to_dict())
+    return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))

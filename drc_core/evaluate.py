@@ -1,0 +1,72 @@
+"""Validation loss at several uniform depths, from one ``iterate`` pass per batch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from drc_core.data.sampler import Corpus, eval_windows
+from drc_core.model import DepthRecurrentLM
+
+EVAL_STATE_SEED = 1234  # the initial latent state of every evaluation pass, so evaluations are comparable
+
+
+@torch.no_grad()
+def loss_by_depth(model: DepthRecurrentLM, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
+                  batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
+    """Mean next-token cross-entropy (nats) at each depth in ``loops``, over ``windows`` [N, T+1].
+
+    Depth l's loss is read at loop l of a single ``max(loops)``-deep pass (``iterate``), which equals
+    ``forward(x, l)`` with the same initial state; the initial state comes from a generator seeded with
+    ``seed`` so the global RNG (and therefore training) is not disturbed.
+    """
+    wanted = sorted(set(int(n) for n in loops))
+    totals = dict.fromkeys(wanted, 0.0)
+    count = 0
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for start in range(0, len(windows), batch_size):
+        w = windows[start : start + batch_size].to(device)
+        x, y = w[:, :-1], w[:, 1:]
+        for out in model.iterate(x, wanted[-1], generator=gen):
+            if out.loop in totals:
+                ce = F.cross_entropy(out.out.float().flatten(0, 1), y.flatten(), reduction="sum")
+                totals[out.loop] += float(ce)
+        count += y.numel()
+    model.train(was_training)
+    return {n: totals[n] / count for n in wanted}
+
+
+def source_windows(corpus: Corpus, seq_len: int, max_windows: int | None = None) -> dict[str, torch.Tensor]:
+    """Validation windows of each source separately (a window never spans two sources)."""
+    val = corpus.tokens("val")
+    docs = corpus.docs[corpus.docs.split == "val"]
+    out = {}
+    for src, g in docs.groupby("source", sort=True):
+        toks = np.concatenate([val[a:b] for a, b in zip(g.tok_start, g.tok_end, strict=True)])
+        out[str(src)] = eval_windows(toks, seq_len, max_windows)
+    return out
+
+
+def loss_by_source(model: DepthRecurrentLM, corpus: Corpus, seq_len: int, loops: tuple[int, ...],
+                   max_windows: int | None = None) -> pd.DataFrame:
+    """Per-source validation loss by depth, in nats/token and in bits/byte (tokenizer-independent).
+
+    Bits per byte use each source's validation bytes-per-token ratio, so corpora tokenized differently
+    (e.g. a Wikipedia-only tokenizer vs the mixed one) can be compared.
+    """
+    docs = corpus.docs[corpus.docs.split == "val"]
+    rows = []
+    for src, windows in source_windows(corpus, seq_len, max_windows).items():
+        g = docs[docs.source == src]
+        tokens_per_byte = float((g.tok_end - g.tok_start).sum()) / float(g.n_bytes.sum())
+        for n, ce in loss_by_depth(model, windows, loops).items():
+            rows.append({"source": src, "loops": n, "loss": ce,
+                         "bits_per_byte": ce * tokens_per_byte / math.log(2), "windows": len(windows)})
+    return pd.DataFrame(rows)

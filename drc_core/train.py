@@ -1,0 +1,287 @@
+"""Train a depth-recurrent LM: ``python -m drc_core.train --preset NAME --data DIR --out DIR``.
+
+Each step draws its loop count r from the recursion sampler (the same r on every rank), runs r core loops
+with truncated backprop through the last k, and updates with AdamW under warmup + cosine decay. Every
+``eval_every`` steps the validation loss is measured at the fixed depths ``eval_loops`` (one pass).
+
+Everything random is a pure function of ``(seed, step)``: the data windows, the loop count and the initial
+latent state (drawn for the *global* batch, then sliced per rank). So a resumed run, or a run on two
+ranks, computes exactly the updates of one uninterrupted single-process run.
+
+Output directory::
+
+    config.json           the TrainConfig
+    metrics.jsonl         one JSON object per line: kind=train (step, loss, lr, loops, tokens, seconds)
+                          and kind=eval (step, loops, loss); ``pandas.read_json(path, lines=True)``
+    checkpoints/step-N/   model.safetensors + config.json + train_state.pt (optimizer, scheduler, RNG,
+                          sampler, step), written to a temporary directory and renamed; the last K kept
+    final/                model.safetensors + config.json of the finished run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from drc_core.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
+from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
+from drc_core.errors import DrcError, run_cli
+from drc_core.evaluate import loss_by_depth
+from drc_core.model import DepthRecurrentLM, load_state
+from drc_core.recurrence import RecurrenceSampler
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> tuple[Dist, torch.device]:
+    """Join the process group when launched by ``torchrun`` (gloo on CPU, nccl on GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    d = Dist(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{d.local_rank}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return d, device
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``max_steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def initial_state(cfg: TrainConfig, step: int, d: Dist, device: torch.device) -> torch.Tensor | None:
+    """s_0 for this rank's share of the global batch; a pure function of (seed, step)."""
+    m = cfg.model
+    if m.init_state == "zeros":
+        return None
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    s = torch.randn((cfg.batch_size, cfg.seq_len, m.d_model), generator=g) * m.init_state_scale
+    local = cfg.batch_size // d.world_size
+    return s[d.rank * local : (d.rank + 1) * local].to(device)
+
+
+def make_optimizer(model: DepthRecurrentLM, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not norms, not the embedding)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "tok_emb" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoints(out: Path) -> list[Path]:
+    root = out / "checkpoints"
+    return sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1])) if root.exists() else []
+
+
+def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainConfig, step: int,
+                    sampler: WindowSampler) -> Path:
+    root = out / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:07d}"
+    tmp = root / f".tmp-step-{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save(tmp)
+    state = {
+        "step": step,
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": {"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "sampler": sampler.state_dict(),
+        "train_config": cfg.to_dict(),
+    }
+    torch.save(state, tmp / "train_state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoints(out)[: -cfg.keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric rows a killed run wrote after the checkpoint it is resumed from."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = False,
+          progress: bool = True) -> dict:
+    """Train (or resume) and return a summary: final step, last eval losses, tokens/s."""
+    d, device = init_distributed()
+    out = Path(out)
+    corpus = Corpus.open(data)
+    if corpus.vocab_size != cfg.model.vocab_size:
+        raise DrcError(
+            f"corpus '{data}' was tokenized with vocab {corpus.vocab_size} but the model expects "
+            f"{cfg.model.vocab_size}: prepare it with --vocab-size {cfg.model.vocab_size} or pass "
+            f"--set model.vocab_size={corpus.vocab_size}"
+        )
+    found = checkpoints(out)
+    if found and not resume:
+        raise DrcError(f"'{out}' already holds checkpoints: pass --resume to continue, or choose a new --out")
+    if resume and not found and (out / "final").exists():
+        raise DrcError(f"'{out}' holds a finished run and no checkpoint to resume: choose a new --out")
+
+    torch.manual_seed(cfg.seed)
+    model = DepthRecurrentLM(cfg.model).to(device)
+    opt = make_optimizer(model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(cfg, s) / cfg.lr)
+    sampler = WindowSampler(corpus.tokens("train"), cfg.seq_len, cfg.batch_size, seed=cfg.seed,
+                            rank=d.rank, world_size=d.world_size)
+    recur = RecurrenceSampler(cfg.recurrence)
+    start = 0
+    if resume and found:
+        ckpt = found[-1]
+        state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
+        saved = TrainConfig.from_dict(state["train_config"])
+        diff = config_diff(saved, cfg)
+        if diff:
+            raise DrcError(f"--resume with a config that differs from the checkpoint in {', '.join(diff)}: "
+                           "resume with the same preset and --set values")
+        load_state(model, ckpt / "model.safetensors", map_location=device)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        start = state["step"]
+        if d.main:
+            _truncate_metrics(out / "metrics.jsonl", start)
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+    val = eval_windows(corpus.tokens("val"), cfg.seq_len, cfg.eval_windows)
+    if cfg.compile:
+        for block in model.core:
+            block.compile()
+    net = torch.nn.parallel.DistributedDataParallel(model) if d.world_size > 1 else model
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.autocast == "bf16"
+                else nullcontext())
+    metrics = open(out / "metrics.jsonl", "a") if d.main else None  # noqa: SIM115
+    good = found[-1] if found else None
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    t0, last_eval = time.perf_counter(), {}
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", disable=not (progress and d.main),
+               unit="step", dynamic_ncols=True)
+    try:
+        for step in range(start, cfg.max_steps):
+            n = recur.sample(step)
+            x, y = sampler.batch(step)
+            sampler.step = step + 1
+            x, y = x.to(device), y.to(device)
+            with autocast:
+                _, loss = net(x, n, n_grad_loops=recur.n_grad_loops(n),
+                              state=initial_state(cfg, step, d, device), targets=y)
+            if not torch.isfinite(loss):
+                where = f"the last good checkpoint is {good}" if good else "no checkpoint was written yet"
+                raise DrcError(f"loss became {loss.item()} at step {step}: training stopped and {where}; lower "
+                               "lr or raise warmup_steps, then rerun (with --resume to continue from it)")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            done = step + 1
+            bar.update(1)
+            if metrics and (done % cfg.log_every == 0 or done == cfg.max_steps):
+                row = {"kind": "train", "step": done, "loss": loss.item(), "lr": sched.get_last_lr()[0],
+                       "loops": n, "tokens": done * tokens_per_step,
+                       "seconds": round(time.perf_counter() - t0, 3)}
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                bar.set_postfix(loss=f"{row['loss']:.3f}", r=n)
+            if (done % cfg.eval_every == 0 or done == cfg.max_steps) and d.main:
+                last_eval = loss_by_depth(model, val, cfg.eval_loops)
+                for loops, ce in last_eval.items():
+                    metrics.write(json.dumps({"kind": "eval", "step": done, "loops": loops, "loss": ce}) + "\n")
+                metrics.flush()
+                bar.write(f"step {done}: val loss " + "  ".join(f"{k}:{v:.3f}" for k, v in last_eval.items()))
+            if done % cfg.ckpt_every == 0 or done == cfg.max_steps:
+                if d.main:
+                    good = save_checkpoint(out, model, opt, sched, cfg, done, sampler)
+                if d.world_size > 1:
+                    dist.barrier()
+    finally:
+        bar.close()
+        if metrics:
+            metrics.close()
+    seconds = time.perf_counter() - t0
+    if d.main:
+        final = out / "final"
+        shutil.rmtree(final, ignore_errors=True)
+        model.save(final)
+    steps_run = cfg.max_steps - start
+    return {"step": cfg.max_steps, "eval": last_eval, "seconds": seconds,
+            "tokens_per_second": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan")}
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m drc_core.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field, dotted for nested ones: model.d_model=256 (repeat)")
+    ap.add_argument("--data", default="data/corpus/default", help="a prepared corpus directory")
+    ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics, final weights)")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = apply_overrides(preset(args.preset), args.overrides)
+    if not Path(args.data).is_dir():
+        raise DrcError(f"data dir '{args.data}' does not exist: run `python -m drc_core.data prepare --out "
+                       f"{args.data}` first")
+    summary = train(cfg, args.data, args.out, resume=args.resume, progress=not args.quiet)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: v for k, v in summary.items()}, default=float))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
