@@ -113,7 +113,7 @@ def _paper_135m() -> TrainConfig:
     """
     return TrainConfig(
         model=ModelConfig(vocab_size=49152, d_model=768, n_heads=12, n_prelude=2, n_core=4, n_coda=2,
-                          max_seq_len=1024),
+                          mlp_hidden=3584, max_seq_len=1024),
         recurrence=RecurrenceConfig(mean=8.0, backprop_loops=8, max_loops=32),
         seq_len=1024, batch_size=256, max_steps=16_000, lr=1e-3, warmup_steps=500, eval_every=500,
         eval_windows=256, ckpt_every=500, keep_last=3, autocast="bf16", compile=True,

@@ -70,3 +70,58 @@ def loss_by_source(model: DepthRecurrentLM, corpus: Corpus, seq_len: int, loops:
             rows.append({"source": src, "loops": n, "loss": ce,
                          "bits_per_byte": ce * tokens_per_byte / math.log(2), "windows": len(windows)})
     return pd.DataFrame(rows)
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m drc_core.evaluate --run DIR --data DIR``: loss by depth (per source) and successive KL."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    from drc_core.errors import DrcError
+    from drc_core.measure import mean_successive_kl
+
+    ap = argparse.ArgumentParser(prog="python -m drc_core.evaluate", description=main.__doc__)
+    ap.add_argument("--run", required=True, help="a training run directory (uses its final/ weights)")
+    ap.add_argument("--data", required=True, help="the prepared corpus the run was trained on")
+    ap.add_argument("--loops", default="1,2,4,8,16,32")
+    ap.add_argument("--windows", type=int, default=128, help="validation windows per source")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    args = ap.parse_args(argv)
+    run = Path(args.run)
+    weights = run / "final" if (run / "final").exists() else run
+    if not (weights / "model.safetensors").exists():
+        raise DrcError(f"no model.safetensors under '{run}': pass a finished run directory")
+    model = DepthRecurrentLM.load(weights)
+    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    seq_len = int(cfg.get("seq_len", min(256, model.cfg.max_seq_len)))
+    corpus = Corpus.open(args.data)
+    loops = tuple(int(n) for n in args.loops.split(","))
+    frame = loss_by_source(model, corpus, seq_len, loops, args.windows)
+    windows = eval_windows(corpus.tokens("val"), seq_len, args.windows)
+    result = {
+        "run": str(run),
+        "params": model.num_params(),
+        "loss_all": loss_by_depth(model, windows, loops),
+        "by_source": frame.to_dict(orient="records"),
+        "successive_kl": mean_successive_kl(model, windows, max(loops)),
+    }
+    print(frame.pivot(index="loops", columns="source", values=["loss", "bits_per_byte"]).round(4).to_string())
+    kl = result["successive_kl"]
+    print("successive KL(p_l || p_l-1): " + "  ".join(f"{n}:{kl[n]:.2e}" for n in (2, 4, 8, 16, 32) if n in kl))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"loss_all": result["loss_all"]}), file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from drc_core.errors import run_cli
+
+    sys.exit(run_cli(main))

@@ -134,7 +134,14 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop metric rows a killed run wrote after the checkpoint it is resumed from."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    keep = []
+    for ln in path.read_text().splitlines():
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError:  # a line torn by the kill
+            continue
+        if row["step"] <= step:
+            keep.append(ln)
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
@@ -183,9 +190,8 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         start = state["step"]
-        if d.main:
-            _truncate_metrics(out / "metrics.jsonl", start)
     if d.main:
+        _truncate_metrics(out / "metrics.jsonl", start)  # also rows of a run killed before its first checkpoint
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
@@ -217,13 +223,14 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
                                "lr or raise warmup_steps, then rerun (with --resume to continue from it)")
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            lr = sched.get_last_lr()[0]  # the lr of this update (sched.step() moves on to the next one)
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             done = step + 1
             bar.update(1)
             if metrics and (done % cfg.log_every == 0 or done == cfg.max_steps):
-                row = {"kind": "train", "step": done, "loss": loss.item(), "lr": sched.get_last_lr()[0],
+                row = {"kind": "train", "step": done, "loss": loss.item(), "lr": lr,
                        "loops": n, "tokens": done * tokens_per_step,
                        "seconds": round(time.perf_counter() - t0, 3)}
                 metrics.write(json.dumps(row) + "\n")

@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from drc_core.data.sources import SourceSpec, fingerprint, load_documents
 from drc_core.data.tokenizer import EOT, check_vocab_size, tokenizer_hash, train_bpe
 from drc_core.errors import DrcError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_OUT = "data/corpus/default"
 
 
@@ -81,18 +82,21 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
 def split_documents(sources: list[str], val_fraction: float, seed: int) -> np.ndarray:
     """Boolean mask of validation documents, stratified by source, deterministic by seed.
 
-    Every source with at least two documents puts at least one in each split.
+    Every source with at least two documents puts at least one in each split. A source's split depends
+    only on its own documents and the seed, so ``wikipedia`` alone and ``wikipedia+sotu`` validate on the
+    same Wikipedia articles.
     """
     sources_arr = np.asarray(sources)
     is_val = np.zeros(len(sources_arr), dtype=bool)
-    for i, src in enumerate(sorted(set(sources))):
+    for src in sorted(set(sources)):
         idx = np.flatnonzero(sources_arr == src)
         if len(idx) < 2:
             raise DrcError(
                 f"source '{src}' has {len(idx)} document(s): a document-level split needs at least 2; add text "
                 "or raise --max-docs"
             )
-        rng = np.random.default_rng([seed, i])
+        # seeded by the source's name, so a source keeps its validation documents in any mix
+        rng = np.random.default_rng([seed, zlib.crc32(src.encode())])
         n_val = min(len(idx) - 1, max(1, round(val_fraction * len(idx))))
         is_val[rng.permutation(idx)[:n_val]] = True
     return is_val
