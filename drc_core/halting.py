@@ -1,0 +1,681 @@
+"""Per-token halting rules for depth-recurrent inference, and the adaptive forward built on them.
+
+One small interface: after loop l the per-token statistics of the batch (:class:`LoopStats`, computed from
+loop l and loop l-1 only) go to :meth:`HaltingRule.decide`, which returns the (B, T) tokens that halt now.
+Every rule has ``min_loops`` (no token halts before it) and ``max_loops`` (every token halts there); a
+subclass only supplies :meth:`HaltingRule.criterion`.
+
+Rules: :class:`KLThreshold` (the paper's training-free rule), :class:`StateDelta`, :class:`EntropyDelta`,
+:class:`Cosine`, :class:`ArgmaxPatience`, :class:`SoftmaxConfidence`, :class:`Uniform`, :class:`Never`, and
+:class:`Oracle` -- precomputed exit loops from :func:`oracle_exit`, an offline lower bound on the average
+depth, not a deployable rule.
+
+Direction convention (see :mod:`drc_core.measure`): the successive KL at loop l is ``KL(p_l || p_{l-1})``;
+the oracle's distance to the reference is ``KL(p_ref || p_l)``.
+
+Depth accounting: a token's depth is its exit loop (the loop at which it halted, 1-based); the average
+depth is the mean exit loop over all tokens of the batch (the FLOP proxy: prelude and coda run once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drc_core.measure import kl_successive
+from drc_core.model import DepthRecurrentLM, HaltFn, LoopOutput
+
+__all__ = [
+    "AdaptiveResult",
+    "ArgmaxPatience",
+    "Cosine",
+    "EntropyDelta",
+    "HaltingRule",
+    "KLThreshold",
+    "LoopStats",
+    "Never",
+    "Oracle",
+    "OracleResult",
+    "SoftmaxConfidence",
+    "StateDelta",
+    "Uniform",
+    "adaptive_forward",
+    "halt_fn",
+    "iterate_stats",
+    "loop_stats",
+    "offline_exits",
+    "oracle_exit",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-token statistics
+
+
+@dataclass
+class LoopStats:
+    """Per-token statistics of a batch after loop ``loop`` (1-based); every statistic is (B, T).
+
+    ``log_probs`` (B, T, V) float32 and ``state`` (B, T, d) are loop l's readout and latent state. The
+    statistics that compare with loop l-1 are undefined at the first loop and hold a value that never
+    halts there: ``kl``, ``state_delta`` and ``entropy_delta`` are +inf and ``cosine`` is -inf.
+
+    - ``kl`` = KL(p_l || p_{l-1}) (:func:`drc_core.measure.kl_successive`);
+    - ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l|| (L2 over d);
+    - ``entropy`` = H(p_l) in nats, ``entropy_delta`` = |H_l - H_{l-1}|;
+    - ``cosine`` = cos(s_l, s_{l-1});
+    - ``argmax`` = argmax_v p_l(v) (long), ``argmax_run`` = the length of the current run of loops with this
+      same argmax (1 at the first loop and after every change; long);
+    - ``top_prob`` = max_v p_l(v).
+
+    Build it with :func:`loop_stats`, which keeps no reference to the previous loop's stats, so a loop-by-
+    loop caller holds at most two loops' (B, T, V) tensors at once.
+    """
+
+    loop: int
+    log_probs: Tensor
+    state: Tensor
+    kl: Tensor
+    state_delta: Tensor
+    entropy: Tensor
+    entropy_delta: Tensor
+    cosine: Tensor
+    argmax: Tensor
+    argmax_run: Tensor
+    top_prob: Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """(B, T)."""
+        return self.state.shape[:2]
+
+
+def _entropy(log_probs: Tensor) -> Tensor:
+    p = log_probs.exp()
+    return -torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(-1)
+
+
+def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tensor) -> LoopStats:
+    """The :class:`LoopStats` of loop ``loop`` from its log-probs (B, T, V) and state (B, T, d), given the
+    previous loop's stats ``prev`` (None at the first loop)."""
+    if log_probs.dim() != 3 or state.dim() != 3 or log_probs.shape[:2] != state.shape[:2]:
+        raise ValueError(
+            f"log_probs must be (B, T, V) and state (B, T, d) with the same (B, T); got log_probs "
+            f"{tuple(log_probs.shape)} and state {tuple(state.shape)}"
+        )
+    if prev is not None and (prev.log_probs.shape != log_probs.shape or prev.state.shape != state.shape):
+        raise ValueError(
+            f"loop {loop}'s log_probs {tuple(log_probs.shape)} / state {tuple(state.shape)} do not match the "
+            f"previous loop's {tuple(prev.log_probs.shape)} / {tuple(prev.state.shape)}"
+        )
+    log_probs = log_probs.float()
+    s = state.float()
+    entropy = _entropy(log_probs)
+    top_logp, argmax = log_probs.max(dim=-1)
+    if prev is None:
+        inf = torch.full(entropy.shape, math.inf, device=entropy.device)
+        kl, state_delta, entropy_delta, cosine = inf, inf, inf, -inf
+        argmax_run = torch.ones_like(argmax)
+    else:
+        s_prev = prev.state.float()
+        kl = kl_successive(log_probs, prev.log_probs)
+        state_delta = (s - s_prev).norm(dim=-1) / s.norm(dim=-1).clamp_min(torch.finfo(s.dtype).tiny)
+        entropy_delta = (entropy - prev.entropy).abs()
+        cosine = F.cosine_similarity(s, s_prev, dim=-1)
+        argmax_run = torch.where(argmax == prev.argmax, prev.argmax_run + 1, torch.ones_like(argmax))
+    return LoopStats(
+        loop=loop,
+        log_probs=log_probs,
+        state=state,
+        kl=kl,
+        state_delta=state_delta,
+        entropy=entropy,
+        entropy_delta=entropy_delta,
+        cosine=cosine,
+        argmax=argmax,
+        argmax_run=argmax_run,
+        top_prob=top_logp.exp(),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation and names
+
+
+def _fmt(x: float) -> str:
+    """A short number for rule names: 0.001 -> '1e-3', 0.5 -> '0.5'."""
+    if x == 0 or not math.isfinite(x) or 1e-2 <= abs(x) < 1e5:
+        return f"{x:g}"
+    text = f"{x:.6e}"
+    for digits in range(7):
+        text = f"{x:.{digits}e}"
+        if float(text) == x:
+            break
+    mantissa, exponent = text.split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _need_int(owner: str, name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be an integer >= {minimum}")
+    return value
+
+
+def _need_float(owner: str, name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """A finite number in [lo, hi] (or (lo, hi] with ``lo_open``); hi may be inf (then only finiteness)."""
+    lo_text = f"({_fmt(lo)}" if lo_open else f"[{_fmt(lo)}"
+    hi_text = f"{_fmt(hi)}]" if math.isfinite(hi) else "inf)"
+    what = f"a finite number in {lo_text}, {hi_text}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be {what}")
+    v = float(value)
+    if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be {what}")
+    return v
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rules
+
+
+@dataclass(kw_only=True)
+class HaltingRule:
+    """A per-token halting rule; ``decide(stats)`` -> (B, T) bool of the tokens that halt at ``stats.loop``.
+
+    :meth:`decide` applies :meth:`criterion` and then forces False before ``min_loops`` and True at (and
+    after) ``max_loops``; subclasses implement only :meth:`criterion`. ``decide`` does not know which tokens
+    have already halted: the caller (``DepthRecurrentLM.iterate``, :func:`offline_exits`) keeps the first
+    loop at which a token's decision was True.
+    """
+
+    min_loops: int = 1
+    max_loops: int = 32
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _need_int(owner, "min_loops", self.min_loops, 1)
+        _need_int(owner, "max_loops", self.max_loops, 1)
+        if self.min_loops > self.max_loops:
+            raise ValueError(
+                f"{owner}: min_loops={self.min_loops} > max_loops={self.max_loops} is invalid; "
+                "it must be 1 <= min_loops <= max_loops"
+            )
+        self._validate(owner)
+
+    def _validate(self, owner: str) -> None:
+        """Check the rule's own parameters (raise a one-line ValueError)."""
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        """(B, T) bool: the rule's own halting test, before the min/max loop forcing."""
+        raise NotImplementedError
+
+    def decide(self, stats: LoopStats) -> Tensor:
+        shape, device = stats.shape, stats.state.device
+        if stats.loop < self.min_loops:
+            return torch.zeros(shape, dtype=torch.bool, device=device)
+        if stats.loop >= self.max_loops:
+            return torch.ones(shape, dtype=torch.bool, device=device)
+        return self.criterion(stats).to(dtype=torch.bool, device=device)
+
+    __call__ = decide
+
+    @property
+    def name(self) -> str:
+        """The criterion in a few characters, e.g. ``kl<1e-3``."""
+        return type(self).__name__
+
+    def __str__(self) -> str:
+        extra = []
+        if self.min_loops != 1:
+            extra.append(f"min {self.min_loops}")
+        if self.max_loops != 32:
+            extra.append(f"max {self.max_loops}")
+        return self.name + (f" ({', '.join(extra)})" if extra else "")
+
+
+@dataclass
+class KLThreshold(HaltingRule):
+    """Halt once the successive-output KL(p_l || p_{l-1}) < ``tau`` (the paper's training-free rule)."""
+
+    tau: float
+
+    def _validate(self, owner: str) -> None:
+        self.tau = _need_float(owner, "tau", self.tau, 0.0, math.inf)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return stats.kl < self.tau
+
+    @property
+    def name(self) -> str:
+        return f"kl<{_fmt(self.tau)}"
+
+
+@dataclass
+class StateDelta(HaltingRule):
+    """Halt once the relative latent change ||s_l - s_{l-1}|| / ||s_l|| < ``tau``."""
+
+    tau: float
+
+    def _validate(self, owner: str) -> None:
+        self.tau = _need_float(owner, "tau", self.tau, 0.0, math.inf)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return stats.state_delta < self.tau
+
+    @property
+    def name(self) -> str:
+        return f"dstate<{_fmt(self.tau)}"
+
+
+@dataclass
+class EntropyDelta(HaltingRule):
+    """Halt once the output entropy changes by less than ``tau`` nats: |H_l - H_{l-1}| < ``tau``."""
+
+    tau: float
+
+    def _validate(self, owner: str) -> None:
+        self.tau = _need_float(owner, "tau", self.tau, 0.0, math.inf)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return stats.entropy_delta < self.tau
+
+    @property
+    def name(self) -> str:
+        return f"dH<{_fmt(self.tau)}"
+
+
+@dataclass
+class Cosine(HaltingRule):
+    """Halt once cos(s_l, s_{l-1}) >= ``tau`` (``tau`` in [-1, 1])."""
+
+    tau: float
+
+    def _validate(self, owner: str) -> None:
+        self.tau = _need_float(owner, "tau", self.tau, -1.0, 1.0)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return stats.cosine >= self.tau
+
+    @property
+    def name(self) -> str:
+        return f"cos>={_fmt(self.tau)}"
+
+
+@dataclass
+class ArgmaxPatience(HaltingRule):
+    """Halt once the argmax has stayed unchanged for ``n`` successive loops, i.e. loops l-n..l share it
+    (``argmax_run >= n + 1``); the earliest possible halt is loop n + 1."""
+
+    n: int
+
+    def _validate(self, owner: str) -> None:
+        _need_int(owner, "n", self.n, 1)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return stats.argmax_run > self.n
+
+    @property
+    def name(self) -> str:
+        return f"argmax-stable{self.n}"
+
+
+@dataclass
+class SoftmaxConfidence(HaltingRule):
+    """Halt once the top probability max_v p_l(v) >= ``tau`` (``tau`` in (0, 1])."""
+
+    tau: float
+
+    def _validate(self, owner: str) -> None:
+        self.tau = _need_float(owner, "tau", self.tau, 0.0, 1.0, lo_open=True)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return stats.top_prob >= self.tau
+
+    @property
+    def name(self) -> str:
+        return f"pmax>={_fmt(self.tau)}"
+
+
+@dataclass
+class Uniform(HaltingRule):
+    """Every token halts at loop ``k`` exactly (``min_loops = max_loops = k``): the fixed-depth baseline."""
+
+    k: int
+    min_loops: int = field(default=1, init=False)
+    max_loops: int = field(default=1, init=False)
+
+    def __post_init__(self) -> None:
+        _need_int(type(self).__name__, "k", self.k, 1)
+        self.min_loops = self.max_loops = self.k
+        super().__post_init__()
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return torch.ones(stats.shape, dtype=torch.bool, device=stats.state.device)
+
+    @property
+    def name(self) -> str:
+        return f"uniform={self.k}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass
+class Never(HaltingRule):
+    """No token halts before ``max_loops`` (so every token runs the full depth)."""
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return torch.zeros(stats.shape, dtype=torch.bool, device=stats.state.device)
+
+    @property
+    def name(self) -> str:
+        return "never"
+
+
+@dataclass(eq=False)
+class Oracle(HaltingRule):
+    """Precomputed per-token exit loops (B, T) (from :func:`oracle_exit`), replayed as a rule in sweeps.
+
+    Not deployable: the exit loops were found offline by looking at the reference depth's output. Its
+    ``criterion`` is ``loop >= exit_loops``; ``min_loops``/``max_loops`` apply as for every rule, and every
+    exit loop must be <= ``max_loops``. ``eps`` (optional) is only used in the name.
+    """
+
+    exit_loops: Tensor
+    eps: float | None = None
+
+    def _validate(self, owner: str) -> None:
+        e = self.exit_loops
+        if not isinstance(e, Tensor) or e.dim() != 2 or e.dtype.is_floating_point or e.dtype == torch.bool:
+            shown = tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__
+            raise ValueError(f"{owner}: exit_loops must be a (B, T) integer tensor; got {shown}")
+        if e.numel() and int(e.min()) < 1:
+            raise ValueError(f"{owner}: exit_loops has loop {int(e.min())}; every exit loop must be >= 1")
+        if e.numel() and int(e.max()) > self.max_loops:
+            raise ValueError(
+                f"{owner}: exit_loops reaches loop {int(e.max())} but max_loops={self.max_loops}; "
+                f"pass max_loops >= {int(e.max())}"
+            )
+        if self.eps is not None:
+            self.eps = _need_float(owner, "eps", self.eps, 0.0, math.inf)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        if tuple(self.exit_loops.shape) != tuple(stats.shape):
+            raise ValueError(
+                f"Oracle: exit_loops has shape {tuple(self.exit_loops.shape)} but the batch is "
+                f"{tuple(stats.shape)}; compute the oracle on the same batch"
+            )
+        return self.exit_loops.to(stats.state.device) <= stats.loop
+
+    @property
+    def avg_depth(self) -> float:
+        """Mean exit loop after the min/max clamp."""
+        return float(self.exit_loops.clamp(self.min_loops, self.max_loops).float().mean())
+
+    @property
+    def name(self) -> str:
+        return "oracle" if self.eps is None else f"oracle(kl<={_fmt(self.eps)})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running rules on a model
+
+
+class _RuleHalt:
+    """A ``halt`` callable for :meth:`DepthRecurrentLM.iterate` that feeds ``rule`` the loop's stats."""
+
+    def __init__(self, rule: HaltingRule, readout: str) -> None:
+        if not isinstance(rule, HaltingRule):
+            raise ValueError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
+        if readout not in ("logits", "log_probs"):
+            raise ValueError(f"readout={readout!r} is not supported; use 'logits' or 'log_probs'")
+        self.rule, self.readout = rule, readout
+        self.stats: LoopStats | None = None
+
+    def __call__(self, out: LoopOutput) -> Tensor:
+        if out.out is None:
+            raise ValueError("the halting rule needs the readout; call iterate with readout='logits'/'log_probs'")
+        if out.out.shape[:2] != out.state.shape[:2]:
+            raise ValueError("the halting rule needs every position read out; call iterate with positions=None")
+        logp = out.out if self.readout == "log_probs" else F.log_softmax(out.out.float(), dim=-1)
+        self.stats = loop_stats(self.stats, out.loop, logp, out.state)
+        return self.rule.decide(self.stats)
+
+
+def halt_fn(rule: HaltingRule, readout: str = "log_probs") -> HaltFn:
+    """A fresh ``halt`` callable for ``model.iterate(..., readout=readout, halt=...)`` applying ``rule``.
+
+    It remembers the previous loop's stats, so use one per ``iterate`` call. ``readout`` must be the one
+    passed to ``iterate`` ("logits" or "log_probs"), with all positions read out.
+    """
+    return _RuleHalt(rule, readout)
+
+
+@dataclass
+class AdaptiveResult:
+    """What :func:`adaptive_forward` returns.
+
+    ``exit_loop`` (B, T) long: each token's exit loop; ``logits`` (B, T, V): each token's logits at its exit
+    loop (model dtype, as ``forward`` returns them); ``avg_depth``: mean exit loop; ``state`` (B, T, d): the
+    final latent state (a halted token's is its state at its exit loop); ``rule``: ``str(rule)``.
+    """
+
+    exit_loop: Tensor
+    logits: Tensor
+    avg_depth: float
+    state: Tensor
+    rule: str
+
+    def log_probs(self) -> Tensor:
+        """float32 log-softmax of :attr:`logits`."""
+        return F.log_softmax(self.logits.float(), dim=-1)
+
+
+@torch.no_grad()
+def adaptive_forward(
+    model: DepthRecurrentLM,
+    idx: Tensor,
+    rule: HaltingRule,
+    *,
+    generator: torch.Generator | None = None,
+    state: Tensor | None = None,
+) -> AdaptiveResult:
+    """Run ``model`` on ``idx`` (B, T) with per-token halting by ``rule``, up to ``rule.max_loops`` loops.
+
+    Semantics (the masked reference of :meth:`DepthRecurrentLM.iterate`): after loop l the rule sees loop
+    l's stats; a token that halts at loop l keeps s_l from then on. The core still runs on every token, so at
+    each later loop a halted token's keys/values are recomputed from its frozen state (and, in core blocks
+    after the first, from activations that depend on still-active earlier tokens), and tokens after it
+    keep attending to them. A token's ``logits`` are the readout at its exit loop; its readout at later
+    loops can still move, because the coda attends to earlier tokens that are still active. A
+    compute-skipping variant with cached keys/values will follow.
+
+    The log-probs the rule sees are ``log_softmax(logits.float())``, exactly iterate's "log_probs" readout.
+    With the same ``generator`` state (or ``state`` s_0), :class:`Never` with ``max_loops=r`` gives
+    ``forward(idx, r)`` and ``Uniform(k)`` gives ``forward(idx, k)``. Runs under ``torch.no_grad()``; put
+    the model in eval mode first if it has dropout.
+    """
+    halt = _RuleHalt(rule, "logits")
+    logits: Tensor | None = None
+    last: LoopOutput | None = None
+    for out in model.iterate(idx, rule.max_loops, generator=generator, readout="logits", halt=halt, state=state):
+        assert out.out is not None
+        now = (out.exit_loop == out.loop)[..., None]
+        logits = out.out.clone() if logits is None else torch.where(now, out.out, logits)
+        last = out
+    assert last is not None and logits is not None
+    exit_loop = last.exit_loop
+    return AdaptiveResult(
+        exit_loop=exit_loop,
+        logits=logits,
+        avg_depth=float(exit_loop.float().mean()),
+        state=last.state,
+        rule=str(rule),
+    )
+
+
+@torch.no_grad()
+def iterate_stats(
+    model: DepthRecurrentLM,
+    idx: Tensor,
+    max_loops: int,
+    *,
+    generator: torch.Generator | None = None,
+    state: Tensor | None = None,
+) -> Iterator[LoopStats]:
+    """:class:`LoopStats` after each loop 1..max_loops of a run without halting (uniform depth)."""
+    prev: LoopStats | None = None
+    for out in model.iterate(idx, max_loops, generator=generator, readout="log_probs", state=state):
+        assert out.out is not None
+        prev = loop_stats(prev, out.loop, out.out, out.state)
+        yield prev
+
+
+def offline_exits(stats: Iterable[LoopStats], rules: Sequence[HaltingRule]) -> list[Tensor]:
+    """Each rule's per-token exit loop (B, T) long on one sequence of loop stats (loops 1, 2, ... in order).
+
+    A token's exit is the first loop where ``rule.decide`` is True. The stats come from a run without
+    halting (e.g. :func:`iterate_stats`), so this is the rule's decisions when halting changes no other
+    token's trajectory -- cheap for sweeping many rules over one run, and equal to :func:`adaptive_forward`
+    for a token whose earlier tokens all run at least as long as it does (e.g. the first position). The
+    stats must reach every rule's ``max_loops`` unless every token has halted earlier.
+    """
+    rules = list(rules)
+    for rule in rules:
+        if not isinstance(rule, HaltingRule):
+            raise ValueError(f"rules must be HaltingRule instances; got {rule!r}")
+    exits: list[Tensor] | None = None
+    last_loop = 0
+    for s in stats:
+        if exits is None:
+            exits = [torch.zeros(s.shape, dtype=torch.long, device=s.state.device) for _ in rules]
+        last_loop = s.loop
+        for rule, ex in zip(rules, exits, strict=True):
+            now = rule.decide(s) & (ex == 0)
+            ex.masked_fill_(now, s.loop)
+        if all(bool((ex > 0).all()) for ex in exits):
+            break
+    if exits is None:
+        raise ValueError("offline_exits got no loop stats; pass the stats of loops 1..max_loops")
+    for rule, ex in zip(rules, exits, strict=True):
+        if bool((ex == 0).any()):
+            raise ValueError(
+                f"rule {rule} left tokens running after the last loop given ({last_loop}); "
+                f"pass stats up to its max_loops={rule.max_loops}"
+            )
+    return exits
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Oracle
+
+
+@dataclass
+class OracleResult:
+    """What :func:`oracle_exit` returns.
+
+    ``exit_loop`` (B, T) long; ``avg_depth`` its mean; ``reached`` (B, T) bool: the token came within ``eps``
+    of the reference at its exit loop (False only where the reference is not one of the loops given and no
+    loop got close enough; those tokens exit at the last loop considered); ``eps``; ``reference_loop`` (the
+    last loop considered).
+    """
+
+    exit_loop: Tensor
+    avg_depth: float
+    reached: Tensor
+    eps: float
+    reference_loop: int
+
+    def rule(self, **kwargs: int) -> Oracle:
+        """These exit loops as an :class:`Oracle` rule (``max_loops`` defaults to ``reference_loop``)."""
+        kwargs.setdefault("max_loops", max(self.reference_loop, int(self.exit_loop.max())))
+        return Oracle(exit_loops=self.exit_loop, eps=self.eps, **kwargs)
+
+
+@torch.no_grad()
+def oracle_exit(
+    log_probs_per_loop: Tensor | Iterable[Tensor],
+    reference_loop: int | None,
+    eps: float,
+    *,
+    reference: Tensor | None = None,
+    min_loops: int = 1,
+) -> OracleResult:
+    """The offline oracle: each token's earliest loop l with ``KL(p_ref || p_l) <= eps``.
+
+    Direction: the reference output p_ref is measured against the loop's output p_l,
+    ``KL(p_ref || p_l) = sum_v p_ref(v) (log p_ref(v) - log p_l(v))``.
+
+    ``log_probs_per_loop``: the uniform-depth log-probs of loops 1, 2, ..., either stacked (L, B, T, V) or
+    (lighter on memory) an iterable of (B, T, V) tensors, consumed one at a time. ``reference_loop`` is the
+    last loop considered (None: all loops given); ``reference`` the reference log-probs (B, T, V) -- with a
+    stacked tensor it defaults to loop ``reference_loop``'s; with an iterable it is required. Tokens never
+    within ``eps`` exit at the last loop considered (``reached`` False). Exits below ``min_loops`` are raised
+    to it. The result is a lower bound on the average depth of any rule whose tokens end within ``eps`` of
+    the reference (on the same uniform-depth outputs); it is not a deployable rule.
+    """
+    eps = _need_float("oracle_exit", "eps", eps, 0.0, math.inf)
+    _need_int("oracle_exit", "min_loops", min_loops, 1)
+    if reference_loop is not None:
+        _need_int("oracle_exit", "reference_loop", reference_loop, 1)
+    if isinstance(log_probs_per_loop, Tensor):
+        stacked = log_probs_per_loop
+        if stacked.dim() != 4:
+            raise ValueError(
+                f"oracle_exit: stacked log_probs_per_loop must be (L, B, T, V); got {tuple(stacked.shape)}"
+            )
+        n_loops = stacked.shape[0]
+        if reference_loop is None:
+            reference_loop = n_loops
+        if reference_loop > n_loops:
+            raise ValueError(
+                f"oracle_exit: reference_loop={reference_loop} is invalid; it must be in [1, {n_loops}] "
+                f"(the number of loops given)"
+            )
+        if reference is None:
+            reference = stacked[reference_loop - 1]
+        loops: Iterable[Tensor] = stacked[:reference_loop]
+    else:
+        if reference is None:
+            raise ValueError(
+                "oracle_exit: with an iterable of per-loop log-probs, pass reference= (the reference "
+                "loop's log-probs, B x T x V)"
+            )
+        loops = log_probs_per_loop
+    reference = reference.float()
+    if reference.dim() != 3:
+        raise ValueError(f"oracle_exit: reference must be (B, T, V); got {tuple(reference.shape)}")
+    shape = reference.shape[:2]
+    exit_loop = torch.zeros(shape, dtype=torch.long, device=reference.device)
+    reached = torch.zeros(shape, dtype=torch.bool, device=reference.device)
+    last = 0
+    for loop, logp in enumerate(loops, start=1):
+        if reference_loop is not None and loop > reference_loop:
+            break
+        if logp.shape != reference.shape:
+            raise ValueError(
+                f"oracle_exit: loop {loop}'s log-probs have shape {tuple(logp.shape)} but the reference has "
+                f"{tuple(reference.shape)}"
+            )
+        now = (kl_successive(reference, logp.float().to(reference.device)) <= eps) & ~reached
+        exit_loop.masked_fill_(now, loop)
+        reached |= now
+        last = loop
+    if last == 0:
+        raise ValueError("oracle_exit got no loops; pass the log-probs of loops 1..reference_loop")
+    if reference_loop is not None and last < reference_loop:
+        raise ValueError(f"oracle_exit: reference_loop={reference_loop} but only {last} loops were given")
+    exit_loop.masked_fill_(~reached, last)
+    exit_loop.clamp_(min=min_loops)
+    return OracleResult(
+        exit_loop=exit_loop,
+        avg_depth=float(exit_loop.float().mean()),
+        reached=reached,
+        eps=eps,
+        reference_loop=reference_loop if reference_loop is not None else last,
+    )
