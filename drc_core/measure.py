@@ -1,16 +1,72 @@
-"""Per-loop convergence measurements (this module grows into the full per-token study, issue C).
+"""Per-token, per-loop convergence measurements and their summaries (issue C).
 
-Direction convention, used everywhere in this project: the successive-output KL at loop l is
-``KL(p_l || p_{l-1}) = sum_v p_l(v) (log p_l(v) - log p_{l-1}(v))``, the new output measured against the
-previous one; it is defined for l >= 2.
+Direction conventions, used everywhere in this project:
+
+- the *successive-output KL* at loop l is ``KL(p_l || p_{l-1}) = sum_v p_l(v) (log p_l(v) - log p_{l-1}(v))``,
+  the new output measured against the previous one; it is defined for l >= 2 (NaN at loop 1 in the frames);
+- the *KL to the deepest output* at loop l is ``KL(p_L || p_l)``, the deepest output p_L (L = ``max_loops``)
+  measured against loop l's output -- the same direction as the oracle of :func:`drc_core.halting.oracle_exit`
+  (reference first); it is 0 at loop L.
+
+The relative state change is ``||s_l - s_{l-1}|| / ||s_l||`` (L2 over the model dimension; NaN at loop 1),
+the entropy ``H(p_l)`` in nats, ``ce`` the next-token cross-entropy ``-log p_l(target)`` in nats (its mean at
+loop l is the validation loss at uniform depth l). All per-loop statistics come from
+:func:`drc_core.halting.loop_stats`, the same code the halting rules see.
+
+Measurement (:func:`measure_windows`). For each batch of windows the main pass is ONE ``iterate`` pass of
+``max_loops`` loops (prelude once, core L times, coda + head + log-softmax at every loop). Per batch it keeps
+the (B, T) statistics of every loop (O(L*T) floats per window) and at most two loops' (B, T, V) log-probs
+(the current and the previous loop); the L x T x V log-probs are never stored. ``kl_to_final=True`` needs
+p_L before loop 1's statistics can be compared with it, so it adds a first, cheaper pass per batch (prelude +
+L core loops + one readout, i.e. about one depth-L ``forward``) and keeps p_L during the main pass: the
+core-loop compute doubles (the main pass, which reads out every loop, grows less: +7% wall time on one CPU
+thread for d=256, V=8192, T=128, L=32), and three (B, T, V) tensors are held (previous, current, deepest). Both passes
+start from the same initial state s_0 (the generator's state is replayed), so the deepest output is exactly
+loop L's output of the main pass. With ``kl_to_final=False`` the column is NaN and the cost is one pass.
+
+Summaries (:func:`per_loop_summary`, :func:`convergence_depth`, :func:`depth_summary`,
+:func:`eps_sensitivity`) carry percentile bootstrap CIs from one helper, :func:`bootstrap_ci`, which resamples
+*clusters* with replacement: documents when the frame has a ``doc`` column, else windows. Every replicate of a
+pooled mean is the ratio of the drawn clusters' sums; all summaries are deterministic for a given ``seed``
+and, for the same clusters and seed, use the same resamples.
 """
 
 from __future__ import annotations
 
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
 import torch
 
+from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.evaluate import EVAL_STATE_SEED
 from drc_core.model import DepthRecurrentLM
+
+__all__ = [
+    "DEFAULT_EPS",
+    "FRAME_COLUMNS",
+    "bootstrap_ci",
+    "convergence_depth",
+    "depth_summary",
+    "eps_sensitivity",
+    "kl_successive",
+    "load_frame",
+    "mean_successive_kl",
+    "measure_windows",
+    "per_loop_summary",
+    "save_frame",
+    "val_windows_with_docs",
+]
+
+DEFAULT_EPS = 1e-3  # the default convergence threshold on KL(p_l || p_{l-1}); see eps_sensitivity
+FRAME_COLUMNS = (
+    "window", "pos", "loop", "token", "target", "kl_prev", "kl_final", "state_delta", "entropy", "argmax", "ce",
+)
+_METRICS = ("kl_prev", "state_delta", "entropy", "ce", "kl_final")
 
 
 def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor) -> torch.Tensor:
@@ -38,3 +94,418 @@ def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops
         count += x.numel()
     model.train(was_training)
     return {n: s / count for n, s in sums.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation helpers
+
+
+def _need_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
+    return int(value)
+
+
+def _need_eps(eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, int | float | np.floating) or not (0 < float(eps) < math.inf):
+        raise ValueError(f"eps={eps!r} is invalid; it must be a finite number > 0")
+    return float(eps)
+
+
+def _need_level(level: object) -> float:
+    if isinstance(level, bool) or not isinstance(level, int | float) or not 0 < level < 1:
+        raise ValueError(f"level={level!r} is invalid; it must lie strictly between 0 and 1")
+    return float(level)
+
+
+def _int_dtype(max_value: int) -> np.dtype:
+    """The smallest signed integer dtype that holds 0..max_value."""
+    for dt in (np.int8, np.int16, np.int32):
+        if max_value <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measurement
+
+
+@torch.no_grad()
+def measure_windows(
+    model: DepthRecurrentLM,
+    windows: torch.Tensor,
+    max_loops: int = 32,
+    *,
+    doc_ids: torch.Tensor | np.ndarray | None = None,
+    batch_size: int = 16,
+    seed: int = EVAL_STATE_SEED,
+    kl_to_final: bool = True,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """Per-token, per-loop statistics of ``model`` on ``windows`` (N, T+1): a tidy frame, one row per
+    (window, pos, loop), sorted by window, pos, loop.
+
+    Inputs are ``windows[:, :-1]`` and targets ``windows[:, 1:]``. Columns: ``window``, ``pos`` (0..T-1),
+    ``loop`` (1..max_loops), ``token`` (input id at pos), ``target`` (next id), ``kl_prev`` = KL(p_l || p_{l-1})
+    (NaN at loop 1), ``kl_final`` = KL(p_L || p_l) (NaN when ``kl_to_final=False``), ``state_delta`` =
+    ||s_l - s_{l-1}|| / ||s_l|| (NaN at loop 1), ``entropy`` (nats), ``argmax``, ``ce`` = -log p_l(target);
+    plus ``doc`` when ``doc_ids`` is given, either one id per window (N,) or one per input position (N, T)
+    (as :func:`val_windows_with_docs` returns). Floats are float32, ids small signed integers.
+
+    The initial latent state of batch k is the k-th draw of a generator seeded with ``seed``, as in
+    :func:`drc_core.evaluate.loss_by_depth` (same ``batch_size`` -> same states, so the mean ``ce`` at loop l
+    equals its loss at depth l). Runs under ``torch.no_grad()`` in eval mode and restores the model's mode.
+    Memory and cost: see the module docstring (one pass, or about two with ``kl_to_final``).
+    """
+    from drc_core.halting import loop_stats  # halting imports this module: import it lazily
+
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) < 1:
+        shown = tuple(windows.shape) if isinstance(windows, torch.Tensor) else type(windows).__name__
+        raise ValueError(f"windows must be a non-empty (N, T+1) integer tensor with T >= 1; got {shown}")
+    if windows.dtype.is_floating_point or windows.dtype.is_complex or windows.dtype == torch.bool:
+        raise ValueError(f"windows must hold integer token ids; got dtype {windows.dtype}")
+    max_loops = _need_int("max_loops", max_loops, 2)
+    batch_size = _need_int("batch_size", batch_size, 1)
+    n, t_len = windows.shape[0], windows.shape[1] - 1
+    vocab = model.cfg.vocab_size
+    lo, hi = int(windows.min()), int(windows.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"windows hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]")
+    if t_len > model.cfg.max_seq_len:
+        raise ValueError(f"windows have T={t_len} positions but the model's max_seq_len is {model.cfg.max_seq_len}")
+    docs = None
+    if doc_ids is not None:
+        docs = torch.as_tensor(np.asarray(doc_ids)).long()
+        if docs.shape == (n,):
+            docs = docs[:, None].expand(n, t_len)
+        elif docs.shape != (n, t_len):
+            raise ValueError(f"doc_ids must be (N,) or (N, T) = ({n},) or ({n}, {t_len}); got {tuple(docs.shape)}")
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    stat_names = ("kl_prev", "kl_final", "state_delta", "entropy", "ce")
+    floats: dict[str, list[np.ndarray]] = {k: [] for k in stat_names}
+    argmaxes: list[np.ndarray] = []
+    try:
+        for b, start in enumerate(range(0, n, batch_size)):
+            w = windows[start : start + batch_size].to(device)
+            x, y = w[:, :-1], w[:, 1:]
+            final = None
+            if kl_to_final:
+                replay = gen.get_state()
+                last = None
+                for out in model.iterate(x, max_loops, generator=gen, readout=None):
+                    last = out
+                assert last is not None
+                final = torch.log_softmax(model.readout(last.state).float(), dim=-1)
+                gen.set_state(replay)
+            per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
+            prev = None
+            for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
+                assert out.out is not None
+                st = loop_stats(prev, out.loop, out.out, out.state)
+                nan = torch.full_like(st.entropy, math.nan)
+                first = prev is None
+                per_loop["kl_prev"].append(nan if first else st.kl)
+                per_loop["state_delta"].append(nan if first else st.state_delta)
+                per_loop["entropy"].append(st.entropy)
+                per_loop["argmax"].append(st.argmax)
+                per_loop["ce"].append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
+                per_loop["kl_final"].append(nan if final is None else kl_successive(final, st.log_probs))
+                prev = st
+            del prev, final, st, out  # free this batch's (B, T, V) tensors before the next one
+            for k in stat_names:  # (L, B, T) -> (B, T, L) -> flat in (window, pos, loop) order
+                floats[k].append(torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1).float().cpu().numpy())
+            argmaxes.append(torch.stack(per_loop["argmax"]).permute(1, 2, 0).reshape(-1).cpu().numpy())
+            if progress:
+                print(f"measure: batch {b + 1}/{math.ceil(n / batch_size)} ({min(start + batch_size, n)}/{n} "
+                      "windows)", file=sys.stderr, flush=True)
+    finally:
+        model.train(was_training)
+
+    shape = (n, t_len, max_loops)
+    id_dtype = _int_dtype(max(vocab - 1, 1))
+    grid_w, grid_p, grid_l = np.meshgrid(np.arange(n), np.arange(t_len), np.arange(1, max_loops + 1),
+                                         indexing="ij")
+    frame = {
+        "window": grid_w.reshape(-1).astype(_int_dtype(n)),
+        "pos": grid_p.reshape(-1).astype(_int_dtype(t_len)),
+        "loop": grid_l.reshape(-1).astype(_int_dtype(max_loops)),
+        "token": np.broadcast_to(windows[:, :-1].cpu().numpy()[..., None], shape).reshape(-1).astype(id_dtype),
+        "target": np.broadcast_to(windows[:, 1:].cpu().numpy()[..., None], shape).reshape(-1).astype(id_dtype),
+    }
+    for k in ("kl_prev", "kl_final", "state_delta", "entropy"):
+        frame[k] = np.concatenate(floats[k]).astype(np.float32)
+    frame["argmax"] = np.concatenate(argmaxes).astype(id_dtype)
+    frame["ce"] = np.concatenate(floats["ce"]).astype(np.float32)
+    if docs is not None:
+        d = docs.cpu().numpy()
+        frame["doc"] = np.broadcast_to(d[..., None], shape).reshape(-1).astype(_int_dtype(max(int(d.max()), 0)))
+    df = pd.DataFrame(frame)
+    df.attrs.update({"max_loops": max_loops, "seed": int(seed), "kl_to_final": bool(kl_to_final),
+                     "kl_prev": "KL(p_l || p_{l-1})", "kl_final": "KL(p_L || p_l)"})
+    return df
+
+
+def val_windows_with_docs(corpus: Corpus, seq_len: int,
+                          max_windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation windows of :func:`drc_core.data.sampler.eval_windows` (N, seq_len+1) and, for every
+    input position, the row number in ``corpus.docs`` of the document that holds that token (N, seq_len);
+    -1 where a token lies in no validation document. Window i covers val tokens i*seq_len .. i*seq_len+seq_len,
+    and ``docs.tok_start``/``tok_end`` are offsets into the val split, so the lookup is a sorted search.
+    """
+    seq_len = _need_int("seq_len", seq_len, 1)
+    if max_windows is not None:
+        max_windows = _need_int("max_windows", max_windows, 1)
+    windows = eval_windows(corpus.tokens("val"), seq_len, max_windows)
+    docs = corpus.docs[corpus.docs.split == "val"].sort_values("tok_start")
+    starts, ends = docs.tok_start.to_numpy(np.int64), docs.tok_end.to_numpy(np.int64)
+    rows = docs.index.to_numpy(np.int64)
+    pos = np.arange(len(windows))[:, None] * seq_len + np.arange(seq_len)[None, :]
+    k = np.searchsorted(starts, pos, side="right") - 1
+    inside = (k >= 0) & (pos < ends[np.clip(k, 0, None)])
+    doc = np.where(inside, rows[np.clip(k, 0, None)], -1)
+    return windows, torch.from_numpy(doc)
+
+
+def save_frame(df: pd.DataFrame, path: str | Path) -> Path:
+    """Write a measurement frame to parquet (parent directories created); returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    df.to_parquet(p, index=False)
+    return p
+
+
+def load_frame(path: str | Path) -> pd.DataFrame:
+    """Read a frame written by :func:`save_frame`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{p} not found; pass a parquet file written by save_frame")
+    return pd.read_parquet(p)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bootstrap
+
+
+def _weighted_lower_median(sorted_x: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per row of ``weights`` (m, n) over ``sorted_x`` (n,): the smallest x whose cumulative weight reaches
+    half the total (the lower median; with unit weights ``sorted_x[ceil(n/2) - 1]``)."""
+    cum = np.cumsum(weights, axis=1)
+    idx = (cum < cum[:, -1:] / 2.0).sum(axis=1)
+    return sorted_x[np.minimum(idx, len(sorted_x) - 1)]
+
+
+def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 1000, seed: int = 0,
+                 level: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Point estimate and percentile bootstrap CI of each column of ``values`` (n,) or (n, k).
+
+    The bootstrap resamples *clusters* with replacement: ``clusters`` (n,) gives each row's cluster (e.g. its
+    document); None makes every row its own cluster. A replicate draws as many clusters as there are, and all
+    k columns use the same draws. ``stat``: "mean" -- the pooled mean over the drawn rows (the ratio of the
+    drawn clusters' sums to their counts; NaN values are ignored) -- or "median" -- the lower weighted median
+    (each row weighted by how often its cluster was drawn; the point estimate is the plain lower median).
+    Returns ``(point, low, high)``, arrays of shape (k,) (or (1,) for 1-D input). Deterministic by ``seed``.
+    """
+    x = np.asarray(values, dtype=float)
+    if x.ndim not in (1, 2) or x.shape[0] == 0:
+        raise ValueError(f"values must be a non-empty (n,) or (n, k) array; got shape {x.shape}")
+    x = x.reshape(x.shape[0], -1)
+    n, k = x.shape
+    if stat not in ("mean", "median"):
+        raise ValueError(f"stat={stat!r} is not supported; use 'mean' or 'median'")
+    n_boot = _need_int("n_boot", n_boot, 1)
+    alpha = (1.0 - _need_level(level)) / 2.0
+    if clusters is None:
+        codes, n_c = np.arange(n), n
+    else:
+        c = np.asarray(clusters).reshape(-1)
+        if c.size != n:
+            raise ValueError(f"clusters has {c.size} entries but values has {n} rows; pass one cluster per row")
+        _, codes = np.unique(c, return_inverse=True)
+        n_c = int(codes.max()) + 1
+    rng = np.random.default_rng(seed)
+    chunk = max(1, 4_000_000 // n)  # replicates per block of cluster counts, so a block stays ~32 MB
+
+    def draws():  # the same sequence of (m, n_clusters) count blocks for both statistics
+        for b in range(0, n_boot, chunk):
+            yield rng.multinomial(n_c, np.full(n_c, 1.0 / n_c), size=min(chunk, n_boot - b)).astype(float)
+
+    boot = np.empty((n_boot, k))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if stat == "mean":
+            ok = ~np.isnan(x)
+            xz = np.where(ok, x, 0.0)
+            sums = np.stack([np.bincount(codes, weights=xz[:, j], minlength=n_c) for j in range(k)], axis=1)
+            cnts = np.stack([np.bincount(codes, weights=ok[:, j], minlength=n_c) for j in range(k)], axis=1)
+            point = sums.sum(0) / cnts.sum(0)
+            row = 0
+            for w in draws():
+                boot[row : row + len(w)] = (w @ sums) / (w @ cnts)
+                row += len(w)
+        else:
+            point = np.full(k, math.nan)
+            for j in range(k):
+                valid = ~np.isnan(x[:, j])
+                if not valid.any():
+                    boot[:, j] = math.nan
+                    continue
+                order = np.argsort(x[valid, j], kind="stable")
+                xs, cs = x[valid, j][order], codes[valid][order]
+                point[j] = xs[(len(xs) + 1) // 2 - 1]
+                rng = np.random.default_rng(seed)  # every column sees the same resamples
+                row = 0
+                for w in draws():
+                    boot[row : row + len(w), j] = _weighted_lower_median(xs, w[:, cs])
+                    row += len(w)
+    lo, hi = np.full(k, math.nan), np.full(k, math.nan)
+    some = ~np.isnan(boot).all(axis=0)  # columns with no value at all (e.g. kl_prev at loop 1) stay NaN
+    if some.any():
+        lo[some], hi[some] = np.nanquantile(boot[:, some], [alpha, 1.0 - alpha], axis=0)
+    return point, lo, hi
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Summaries
+
+
+def _check_frame(df: pd.DataFrame, needed: Sequence[str]) -> None:
+    if not isinstance(df, pd.DataFrame) or len(df) == 0:
+        raise ValueError("expected a non-empty measurement frame from measure_windows")
+    missing = [c for c in needed if c not in df.columns]
+    if missing:
+        raise ValueError(f"the frame lacks column {missing[0]!r}; pass a frame from measure_windows")
+
+
+def _cluster_column(df: pd.DataFrame) -> str:
+    """Bootstrap clusters: documents when the frame has them, else windows."""
+    return "doc" if "doc" in df.columns else "window"
+
+
+def _token_matrix(df: pd.DataFrame, columns: Sequence[str]) -> tuple[pd.DataFrame, dict[str, np.ndarray], int]:
+    """Pivot a tidy frame to one (n_tokens, L) float matrix per column (NaN where a loop is missing).
+
+    Returns the tokens (window, pos and the cluster column, one row each, in matrix order), the matrices
+    (plus ``_present``, a bool matrix of the (token, loop) rows that exist) and L.
+    """
+    _check_frame(df, ("window", "pos", "loop", *columns))
+    loops = df["loop"].to_numpy(np.int64)
+    if loops.min() < 1:
+        raise ValueError(f"the frame has loop {int(loops.min())}; loops are 1-based")
+    n_loops = int(loops.max())
+    key = df["window"].to_numpy(np.int64) * (int(df["pos"].max()) + 1) + df["pos"].to_numpy(np.int64)
+    uniq, first, tok = np.unique(key, return_index=True, return_inverse=True)
+    cell = tok * n_loops + loops - 1
+    if len(np.unique(cell)) != len(df):
+        raise ValueError("the frame has repeated (window, pos, loop) rows; pass one row per token and loop")
+    cluster = _cluster_column(df)
+    tokens = df.iloc[first][list(dict.fromkeys(["window", "pos", cluster]))].reset_index(drop=True)
+    mats = {}
+    for c in columns:
+        m = np.full((len(uniq), n_loops), math.nan)
+        m[tok, loops - 1] = df[c].to_numpy(float)
+        mats[c] = m
+    present = np.zeros((len(uniq), n_loops), dtype=bool)
+    present[tok, loops - 1] = True
+    mats["_present"] = present
+    return tokens, mats, n_loops
+
+
+def per_loop_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+    """Per loop: the mean over tokens of ``kl_prev`` (KL(p_l || p_{l-1})), ``state_delta``, ``entropy``,
+    ``ce`` (= the validation loss at uniform depth l) and ``kl_final`` (KL(p_L || p_l)), each with a
+    bootstrap CI over documents (windows without a ``doc`` column): columns ``loop``, ``n_tokens``, and for
+    each metric m ``m``, ``m_ci_low``, ``m_ci_high``. Metrics absent from the frame, or all NaN, are NaN.
+    """
+    metrics = [m for m in _METRICS if m in df.columns]
+    tokens, mats, n_loops = _token_matrix(df, metrics)
+    stacked = np.concatenate([mats[m] for m in metrics], axis=1)
+    point, lo, hi = bootstrap_ci(stacked, tokens[_cluster_column(df)].to_numpy(), n_boot=n_boot, seed=seed,
+                                 level=level)
+    out = pd.DataFrame({"loop": np.arange(1, n_loops + 1),
+                        "n_tokens": mats["_present"].sum(axis=0)})
+    for m in _METRICS:
+        if m in metrics:
+            j = metrics.index(m)
+            sl = slice(j * n_loops, (j + 1) * n_loops)
+            out[m], out[f"{m}_ci_low"], out[f"{m}_ci_high"] = point[sl], lo[sl], hi[sl]
+        else:
+            out[m] = out[f"{m}_ci_low"] = out[f"{m}_ci_high"] = math.nan
+    return out
+
+
+def convergence_depth(df: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFrame:
+    """Per token, the first loop after which the successive KL stays below ``eps``.
+
+    Definition: with L the deepest loop in the frame, a token's depth is the smallest l >= 1 such that
+    ``KL(p_{l'} || p_{l'-1}) < eps`` (strict, as :class:`drc_core.halting.KLThreshold`) for every l' in
+    l+1..L. Equivalently it is the last loop l' >= 2 whose KL is >= eps (NaN counts as >= eps), or 1 if there
+    is none: a KL that dips below ``eps`` and rises again does not count, only the last rise does. A token
+    whose KL at loop L is still >= eps never settled; it gets depth L and ``converged=False`` (every
+    converged token has depth <= L-1). Every token needs all loops 2..L.
+
+    Returns one row per token: ``window``, ``pos`` (and ``doc`` when the frame has it), ``depth`` (int16)
+    and ``converged`` (bool), sorted by window and pos.
+    """
+    eps = _need_eps(eps)
+    tokens, mats, n_loops = _token_matrix(df, ("kl_prev",))
+    if n_loops < 2:
+        raise ValueError("the frame has only loop 1; convergence depth needs loops 1..L with L >= 2")
+    if not mats["_present"][:, 1:].all():
+        raise ValueError(f"the frame lacks loops for some tokens; every token needs loops 2..{n_loops}")
+    kl = mats["kl_prev"][:, 1:]  # loops 2..L
+    above = ~(kl < eps)
+    any_above = above.any(axis=1)
+    last = (n_loops - 2) - np.argmax(above[:, ::-1], axis=1)  # index into loops 2..L
+    depth = np.where(any_above, last + 2, 1)
+    out = tokens.copy()
+    out["depth"] = depth.astype(np.int16)
+    out["converged"] = depth < n_loops
+    out.attrs.update({"eps": eps, "max_loops": n_loops})
+    return out
+
+
+def depth_summary(depths: pd.DataFrame, train_mean_depth: float = 8, *, n_boot: int = 1000, seed: int = 0,
+                  level: float = 0.95) -> pd.DataFrame:
+    """Headline numbers of a :func:`convergence_depth` frame, with bootstrap CIs over documents (windows
+    without a ``doc`` column): ``median_depth`` (lower median), ``mean_depth``, ``frac_updating`` (the
+    fraction of tokens with depth > ``train_mean_depth``, i.e. still updating at the training-mean depth) and
+    ``frac_unconverged`` (never settled within L). Returns rows ``stat``, ``value``, ``ci_low``, ``ci_high``,
+    plus ``n_tokens`` and ``n_clusters``.
+    """
+    _check_frame(depths, ("depth", "converged"))
+    if isinstance(train_mean_depth, bool) or not isinstance(train_mean_depth, int | float) or train_mean_depth < 1:
+        raise ValueError(f"train_mean_depth={train_mean_depth!r} is invalid; it must be a number >= 1")
+    cluster = depths["doc"] if "doc" in depths.columns else depths.get("window")
+    clusters = None if cluster is None else cluster.to_numpy()
+    d = depths["depth"].to_numpy(float)
+    kw = {"n_boot": n_boot, "seed": seed, "level": level}
+    med = bootstrap_ci(d, clusters, stat="median", **kw)
+    means = bootstrap_ci(np.column_stack([d, d > train_mean_depth, ~depths["converged"].to_numpy(bool)]),
+                         clusters, **kw)
+    rows = [("median_depth", med[0][0], med[1][0], med[2][0])]
+    for j, name in enumerate(("mean_depth", "frac_updating", "frac_unconverged")):
+        rows.append((name, means[0][j], means[1][j], means[2][j]))
+    out = pd.DataFrame(rows, columns=["stat", "value", "ci_low", "ci_high"])
+    out["n_tokens"] = len(d)
+    out["n_clusters"] = len(d) if clusters is None else len(np.unique(clusters))
+    out.attrs.update({"train_mean_depth": float(train_mean_depth), **depths.attrs})
+    return out
+
+
+def eps_sensitivity(df: pd.DataFrame, eps_grid: Sequence[float] = (1e-2, 1e-3, 1e-4, 1e-5),
+                    train_mean_depth: float = 8, *, n_boot: int = 1000, seed: int = 0,
+                    level: float = 0.95) -> pd.DataFrame:
+    """:func:`depth_summary` of :func:`convergence_depth` for every ``eps`` in ``eps_grid``, stacked: the
+    columns of :func:`depth_summary` with ``eps`` first."""
+    grid = [_need_eps(e) for e in eps_grid]
+    if not grid:
+        raise ValueError("eps_grid is empty; pass at least one eps > 0")
+    parts = []
+    for eps in grid:
+        part = depth_summary(convergence_depth(df, eps), train_mean_depth, n_boot=n_boot, seed=seed, level=level)
+        part.insert(0, "eps", eps)
+        parts.append(part)
+    return pd.concat(parts, ignore_index=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
 
@@ -51,7 +51,6 @@ class SourceSpec:
     paths: tuple[str, ...] = ()  # local
     data_files: tuple[str, ...] = ()  # fineweb-edu override (local parquet shards)
     max_docs: int | None = None  # per source; fineweb-edu needs it (the stream is 10B tokens long)
-    extra: dict[str, str] = field(default_factory=dict)
 
     def parts(self) -> list[str]:
         names = [p.strip() for p in self.name.split("+") if p.strip()]
