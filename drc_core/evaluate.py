@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
@@ -15,7 +17,23 @@ from drc_core.model import DepthRecurrentLM
 EVAL_STATE_SEED = 1234  # the initial latent state of every evaluation pass, so evaluations are comparable
 
 
-@torch.no_grad()
+@contextmanager
+def evaluation(model: DepthRecurrentLM, seed: int = EVAL_STATE_SEED) -> Iterator[torch.Generator]:
+    """Eval mode and no grad for a measurement pass; yields the generator of its initial latent states.
+
+    The generator is seeded with ``seed`` (so the global RNG, and therefore training, is not disturbed) and
+    lives on the model's device; the model's train/eval mode is restored afterwards, also on error.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            yield torch.Generator(device=device).manual_seed(seed)
+    finally:
+        model.train(was_training)
+
+
 def loss_by_depth(model: DepthRecurrentLM, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
                   batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
     """Mean next-token cross-entropy (nats) at each depth in ``loops``, over ``windows`` [N, T+1].
@@ -27,19 +45,15 @@ def loss_by_depth(model: DepthRecurrentLM, windows: torch.Tensor, loops: tuple[i
     wanted = sorted(set(int(n) for n in loops))
     totals = dict.fromkeys(wanted, 0.0)
     count = 0
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for start in range(0, len(windows), batch_size):
-        w = windows[start : start + batch_size].to(device)
-        x, y = w[:, :-1], w[:, 1:]
-        for out in model.iterate(x, wanted[-1], generator=gen):
-            if out.loop in totals:
-                ce = F.cross_entropy(out.out.float().flatten(0, 1), y.flatten(), reduction="sum")
-                totals[out.loop] += float(ce)
-        count += y.numel()
-    model.train(was_training)
+    with evaluation(model, seed) as gen:
+        for start in range(0, len(windows), batch_size):
+            w = windows[start : start + batch_size].to(gen.device)
+            x, y = w[:, :-1], w[:, 1:]
+            for out in model.iterate(x, wanted[-1], generator=gen):
+                if out.loop in totals:
+                    ce = F.cross_entropy(out.out.float().flatten(0, 1), y.flatten(), reduction="sum")
+                    totals[out.loop] += float(ce)
+            count += y.numel()
     return {n: totals[n] / count for n in wanted}
 
 

@@ -43,7 +43,7 @@ import pandas as pd
 import torch
 
 from drc_core.data.sampler import Corpus, eval_windows
-from drc_core.evaluate import EVAL_STATE_SEED
+from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.model import DepthRecurrentLM
 
 __all__ = [
@@ -74,25 +74,20 @@ def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor) -> torch.Tenso
     return (logp_new.exp() * (logp_new - logp_old)).sum(-1)
 
 
-@torch.no_grad()
 def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops: int = 32,
                        batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
     """Mean over tokens of KL(p_l || p_{l-1}) for l = 2..max_loops, one ``iterate`` pass per batch."""
     sums = dict.fromkeys(range(2, max_loops + 1), 0.0)
     count = 0
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for start in range(0, len(windows), batch_size):
-        x = windows[start : start + batch_size, :-1].to(device)
-        prev = None
-        for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
-            if prev is not None:
-                sums[out.loop] += float(kl_successive(out.out, prev).sum())
-            prev = out.out
-        count += x.numel()
-    model.train(was_training)
+    with evaluation(model, seed) as gen:
+        for start in range(0, len(windows), batch_size):
+            x = windows[start : start + batch_size, :-1].to(gen.device)
+            prev = None
+            for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
+                if prev is not None:
+                    sums[out.loop] += float(kl_successive(out.out, prev).sum())
+                prev = out.out
+            count += x.numel()
     return {n: s / count for n, s in sums.items()}
 
 
@@ -181,16 +176,12 @@ def measure_windows(
         elif docs.shape != (n, t_len):
             raise ValueError(f"doc_ids must be (N,) or (N, T) = ({n},) or ({n}, {t_len}); got {tuple(docs.shape)}")
 
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
     stat_names = ("kl_prev", "kl_final", "state_delta", "entropy", "ce")
     floats: dict[str, list[np.ndarray]] = {k: [] for k in stat_names}
     argmaxes: list[np.ndarray] = []
-    try:
+    with evaluation(model, seed) as gen:
         for b, start in enumerate(range(0, n, batch_size)):
-            w = windows[start : start + batch_size].to(device)
+            w = windows[start : start + batch_size].to(gen.device)
             x, y = w[:, :-1], w[:, 1:]
             final = None
             if kl_to_final:
@@ -222,8 +213,6 @@ def measure_windows(
             if progress:
                 print(f"measure: batch {b + 1}/{math.ceil(n / batch_size)} ({min(start + batch_size, n)}/{n} "
                       "windows)", file=sys.stderr, flush=True)
-    finally:
-        model.train(was_training)
 
     shape = (n, t_len, max_loops)
     id_dtype = _int_dtype(max(vocab - 1, 1))

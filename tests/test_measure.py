@@ -1,0 +1,246 @@
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from drc_core.data.sampler import Corpus
+from drc_core.evaluate import EVAL_STATE_SEED, loss_by_depth
+from drc_core.measure import (
+    FRAME_COLUMNS,
+    bootstrap_ci,
+    convergence_depth,
+    depth_summary,
+    eps_sensitivity,
+    load_frame,
+    mean_successive_kl,
+    measure_windows,
+    per_loop_summary,
+    save_frame,
+    val_windows_with_docs,
+)
+from drc_core.model import DepthRecurrentLM, ModelConfig
+
+V, T, N, L = 64, 12, 5, 6
+
+
+@pytest.fixture(scope="module")
+def model() -> DepthRecurrentLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1, max_seq_len=32)
+    m = DepthRecurrentLM(cfg)
+    with torch.no_grad():  # larger core weights, so outputs keep moving for a few loops
+        for p in m.core.parameters():
+            p.mul_(8.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def windows() -> torch.Tensor:
+    return torch.randint(0, V, (N, T + 1), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def frame(model, windows) -> pd.DataFrame:
+    docs = torch.tensor([0, 0, 1, 2, 2])
+    return measure_windows(model, windows, L, doc_ids=docs, batch_size=2)
+
+
+def reference(model, windows, batch_size=2):
+    """Naive per-loop log-probs and states, stacked: (N, L, T, V) and (N, L, T, d)."""
+    gen = torch.Generator().manual_seed(EVAL_STATE_SEED)
+    logps, states = [], []
+    with torch.no_grad():
+        for start in range(0, len(windows), batch_size):
+            x = windows[start : start + batch_size, :-1]
+            outs = list(model.iterate(x, L, generator=gen, readout="log_probs"))
+            logps.append(torch.stack([o.out for o in outs], dim=1))
+            states.append(torch.stack([o.state for o in outs], dim=1))
+    return torch.cat(logps), torch.cat(states)
+
+
+def column(df: pd.DataFrame, name: str) -> np.ndarray:
+    """(N, T, L) array of a column (the frame is sorted by window, pos, loop)."""
+    return df[name].to_numpy().reshape(N, T, L)
+
+
+def test_frame_layout(frame, windows):
+    assert list(frame.columns) == [*FRAME_COLUMNS, "doc"]
+    assert len(frame) == N * T * L
+    assert frame.loop.dtype == np.int8 and frame.pos.dtype == np.int8 and frame.kl_prev.dtype == np.float32
+    assert (column(frame, "window")[:, 0, 0] == np.arange(N)).all()
+    assert (column(frame, "loop")[0, 0] == np.arange(1, L + 1)).all()
+    assert (column(frame, "token")[..., 0] == windows[:, :-1].numpy()).all()
+    assert (column(frame, "target")[..., 0] == windows[:, 1:].numpy()).all()
+    assert (column(frame, "doc")[:, 0, 0] == [0, 0, 1, 2, 2]).all()
+    assert frame[frame.loop == 1][["kl_prev", "state_delta"]].isna().all().all()
+    assert frame[frame.loop > 1][["kl_prev", "state_delta", "kl_final"]].notna().all().all()
+
+
+def test_matches_naive_reference(model, windows, frame):
+    logp, state = reference(model, windows)  # (N, L, T, V), (N, L, T, d)
+    p = logp.exp()
+    y = windows[:, 1:]
+    kl_prev = (p[:, 1:] * (logp[:, 1:] - logp[:, :-1])).sum(-1)  # KL(p_l || p_{l-1}), l = 2..L
+    final = logp[:, -1:]
+    kl_final = (final.exp() * (final - logp)).sum(-1)  # KL(p_L || p_l)
+    entropy = -(p * logp).sum(-1)
+    delta = (state[:, 1:] - state[:, :-1]).norm(dim=-1) / state[:, 1:].norm(dim=-1)
+    ce = -logp.gather(-1, y[:, None, :, None].expand(N, L, T, 1)).squeeze(-1)
+    argmax = logp.argmax(-1)
+
+    def tl(x):  # (N, L', T) -> (N, T, L')
+        return x.permute(0, 2, 1).numpy()
+
+    kw = {"rtol": 1e-4, "atol": 1e-6}
+    np.testing.assert_allclose(column(frame, "kl_prev")[..., 1:], tl(kl_prev), **kw)
+    np.testing.assert_allclose(column(frame, "state_delta")[..., 1:], tl(delta), **kw)
+    np.testing.assert_allclose(column(frame, "kl_final"), tl(kl_final), **kw)
+    np.testing.assert_allclose(column(frame, "entropy"), tl(entropy), **kw)
+    np.testing.assert_allclose(column(frame, "ce"), tl(ce), **kw)
+    assert (column(frame, "argmax") == tl(argmax)).all()
+    assert np.abs(column(frame, "kl_final")[..., -1]).max() < 1e-6
+    assert float(kl_prev.mean()) > 1e-3  # the test model's outputs actually move
+
+
+def test_ce_equals_loss_by_depth_and_mean_kl(model, windows, frame):
+    losses = loss_by_depth(model, windows, list(range(1, L + 1)), batch_size=2)
+    summary = per_loop_summary(frame, n_boot=50)
+    np.testing.assert_allclose(summary.ce.to_numpy(), [losses[n] for n in range(1, L + 1)], rtol=1e-5)
+    kl = mean_successive_kl(model, windows, L, batch_size=2)
+    np.testing.assert_allclose(summary.kl_prev.to_numpy()[1:], [kl[n] for n in range(2, L + 1)], rtol=1e-4)
+    assert math.isnan(summary.kl_prev[0]) and summary.n_tokens.tolist() == [N * T] * L
+
+
+def test_no_final_pass_and_mode_restored(model, windows, frame):
+    model.train()
+    df = measure_windows(model, windows, L, batch_size=2, kl_to_final=False)
+    assert model.training
+    model.eval()
+    assert df.kl_final.isna().all() and "doc" not in df.columns
+    np.testing.assert_array_equal(df.kl_prev.to_numpy(), frame.kl_prev.to_numpy())
+
+
+def test_per_loop_summary_cis(frame):
+    s = per_loop_summary(frame, n_boot=200, seed=3)
+    for m in ("kl_prev", "state_delta", "ce", "kl_final", "entropy"):
+        ok = s[m].notna()
+        assert (s.loc[ok, f"{m}_ci_low"] <= s.loc[ok, m] + 1e-12).all()
+        assert (s.loc[ok, m] <= s.loc[ok, f"{m}_ci_high"] + 1e-12).all()
+    pd.testing.assert_frame_equal(s, per_loop_summary(frame, n_boot=200, seed=3))
+
+
+def trajectories(rows: dict[int, list[float]]) -> pd.DataFrame:
+    """A hand-made frame: token pos=k has kl_prev = rows[k] at loops 2..L (NaN at loop 1)."""
+    recs = []
+    for pos, kls in rows.items():
+        for loop, kl in enumerate([math.nan, *kls], start=1):
+            recs.append({"window": 0, "pos": pos, "loop": loop, "kl_prev": kl, "doc": pos % 2})
+    return pd.DataFrame(recs)
+
+
+def test_convergence_depth_definition():
+    eps = 1e-3
+    df = trajectories({
+        0: [0.5, 1e-2, 1e-4, 1e-5, 1e-6],  # monotone: last KL >= eps at loop 3
+        1: [1e-4, 1e-5, 1e-6, 1e-7, 1e-8],  # already settled: depth 1
+        2: [0.5, 1e-4, 0.2, 1e-4, 1e-5],  # dips below eps at loop 3, rises at loop 4: depth 4
+        3: [0.5, 0.4, 0.3, 0.2, 0.1],  # never settles: depth L=6, not converged
+        4: [0.5, 0.4, 0.3, 0.2, 1e-4],  # settles only at the last loop: depth 5
+        5: [0.5, 1e-3, 1e-4, 1e-4, 1e-4],  # exactly eps is not below: depth 3
+    })
+    d = convergence_depth(df, eps)
+    assert d.depth.tolist() == [3, 1, 4, 6, 5, 3]
+    assert d.converged.tolist() == [True, True, True, False, True, True]
+    assert d.doc.tolist() == [0, 1, 0, 1, 0, 1]
+    assert convergence_depth(df, 1.0).depth.tolist() == [1] * 6
+    assert convergence_depth(df.sample(frac=1, random_state=0), eps).depth.tolist() == [3, 1, 4, 6, 5, 3]
+
+
+def test_depth_summary_and_eps_sensitivity(frame):
+    d = convergence_depth(frame, 1e-3)
+    s = depth_summary(d, train_mean_depth=3, n_boot=300, seed=1).set_index("stat")
+    depth = d.depth.to_numpy()
+    assert s.loc["median_depth", "value"] == np.sort(depth)[(len(depth) + 1) // 2 - 1]
+    assert s.loc["mean_depth", "value"] == pytest.approx(depth.mean())
+    assert s.loc["frac_updating", "value"] == pytest.approx((depth > 3).mean())
+    assert s.loc["frac_unconverged", "value"] == pytest.approx((~d.converged).mean())
+    assert (s.ci_low <= s.value).all() and (s.value <= s.ci_high).all()
+    assert (s.n_clusters == 3).all() and (s.n_tokens == N * T).all()
+    sens = eps_sensitivity(frame, (1e-1, 1e-3, 1e-5), train_mean_depth=3, n_boot=50)
+    assert sens.eps.unique().tolist() == [1e-1, 1e-3, 1e-5]
+    mean = sens[sens.stat == "mean_depth"].value.to_numpy()
+    assert (np.diff(mean) >= 0).all()  # a smaller eps never gives an earlier depth
+
+
+def test_bootstrap_helper():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 2))
+    docs = np.repeat(np.arange(30), 10)
+    point, lo, hi = bootstrap_ci(x, docs, n_boot=400, seed=5)
+    np.testing.assert_allclose(point, x.mean(0))
+    assert (lo <= point).all() and (point <= hi).all()
+    again = bootstrap_ci(x, docs, n_boot=400, seed=5)
+    for a, b in zip((point, lo, hi), again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(lo, bootstrap_ci(x, docs, n_boot=400, seed=6)[1])
+    med = bootstrap_ci(np.arange(10.0), None, stat="median", n_boot=200, seed=0)
+    assert med[0][0] == 4.0 and med[1][0] <= 4.0 <= med[2][0]
+    # one cluster: every replicate is the full sample, so the CI collapses onto the point
+    p, lo, hi = bootstrap_ci(np.arange(6.0), np.zeros(6), n_boot=20)
+    assert p[0] == lo[0] == hi[0] == 2.5
+
+
+def test_parquet_round_trip(frame, tmp_path):
+    path = save_frame(frame, tmp_path / "sub" / "measure.parquet")
+    back = load_frame(path)
+    pd.testing.assert_frame_equal(back, frame)
+    assert back.attrs["max_loops"] == L and back.attrs["kl_final"] == "KL(p_L || p_l)"
+    with pytest.raises(ValueError, match="not found"):
+        load_frame(tmp_path / "missing.parquet")
+
+
+def test_val_windows_with_docs(tmp_path):
+    toks = np.arange(40, dtype=np.uint16) % V
+    toks.tofile(tmp_path / "val.bin")
+    docs = pd.DataFrame({
+        "split": ["train", "val", "val", "val"],
+        "source": ["a", "a", "b", "a"],
+        "doc_id": ["t0", "v0", "v1", "v2"],
+        "tok_start": [0, 0, 7, 20],
+        "tok_end": [50, 7, 20, 40],
+    })
+    docs.to_parquet(tmp_path / "docs.parquet")
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": V}))
+    corpus = Corpus.open(tmp_path)
+    w, doc = val_windows_with_docs(corpus, 8, 3)
+    assert w.shape == (3, 9) and doc.shape == (3, 8)
+    flat = doc.reshape(-1).tolist()
+    assert flat == [1] * 7 + [2] * 13 + [3] * 4
+    assert (w[:, :-1].reshape(-1).numpy() == toks[:24]).all()
+
+
+def test_bad_inputs(model, windows, frame):
+    cases = [
+        (lambda: convergence_depth(frame, 0.0), "eps"),
+        (lambda: convergence_depth(frame, -1e-3), "eps"),
+        (lambda: eps_sensitivity(frame, (1e-3, 0)), "eps"),
+        (lambda: measure_windows(model, windows, 1), "max_loops"),
+        (lambda: measure_windows(model, windows[0], 4), "windows must be"),
+        (lambda: measure_windows(model, windows[:, :1], 4), "windows must be"),
+        (lambda: measure_windows(model, windows.float(), 4), "integer token ids"),
+        (lambda: measure_windows(model, windows + V, 4), "vocabulary"),
+        (lambda: measure_windows(model, windows, 4, doc_ids=torch.zeros(2)), "doc_ids"),
+        (lambda: measure_windows(model, windows, 4, batch_size=0), "batch_size"),
+        (lambda: convergence_depth(frame[frame.loop != 3], 1e-3), "lacks loops"),
+        (lambda: convergence_depth(pd.concat([frame, frame.iloc[:1]]), 1e-3), "repeated"),
+        (lambda: bootstrap_ci(np.zeros(3), n_boot=0), "n_boot"),
+        (lambda: bootstrap_ci(np.zeros(3), stat="mode"), "stat"),
+        (lambda: depth_summary(convergence_depth(frame), train_mean_depth=0), "train_mean_depth"),
+    ]
+    for fn, match in cases:
+        with pytest.raises(ValueError, match=match) as err:
+            fn()
+        assert "\n" not in str(err.value)
