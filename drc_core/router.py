@@ -1,0 +1,703 @@
+"""Learned halting routers: the trained baseline the paper compares the training-free KL rule with.
+
+Pipeline:
+
+1. :func:`split_windows` splits the validation windows into a router-training part and a held-out part.
+2. :func:`harvest` runs the model at uniform depth on the training windows and records, per token and loop,
+   the features a deployable router can see at that loop (:class:`FeatureSpec`; by default the latent state
+   s_l) and the *convergence label* "has this token converged by loop l?".
+3. :class:`LinearRouter` (logistic regression) or :class:`MLPRouter` is fitted with :func:`train_router`
+   (class-balanced BCE, early stopping on a validation part of the harvested windows).
+4. :class:`RouterRule` wraps a trained router as a :class:`drc_core.halting.HaltingRule` (halt when the
+   router's probability >= ``tau``), so it is evaluated on the held-out windows exactly like every other rule,
+   through :func:`drc_core.halting.adaptive_forward` or :func:`drc_core.halting.offline_exits`.
+
+Label definition (consistent with :func:`drc_core.measure.convergence_depth`): with L = ``max_loops``, a
+token's convergence depth D is the smallest l >= 1 such that ``KL(p_{l'} || p_{l'-1}) < eps`` for every l' in
+l+1..L (so D = L for a token that never settled); the label at loop l is ``l >= D``. Labels are monotone in l.
+At loop L the label is True for every token by construction (and every rule halts there anyway), so by
+default loops 1..L-1 are harvested.
+
+Features (:func:`router_features`, shared by :func:`harvest` and :class:`RouterRule` so that training and
+deployment see exactly the same numbers): the state s_l (d dims, float32); optionally the loop index (a
+scalar l, or a one-hot over 1..``max_loops``, loops beyond clamped to the last); optionally five readout
+statistics of loop l: entropy H(p_l), top probability, log10 KL(p_l || p_{l-1}), log10 of the relative state
+change and cos(s_l, s_{l-1}). The log10 statistics are clamped to [-12, 4] and the cosine to [-1, 1], which
+also gives the undefined loop-1 values (+inf / -inf in :class:`drc_core.halting.LoopStats`) finite values.
+Routers standardise their input with the training part's mean and std (stored as buffers).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from drc_core.evaluate import EVAL_STATE_SEED, evaluation
+from drc_core.halting import HaltingRule, LoopStats, loop_stats
+from drc_core.measure import DEFAULT_EPS
+from drc_core.model import DepthRecurrentLM
+
+__all__ = [
+    "FeatureSpec",
+    "LinearRouter",
+    "MLPRouter",
+    "Router",
+    "RouterData",
+    "RouterRule",
+    "TrainLog",
+    "harvest",
+    "load_router",
+    "router_features",
+    "router_metrics",
+    "save_router",
+    "split_windows",
+    "train_router",
+]
+
+ROUTER_CONFIG_FILE = "router.json"
+ROUTER_WEIGHTS_FILE = "router.safetensors"
+_LOOP_FEATURES = ("none", "scalar", "onehot")
+_N_READOUT_STATS = 5
+_LOG_CLAMP = (-12.0, 4.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _need_int(owner: str, name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be an integer >= {minimum}")
+    return int(value)
+
+
+def _need_open_unit(owner: str, name: str, value: object, *, allow_zero: bool = False) -> float:
+    """A number in (0, 1), or [0, 1) with ``allow_zero``."""
+    lo = "[0" if allow_zero else "(0"
+    ok = isinstance(value, int | float | np.floating) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = math.isfinite(v) and (v > 0 or (allow_zero and v == 0)) and v < 1
+    if not ok:
+        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be a number in {lo}, 1)")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _need_positive(owner: str, name: str, value: object, *, allow_zero: bool = False) -> float:
+    ok = isinstance(value, int | float | np.floating) and not isinstance(value, bool)
+    if ok:
+        v = float(value)
+        ok = math.isfinite(v) and (v > 0 or (allow_zero and v == 0))
+    if not ok:
+        what = "a finite number >= 0" if allow_zero else "a finite number > 0"
+        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be {what}")
+    return float(value)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Features
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Which features a router reads at loop l (see the module docstring).
+
+    ``state``: the latent state s_l; ``loop``: "none", "scalar" (l as a number) or "onehot" (over
+    1..``max_loops``); ``readout_stats``: entropy, top probability, log10 KL, log10 state change, cosine.
+    """
+
+    state: bool = True
+    loop: str = "none"
+    readout_stats: bool = False
+    max_loops: int = 32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.state, bool) or not isinstance(self.readout_stats, bool):
+            raise ValueError("FeatureSpec: state and readout_stats must be true or false")
+        if self.loop not in _LOOP_FEATURES:
+            raise ValueError(f"FeatureSpec: loop={self.loop!r} is not supported; use one of {_LOOP_FEATURES}")
+        _need_int("FeatureSpec", "max_loops", self.max_loops, 1)
+        if not (self.state or self.readout_stats or self.loop != "none"):
+            raise ValueError("FeatureSpec selects no features; enable state, readout_stats or a loop feature")
+
+    def dim(self, d_model: int) -> int:
+        """The number of features for a model with state size ``d_model``."""
+        n = d_model if self.state else 0
+        n += {"none": 0, "scalar": 1, "onehot": self.max_loops}[self.loop]
+        return n + (_N_READOUT_STATS if self.readout_stats else 0)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> FeatureSpec:
+        known = {"state", "loop", "readout_stats", "max_loops"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"FeatureSpec: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
+        return cls(**data)  # type: ignore[arg-type]
+
+
+def _log10_clamped(x: Tensor) -> Tensor:
+    lo, hi = _LOG_CLAMP
+    return torch.log10(x.float().clamp_min(10.0**lo)).clamp(lo, hi)
+
+
+def router_features(stats: LoopStats, spec: FeatureSpec) -> Tensor:
+    """The router features (B, T, F) float32 of one loop's :class:`LoopStats` (see :class:`FeatureSpec`)."""
+    parts: list[Tensor] = []
+    shape, device = stats.shape, stats.state.device
+    if spec.state:
+        parts.append(stats.state.float())
+    if spec.loop == "scalar":
+        parts.append(torch.full((*shape, 1), float(stats.loop), device=device))
+    elif spec.loop == "onehot":
+        hot = torch.zeros((*shape, spec.max_loops), device=device)
+        hot[..., min(stats.loop, spec.max_loops) - 1] = 1.0
+        parts.append(hot)
+    if spec.readout_stats:
+        cos = torch.nan_to_num(stats.cosine.float(), nan=-1.0, neginf=-1.0, posinf=1.0).clamp(-1.0, 1.0)
+        extra = [
+            stats.entropy.float(),
+            stats.top_prob.float(),
+            _log10_clamped(stats.kl),
+            _log10_clamped(stats.state_delta),
+            cos,
+        ]
+        parts.append(torch.stack(extra, dim=-1))
+    return torch.cat(parts, dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Harvesting convergence labels
+
+
+@dataclass
+class RouterData:
+    """Harvested router training rows, one per (window, pos, loop), sorted by window, pos, loop.
+
+    ``features`` (M, F) float32; ``labels`` (M,) bool: converged at this loop (``loop >= depth``); ``loop``,
+    ``window`` (row index into the windows given to :func:`harvest`), ``pos`` and ``depth`` (the token's
+    convergence depth, as :func:`drc_core.measure.convergence_depth`) are (M,) long. ``eps`` and
+    ``max_loops`` define the labels; ``spec`` the features.
+    """
+
+    features: Tensor
+    labels: Tensor
+    loop: Tensor
+    window: Tensor
+    pos: Tensor
+    depth: Tensor
+    eps: float
+    max_loops: int
+    spec: FeatureSpec
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def n_features(self) -> int:
+        return int(self.features.shape[1])
+
+    @property
+    def positive_rate(self) -> float:
+        return float(self.labels.float().mean()) if len(self) else math.nan
+
+    def subset(self, rows: Tensor | np.ndarray) -> RouterData:
+        """The rows selected by a (M,) bool mask or an index array."""
+        idx = torch.as_tensor(np.asarray(rows))
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().squeeze(-1)
+        idx = idx.long()
+        return RouterData(
+            features=self.features[idx], labels=self.labels[idx], loop=self.loop[idx], window=self.window[idx],
+            pos=self.pos[idx], depth=self.depth[idx], eps=self.eps, max_loops=self.max_loops, spec=self.spec,
+        )
+
+    def take_windows(self, windows: Sequence[int] | np.ndarray | Tensor) -> RouterData:
+        """The rows of the given window ids."""
+        wanted = torch.as_tensor(np.asarray(windows, dtype=np.int64))
+        return self.subset(torch.isin(self.window, wanted))
+
+
+def _check_windows(model: DepthRecurrentLM, windows: object) -> Tensor:
+    if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) < 1:
+        shown = tuple(windows.shape) if isinstance(windows, Tensor) else type(windows).__name__
+        raise ValueError(f"harvest: windows must be a non-empty (N, T+1) integer tensor with T >= 1; got {shown}")
+    if windows.dtype.is_floating_point or windows.dtype.is_complex or windows.dtype == torch.bool:
+        raise ValueError(f"harvest: windows must hold integer token ids; got dtype {windows.dtype}")
+    lo, hi, vocab = int(windows.min()), int(windows.max()), model.cfg.vocab_size
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"harvest: windows hold ids in [{lo}, {hi}] but the vocabulary is [0, {vocab - 1}]")
+    if windows.shape[1] - 1 > model.cfg.max_seq_len:
+        raise ValueError(
+            f"harvest: windows have T={windows.shape[1] - 1} positions but max_seq_len is {model.cfg.max_seq_len}"
+        )
+    return windows
+
+
+def _depth_from_kl(kl_by_loop: Tensor, eps: float) -> Tensor:
+    """Convergence depth (B, T) long from the successive KL of loops 2..L stacked as (L-1, B, T).
+
+    ``max(1, the last loop l' >= 2 with not KL_l' < eps)``; compared in float64 like the measurement frames
+    (float32 values, float64 eps), with NaN counting as >= eps.
+    """
+    above = ~(kl_by_loop.double() < eps)
+    loops = torch.arange(2, kl_by_loop.shape[0] + 2, device=kl_by_loop.device).view(-1, 1, 1)
+    return torch.where(above, loops, torch.ones_like(loops)).amax(dim=0)
+
+
+@torch.no_grad()
+def harvest(
+    model: DepthRecurrentLM,
+    windows: Tensor,
+    max_loops: int = 32,
+    eps: float = DEFAULT_EPS,
+    *,
+    seed: int = EVAL_STATE_SEED,
+    batch_size: int = 16,
+    loop_feature: str = "none",
+    readout_stats: bool = False,
+    state_feature: bool = True,
+    loops: Sequence[int] | None = None,
+    positions: int | None = None,
+    subsample_seed: int = 0,
+) -> RouterData:
+    """Router features and convergence labels of ``model`` on ``windows`` (N, T+1) (inputs ``windows[:, :-1]``).
+
+    One uniform-depth ``iterate`` pass of ``max_loops`` loops per batch; the initial state of batch k is the
+    k-th draw of a generator seeded with ``seed`` (as :func:`drc_core.measure.measure_windows`, so with the
+    same ``batch_size`` the labels equal :func:`drc_core.measure.convergence_depth` of its frame). Labels:
+    see the module docstring. ``loops``: the loops to keep (default 1..max_loops-1); ``positions``: keep this
+    many positions per window, drawn without replacement from a generator seeded with
+    ``(subsample_seed, window)`` (independent of ``batch_size``; None keeps all). The number of rows is
+    N * positions * len(loops); only those rows' features are stored. Runs in eval mode under no_grad.
+    """
+    owner = "harvest"
+    windows = _check_windows(model, windows)
+    max_loops = _need_int(owner, "max_loops", max_loops, 2)
+    eps = _need_positive(owner, "eps", eps)
+    batch_size = _need_int(owner, "batch_size", batch_size, 1)
+    spec = FeatureSpec(state=state_feature, loop=loop_feature, readout_stats=readout_stats, max_loops=max_loops)
+    n, t_len = windows.shape[0], windows.shape[1] - 1
+    if loops is None:
+        keep = list(range(1, max_loops))
+    else:
+        keep = sorted({_need_int(owner, "loops[i]", lp, 1) for lp in loops})
+        if not keep or keep[-1] > max_loops:
+            raise ValueError(f"{owner}: loops={list(loops)!r} is invalid; pass loops within 1..{max_loops}")
+    if positions is not None:
+        positions = min(_need_int(owner, "positions", positions, 1), t_len)
+    pos_idx = torch.stack([
+        torch.arange(t_len) if positions is None else
+        torch.from_numpy(np.sort(np.random.default_rng([subsample_seed, w]).choice(t_len, positions, replace=False)))
+        for w in range(n)
+    ]).long()  # (N, P)
+    n_pos = pos_idx.shape[1]
+    keep_set = set(keep)
+
+    feats, depths = [], []
+    with evaluation(model, seed) as gen:
+        for start in range(0, n, batch_size):
+            x = windows[start : start + batch_size, :-1].to(gen.device)
+            sel = pos_idx[start : start + batch_size].to(gen.device)  # (B, P)
+            prev: LoopStats | None = None
+            kls, kept = [], []
+            for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
+                assert out.out is not None
+                st = loop_stats(prev, out.loop, out.out, out.state)
+                if out.loop >= 2:
+                    kls.append(st.kl)
+                if out.loop in keep_set:
+                    f = router_features(st, spec)  # (B, T, F)
+                    kept.append(f.gather(1, sel[..., None].expand(-1, -1, f.shape[-1])).cpu())
+                prev = st
+            del prev, st, out
+            depths.append(_depth_from_kl(torch.stack(kls), eps).gather(1, sel).cpu())  # (B, P)
+            feats.append(torch.stack(kept, dim=2))  # (B, P, K, F)
+
+    features = torch.cat(feats).reshape(-1, feats[0].shape[-1]).float().contiguous()
+    n_keep = len(keep)
+    window = torch.arange(n).view(n, 1, 1).expand(n, n_pos, n_keep).reshape(-1)
+    pos = pos_idx.view(n, n_pos, 1).expand(n, n_pos, n_keep).reshape(-1)
+    loop = torch.tensor(keep).view(1, 1, n_keep).expand(n, n_pos, n_keep).reshape(-1)
+    depth = torch.cat(depths).view(n, n_pos, 1).expand(n, n_pos, n_keep).reshape(-1).long()
+    return RouterData(
+        features=features, labels=loop >= depth, loop=loop.clone(), window=window.clone(), pos=pos.clone(),
+        depth=depth.clone(), eps=eps, max_loops=max_loops, spec=spec,
+    )
+
+
+def split_windows(n_windows: int, train_fraction: float = 0.5, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint sorted index arrays ``(train, held_out)`` covering 0..n_windows-1, both non-empty.
+
+    ``round(train_fraction * n_windows)`` windows (clamped to 1..n_windows-1) go to the router's training
+    part, drawn by a permutation seeded with ``seed``.
+    """
+    n_windows = _need_int("split_windows", "n_windows", n_windows, 2)
+    train_fraction = _need_open_unit("split_windows", "train_fraction", train_fraction)
+    n_train = min(max(round(train_fraction * n_windows), 1), n_windows - 1)
+    perm = np.random.default_rng(seed).permutation(n_windows)
+    return np.sort(perm[:n_train]).astype(np.int64), np.sort(perm[n_train:]).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Routers
+
+
+class Router(nn.Module):
+    """Base class: standardises its input ``(x - mean) / std`` and maps it to one logit per row.
+
+    ``spec`` (the :class:`FeatureSpec` it reads) and ``info`` (e.g. the labels' ``eps``) are set by
+    :func:`train_router` and saved with :func:`save_router`.
+    """
+
+    kind = "router"
+
+    def __init__(self, d_in: int) -> None:
+        super().__init__()
+        self.d_in = _need_int(type(self).__name__, "d_in", d_in, 1)
+        self.register_buffer("mean", torch.zeros(self.d_in))
+        self.register_buffer("std", torch.ones(self.d_in))
+        self.spec: FeatureSpec | None = None
+        self.info: dict[str, object] = {}
+
+    def net(self, z: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits (...,) of features (..., d_in)."""
+        if x.shape[-1] != self.d_in:
+            raise ValueError(f"{type(self).__name__}: got {x.shape[-1]} features but the router reads {self.d_in}")
+        z = (x.to(self.mean.dtype) - self.mean) / self.std
+        return self.net(z).squeeze(-1)
+
+    @torch.no_grad()
+    def predict_proba(self, x: Tensor) -> Tensor:
+        """P(converged) (...,) of features (..., d_in)."""
+        return torch.sigmoid(self(x))
+
+    def config(self) -> dict[str, object]:
+        return {"kind": self.kind, "d_in": self.d_in}
+
+
+class LinearRouter(Router):
+    """Logistic regression on the standardised features: one Linear(d_in -> 1) and a sigmoid."""
+
+    kind = "linear"
+
+    def __init__(self, d_in: int) -> None:
+        super().__init__(d_in)
+        self.linear = nn.Linear(self.d_in, 1)
+
+    def net(self, z: Tensor) -> Tensor:
+        return self.linear(z)
+
+
+class MLPRouter(Router):
+    """A one-hidden-layer MLP on the standardised features: Linear(d_in -> hidden), GELU, Linear(hidden -> 1)."""
+
+    kind = "mlp"
+
+    def __init__(self, d_in: int, hidden: int = 64) -> None:
+        super().__init__(d_in)
+        self.hidden = _need_int("MLPRouter", "hidden", hidden, 1)
+        self.layers = nn.Sequential(nn.Linear(self.d_in, self.hidden), nn.GELU(), nn.Linear(self.hidden, 1))
+
+    def net(self, z: Tensor) -> Tensor:
+        return self.layers(z)
+
+    def config(self) -> dict[str, object]:
+        return {**super().config(), "hidden": self.hidden}
+
+
+_KINDS: dict[str, type[Router]] = {"linear": LinearRouter, "mlp": MLPRouter}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass
+class TrainLog:
+    """What :func:`train_router` returns: per-epoch mean training and validation loss (class-weighted BCE;
+    validation NaN without a validation part), the epoch whose weights were kept (1-based), and sizes."""
+
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    best_epoch: int = 0
+    best_val_loss: float = math.nan
+    stopped_early: bool = False
+    pos_weight: float = 1.0
+    n_train: int = 0
+    n_val: int = 0
+
+    @property
+    def epochs_run(self) -> int:
+        return len(self.train_loss)
+
+
+def _val_rows(data: RouterData, val_fraction: float, gen: np.random.Generator) -> np.ndarray:
+    """A bool mask of the validation rows: whole windows when there are >= 2, else single rows."""
+    if val_fraction == 0:
+        return np.zeros(len(data), dtype=bool)
+    win = data.window.numpy()
+    uniq = np.unique(win)
+    if len(uniq) >= 2:
+        n_val = min(max(round(val_fraction * len(uniq)), 1), len(uniq) - 1)
+        return np.isin(win, gen.permutation(uniq)[:n_val])
+    n_val = min(max(round(val_fraction * len(data)), 1), len(data) - 1)
+    mask = np.zeros(len(data), dtype=bool)
+    mask[gen.permutation(len(data))[:n_val]] = True
+    return mask
+
+
+def _reset(router: Router, seed: int) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in router.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+
+
+def train_router(
+    router: Router,
+    data: RouterData,
+    *,
+    epochs: int = 50,
+    lr: float = 1e-2,
+    weight_decay: float = 0.0,
+    batch_size: int = 1024,
+    seed: int = 0,
+    val_fraction: float = 0.2,
+    patience: int = 5,
+) -> TrainLog:
+    """Fit ``router`` in place on ``data`` and return the :class:`TrainLog`.
+
+    The router is re-initialised from ``seed`` (which also draws the validation part and the minibatch order,
+    so training is deterministic by seed; the global RNG is left untouched). ``val_fraction`` of the windows
+    (rows if there is only one window) are held out for early stopping: training stops after ``patience``
+    epochs without a lower validation loss and the best epoch's weights are kept (``val_fraction=0``: all
+    ``epochs`` run, the last weights are kept). Loss: BCE with ``pos_weight = n_negative / n_positive`` of the
+    training part (class-balanced). AdamW with ``lr`` and ``weight_decay``. The features are standardised
+    with the training part's mean and std (std floored at 1e-6), stored in the router with ``data.spec``.
+    """
+    owner = "train_router"
+    if not isinstance(router, Router):
+        raise ValueError(f"{owner}: router={router!r} is not a Router; pass LinearRouter(d) or MLPRouter(d)")
+    if not isinstance(data, RouterData) or len(data) == 0:
+        raise ValueError(f"{owner}: data is empty; harvest some windows first (harvest(model, windows, ...))")
+    if data.n_features != router.d_in:
+        raise ValueError(f"{owner}: data has {data.n_features} features but the router reads {router.d_in}")
+    epochs = _need_int(owner, "epochs", epochs, 1)
+    lr = _need_positive(owner, "lr", lr)
+    weight_decay = _need_positive(owner, "weight_decay", weight_decay, allow_zero=True)
+    batch_size = _need_int(owner, "batch_size", batch_size, 1)
+    val_fraction = _need_open_unit(owner, "val_fraction", val_fraction, allow_zero=True)
+    patience = _need_int(owner, "patience", patience, 1)
+    if len(data) < 2 and val_fraction > 0:
+        raise ValueError(f"{owner}: data has 1 row; pass more rows or val_fraction=0")
+
+    rng = np.random.default_rng(seed)
+    val_mask = torch.from_numpy(_val_rows(data, val_fraction, rng))
+    x_tr, y_tr = data.features[~val_mask].float(), data.labels[~val_mask].float()
+    x_va, y_va = data.features[val_mask].float(), data.labels[val_mask].float()
+    n_pos = int(y_tr.sum())
+    n_neg = len(y_tr) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        which = "converged" if n_neg == 0 else "not converged"
+        raise ValueError(
+            f"{owner}: every training label is {which!r}; use another eps or more loops so both classes occur"
+        )
+    _reset(router, seed)
+    device = router.mean.device
+    with torch.no_grad():
+        router.mean.copy_(x_tr.mean(0))
+        router.std.copy_(x_tr.std(0, unbiased=False).clamp_min(1e-6))
+    router.spec = data.spec
+    router.info = {"eps": data.eps, "max_loops": data.max_loops, "n_train_rows": len(y_tr),
+                   "positive_rate": n_pos / len(y_tr)}
+    pos_weight = torch.tensor(n_neg / n_pos, device=device)
+    x_tr, y_tr, x_va, y_va = (t.to(device) for t in (x_tr, y_tr, x_va, y_va))
+    opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=weight_decay)
+    log = TrainLog(pos_weight=float(pos_weight), n_train=len(y_tr), n_val=len(y_va))
+    gen = torch.Generator().manual_seed(seed)
+    best_state, since_best = None, 0
+    router.train()
+    for epoch in range(1, epochs + 1):
+        order = torch.randperm(len(y_tr), generator=gen).to(device)
+        total = 0.0
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            loss = F.binary_cross_entropy_with_logits(router(x_tr[idx]), y_tr[idx], pos_weight=pos_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+        log.train_loss.append(total / len(y_tr))
+        if len(y_va) == 0:
+            log.val_loss.append(math.nan)
+            log.best_epoch = epoch
+            continue
+        with torch.no_grad():
+            val = float(F.binary_cross_entropy_with_logits(router(x_va), y_va, pos_weight=pos_weight))
+        log.val_loss.append(val)
+        if best_state is None or val < log.best_val_loss:
+            log.best_val_loss, log.best_epoch, since_best = val, epoch, 0
+            best_state = copy.deepcopy(router.state_dict())
+        else:
+            since_best += 1
+            if since_best >= patience:
+                log.stopped_early = epoch < epochs
+                break
+    if best_state is not None:
+        router.load_state_dict(best_state)
+    router.eval()
+    return log
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties getting their average rank; NaN with one class."""
+    n_pos = int(labels.sum())
+    n_neg = len(labels) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    order = np.argsort(scores, kind="stable")
+    s = scores[order]
+    ranks = np.empty(len(s), dtype=float)
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    ends = np.r_[starts[1:], len(s)]
+    avg = (starts + ends + 1) / 2.0  # ranks are 1-based: the group covers ranks starts+1..ends
+    ranks[order] = np.repeat(avg, ends - starts)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+@torch.no_grad()
+def router_metrics(router: Router, data: RouterData, tau: float = 0.5) -> dict[str, float]:
+    """Classification quality of ``router`` on ``data`` at threshold ``tau``, next to the chance baselines.
+
+    Keys: ``n``, ``positive_rate`` (of the labels), ``predicted_positive_rate``, ``accuracy``,
+    ``balanced_accuracy`` (mean of the true-positive and true-negative rates; NaN with one class), ``auc``
+    (rank formula; NaN with one class), ``majority_accuracy`` (always predicting the majority class) and the
+    chance levels ``chance_balanced_accuracy`` = ``chance_auc`` = 0.5.
+    """
+    if not isinstance(data, RouterData) or len(data) == 0:
+        raise ValueError("router_metrics: data is empty; pass harvested rows (harvest(model, windows, ...))")
+    tau = _need_open_unit("router_metrics", "tau", tau)
+    device = router.mean.device
+    was_training = router.training
+    router.eval()
+    logits = torch.cat([router(data.features[i : i + 65536].to(device)).cpu()
+                        for i in range(0, len(data), 65536)]).double().numpy()
+    router.train(was_training)
+    y = data.labels.numpy().astype(bool)
+    pred = logits >= math.log(tau / (1.0 - tau))
+    pos_rate = float(y.mean())
+    tpr = float(pred[y].mean()) if y.any() else math.nan
+    tnr = float((~pred[~y]).mean()) if (~y).any() else math.nan
+    return {
+        "n": float(len(y)),
+        "positive_rate": pos_rate,
+        "predicted_positive_rate": float(pred.mean()),
+        "accuracy": float((pred == y).mean()),
+        "balanced_accuracy": (tpr + tnr) / 2.0,
+        "auc": _auc(logits, y),
+        "majority_accuracy": max(pos_rate, 1.0 - pos_rate),
+        "chance_balanced_accuracy": 0.5,
+        "chance_auc": 0.5,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The halting rule
+
+
+@dataclass(eq=False)
+class RouterRule(HaltingRule):
+    """Halt once the router's P(converged) >= ``tau`` (``tau`` in (0, 1)), from the loop's features.
+
+    The features are :func:`router_features` of the loop's :class:`~drc_core.halting.LoopStats` with the
+    router's ``spec`` (so exactly what it was trained on); the test is done on the logit,
+    ``logit >= log(tau / (1 - tau))``, so a tiny or near-1 ``tau`` does not saturate. ``min_loops`` and
+    ``max_loops`` apply as for every rule.
+    """
+
+    router: Router
+    tau: float = 0.5
+
+    def _validate(self, owner: str) -> None:
+        if not isinstance(self.router, Router):
+            raise ValueError(f"{owner}: router={self.router!r} is not a Router; pass a trained LinearRouter/MLPRouter")
+        if self.router.spec is None:
+            raise ValueError(f"{owner}: the router has no feature spec; train it with train_router or load_router")
+        self.tau = _need_open_unit(owner, "tau", self.tau)
+
+    def logits(self, stats: LoopStats) -> Tensor:
+        """The router's logits (B, T) at this loop."""
+        assert self.router.spec is not None
+        feats = router_features(stats, self.router.spec)
+        was_training = self.router.training
+        self.router.eval()
+        with torch.no_grad():
+            out = self.router(feats.to(self.router.mean.device))
+        self.router.train(was_training)
+        return out.to(stats.state.device)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return self.logits(stats) >= math.log(self.tau / (1.0 - self.tau))
+
+    @property
+    def name(self) -> str:
+        tau = f"{self.tau:g}"
+        return f"router-{self.router.kind}>={tau}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Save / load
+
+
+def save_router(router: Router, path_dir: str | Path) -> Path:
+    """Write ``router.safetensors`` (weights, mean, std) and ``router.json`` (kind, sizes, spec, info)."""
+    if not isinstance(router, Router):
+        raise ValueError(f"save_router: router={router!r} is not a Router")
+    path = Path(path_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()},
+              str(path / ROUTER_WEIGHTS_FILE))
+    config = {**router.config(), "spec": None if router.spec is None else router.spec.to_dict(), "info": router.info}
+    (path / ROUTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_router(path_dir: str | Path, map_location: str | torch.device = "cpu") -> Router:
+    """Rebuild a router written by :func:`save_router` (in eval mode)."""
+    path = Path(path_dir)
+    cfg_path, w_path = path / ROUTER_CONFIG_FILE, path / ROUTER_WEIGHTS_FILE
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise ValueError(f"{path} lacks {ROUTER_CONFIG_FILE} or {ROUTER_WEIGHTS_FILE}; pass a save_router directory")
+    cfg = json.loads(cfg_path.read_text())
+    kind = cfg.get("kind")
+    if kind not in _KINDS:
+        raise ValueError(f"{cfg_path}: kind={kind!r} is not supported; use one of {tuple(_KINDS)}")
+    missing = [k for k in ("d_in", *(("hidden",) if kind == "mlp" else ())) if k not in cfg]
+    if missing:
+        raise ValueError(f"{cfg_path} lacks {missing[0]!r}; pass a directory written by save_router")
+    router = LinearRouter(cfg["d_in"]) if kind == "linear" else MLPRouter(cfg["d_in"], cfg["hidden"])
+    router.load_state_dict(load_file(str(w_path)), strict=True)
+    router.spec = None if cfg.get("spec") is None else FeatureSpec.from_dict(cfg["spec"])
+    router.info = dict(cfg.get("info") or {})
+    return router.to(map_location).eval()
