@@ -94,12 +94,19 @@ def _tiny() -> TrainConfig:
 
 
 def _cpu() -> TrainConfig:
-    """The reference model for 2 CPU cores and the embedded corpus (vocab 4096); see the book for why."""
+    """The reference model for 2 CPU cores and the embedded corpus (vocab 4096).
+
+    d=128, 4 heads, prelude 1 / core 2 / coda 1 (1.35 M parameters), mean depth 8, backprop through the last 4
+    loops, 3000 steps of 16 x 256 tokens (12.3 M tokens, ~3.5 passes over the corpus) in about 50 minutes.
+    Chosen by ``scripts/cpu_candidates.sh`` (500-step runs, see README "Measurements"): d=192 costs 1.5x per
+    token; full backprop through 8 loops (k=8) cost 20% more time for the same loss and depth gain; a
+    one-layer core was cheaper but worse at every depth.
+    """
     return TrainConfig(
-        model=ModelConfig(vocab_size=4096, d_model=192, n_heads=6, n_prelude=1, n_core=2, n_coda=1,
+        model=ModelConfig(vocab_size=4096, d_model=128, n_heads=4, n_prelude=1, n_core=2, n_coda=1,
                           max_seq_len=256),
         recurrence=RecurrenceConfig(mean=8.0, backprop_loops=4, max_loops=32),
-        seq_len=256, batch_size=32, max_steps=3000, lr=3e-3, warmup_steps=150, eval_every=250,
+        seq_len=256, batch_size=16, max_steps=3000, lr=3e-3, warmup_steps=100, eval_every=250,
         eval_windows=64, ckpt_every=250,
     )
 

@@ -57,6 +57,14 @@ def loss_by_depth(model: DepthRecurrentLM, windows: torch.Tensor, loops: tuple[i
     return {n: totals[n] / count for n in wanted}
 
 
+def unigram_loss(corpus: Corpus, alpha: float = 1.0) -> float:
+    """Cross-entropy (nats/token) of the validation split under the training split's unigram distribution
+    (add-``alpha`` smoothing): the bar a language model must clear."""
+    counts = np.bincount(np.asarray(corpus.tokens("train")), minlength=corpus.vocab_size).astype(np.float64)
+    logp = np.log((counts + alpha) / (counts.sum() + alpha * len(counts)))
+    return float(-logp[np.asarray(corpus.tokens("val"))].mean())
+
+
 def source_windows(corpus: Corpus, seq_len: int, max_windows: int | None = None) -> dict[str, torch.Tensor]:
     """Validation windows of each source separately (a window never spans two sources)."""
     val = corpus.tokens("val")
@@ -120,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "run": str(run),
         "params": model.num_params(),
+        "unigram_loss": unigram_loss(corpus),
         "loss_all": loss_by_depth(model, windows, loops),
         "by_source": frame.to_dict(orient="records"),
         "successive_kl": mean_successive_kl(model, windows, max(loops)),
     }
     print(frame.pivot(index="loops", columns="source", values=["loss", "bits_per_byte"]).round(4).to_string())
+    print(f"unigram baseline (train unigram on val): {result['unigram_loss']:.4f} nats/token")
     kl = result["successive_kl"]
     print("successive KL(p_l || p_l-1): " + "  ".join(f"{n}:{kl[n]:.2e}" for n in (2, 4, 8, 16, 32) if n in kl))
     if args.json:
