@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 
 
-class DrcError(Exception):
+class DrcError(ValueError):
     """A user-fixable problem. The message is one line: what is wrong, then how to fix it."""
 
 

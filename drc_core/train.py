@@ -182,7 +182,10 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
         if diff:
             raise DrcError(f"--resume with a config that differs from the checkpoint in {', '.join(diff)}: "
                            "resume with the same preset and --set values")
-        load_state(model, ckpt / "model.safetensors", map_location=device)
+        try:
+            load_state(model, ckpt / "model.safetensors", map_location=device)
+        except ValueError as exc:  # a mismatching checkpoint: one line, not a traceback
+            raise DrcError(f"cannot resume from {ckpt}: {exc}") from None
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
