@@ -21,20 +21,14 @@ from drc_core.measure import (
     save_frame,
     val_windows_with_docs,
 )
-from drc_core.model import DepthRecurrentLM, ModelConfig
+from drc_core.model import DepthRecurrentLM
 
 V, T, N, L = 64, 12, 5, 6
 
 
 @pytest.fixture(scope="module")
-def model() -> DepthRecurrentLM:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1, max_seq_len=32)
-    m = DepthRecurrentLM(cfg)
-    with torch.no_grad():  # larger core weights, so outputs keep moving for a few loops
-        for p in m.core.parameters():
-            p.mul_(8.0)
-    return m
+def model(tiny_model_factory) -> DepthRecurrentLM:
+    return tiny_model_factory(V, core_scale=8.0)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import torch
 from drc_core.evaluate import EVAL_STATE_SEED
 from drc_core.halting import adaptive_forward, iterate_stats, offline_exits
 from drc_core.measure import convergence_depth, measure_windows
-from drc_core.model import DepthRecurrentLM, ModelConfig
+from drc_core.model import DepthRecurrentLM
 from drc_core.router import (
     FeatureSpec,
     LinearRouter,
@@ -25,24 +25,12 @@ V, T, N, L = 64, 16, 32, 12
 EPS = 1e-2  # with core weights x2 this spreads convergence depths over 2..12 and ~70% of rows are converged
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: these tiny models run much faster that way on 2 busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model() -> DepthRecurrentLM:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1, max_seq_len=32)
-    m = DepthRecurrentLM(cfg)
-    with torch.no_grad():  # larger core weights, so outputs keep moving for a few loops
-        for p in m.core.parameters():
-            p.mul_(2.0)
-    return m.eval()
+def model(tiny_model_factory) -> DepthRecurrentLM:
+    return tiny_model_factory(V, core_scale=2.0).eval()
 
 
 @pytest.fixture(scope="module")

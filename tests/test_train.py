@@ -30,13 +30,7 @@ TRAIN_FIELDS = {"kind", "step", "loss", "lr", "loops", "tokens", "seconds"}
 EVAL_FIELDS = {"kind", "step", "loops", "loss"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """In-process training on one thread, like the subprocesses: much faster on 2 busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,37 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from drc_core.model import DepthRecurrentLM, ModelConfig
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the module: tiny models run much faster that way on 2 busy cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_factory() -> Callable[..., DepthRecurrentLM]:
+    """Build the tiny test model (d=32, 2 heads, P/R/C = 1/1/1); ``core_scale`` > 1 multiplies the core's
+    weights so that outputs keep moving for a few loops."""
+
+    def make(vocab_size: int, core_scale: float = 1.0, seed: int = 0) -> DepthRecurrentLM:
+        torch.manual_seed(seed)
+        cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1,
+                          max_seq_len=32)
+        m = DepthRecurrentLM(cfg)
+        with torch.no_grad():
+            for p in m.core.parameters():
+                p.mul_(core_scale)
+        return m
+
+    return make
