@@ -239,54 +239,43 @@ class HaltingRule:
 
 
 @dataclass
-class KLThreshold(HaltingRule):
+class _BelowThreshold(HaltingRule):
+    """Halt once the per-token statistic ``stats.<_stat>`` falls strictly below ``tau`` (``tau`` >= 0)."""
+
+    tau: float
+    _stat = ""  # the LoopStats field (a class attribute, not a dataclass field)
+    _label = ""  # how the statistic is written in the rule's name
+
+    def _validate(self, owner: str) -> None:
+        self.tau = _need_float(owner, "tau", self.tau, 0.0, math.inf)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return getattr(stats, self._stat) < self.tau
+
+    @property
+    def name(self) -> str:
+        return f"{self._label}<{_fmt(self.tau)}"
+
+
+@dataclass
+class KLThreshold(_BelowThreshold):
     """Halt once the successive-output KL(p_l || p_{l-1}) < ``tau`` (the paper's training-free rule)."""
 
-    tau: float
-
-    def _validate(self, owner: str) -> None:
-        self.tau = _need_float(owner, "tau", self.tau, 0.0, math.inf)
-
-    def criterion(self, stats: LoopStats) -> Tensor:
-        return stats.kl < self.tau
-
-    @property
-    def name(self) -> str:
-        return f"kl<{_fmt(self.tau)}"
+    _stat = _label = "kl"
 
 
 @dataclass
-class StateDelta(HaltingRule):
+class StateDelta(_BelowThreshold):
     """Halt once the relative latent change ||s_l - s_{l-1}|| / ||s_l|| < ``tau``."""
 
-    tau: float
-
-    def _validate(self, owner: str) -> None:
-        self.tau = _need_float(owner, "tau", self.tau, 0.0, math.inf)
-
-    def criterion(self, stats: LoopStats) -> Tensor:
-        return stats.state_delta < self.tau
-
-    @property
-    def name(self) -> str:
-        return f"dstate<{_fmt(self.tau)}"
+    _stat, _label = "state_delta", "dstate"
 
 
 @dataclass
-class EntropyDelta(HaltingRule):
+class EntropyDelta(_BelowThreshold):
     """Halt once the output entropy changes by less than ``tau`` nats: |H_l - H_{l-1}| < ``tau``."""
 
-    tau: float
-
-    def _validate(self, owner: str) -> None:
-        self.tau = _need_float(owner, "tau", self.tau, 0.0, math.inf)
-
-    def criterion(self, stats: LoopStats) -> Tensor:
-        return stats.entropy_delta < self.tau
-
-    @property
-    def name(self) -> str:
-        return f"dH<{_fmt(self.tau)}"
+    _stat, _label = "entropy_delta", "dH"
 
 
 @dataclass
