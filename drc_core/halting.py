@@ -50,6 +50,7 @@ __all__ = [
     "loop_stats",
     "offline_exits",
     "oracle_exit",
+    "state_change",
 ]
 
 
@@ -95,9 +96,28 @@ class LoopStats:
         return self.state.shape[:2]
 
 
-def _entropy(log_probs: Tensor) -> Tensor:
-    p = log_probs.exp()
-    return -torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(-1)
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(-1)`` as one batched dot product, without the (..., V) product (several times faster on
+    CPU than multiply-then-sum for vocabulary-sized rows)."""
+    v = a.shape[-1]
+    return torch.einsum("bnv,bnv->bn", a.reshape(1, -1, v), b.reshape(1, -1, v)).reshape(a.shape[:-1])
+
+
+def _entropy(log_probs: Tensor, p: Tensor | None = None) -> Tensor:
+    """H(p) in nats from log-probs (and their exp ``p``, if already computed); 0 * log 0 counts as 0."""
+    p = log_probs.exp() if p is None else p
+    h = -_dot(p, log_probs)
+    if bool(torch.isnan(h).any()):  # a -inf log-prob (p = 0) makes 0 * -inf = NaN: redo without it
+        h = -torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(-1)
+    return h
+
+
+def state_change(state: Tensor, prev_state: Tensor) -> tuple[Tensor, Tensor]:
+    """``(state_delta, cosine)`` of states (..., d) against the previous loop's, in float32 (see
+    :class:`LoopStats`); the statistics that need no readout."""
+    s, s_prev = state.float(), prev_state.float()
+    state_delta = (s - s_prev).norm(dim=-1) / s.norm(dim=-1).clamp_min(torch.finfo(s.dtype).tiny)
+    return state_delta, F.cosine_similarity(s, s_prev, dim=-1)
 
 
 def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tensor) -> LoopStats:
@@ -114,19 +134,17 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
             f"previous loop's {tuple(prev.log_probs.shape)} / {tuple(prev.state.shape)}"
         )
     log_probs = log_probs.float()
-    s = state.float()
-    entropy = _entropy(log_probs)
+    p = log_probs.exp()
+    entropy = _entropy(log_probs, p)
     top_logp, argmax = log_probs.max(dim=-1)
     if prev is None:
         inf = torch.full(entropy.shape, math.inf, device=entropy.device)
         kl, state_delta, entropy_delta, cosine = inf, inf, inf, -inf
         argmax_run = torch.ones_like(argmax)
     else:
-        s_prev = prev.state.float()
-        kl = kl_successive(log_probs, prev.log_probs)
-        state_delta = (s - s_prev).norm(dim=-1) / s.norm(dim=-1).clamp_min(torch.finfo(s.dtype).tiny)
+        kl = _dot(p, log_probs - prev.log_probs)  # = kl_successive(log_probs, prev.log_probs)
+        state_delta, cosine = state_change(state, prev.state)
         entropy_delta = (entropy - prev.entropy).abs()
-        cosine = F.cosine_similarity(s, s_prev, dim=-1)
         argmax_run = torch.where(argmax == prev.argmax, prev.argmax_run + 1, torch.ones_like(argmax))
     return LoopStats(
         loop=loop,
@@ -191,10 +209,16 @@ class HaltingRule:
     after) ``max_loops``; subclasses implement only :meth:`criterion`. ``decide`` does not know which tokens
     have already halted: the caller (``DepthRecurrentLM.iterate``, :func:`offline_exits`) keeps the first
     loop at which a token's decision was True.
+
+    :attr:`needs_log_probs` says whether :meth:`criterion` reads the output-based statistics (log-probs, KL,
+    entropy, argmax, top probability). It is True unless a subclass says otherwise; where it is False the
+    compute-skipping paths (:mod:`drc_core.adaptive`, :mod:`drc_core.generate`) skip the per-loop readout and
+    pass stats whose output-based fields are placeholders (see :func:`drc_core.adaptive.skip_forward`).
     """
 
     min_loops: int = 1
     max_loops: int = 32
+    needs_log_probs = True  # a class attribute, not a dataclass field
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -269,6 +293,7 @@ class StateDelta(_BelowThreshold):
     """Halt once the relative latent change ||s_l - s_{l-1}|| / ||s_l|| < ``tau``."""
 
     _stat, _label = "state_delta", "dstate"
+    needs_log_probs = False
 
 
 @dataclass
@@ -283,6 +308,7 @@ class Cosine(HaltingRule):
     """Halt once cos(s_l, s_{l-1}) >= ``tau`` (``tau`` in [-1, 1])."""
 
     tau: float
+    needs_log_probs = False
 
     def _validate(self, owner: str) -> None:
         self.tau = _need_float(owner, "tau", self.tau, -1.0, 1.0)
@@ -337,6 +363,7 @@ class Uniform(HaltingRule):
     k: int
     min_loops: int = field(default=1, init=False)
     max_loops: int = field(default=1, init=False)
+    needs_log_probs = False
 
     def __post_init__(self) -> None:
         _need_int(type(self).__name__, "k", self.k, 1)
@@ -358,6 +385,8 @@ class Uniform(HaltingRule):
 class Never(HaltingRule):
     """No token halts before ``max_loops`` (so every token runs the full depth)."""
 
+    needs_log_probs = False
+
     def criterion(self, stats: LoopStats) -> Tensor:
         return torch.zeros(stats.shape, dtype=torch.bool, device=stats.state.device)
 
@@ -377,6 +406,7 @@ class Oracle(HaltingRule):
 
     exit_loops: Tensor
     eps: float | None = None
+    needs_log_probs = False
 
     def _validate(self, owner: str) -> None:
         e = self.exit_loops
@@ -477,12 +507,12 @@ def adaptive_forward(
     """Run ``model`` on ``idx`` (B, T) with per-token halting by ``rule``, up to ``rule.max_loops`` loops.
 
     Semantics (the masked reference of :meth:`DepthRecurrentLM.iterate`): after loop l the rule sees loop
-    l's stats; a token that halts at loop l keeps s_l from then on. The core still runs on every token, so at
-    each later loop a halted token's keys/values are recomputed from its frozen state (and, in core blocks
-    after the first, from activations that depend on still-active earlier tokens), and tokens after it
-    keep attending to them. A token's ``logits`` are the readout at its exit loop; its readout at later
-    loops can still move, because the coda attends to earlier tokens that are still active. A
-    compute-skipping variant with cached keys/values will follow.
+    l's stats; a token that halts at loop e keeps s_e from then on, and at every later loop offers, in every
+    core and coda block, the keys/values it computed at loop e (its last computed ones); so a token active at
+    loop l attends to each earlier token's loop-min(l, e) keys/values. A token's ``logits`` are the readout
+    at its exit loop. The core still runs on every token here (the halted tokens' results are discarded);
+    :func:`drc_core.adaptive.skip_forward` gives the same result (to float tolerance) while computing only
+    the active tokens.
 
     The log-probs the rule sees are ``log_softmax(logits.float())``, exactly iterate's "log_probs" readout.
     With the same ``generator`` state (or ``state`` s_0), :class:`Never` with ``max_loops=r`` gives

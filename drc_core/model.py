@@ -167,12 +167,41 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (k, v) -> the (k, v) that attention uses
+
+
+class FrozenKV:
+    """The keys/values that frozen (halted) tokens offer to attention: one cached (k, v) pair per block.
+
+    ``hook(j, frozen)`` is a ``kv_fn`` for block j (see :meth:`Attention.forward`): given the freshly computed
+    k, v (B, H, T, hd) it returns ``where(frozen, cached_j, fresh)`` and stores that as the new ``cached_j``.
+    So after each pass the cache holds, for every token, the keys/values it offered last: its fresh ones while
+    it is not frozen, and from then on those of the last pass before it froze (its *last computed* ones).
+    The first pass through block j only stores (nothing can be frozen before anything was computed), and a
+    pass with no frozen token passes the fresh tensors through unchanged.
+    """
+
+    def __init__(self, n_blocks: int) -> None:
+        self.kv: list[tuple[Tensor, Tensor] | None] = [None] * n_blocks
+
+    def hook(self, j: int, frozen: Tensor) -> KVFn:
+        def kv_fn(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            cached = self.kv[j]
+            if cached is not None and bool(frozen.any()):
+                mask = frozen[:, None, :, None]
+                k, v = torch.where(mask, cached[0], k), torch.where(mask, cached[1], v)
+            self.kv[j] = (k, v)
+            return k, v
+
+        return kv_fn
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention with RoPE.
 
     The forward pass is split into :meth:`project_qkv` (fused projection + split heads + RoPE) and
     :meth:`attend` (attention + merge heads) so that a caller can read or replace a layer's per-token
-    keys/values in between.
+    keys/values in between; ``forward(..., kv_fn=f)`` does that with ``k, v = f(k, v)`` (see :class:`FrozenKV`).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -194,8 +223,10 @@ class Attention(nn.Module):
         B, _, T, _ = y.shape
         return y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_fn: KVFn | None = None) -> Tensor:
         q, k, v = self.project_qkv(x, cos, sin)
+        if kv_fn is not None:
+            k, v = kv_fn(k, v)
         return self.proj(self.attend(q, k, v))
 
 
@@ -224,8 +255,8 @@ class Block(nn.Module):
         self.mlp_post = RMSNorm(cfg.d_model, cfg.norm_eps) if sandwich else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.drop(self.attn_post(self.attn(self.attn_norm(x), cos, sin)))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_fn: KVFn | None = None) -> Tensor:
+        x = x + self.drop(self.attn_post(self.attn(self.attn_norm(x), cos, sin, kv_fn)))
         return x + self.drop(self.mlp_post(self.mlp(self.mlp_norm(x))))
 
 
@@ -317,25 +348,33 @@ class DepthRecurrentLM(nn.Module):
             return s + e
         return self.adapter(torch.cat([s, e], dim=-1))
 
-    def core_step(self, s: Tensor, e: Tensor) -> Tensor:
-        """One loop: s_l = core(inject(s_{l-1}, e)), with the shared core weights."""
+    def core_step(self, s: Tensor, e: Tensor, *, frozen_kv: FrozenKV | None = None,
+                  frozen: Tensor | None = None) -> Tensor:
+        """One loop: s_l = core(inject(s_{l-1}, e)), with the shared core weights.
+
+        With ``frozen_kv`` (a :class:`FrozenKV` with one slot per core block, kept across loops) and
+        ``frozen`` (B, T) bool, the frozen tokens offer their cached keys/values in every core block instead
+        of fresh ones, and the cache is updated for the others (what :meth:`iterate` does for halted tokens).
+        """
         cos, sin = self._rope(s.shape[1])
         x = self.inject(s, e)
-        for block in self.core:
-            x = block(x, cos, sin)
+        for j, block in enumerate(self.core):
+            x = block(x, cos, sin, _kv_hook(frozen_kv, j, frozen))
         return x
 
-    def readout(self, state: Tensor, positions: slice | Tensor | None = None) -> Tensor:
+    def readout(self, state: Tensor, positions: slice | Tensor | None = None, *, frozen_kv: FrozenKV | None = None,
+                frozen: Tensor | None = None) -> Tensor:
         """Coda + final norm + head: state (B, T, d) -> logits (B, T', V).
 
         The coda attends over the whole sequence, so it always runs on all T positions; ``positions`` (a
         slice or 1-D index/bool tensor along time) then selects the tokens that get the norm and the
-        (vocabulary-sized, memory-heavy) head.
+        (vocabulary-sized, memory-heavy) head. ``frozen_kv``/``frozen``: as in :meth:`core_step`, for the
+        coda blocks.
         """
         cos, sin = self._rope(state.shape[1])
         x = state
-        for block in self.coda:
-            x = block(x, cos, sin)
+        for j, block in enumerate(self.coda):
+            x = block(x, cos, sin, _kv_hook(frozen_kv, j, frozen))
         if positions is not None:
             x = x[:, positions]
         return self.lm_head(self.norm(x))
@@ -401,10 +440,20 @@ class DepthRecurrentLM(nn.Module):
 
         ``halt(loop_output)`` may return a (B, T) bool tensor of tokens that halt now (or None). It is called
         after loop l's readout, with ``halted``/``exit_loop`` as they were before loop l; the yielded output
-        then includes its decisions. A halted token's state stays frozen from then on:
-        ``s = where(halted, s_frozen, s_new)``. This is the reference (masked) semantics: the core still runs
-        on every token, so at later loops a halted token's keys/values are recomputed from its frozen state
-        (and active tokens keep attending to them). A compute-skipping variant comes later.
+        then includes its decisions. This is the reference (masked) semantics of per-token halting, which
+        :func:`drc_core.adaptive.skip_forward` reproduces while skipping the halted tokens' compute:
+
+        - a token that halts at loop e (its exit loop) keeps its state: ``s = where(halted, s_e, s_new)``;
+        - at every later loop it offers, in every core block, the keys/values it computed at loop e (its last
+          computed ones), not ones recomputed from its frozen state, and in every coda block the coda
+          keys/values of its loop-e readout; active tokens offer their fresh ones (:class:`FrozenKV`);
+        - so an active token at loop l attends to each earlier token's loop-min(l, e) keys/values.
+
+        The core and coda still run on every token (the halted tokens' results are discarded), so this costs
+        as much as no halting. ``out`` at a halted position is still recomputed at later loops (its query
+        sees the later keys/values of earlier active tokens) and is not that token's result: a token's
+        result is its readout at its exit loop (:func:`drc_core.halting.adaptive_forward` keeps it). Without
+        ``halt`` nothing is cached and every loop is exactly ``forward``'s.
         """
         if isinstance(max_loops, bool) or not isinstance(max_loops, int) or max_loops < 1:
             raise ValueError(f"max_loops={max_loops!r} is invalid; it must be an integer >= 1")
@@ -414,12 +463,15 @@ class DepthRecurrentLM(nn.Module):
         s = self.initial_state(e, generator) if state is None else state
         halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
         exit_loop = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
+        core_kv = FrozenKV(len(self.core)) if halt is not None else None
+        coda_kv = FrozenKV(len(self.coda)) if halt is not None else None
         for loop in range(1, max_loops + 1):
-            s_new = self.core_step(s, e)
+            frozen = halted if halt is not None else None
+            s_new = self.core_step(s, e, frozen_kv=core_kv, frozen=frozen)
             s = torch.where(halted[..., None], s, s_new) if halt is not None else s_new
             out = None
             if readout is not None:
-                out = self.readout(s, positions)
+                out = self.readout(s, positions, frozen_kv=coda_kv, frozen=frozen)
                 if readout == "log_probs":
                     out = F.log_softmax(out.float(), dim=-1)
             result = LoopOutput(loop=loop, state=s, out=out, halted=halted, exit_loop=exit_loop)
@@ -488,6 +540,12 @@ class DepthRecurrentLM(nn.Module):
         model = cls(ModelConfig.from_dict(json.loads(config_path.read_text())))
         load_state(model, path, map_location=map_location)
         return model.to(map_location)
+
+
+def _kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
+    if (frozen_kv is None) != (frozen is None):
+        raise ValueError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
+    return None if frozen_kv is None or frozen is None else frozen_kv.hook(j, frozen)
 
 
 def _shape(t: Tensor | torch.Size) -> str:

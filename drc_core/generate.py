@@ -1,0 +1,168 @@
+"""Autoregressive decoding with per-token halting and key/value caches.
+
+:func:`generate` decodes with the semantics of :func:`drc_core.adaptive.skip_forward` (and the masked
+reference :func:`drc_core.halting.adaptive_forward`): every processed token runs the core until the rule
+halts it at its exit loop e; at loop l it attends to each earlier token's loop-min(l, e') keys/values, in
+every core block and in every coda block, and its next-token logits are its readout at its exit loop.
+Because attention is causal and a token's halting depends only on itself and earlier tokens, teacher-forcing
+the generated sequence through ``skip_forward`` gives the same exit loops and logits (to float tolerance).
+
+Caches (zeros until written, all ``(B, H, T0 + max_new_tokens, hd)`` per slab):
+
+- prelude: one (K, V) slab per prelude block (the prelude runs once per token);
+- core and coda: per block one slab per loop 1..``rule.max_loops``; a token active at loop l writes its
+  loop-l keys/values into slab l, and a token that exits at loop e copies its loop-e keys/values into the
+  slabs e+1..max_loops, so slab l always holds every earlier token's loop-min(l, e) keys/values. The coda is
+  per loop too (not just the exit state): a later token that exits at loop l < e' reads an earlier token's
+  coda keys/values of loop l, exactly as the batched path does. With a rule that needs no log-probs a token
+  still writes its coda keys/values at every loop it is active (for one coda block: one k/v projection),
+  but runs the last coda block's attention/MLP and the head only at its exit loop.
+
+The prompt is processed as one batch (:func:`drc_core.adaptive.run_loops`, equal to ``skip_forward`` on the
+prompt), then each new token alone; a step runs loop l only for the rows whose token is still active, so
+in a batch of rows a step costs the depth of its deepest row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from drc_core.adaptive import LoopCaches, Tokens, block_step, check_state, empty_caches, run_loops
+from drc_core.halting import HaltingRule, Oracle
+from drc_core.model import DepthRecurrentLM
+
+__all__ = ["GenerationResult", "generate"]
+
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` returns (n = ``max_new_tokens``, T0 the prompt length).
+
+    ``tokens`` (B, T0 + n): the prompt followed by the generated tokens. ``exit_loop`` (B, T0 + n - 1) long and
+    ``logits`` (B, T0 + n - 1, V): each processed position's exit loop and its logits there (position t's
+    logits chose token t + 1 at t >= T0 - 1; the last generated token is never processed). ``avg_depth``: the
+    mean exit loop over all processed positions; ``new_avg_depth``: over the n positions T0-1 .. T0+n-2 whose
+    outputs chose the new tokens. ``initial_state`` (B, T0 + n, d): the s_0 used (the last position's is
+    unused). ``rule``: ``str(rule)``.
+    """
+
+    tokens: Tensor
+    exit_loop: Tensor
+    logits: Tensor
+    avg_depth: float
+    new_avg_depth: float
+    initial_state: Tensor
+    prompt_len: int
+    rule: str
+
+    @property
+    def new_tokens(self) -> Tensor:
+        """(B, n): the generated tokens."""
+        return self.tokens[:, self.prompt_len :]
+
+
+def _check(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, rule: object,
+           temperature: object) -> None:
+    """One-line ValueErrors naming the bad argument and the fix."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+    if (not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1
+            or prompt_ids.shape[0] < 1 or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool):
+        shown = tuple(prompt_ids.shape) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__
+        raise ValueError(f"prompt_ids must be a (B, T0) integer tensor with B, T0 >= 1; got {shown}")
+    vocab = model.cfg.vocab_size
+    lo, hi = int(prompt_ids.min()), int(prompt_ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"prompt_ids hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]")
+    total, limit = prompt_ids.shape[1] + max_new_tokens, model.cfg.max_seq_len
+    if total > limit:
+        raise ValueError(
+            f"prompt length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds "
+            f"max_seq_len={limit}; shorten the prompt or generate at most {limit - prompt_ids.shape[1]} tokens"
+        )
+    if not isinstance(rule, HaltingRule):
+        raise ValueError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
+    if isinstance(rule, Oracle):
+        raise ValueError("Oracle replays exit loops found offline for a fixed batch and cannot decide for new "
+                         "tokens; pass a deployable rule (e.g. KLThreshold)")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not (
+            math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature!r} is invalid; use 0 (greedy) or a finite number > 0")
+
+
+def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor) -> None:
+    """Run the prelude on positions [t0, t1) of every row with cached keys/values; write e there."""
+    toks = Tokens.window(tokens.shape[0], *window, tokens.device)
+    x = model.drop(model.tok_emb(toks.gather(tokens)))
+    for block, slab in zip(model.prelude, kv, strict=True):
+        x = block_step(block, x, toks, slab, model.rope_cos, model.rope_sin)
+    e[toks.rows, toks.pos] = x
+
+
+def _choose(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """(B, V) -> (B,) next tokens: argmax (temperature 0) or a draw from softmax(logits / temperature)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+@torch.no_grad()
+def generate(
+    model: DepthRecurrentLM,
+    prompt_ids: Tensor,
+    max_new_tokens: int,
+    rule: HaltingRule,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    state: Tensor | None = None,
+) -> GenerationResult:
+    """Generate ``max_new_tokens`` tokens after ``prompt_ids`` (B, T0), halting every token by ``rule``.
+
+    Semantics and caches: see the module docstring; each token runs at most ``rule.max_loops`` loops.
+    ``temperature`` 0 is greedy (argmax), > 0 samples from ``softmax(logits / temperature)`` with
+    ``generator``. The initial latent state s_0 of all T0 + n positions is ``state`` (B, T0 + n, d) or, when
+    None, ``model.initial_state`` drawn once up front from ``generator`` (else the global RNG) with that
+    shape, before any sampling -- so a run is reproducible from the generator's seed, and the batched path
+    with ``state=result.initial_state[:, :T]`` reproduces it. Runs under ``torch.no_grad()``; put the model in
+    eval mode first if it has dropout. :class:`~drc_core.halting.Oracle` is rejected (not deployable).
+    """
+    _check(model, prompt_ids, max_new_tokens, rule, temperature)
+    B, T0 = prompt_ids.shape
+    total, d = T0 + max_new_tokens, model.cfg.d_model
+    check_state(state, (B, total, d), "(B, T0 + max_new_tokens, d_model)")
+    device = model.rope_cos.device
+    dtype = model.tok_emb.weight.dtype
+    tokens = torch.zeros(B, total, dtype=torch.long, device=device)
+    tokens[:, :T0] = prompt_ids.to(device)
+    e = torch.zeros(B, total, d, dtype=dtype, device=device)
+    if state is None:
+        state = model.initial_state(e, generator)
+    s = state.to(device=device, dtype=dtype).clone()
+    pre_kv = empty_caches(model, len(model.prelude), (B, total), e)
+    loops = rule.max_loops
+    caches = LoopCaches(core=empty_caches(model, len(model.core), (loops, B, total), e),
+                        coda=empty_caches(model, len(model.coda), (loops, B, total), e), per_loop=True)
+    exits, outs = [], []
+    window = (0, T0)
+    while True:
+        _prelude(model, tokens, window, pre_kv, e)
+        res = run_loops(model, rule, s, e, window, caches)
+        exits.append(res.exit_loop)
+        outs.append(res.logits)
+        t = window[1]
+        tokens[:, t] = _choose(res.logits[:, -1], temperature, generator)
+        if t == total - 1:
+            break
+        window = (t, t + 1)
+    exit_loop, logits = torch.cat(exits, dim=1), torch.cat(outs, dim=1)
+    return GenerationResult(
+        tokens=tokens, exit_loop=exit_loop, logits=logits, avg_depth=float(exit_loop.float().mean()),
+        new_avg_depth=float(exit_loop[:, T0 - 1 :].float().mean()), initial_state=state, prompt_len=T0,
+        rule=str(rule),
+    )
