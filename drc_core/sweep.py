@@ -1,0 +1,325 @@
+"""Quality versus average depth: threshold sweeps over halting rules, matching depths, and calibration.
+
+The paper's allocation result, measured: for every rule over a grid of thresholds (and for uniform depths and
+the offline oracle) this module runs the model with per-token halting on validation windows and records, per
+window, the average exit loop and two quality measures:
+
+- ``ce``: next-token cross-entropy at each token's exit loop (nats; the validation loss);
+- ``kl_ref``: ``KL(p_ref || p_exit)``, the uniform reference-depth output (default depth 8, the training
+  mean) measured against the token's output at its exit -- the direction of the oracle
+  (:func:`drc_core.halting.oracle_exit`) and of ``kl_final`` in :mod:`drc_core.measure`.
+
+One batch at a time (the same initial latent state s_0 for every rule of a batch, drawn as in
+:func:`drc_core.evaluate.loss_by_depth`): a single uniform-depth ``iterate`` pass gives every uniform depth
+and the oracle's exits at once; each halting rule then gets its own adaptive run (``forward_fn``, by default
+:func:`drc_core.halting.adaptive_forward`: halted tokens' states are frozen, later tokens keep attending to
+them), so a rule's numbers include the effect of its halting on later tokens -- unlike an offline replay.
+
+:func:`summarize` turns the per-window frame into one row per rule with bootstrap CIs over documents (or
+windows); :func:`matching_depth` gives the lowest average depth at which a family of rules matches a target
+quality (e.g. uniform depth 8's), on the grid and interpolated; :func:`calibrate` picks a threshold on one
+split for a stated target and reports whether the target holds on another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from drc_core.evaluate import EVAL_STATE_SEED, evaluation
+from drc_core.halting import (
+    AdaptiveResult,
+    ArgmaxPatience,
+    Cosine,
+    EntropyDelta,
+    HaltingRule,
+    KLThreshold,
+    SoftmaxConfidence,
+    StateDelta,
+    adaptive_forward,
+)
+from drc_core.measure import bootstrap_ci, kl_successive
+from drc_core.model import DepthRecurrentLM
+
+__all__ = [
+    "QUALITIES",
+    "Calibration",
+    "RuleSpec",
+    "calibrate",
+    "default_rules",
+    "matching_depth",
+    "summarize",
+    "sweep",
+    "window_clusters",
+]
+
+QUALITIES = ("ce", "kl_ref")
+ForwardFn = Callable[..., AdaptiveResult]
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """One point of a sweep: a rule, the family it belongs to and the swept parameter's value."""
+
+    family: str
+    param: float
+    rule: HaltingRule
+
+
+def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
+    """The threshold grids of every training-free rule (one :class:`RuleSpec` each), ``max_loops`` for all.
+
+    Grids (chosen to span "halts almost at once" to "runs to ``max_loops``" on the reference model):
+    KL and entropy change 1e-1..1e-5 (half-decades), relative state change 3e-1..1e-4, cosine 0.9..0.99999,
+    argmax patience 1..6 loops, top probability 0.3..0.99.
+    """
+    kw = {"min_loops": min_loops, "max_loops": max_loops}
+    half_decades = [1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5]
+    specs = [RuleSpec("kl", t, KLThreshold(t, **kw)) for t in half_decades]
+    specs += [RuleSpec("state_delta", t, StateDelta(t, **kw)) for t in [3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4]]
+    specs += [RuleSpec("entropy_delta", t, EntropyDelta(t, **kw)) for t in half_decades]
+    specs += [RuleSpec("cosine", t, Cosine(t, **kw)) for t in [0.9, 0.99, 0.999, 0.9999, 0.99999]]
+    specs += [RuleSpec("argmax_patience", n, ArgmaxPatience(n, **kw)) for n in [1, 2, 3, 4, 6]]
+    specs += [RuleSpec("confidence", t, SoftmaxConfidence(t, **kw)) for t in [0.3, 0.5, 0.7, 0.9, 0.95, 0.99]]
+    return specs
+
+
+def _need_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
+    return value
+
+
+def _token_quality(logp: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token CE against ``targets`` and KL(p_ref || p) for log-probs (B, T, V)."""
+    ce = -logp.gather(-1, targets[..., None]).squeeze(-1)
+    return ce, kl_successive(ref, logp)
+
+
+def _rows(family: str, param: float, rule: str, window0: int, depth: torch.Tensor, ce: torch.Tensor,
+          kl: torch.Tensor) -> list[dict[str, object]]:
+    """Per-window means of (B, T) exit depth, CE and KL."""
+    d, c, k = (t.double().mean(dim=1).tolist() for t in (depth, ce, kl))
+    return [
+        {"family": family, "param": param, "rule": rule, "window": window0 + i, "avg_depth": d[i], "ce": c[i],
+         "kl_ref": k[i]}
+        for i in range(depth.shape[0])
+    ]
+
+
+def _first_at_most(kl_by_loop: torch.Tensor, eps: float) -> torch.Tensor:
+    """(L, B, T) KL to the reference per loop -> the 1-based first loop with KL <= eps (the last loop if none)."""
+    ok = kl_by_loop <= eps
+    ok[-1] = True
+    return ok.float().argmax(dim=0) + 1
+
+
+@torch.no_grad()
+def sweep(
+    model: DepthRecurrentLM,
+    windows: torch.Tensor,
+    rules: Sequence[RuleSpec],
+    *,
+    reference_loops: int = 8,
+    uniform_loops: Iterable[int] | None = None,
+    oracle_eps: Sequence[float] = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4),
+    batch_size: int = 16,
+    seed: int = EVAL_STATE_SEED,
+    forward_fn: ForwardFn = adaptive_forward,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """Per-window quality and average depth of every rule, uniform depth and oracle point on ``windows``.
+
+    ``windows`` (N, T+1): inputs ``[:, :-1]``, targets ``[:, 1:]``. ``uniform_loops`` (default 1..the largest
+    ``max_loops`` of ``rules``, at least ``reference_loops``) become family ``"uniform"`` (param = depth);
+    the oracle (family ``"oracle"``, param = eps) exits each token at its first loop <= ``reference_loops``
+    with ``KL(p_ref || p_l) <= eps`` -- an offline lower bound on the average depth at that KL, computed on
+    the uniform-depth trajectories. Returns a frame with columns ``family, param, rule, window, avg_depth,
+    ce, kl_ref`` (per-window means over its T tokens). Runs in eval mode under no_grad.
+    """
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) == 0:
+        raise ValueError("windows must be a non-empty (N, T+1) token tensor; use drc_core.data.sampler.eval_windows")
+    reference_loops = _need_int("reference_loops", reference_loops, 1)
+    batch_size = _need_int("batch_size", batch_size, 1)
+    rules = list(rules)
+    for spec in rules:
+        if not isinstance(spec, RuleSpec) or not isinstance(spec.rule, HaltingRule):
+            raise ValueError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
+    deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
+    uniform = sorted(set(range(1, deepest + 1) if uniform_loops is None else uniform_loops))
+    if not uniform or uniform[0] < 1:
+        raise ValueError(f"uniform_loops={uniform!r} is invalid; pass loop counts >= 1")
+    device = next(model.parameters()).device
+    windows = windows.to(device)
+    rows: list[dict[str, object]] = []
+    n_batches = (len(windows) + batch_size - 1) // batch_size
+    bar = tqdm(total=n_batches * (1 + len(rules)), desc="sweep", disable=not progress)
+    with evaluation(model, seed) as gen:
+        for b0 in range(0, len(windows), batch_size):
+            xb = windows[b0 : b0 + batch_size]
+            x, y = xb[:, :-1], xb[:, 1:]
+            s0 = model.initial_state(model.embed(x), gen)
+            rows += _uniform_and_oracle(model, x, y, s0, b0, uniform, reference_loops, oracle_eps)
+            ref = F.log_softmax(model(x, reference_loops, state=s0).float(), dim=-1)
+            bar.update()
+            for spec in rules:
+                res = forward_fn(model, x, spec.rule, state=s0)
+                ce, kl = _token_quality(res.log_probs(), y, ref)
+                rows += _rows(spec.family, float(spec.param), str(spec.rule), b0, res.exit_loop, ce, kl)
+                bar.update()
+    bar.close()
+    return pd.DataFrame(rows)
+
+
+def _uniform_and_oracle(model: DepthRecurrentLM, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, b0: int,
+                        uniform: list[int], reference_loops: int, oracle_eps: Sequence[float]) -> list[dict]:
+    """One uniform ``iterate`` pass: every uniform depth's rows, and the oracle's (from per-loop KL/CE)."""
+    keep = sorted(set(uniform) | {reference_loops})
+    logps: dict[int, torch.Tensor] = {}
+    ces, kls = [], []
+    ref: torch.Tensor | None = None
+    for out in model.iterate(x, max(keep), state=s0, readout="log_probs"):
+        assert out.out is not None
+        if out.loop <= reference_loops:
+            logps[out.loop] = out.out  # needed until p_ref is known (loops 1..reference_loops)
+        if out.loop == reference_loops:
+            ref = out.out
+            for lp in sorted(logps):
+                ce, kl = _token_quality(logps[lp], y, ref)
+                ces.append(ce)
+                kls.append(kl)
+            logps.clear()
+        if out.loop > reference_loops:
+            assert ref is not None
+            ce, kl = _token_quality(out.out, y, ref)
+            ces.append(ce)
+            kls.append(kl)
+    ce_l, kl_l = torch.stack(ces), torch.stack(kls)  # (loops, B, T)
+    rows: list[dict] = []
+    for k in uniform:
+        depth = torch.full(y.shape, k, dtype=torch.long, device=y.device)
+        rows += _rows("uniform", float(k), f"uniform({k})", b0, depth, ce_l[k - 1], kl_l[k - 1])
+    for eps in oracle_eps:
+        exit_loop = _first_at_most(kl_l[:reference_loops].clone(), eps)
+        idx = (exit_loop - 1)[None]
+        rows += _rows("oracle", float(eps), f"oracle(kl<={eps:g})", b0, exit_loop,
+                      ce_l.gather(0, idx)[0], kl_l.gather(0, idx)[0])
+    return rows
+
+
+def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Per-window cluster ids for :func:`summarize` from per-position doc ids (N, T) (as returned by
+    :func:`drc_core.measure.val_windows_with_docs`): each window's most common document."""
+    docs = np.asarray(doc_ids)
+    if docs.ndim != 2:
+        raise ValueError(f"doc_ids must be (N, T) per-position document ids; got shape {docs.shape}")
+    out = np.empty(len(docs), dtype=np.int64)
+    for i, row in enumerate(docs):
+        vals, counts = np.unique(row, return_counts=True)
+        out[i] = vals[np.argmax(counts)]
+    return out
+
+
+def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None = None,
+              clusters: np.ndarray | None = None, n_boot: int = 1000, seed: int = 0,
+              level: float = 0.95) -> pd.DataFrame:
+    """One row per (family, param, rule): ``avg_depth``, ``ce``, ``kl_ref`` and ``<q>_lo``/``<q>_hi`` CIs.
+
+    ``windows`` restricts to those window ids (e.g. a calibration or held-out split); ``clusters`` gives each
+    window's bootstrap cluster (indexed by window id, e.g. :func:`window_clusters`; default: windows). Every
+    window has the same number of tokens, so means over windows are means over tokens. CIs: percentile
+    bootstrap over clusters (:func:`drc_core.measure.bootstrap_ci`), the same draws for every rule.
+    """
+    needed = {"family", "param", "rule", "window", "avg_depth", *QUALITIES}
+    if missing := needed - set(frame.columns):
+        raise ValueError(f"the frame lacks columns {sorted(missing)}; pass the output of sweep()")
+    if windows is not None:
+        frame = frame[frame.window.isin(np.asarray(windows))]
+        if frame.empty:
+            raise ValueError("no rows left for the given windows; pass window ids that the sweep covered")
+    out = []
+    for (family, param, rule), g in frame.groupby(["family", "param", "rule"], sort=False):
+        g = g.sort_values("window")
+        cl = g.window.to_numpy() if clusters is None else np.asarray(clusters)[g.window.to_numpy()]
+        cols = ["avg_depth", *QUALITIES]
+        point, lo, hi = bootstrap_ci(g[cols].to_numpy(float), cl, n_boot=n_boot, seed=seed, level=level)
+        row: dict[str, object] = {"family": family, "param": param, "rule": rule, "n_windows": len(g)}
+        for j, c in enumerate(cols):
+            row[c], row[f"{c}_lo"], row[f"{c}_hi"] = point[j], lo[j], hi[j]
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def _need_quality(quality: str) -> str:
+    if quality not in QUALITIES:
+        raise ValueError(f"quality={quality!r} is not supported; use one of {QUALITIES}")
+    return quality
+
+
+def matching_depth(summary: pd.DataFrame, family: str, target: float, *, quality: str = "ce") -> dict[str, float]:
+    """The lowest average depth at which ``family`` reaches ``quality <= target``.
+
+    ``grid``: the smallest ``avg_depth`` among the family's points that meet the target (NaN if none does);
+    ``interpolated``: along the family's quality-vs-depth curve (points sorted by depth, linear between
+    neighbours), the first depth where it crosses the target (equal to ``grid`` when the shallowest point
+    already meets it). Also returns that point's ``param`` and ``quality``.
+    """
+    quality = _need_quality(quality)
+    g = summary[summary.family == family].sort_values("avg_depth")
+    if g.empty:
+        raise ValueError(f"family {family!r} is not in the summary; it has {sorted(summary.family.unique())}")
+    depth, q = g.avg_depth.to_numpy(float), g[quality].to_numpy(float)
+    ok = np.flatnonzero(q <= target)
+    if not len(ok):
+        return {"grid": float("nan"), "interpolated": float("nan"), "param": float("nan"), "quality": float("nan")}
+    i = int(ok[0])
+    interp = depth[i]
+    if i > 0 and q[i - 1] > target:
+        frac = (q[i - 1] - target) / (q[i - 1] - q[i])
+        interp = depth[i - 1] + frac * (depth[i] - depth[i - 1])
+    return {"grid": float(depth[i]), "interpolated": float(interp), "param": float(g.param.iloc[i]),
+            "quality": float(q[i])}
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` returns: the chosen ``param`` (NaN if no point met the target on the
+    calibration split), its depth and quality on both splits, and whether the target holds on the held-out
+    split (``holds``)."""
+
+    family: str
+    quality: str
+    target: float
+    param: float
+    calib_depth: float
+    calib_quality: float
+    heldout_depth: float
+    heldout_quality: float
+    heldout_quality_lo: float
+    heldout_quality_hi: float
+    holds: bool
+
+
+def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: float, *,
+              quality: str = "ce") -> Calibration:
+    """Choose ``family``'s threshold on the calibration summary -- the point of lowest average depth with
+    ``quality <= target`` -- and evaluate the same threshold on the held-out summary (both from
+    :func:`summarize` of one sweep on two disjoint window sets)."""
+    quality = _need_quality(quality)
+    m = matching_depth(calib, family, target, quality=quality)
+    nan = float("nan")
+    if np.isnan(m["param"]):
+        return Calibration(family, quality, target, nan, nan, nan, nan, nan, nan, nan, False)
+    h = heldout[(heldout.family == family) & (heldout.param == m["param"])]
+    if len(h) != 1:
+        raise ValueError(f"the held-out summary has no single row for {family} param={m['param']:g}")
+    r = h.iloc[0]
+    return Calibration(family, quality, target, m["param"], m["grid"], m["quality"], float(r.avg_depth),
+                       float(r[quality]), float(r[f"{quality}_lo"]), float(r[f"{quality}_hi"]),
+                       bool(r[quality] <= target))

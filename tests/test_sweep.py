@@ -1,0 +1,167 @@
+"""Sweeps of quality vs average depth, matching depths and calibration (drc_core/sweep.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drc_core.evaluate import EVAL_STATE_SEED, loss_by_depth
+from drc_core.halting import KLThreshold, Never, Uniform, adaptive_forward, iterate_stats, offline_exits
+from drc_core.measure import kl_successive
+from drc_core.sweep import (
+    RuleSpec,
+    _first_at_most,
+    calibrate,
+    default_rules,
+    matching_depth,
+    summarize,
+    sweep,
+    window_clusters,
+)
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def model(one_thread, tiny_model_factory):
+    return tiny_model_factory(V, core_scale=2.5).eval()
+
+
+@pytest.fixture(scope="module")
+def windows():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, V, (6, 17), generator=g)
+
+
+@pytest.fixture(scope="module")
+def frame(model, windows):
+    rules = [RuleSpec("kl", t, KLThreshold(t, max_loops=8)) for t in (1e-1, 1e-2, 1e-3, 1e-5)]
+    rules.append(RuleSpec("never", 8, Never(max_loops=8)))
+    return sweep(model, windows, rules, reference_loops=4, batch_size=4, oracle_eps=(1e-1, 1e-3))
+
+
+def test_uniform_rows_equal_loss_by_depth(model, windows, frame):
+    s = summarize(frame, n_boot=50)
+    uni = s[s.family == "uniform"].set_index("param")
+    assert list(uni.index) == [float(k) for k in range(1, 9)]
+    want = loss_by_depth(model, windows, list(range(1, 9)), batch_size=4)
+    for k, loss in want.items():
+        assert uni.loc[float(k), "ce"] == pytest.approx(loss, rel=1e-5)
+        assert uni.loc[float(k), "avg_depth"] == k
+    assert uni.loc[4.0, "kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the reference against itself
+    assert uni.loc[1.0, "kl_ref"] > 0
+
+
+@torch.no_grad()
+def test_rule_rows_equal_adaptive_forward(model, windows, frame):
+    # batch 1 (windows 4, 5) is the generator's second draw
+    gen = torch.Generator().manual_seed(EVAL_STATE_SEED)
+    x0 = windows[:4, :-1]
+    model.initial_state(model.embed(x0), gen)
+    x, y = windows[4:, :-1], windows[4:, 1:]
+    s0 = model.initial_state(model.embed(x), gen)
+    res = adaptive_forward(model, x, KLThreshold(1e-2, max_loops=8), state=s0)
+    ref = F.log_softmax(model(x, 4, state=s0).float(), dim=-1)
+    logp = res.log_probs()
+    ce = -logp.gather(-1, y[..., None]).squeeze(-1)
+    kl = kl_successive(ref, logp)
+    rows = frame[(frame.family == "kl") & (frame.param == 1e-2)].set_index("window")
+    for i, w in enumerate((4, 5)):
+        assert rows.loc[w, "avg_depth"] == pytest.approx(float(res.exit_loop[i].float().mean()))
+        assert rows.loc[w, "ce"] == pytest.approx(float(ce[i].mean()), rel=1e-5)
+        assert rows.loc[w, "kl_ref"] == pytest.approx(float(kl[i].mean()), rel=1e-4, abs=1e-9)
+    never = frame[frame.family == "never"]
+    assert (never.avg_depth == 8).all()
+    uni8 = frame[(frame.family == "uniform") & (frame.param == 8)].set_index("window")
+    np.testing.assert_allclose(never.set_index("window").ce, uni8.ce, rtol=1e-5)
+
+
+def test_thresholds_order_depth(frame):
+    s = summarize(frame, n_boot=50)
+    kl = s[s.family == "kl"].sort_values("param")
+    assert kl.avg_depth.is_monotonic_decreasing  # a looser threshold halts earlier
+    assert kl.avg_depth.iloc[0] > kl.avg_depth.iloc[-1]
+    assert (s.avg_depth_lo <= s.avg_depth + 1e-12).all() and (s.ce_hi >= s.ce - 1e-12).all()
+
+
+def test_oracle_rows(frame):
+    o = frame[frame.family == "oracle"]
+    assert set(o.param) == {1e-1, 1e-3}
+    assert (o.avg_depth <= 4).all()  # never beyond the reference loop
+    tight = summarize(frame, n_boot=20).set_index(["family", "param"])
+    assert tight.loc[("oracle", 1e-3), "kl_ref"] <= 1e-3
+    assert tight.loc[("oracle", 1e-1), "avg_depth"] <= tight.loc[("oracle", 1e-3), "avg_depth"]
+
+
+def test_oracle_is_a_lower_bound_at_equal_worst_token_quality(model, windows):
+    """On uniform trajectories every token of a rule ends within eps = its worst token's KL to the reference;
+    the oracle at that eps exits each token no later, so its average depth is no larger."""
+    x = windows[:, :-1]
+    s0 = torch.randn(x.shape[0], x.shape[1], model.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    stats = list(iterate_stats(model, x, 8, state=s0))
+    logps = torch.stack([s.log_probs for s in stats])
+    ref = logps[3]  # reference depth 4
+    for tau in (1e-1, 1e-2, 1e-3):
+        ex = offline_exits(stats, [KLThreshold(tau, max_loops=8)])[0]
+        at_exit = logps.gather(0, (ex - 1)[None, ..., None].expand(1, *ex.shape, V))[0]
+        eps = float(kl_successive(ref, at_exit).max())
+        kl_by_loop = torch.stack([kl_successive(ref, logps[i]) for i in range(4)])
+        oracle = _first_at_most(kl_by_loop, eps)
+        assert (oracle <= ex.clamp(max=8)).all()
+        assert oracle.float().mean() <= ex.float().mean()
+
+
+def test_matching_depth_interpolates():
+    s = pd.DataFrame({"family": "f", "param": [1.0, 2.0, 3.0], "avg_depth": [2.0, 4.0, 6.0],
+                      "ce": [5.0, 4.0, 3.0], "kl_ref": [0.3, 0.2, 0.1]})
+    m = matching_depth(s, "f", 3.5)
+    assert m["grid"] == 6.0 and m["param"] == 3.0 and m["interpolated"] == pytest.approx(5.0)
+    assert matching_depth(s, "f", 6.0)["interpolated"] == 2.0
+    assert math.isnan(matching_depth(s, "f", 1.0)["grid"])
+    assert matching_depth(s, "f", 0.2, quality="kl_ref")["grid"] == 4.0
+    with pytest.raises(ValueError, match="family 'g' is not in the summary"):
+        matching_depth(s, "g", 1.0)
+    with pytest.raises(ValueError, match="quality='bpb' is not supported"):
+        matching_depth(s, "f", 1.0, quality="bpb")
+
+
+def test_calibrate_on_one_split_checks_the_other(frame):
+    calib = summarize(frame, windows=[0, 1, 2], n_boot=20)
+    held = summarize(frame, windows=[3, 4, 5], n_boot=20)
+    uni8 = float(calib[(calib.family == "uniform") & (calib.param == 8)].ce.iloc[0])
+    c = calibrate(calib, held, "kl", uni8 + 0.01)
+    assert not math.isnan(c.param)
+    row = held[(held.family == "kl") & (held.param == c.param)].iloc[0]
+    assert c.heldout_depth == pytest.approx(row.avg_depth) and c.holds == (row.ce <= uni8 + 0.01)
+    impossible = calibrate(calib, held, "kl", -1.0)
+    assert math.isnan(impossible.param) and not impossible.holds
+
+
+def test_window_clusters_and_summary_restriction(frame):
+    docs = np.array([[0, 0, 1], [2, 2, 2], [1, 3, 3], [4, 4, 4], [5, 6, 6], [7, 7, 7]])
+    cl = window_clusters(docs)
+    assert cl.tolist() == [0, 2, 3, 4, 6, 7]
+    s = summarize(frame, clusters=cl, n_boot=20)
+    assert (s.n_windows == 6).all()
+    with pytest.raises(ValueError, match="no rows left"):
+        summarize(frame, windows=[99])
+    with pytest.raises(ValueError, match="lacks columns"):
+        summarize(frame.drop(columns="ce"))
+
+
+def test_default_rules_and_bad_inputs(model, windows):
+    specs = default_rules(max_loops=12)
+    fams = {s.family for s in specs}
+    assert fams == {"kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence"}
+    assert all(s.rule.max_loops == 12 for s in specs)
+    with pytest.raises(ValueError, match="windows must be a non-empty"):
+        sweep(model, windows[:0], specs)
+    with pytest.raises(ValueError, match="rules must be RuleSpec"):
+        sweep(model, windows, [Uniform(2)])
+    with pytest.raises(ValueError, match="reference_loops=0 is invalid"):
+        sweep(model, windows, specs, reference_loops=0)
