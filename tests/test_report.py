@@ -1,0 +1,82 @@
+"""The reproduction report's pieces (drc_core/report.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drc_core.data.tokenizer import train_bpe
+from drc_core.report import PAPER, across_seeds, headline_numbers, plateau_depth, reproduction_table
+from drc_core.tokens import TokenClass
+
+
+def test_plateau_depth():
+    loss = {1: 5.0, 2: 4.6, 4: 4.51, 8: 4.505, 16: 4.504, 32: 4.504}
+    assert plateau_depth(loss, tol=0.01) == 4
+    assert plateau_depth(loss, tol=0.0) == 16
+    # a loss that gets worse with depth plateaus where it is lowest
+    assert plateau_depth({1: 5.0, 4: 4.0, 8: 4.2, 16: 4.5}, tol=0.0) == 4
+    with pytest.raises(ValueError, match="loss_by_loops is empty"):
+        plateau_depth({})
+
+
+def test_across_seeds_t_interval():
+    seeds = [{"a": 1.0, "b": 10.0, "order": ["x"]}, {"a": 2.0, "b": 10.0, "order": ["y"]},
+             {"a": 3.0, "b": 10.0, "order": ["x"]}]
+    t = across_seeds(seeds)
+    assert list(t.index) == ["a", "b"]  # non-numeric keys are left out
+    assert t.loc["a", "mean"] == 2.0 and t.loc["a", "std"] == pytest.approx(1.0)
+    half = 4.302652729911275 / math.sqrt(3)  # t_{0.975, 2}
+    assert t.loc["a", "lo"] == pytest.approx(2.0 - half) and t.loc["a", "hi"] == pytest.approx(2.0 + half)
+    assert t.loc["b", "lo"] == t.loc["b", "hi"] == 10.0
+    assert math.isnan(across_seeds(seeds[:1]).loc["a", "lo"])
+    with pytest.raises(ValueError, match="per_seed is empty"):
+        across_seeds([])
+
+
+PAPER_LIKE = {"kl_2": 0.39, "kl_16": 8.5e-6, "median_depth": 6, "frac_updating": 0.1,
+              "class_order": ["whitespace", "punctuation", "function", "content"], "kl_rule_depth": 4.94,
+              "router_depth": 7.9, "ce_1": 3.8, "ce_8": 3.2, "ce_max": 3.2}
+
+
+def test_reproduction_table_agrees_with_the_paper_itself():
+    table = reproduction_table(PAPER_LIKE)
+    assert len(table) == len(PAPER)
+    assert (table.verdict == "agree").all(), table[table.verdict != "agree"]
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("kl_2", 0.01), ("kl_16", 1e-3), ("median_depth", 9), ("frac_updating", 0.5),
+    ("class_order", ["content", "whitespace"]), ("kl_rule_depth", 7.5), ("router_depth", 3.0), ("ce_max", 3.5),
+])
+def test_each_claim_can_differ(key, value):
+    ours = {**PAPER_LIKE, key: value}
+    table = reproduction_table(ours, notes={"kl_2": "scale"}).set_index("claim")
+    verdicts = dict(zip([c.key for c in PAPER], table.verdict, strict=True))
+    claim_key = {"router_depth": "router", "ce_max": "ce_curve"}.get(key, key)
+    assert verdicts[claim_key] == "differ"
+    assert sum(v == "differ" for v in verdicts.values()) == 1
+    assert table.why.iloc[0] == "scale"
+
+
+def test_seed_column_formats_intervals():
+    seeds = across_seeds([PAPER_LIKE, {**PAPER_LIKE, "kl_2": 0.5}, {**PAPER_LIKE, "kl_2": 0.3}])
+    table = reproduction_table(PAPER_LIKE, seeds)
+    assert table["across seeds (small preset)"].iloc[0].endswith("(n=3)")
+
+
+def test_headline_numbers_on_a_tiny_model(one_thread, tiny_model_factory, tmp_path):
+    texts = ["The cat sat on the mat, and 42 dogs ran.\n", "A bird sang in the tree; it was 7 am.\n"] * 20
+    tok = train_bpe(texts, vocab_size=300)
+    model = tiny_model_factory(300, core_scale=2.0).eval()
+    ids = torch.tensor(tok.encode("".join(texts)).ids[: 4 * 17]).view(4, 17)
+    h = headline_numbers(model, ids, tok, max_loops=8, reference_loops=4, rule_max_loops=8)
+    for k in ("ce_1", "ce_8", "ce_max", "kl_2", "kl_16", "median_depth", "frac_updating", "kl_rule_depth",
+              "uniform_depth"):
+        assert isinstance(h[k], float), k
+    assert h["kl_2"] > h["kl_16"] >= 0
+    assert 1 <= h["median_depth"] <= 8 and 0 <= h["frac_updating"] <= 1
+    assert h["uniform_depth"] <= 4 + 1e-9  # uniform depth 4 meets its own CE
+    assert set(h["class_order"]) <= {c.value for c in TokenClass}
