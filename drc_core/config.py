@@ -111,6 +111,22 @@ def _cpu() -> TrainConfig:
     )
 
 
+def _small() -> TrainConfig:
+    """Minutes on 2 CPU cores, on the default corpus (vocab 4096): for seed replicates and the training-mean
+    depth experiment (issue E), where several models must be trained side by side.
+
+    d=64, 2 heads, prelude 1 / core 2 / coda 1, mean depth 8, backprop through the last 4 loops, 1200 steps of
+    16 x 128 tokens (2.5 M tokens).
+    """
+    return TrainConfig(
+        model=ModelConfig(vocab_size=4096, d_model=64, n_heads=2, n_prelude=1, n_core=2, n_coda=1,
+                          max_seq_len=256),
+        recurrence=RecurrenceConfig(mean=8.0, backprop_loops=4, max_loops=32),
+        seq_len=128, batch_size=16, max_steps=1200, lr=4e-3, warmup_steps=60, eval_every=300,
+        eval_windows=64, ckpt_every=300,
+    )
+
+
 def _paper_135m() -> TrainConfig:
     """A 135M-parameter class model for a GPU and FineWeb-Edu (prepared with --vocab-size 49152).
 
@@ -127,7 +143,9 @@ def _paper_135m() -> TrainConfig:
     )
 
 
-PRESETS: dict[str, typing.Callable[[], TrainConfig]] = {"tiny": _tiny, "cpu": _cpu, "paper-135m": _paper_135m}
+PRESETS: dict[str, typing.Callable[[], TrainConfig]] = {
+    "tiny": _tiny, "small": _small, "cpu": _cpu, "paper-135m": _paper_135m,
+}
 
 
 def preset(name: str) -> TrainConfig:
