@@ -39,12 +39,13 @@ KL_GRID = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
 
 def headline_numbers(model: DepthRecurrentLM, windows, tokenizer, *, doc_ids=None, max_loops: int = 32,
                      reference_loops: int = 8, eps: float = 1e-3, ce_tolerance: float = 0.005,
-                     rule_max_loops: int = 16, seed: int = 0) -> dict[str, float | list[str]]:
+                     rule_max_loops: int = 16, seed: int = 0, mode: str = "offline") -> dict[str, float | list[str]]:
     """The paper's numbers for one model on ``windows`` (N, T+1): validation CE at 1, 8 and ``max_loops``
     loops, mean successive KL at loops 2 and 16, median convergence depth and the fraction of tokens still
     updating at ``reference_loops`` (ε = ``eps``), the token-class order (shallow to deep), and the lowest
     average depth at which the KL rule (and uniform depth) matches CE(uniform ``reference_loops``) +
-    ``ce_tolerance``."""
+    ``ce_tolerance`` (the KL rule swept in ``mode`` of :func:`drc_core.sweep.sweep`: "offline" replays it on the
+    uniform trajectory, one pass for the whole grid; "online" runs it with true per-token halting)."""
     frame = measure_windows(model, windows, max_loops, doc_ids=doc_ids, kl_to_final=False)
     loops = per_loop_summary(frame, n_boot=1, seed=seed).set_index("loop")
     depths = convergence_depth(frame, eps)
@@ -54,7 +55,7 @@ def headline_numbers(model: DepthRecurrentLM, windows, tokenizer, *, doc_ids=Non
     classes = np.asarray(classify_sequence(tokenizer, ids)).reshape(-1)
     order = class_depth_summary(classes, depths.depth.to_numpy(float), n_boot=1, seed=seed)["class"].tolist()
     specs = [RuleSpec("kl", t, KLThreshold(t, max_loops=rule_max_loops)) for t in KL_GRID]
-    summ = summarize(sweep(model, windows, specs, reference_loops=reference_loops, oracle_eps=()), n_boot=1)
+    summ = summarize(sweep(model, windows, specs, reference_loops=reference_loops, oracle_eps=(), mode=mode), n_boot=1)
     target = float(summ[(summ.family == "uniform") & (summ.param == reference_loops)].ce.iloc[0]) + ce_tolerance
     kl16 = min(16, max_loops)
     return {
@@ -161,13 +162,19 @@ def _verdict(key: str, ours: Mapping[str, object]) -> tuple[str, bool]:
 
 
 def reproduction_table(ours: Mapping[str, object], seeds: pd.DataFrame | None = None,
-                       notes: Mapping[str, str] | None = None) -> pd.DataFrame:
+                       notes: Mapping[str, str] | None = None,
+                       intervals: Mapping[str, tuple[float, float]] | None = None) -> pd.DataFrame:
     """One row per claim of :data:`PAPER`: the claim, the paper's value, ours (from the reference model),
     the across-seed mean [t-interval] where ``seeds`` (:func:`across_seeds`) has the key, the criterion,
-    ``agree``/``differ``, and a note (``notes[key]``: why it agrees or differs)."""
+    ``agree``/``differ``, and a note (``notes[key]``: why it agrees or differs). ``intervals[key]`` (lo, hi),
+    e.g. bootstrap CIs over documents of the reference model's value, is shown after our value."""
     rows = []
     for c in PAPER:
         text, ok = _verdict(c.key, ours)
+        if intervals and c.key in intervals:
+            lo, hi = intervals[c.key]
+            fmt = ".1%" if c.key == "frac_updating" else ".3g"
+            text += f" [{lo:{fmt}}, {hi:{fmt}}]"
         seed_text = ""
         if seeds is not None and c.key in seeds.index:
             r = seeds.loc[c.key]
@@ -177,3 +184,38 @@ def reproduction_table(ours: Mapping[str, object], seeds: pd.DataFrame | None = 
                      "criterion": c.criterion, "verdict": "agree" if ok else "differ",
                      "why": (notes or {}).get(c.key, "")})
     return pd.DataFrame(rows)
+
+
+def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
+    """A sentence per claim on why ours agrees or differs, from the numbers themselves (``ours`` as for
+    :func:`reproduction_table`, plus optional ``kl_end_same_parity``/``kl_end_other_parity``, KL to the deepest output
+    from loops L-2 and L-1, ``uniform_depth`` and
+    ``oracle_depth``); ``scale`` names our model and data (e.g. "6.5M parameters, 20M tokens")."""
+    g, notes = ours.get, {}
+    paper_scale = "the paper's 135M-parameter model trained on FineWeb-Edu"
+    kl2, kl16 = float(g("kl_2")), float(g("kl_16"))
+    notes["kl_2"] = (f"the first extra loop moves the output of our {scale} model by {kl2:.2g} nats, "
+                     f"{paper_scale}'s by 0.39")
+    floor = ""
+    same, other = g("kl_end_same_parity"), g("kl_end_other_parity")
+    if same is not None and other is not None and float(other) > 3 * float(same):
+        floor = (f"; the decay stalls at a floor where outputs alternate: KL(p_L ‖ p_l) is {float(same):.1g} two "
+                 f"loops before the last (L) but {float(other):.1g} one loop before -- a 2-cycle, not a fixed point")
+    notes["kl_16"] = f"{kl2 / max(kl16, 1e-30):.0e}× below loop 2 (paper: 4.6e4×){floor}"
+    notes["median_depth"] = ("the same definition (ε = 1e-3, the loop after which KL stays below ε); a model "
+                             "whose loop-2 KL is smaller also settles earlier")
+    notes["frac_updating"] = "share of tokens whose convergence depth exceeds the training-mean depth"
+    notes["class_order"] = "mean convergence depth per class of decoded text (drc_core.tokens), CIs over documents"
+    ud, kd = float(g("uniform_depth", math.nan)), float(g("kl_rule_depth"))
+    od = g("oracle_depth")
+    notes["kl_rule_depth"] = (
+        f"uniform depth already reaches the depth-8 loss at {ud:.2f} loops here, so the cut that halting can add is "
+        f"small: the KL rule saves {1 - kd / ud:.0%} vs that uniform depth"
+        + (f" and the offline oracle bound is {float(od):.2f} loops" if od is not None else "")
+        + "; the paper's 38% is relative to 8 loops, where its model still gained"
+    ) if not math.isnan(ud) else "no uniform depth matched"
+    notes["router"] = "linear router on the latent state, trained on convergence labels of the calibration split"
+    c1, c8 = float(g("ce_1")), float(g("ce_8"))
+    notes["ce_curve"] = (f"depth buys {c1 - c8:.2f} nats from 1 to 8 loops here vs 0.60 in the paper "
+                         f"({scale} vs {paper_scale}); losses differ in absolute terms (other corpus, vocab 4096)")
+    return notes

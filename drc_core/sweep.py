@@ -11,9 +11,11 @@ window, the average exit loop and two quality measures:
 
 One batch at a time (the same initial latent state s_0 for every rule of a batch, drawn as in
 :func:`drc_core.evaluate.loss_by_depth`): a single uniform-depth ``iterate`` pass gives every uniform depth
-and the oracle's exits at once; each halting rule then gets its own adaptive run (``forward_fn``, by default
-:func:`drc_core.halting.adaptive_forward`: halted tokens' states are frozen, later tokens keep attending to
-them), so a rule's numbers include the effect of its halting on later tokens -- unlike an offline replay.
+and the oracle's exits at once. In ``mode="online"`` each halting rule then gets its own adaptive run
+(``forward_fn``, by default :func:`drc_core.halting.adaptive_forward`: halted tokens' states are frozen, later
+tokens keep attending to them), so a rule's numbers include the effect of its halting on later tokens; in
+``mode="offline"`` every rule is replayed on that one uniform pass (one pass for any number of rules, the
+analysis behind a FLOP proxy), which ignores that effect.
 
 :func:`summarize` turns the per-window frame into one row per rule with bootstrap CIs over documents (or
 windows); :func:`matching_depth` gives the lowest average depth at which a family of rules matches a target
@@ -43,6 +45,8 @@ from drc_core.halting import (
     SoftmaxConfidence,
     StateDelta,
     adaptive_forward,
+    loop_stats,
+    offline_exits,
 )
 from drc_core.measure import bootstrap_ci, kl_successive
 from drc_core.model import DepthRecurrentLM
@@ -132,6 +136,7 @@ def sweep(
     batch_size: int = 16,
     seed: int = EVAL_STATE_SEED,
     forward_fn: ForwardFn = adaptive_forward,
+    mode: str = "online",
     progress: bool = False,
 ) -> pd.DataFrame:
     """Per-window quality and average depth of every rule, uniform depth and oracle point on ``windows``.
@@ -142,7 +147,16 @@ def sweep(
     with ``KL(p_ref || p_l) <= eps`` -- an offline lower bound on the average depth at that KL, computed on
     the uniform-depth trajectories. Returns a frame with columns ``family, param, rule, window, avg_depth,
     ce, kl_ref`` (per-window means over its T tokens). Runs in eval mode under no_grad.
+
+    ``mode="online"`` runs every rule with ``forward_fn`` (true per-token halting: a halted token's frozen
+    state and keys/values change what later tokens see). ``mode="offline"`` replays every rule on the one
+    uniform trajectory (:func:`drc_core.halting.offline_exits`; quality read at the exit loop of that
+    trajectory), as a FLOP-proxy analysis does: one pass for all rules instead of one per rule, exact for a
+    token whose earlier tokens run at least as long as it does. Compare the two on a few rules to see how much
+    the freezing matters (notebook 4 does).
     """
+    if mode not in ("online", "offline"):
+        raise ValueError(f"mode={mode!r} is invalid; pass 'online' (run each rule) or 'offline' (replay)")
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) == 0:
         raise ValueError("windows must be a non-empty (N, T+1) token tensor; use drc_core.data.sampler.eval_windows")
     reference_loops = _need_int("reference_loops", reference_loops, 1)
@@ -159,16 +173,20 @@ def sweep(
     windows = windows.to(device)
     rows: list[dict[str, object]] = []
     n_batches = (len(windows) + batch_size - 1) // batch_size
-    bar = tqdm(total=n_batches * (1 + len(rules)), desc="sweep", disable=not progress)
+    bar = tqdm(total=n_batches * (1 + len(rules)), desc=f"sweep ({mode})", disable=not progress)
     with evaluation(model, seed) as gen:
         for b0 in range(0, len(windows), batch_size):
             xb = windows[b0 : b0 + batch_size]
             x, y = xb[:, :-1], xb[:, 1:]
             s0 = model.initial_state(model.embed(x), gen)
-            rows += _uniform_and_oracle(model, x, y, s0, b0, uniform, reference_loops, oracle_eps)
             ref = F.log_softmax(model(x, reference_loops, state=s0).float(), dim=-1)
-            bar.update()
-            for spec in rules:
+            replay = rules if mode == "offline" else []
+            ce_l, kl_l, exits = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), replay)
+            rows += _uniform_and_oracle(ce_l, kl_l, y, b0, uniform, reference_loops, oracle_eps)
+            for spec, exit_loop in zip(replay, exits, strict=True):
+                rows += _exit_rows(spec.family, float(spec.param), str(spec.rule), b0, exit_loop, ce_l, kl_l)
+            bar.update(1 + len(replay))
+            for spec in rules if mode == "online" else []:
                 res = forward_fn(model, x, spec.rule, state=s0)
                 ce, kl = _token_quality(res.log_probs(), y, ref)
                 rows += _rows(spec.family, float(spec.param), str(spec.rule), b0, res.exit_loop, ce, kl)
@@ -177,40 +195,49 @@ def sweep(
     return pd.DataFrame(rows)
 
 
-def _uniform_and_oracle(model: DepthRecurrentLM, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, b0: int,
-                        uniform: list[int], reference_loops: int, oracle_eps: Sequence[float]) -> list[dict]:
-    """One uniform ``iterate`` pass: every uniform depth's rows, and the oracle's (from per-loop KL/CE)."""
-    keep = sorted(set(uniform) | {reference_loops})
-    logps: dict[int, torch.Tensor] = {}
+def _trajectory(model: DepthRecurrentLM, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor,
+                loops: int, rules: Sequence[RuleSpec]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One uniform ``iterate`` pass of ``loops`` loops: per-loop CE and KL(p_ref || p_l), each (loops, B, T),
+    and, for ``rules`` (offline mode), each rule's exit loops replayed on this trajectory
+    (:func:`drc_core.halting.offline_exits`: the decisions when halting changes no other token)."""
     ces, kls = [], []
-    ref: torch.Tensor | None = None
-    for out in model.iterate(x, max(keep), state=s0, readout="log_probs"):
-        assert out.out is not None
-        if out.loop <= reference_loops:
-            logps[out.loop] = out.out  # needed until p_ref is known (loops 1..reference_loops)
-        if out.loop == reference_loops:
-            ref = out.out
-            for lp in sorted(logps):
-                ce, kl = _token_quality(logps[lp], y, ref)
-                ces.append(ce)
-                kls.append(kl)
-            logps.clear()
-        if out.loop > reference_loops:
-            assert ref is not None
+
+    def stats():
+        prev = None
+        for out in model.iterate(x, loops, state=s0, readout="log_probs"):
+            assert out.out is not None
             ce, kl = _token_quality(out.out, y, ref)
             ces.append(ce)
             kls.append(kl)
-    ce_l, kl_l = torch.stack(ces), torch.stack(kls)  # (loops, B, T)
+            if rules:
+                prev = loop_stats(prev, out.loop, out.out, out.state)
+                yield prev
+
+    it = stats()
+    exits = offline_exits(it, [spec.rule for spec in rules]) if rules else []
+    for _ in it:  # the uniform depths need every loop, even after every rule has halted
+        pass
+    return torch.stack(ces), torch.stack(kls), exits
+
+
+def _uniform_and_oracle(ce_l: torch.Tensor, kl_l: torch.Tensor, y: torch.Tensor, b0: int, uniform: list[int],
+                        reference_loops: int, oracle_eps: Sequence[float]) -> list[dict]:
+    """Every uniform depth's rows, and the oracle's (first loop <= reference with KL to it <= eps)."""
     rows: list[dict] = []
     for k in uniform:
         depth = torch.full(y.shape, k, dtype=torch.long, device=y.device)
         rows += _rows("uniform", float(k), f"uniform({k})", b0, depth, ce_l[k - 1], kl_l[k - 1])
     for eps in oracle_eps:
         exit_loop = _first_at_most(kl_l[:reference_loops].clone(), eps)
-        idx = (exit_loop - 1)[None]
-        rows += _rows("oracle", float(eps), f"oracle(kl<={eps:g})", b0, exit_loop,
-                      ce_l.gather(0, idx)[0], kl_l.gather(0, idx)[0])
+        rows += _exit_rows("oracle", float(eps), f"oracle(kl<={eps:g})", b0, exit_loop, ce_l, kl_l)
     return rows
+
+
+def _exit_rows(family: str, param: float, rule: str, b0: int, exit_loop: torch.Tensor, ce_l: torch.Tensor,
+               kl_l: torch.Tensor) -> list[dict]:
+    """Rows for exits (B, T) read off per-loop CE/KL (L, B, T) of one trajectory."""
+    idx = (exit_loop - 1)[None]
+    return _rows(family, param, rule, b0, exit_loop, ce_l.gather(0, idx)[0], kl_l.gather(0, idx)[0])
 
 
 def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -80,3 +80,19 @@ def test_headline_numbers_on_a_tiny_model(one_thread, tiny_model_factory, tmp_pa
     assert 1 <= h["median_depth"] <= 8 and 0 <= h["frac_updating"] <= 1
     assert h["uniform_depth"] <= 4 + 1e-9  # uniform depth 4 meets its own CE
     assert set(h["class_order"]) <= {c.value for c in TokenClass}
+
+
+def test_table_intervals_and_explanations():
+    from drc_core.report import explain
+
+    ours = {"kl_2": 0.2, "kl_16": 2e-5, "median_depth": 4.0, "frac_updating": 0.03,
+            "class_order": ["whitespace/newline", "content word"], "kl_rule_depth": 3.6, "router_depth": 7.0,
+            "uniform_depth": 3.8, "oracle_depth": 3.0, "ce_1": 4.7, "ce_8": 4.5, "ce_max": 4.5,
+            "kl_end_same_parity": 1e-5, "kl_end_other_parity": 6e-5}
+    notes = explain(ours, "6.5M-parameter")
+    assert set(notes) == {c.key for c in PAPER}
+    assert "2-cycle" in notes["kl_16"] and "0.20 nats" in notes["ce_curve"]
+    t = reproduction_table(ours, notes=notes, intervals={"kl_2": (0.18, 0.22), "frac_updating": (0.02, 0.04)})
+    row = t.set_index("claim").loc["mean successive KL at loop 2"]
+    assert row.ours == "0.2 [0.18, 0.22]" and row.why == notes["kl_2"]
+    assert t.set_index("claim").loc["fraction of tokens still updating at depth 8"].ours == "3.0% [2.0%, 4.0%]"

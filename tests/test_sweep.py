@@ -165,3 +165,39 @@ def test_default_rules_and_bad_inputs(model, windows):
         sweep(model, windows, [Uniform(2)])
     with pytest.raises(ValueError, match="reference_loops=0 is invalid"):
         sweep(model, windows, specs, reference_loops=0)
+    with pytest.raises(ValueError, match="mode='replay' is invalid"):
+        sweep(model, windows, specs, mode="replay")
+
+
+def test_offline_mode_replays_rules_on_one_trajectory(model, windows, frame):
+    rules = [RuleSpec("kl", t, KLThreshold(t, max_loops=8)) for t in (1e-1, 1e-2, 1e-3, 1e-5)]
+    rules.append(RuleSpec("never", 8, Never(max_loops=8)))
+    off = sweep(model, windows, rules, reference_loops=4, batch_size=4, oracle_eps=(1e-1, 1e-3), mode="offline")
+    key = ["family", "param", "window"]
+    on = frame.set_index(key).sort_index()
+    off = off.set_index(key).sort_index()
+    assert on.index.equals(off.index)
+    # uniform, oracle and never-halting rows are the same trajectory in both modes
+    same = on.index.get_level_values("family").isin(["uniform", "oracle", "never"])
+    np.testing.assert_allclose(off[same][["avg_depth", "ce", "kl_ref"]], on[same][["avg_depth", "ce", "kl_ref"]],
+                               rtol=1e-5, atol=1e-7)
+    # offline exits are offline_exits on the uniform trajectory, with quality read at the exit loop
+    x = windows[:4, :-1]
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(EVAL_STATE_SEED)
+        s0 = model.initial_state(model.embed(x), gen)
+        (ex,) = offline_exits(iterate_stats(model, x, 8, state=s0), [rules[1].rule])
+    assert off.loc[("kl", 1e-2, 0), "avg_depth"] == pytest.approx(ex[0].double().mean().item())
+    varied = off.loc["kl"].avg_depth.groupby("param").mean()
+    assert varied.nunique() > 1  # the thresholds really halt at different depths
+
+
+def test_offline_equals_online_for_one_token_windows(model):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(0, V, (8, 2), generator=g)  # T = 1: no earlier token whose freezing could matter
+    rules = [RuleSpec("kl", t, KLThreshold(t, max_loops=8)) for t in (1e-1, 1e-2, 1e-3)]
+    on = sweep(model, w, rules, reference_loops=4, batch_size=4)
+    off = sweep(model, w, rules, reference_loops=4, batch_size=4, mode="offline")
+    np.testing.assert_allclose(off[["avg_depth", "ce", "kl_ref"]], on[["avg_depth", "ce", "kl_ref"]], rtol=1e-5,
+                               atol=1e-6)
+    assert on.avg_depth.nunique() > 1

@@ -1,0 +1,190 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 4. Halting each token early: training-free rules vs learned routers
+#
+# A halting rule looks at a token's statistics after each loop and decides whether it stops there; a
+# halted token's state is frozen and later tokens keep attending to it (`drc_core.halting`). For every
+# rule over a grid of thresholds, for uniform depths and for the offline oracle, we measure the average
+# exit loop (the FLOP proxy: prelude and coda run once) against two qualities: the validation
+# cross-entropy at each token's exit, and the mean `KL(p_8 ‖ p_exit)` to the uniform training-mean-depth
+# output (`drc_core.sweep`). The validation windows are split in two: routers are trained and thresholds
+# calibrated on the first half; every number below is measured on the held-out half.
+#
+# The full grid is swept *offline*: every rule is replayed on one uniform-depth trajectory per window
+# (`sweep(..., mode="offline")`), which is one forward pass for all ~80 rule settings instead of one each.
+# Offline replay ignores one effect of real halting: a halted token's frozen state and keys/values change
+# what later tokens see. The last section runs the matched points *online* (true per-token halting,
+# `drc_core.halting.adaptive_forward`) and reports the difference.
+
+# %% tags=["parameters"]
+profile = "reference"
+work_dir = "runs/book/reference"
+results_dir = "papermill_runs/reference/results"
+corpus_dir = "data/corpus/default"
+n_windows = 64
+seed = 0
+eps = 1e-3  # convergence label of the routers (as in 02)
+rule_max_loops = 16  # every rule's max_loops
+ce_tolerance = 0.005  # "matches uniform depth-8 quality": CE <= CE(uniform 8) + this, in nats
+kl_target = 0.01  # the KL quality target: mean KL(p_8 || p_exit) <= this
+router_positions = 64  # harvested positions per window (all loops 1..L-1 of each)
+online_windows = 16  # held-out windows for the online (true per-token halting) check of the matched points
+
+# %%
+import time
+
+import pandas as pd
+
+from drc_core import viz
+from drc_core.data.sampler import Corpus
+from drc_core.measure import val_windows_with_docs
+from drc_core.router import LinearRouter, MLPRouter, RouterRule, harvest, router_metrics, split_windows, train_router
+from drc_core.sweep import RuleSpec, calibrate, default_rules, matching_depth, summarize, sweep, window_clusters
+from drc_core.workspace import open_model, save_results
+
+t0 = time.time()
+model, cfg, _ = open_model(work_dir)
+corpus = Corpus.open(corpus_dir)
+windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
+reference = int(round(cfg.recurrence.mean))
+calib_idx, held_idx = split_windows(len(windows), 0.5, seed=seed)
+print(f"{len(windows)} windows: {len(calib_idx)} for router training / calibration, {len(held_idx)} held out; "
+      f"reference depth {reference}")
+
+# %% [markdown]
+# ## Learned routers
+# Labels per token and loop: "has this token converged by loop l" (its convergence depth from notebook 2's
+# definition, ε as above). The linear router sees the latent state `s_l` (the paper's router); the MLP sees
+# the state, the loop index and five readout statistics -- a stronger baseline.
+
+# %%
+routers = {}
+for kind, make, kw in [
+    ("linear", lambda d: LinearRouter(d), {}),
+    ("mlp", lambda d: MLPRouter(d, hidden=64), {"loop_feature": "onehot", "readout_stats": True}),
+]:
+    data = harvest(model, windows[calib_idx], rule_max_loops, eps, positions=router_positions, **kw)
+    router = make(data.n_features)
+    log = train_router(router, data, seed=seed)
+    routers[kind] = router
+    print(kind, f"{len(data):,} rows, {data.positive_rate:.1%} positive,",
+          {k: round(v, 3) for k, v in router_metrics(router, data).items()})
+
+# %%
+specs = default_rules(rule_max_loops)
+for kind, router in routers.items():
+    specs += [RuleSpec(f"router_{kind}", tau, RouterRule(router=router, tau=tau, max_loops=rule_max_loops))
+              for tau in (0.3, 0.5, 0.7, 0.9, 0.97, 0.99)]
+frame = sweep(model, windows, specs, reference_loops=reference, mode="offline")
+clusters = window_clusters(docs)
+held = summarize(frame, windows=held_idx, clusters=clusters, seed=seed)
+calib = summarize(frame, windows=calib_idx, clusters=clusters, seed=seed)
+print(f"{len(specs)} rules + uniform depths + oracle on {len(windows)} windows in {time.time() - t0:.0f} s")
+
+# %% [markdown]
+# ## Quality versus average depth (held-out windows)
+# Lower-left is better. Uniform depth is the baseline curve; the oracle (offline, per-token earliest loop
+# within ε of the reference output) bounds what any rule could do on these trajectories.
+
+# %%
+uni_ref = held[(held.family == "uniform") & (held.param == reference)].iloc[0]
+plot = held[held.avg_depth <= rule_max_loops + 0.5].rename(columns={"family": "rule_family"})
+viz.quality_vs_depth(plot.rename(columns={"rule_family": "rule", "ce": "quality", "ce_lo": "quality_lo",
+                                          "ce_hi": "quality_hi"}),
+                     reference=float(uni_ref.ce), quality_label="validation cross-entropy (nats)")
+
+# %%
+viz.quality_vs_depth(plot.rename(columns={"rule_family": "rule", "kl_ref": "quality", "kl_ref_lo": "quality_lo",
+                                          "kl_ref_hi": "quality_hi"}),
+                     reference=kl_target, quality_label=f"mean KL(p_{reference} ‖ p_exit) (nats)", log_y=True)
+
+# %% [markdown]
+# ## Lowest average depth that matches uniform depth-8 quality
+# For each family: the shallowest grid point whose held-out CE is within `ce_tolerance` of uniform depth
+# `reference` (and, separately, whose mean KL to the reference output is ≤ `kl_target`), with linear
+# interpolation along the family's curve.
+
+# %%
+ce_target = float(uni_ref.ce) + ce_tolerance
+rows = []
+for fam in held.family.unique():
+    m_ce = matching_depth(held, fam, ce_target, quality="ce")
+    m_kl = matching_depth(held, fam, kl_target, quality="kl_ref")
+    rows.append({"family": fam, "ce_depth": m_ce["grid"], "ce_depth_interp": m_ce["interpolated"],
+                 "ce_param": m_ce["param"], "kl_depth": m_kl["grid"], "kl_depth_interp": m_kl["interpolated"],
+                 "kl_param": m_kl["param"]})
+match = pd.DataFrame(rows).set_index("family")
+match["cut_vs_8_ce"] = 1 - match.ce_depth_interp / reference
+match["cut_vs_8_kl"] = 1 - match.kl_depth_interp / reference
+match.round(3)
+
+# %% [markdown]
+# ## Calibration
+# The threshold is chosen on the calibration half for each target and checked on the held-out half.
+
+# %%
+cal = []
+for fam in ["kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence",
+            "router_linear", "router_mlp"]:
+    for quality, target in (("ce", ce_target), ("kl_ref", kl_target)):
+        cal_target = target if quality == "kl_ref" else float(
+            calib[(calib.family == "uniform") & (calib.param == reference)].ce.iloc[0]) + ce_tolerance
+        c = calibrate(calib, held, fam, cal_target, quality=quality)
+        cal.append({**vars(c), "heldout_target": target})
+cal = pd.DataFrame(cal)
+cal[["family", "quality", "param", "calib_depth", "heldout_depth", "heldout_quality", "heldout_target",
+     "holds"]].round(4)
+
+# %% [markdown]
+# ## Offline replay versus true per-token halting
+# The point of each family that matched the CE target above, rerun online on `online_windows` held-out
+# windows: frozen states, exit-loop keys/values offered to later tokens (the semantics of
+# `DepthRecurrentLM.iterate`).
+
+# %%
+by_param = {(sp.family, float(sp.param)): sp for sp in specs}
+check = [by_param[(fam, float(match.loc[fam, "ce_param"]))] for fam in match.index
+         if (fam, float(match.loc[fam, "ce_param"])) in by_param]
+sub = held_idx[:online_windows]
+on = summarize(sweep(model, windows[sub], check, reference_loops=reference, oracle_eps=(), mode="online"), n_boot=200,
+               seed=seed)
+off = summarize(frame[frame.window.isin(sub)].assign(window=lambda d: d.window.map({w: i for i, w in enumerate(sub)})),
+                n_boot=200, seed=seed)
+online = on[on.family != "uniform"].merge(off, on=["family", "param"], suffixes=("_online", "_offline"))
+online["depth_diff"] = online.avg_depth_online - online.avg_depth_offline
+online["ce_diff"] = online.ce_online - online.ce_offline
+online[["family", "param", "avg_depth_offline", "avg_depth_online", "depth_diff", "ce_offline", "ce_online",
+        "ce_diff"]].round(4)
+
+# %%
+def point(fam: str, param: float) -> dict:
+    r = held[(held.family == fam) & (held.param == param)]
+    return {} if r.empty else {k: float(r[k].iloc[0]) for k in ("avg_depth", "ce", "kl_ref")}
+
+
+results = {
+    "profile": profile, "reference_loops": reference, "rule_max_loops": rule_max_loops,
+    "ce_tolerance": ce_tolerance, "kl_target": kl_target, "ce_uniform_ref": float(uni_ref.ce),
+    "matching": match.reset_index().to_dict("records"),
+    "calibration": cal.to_dict("records"),
+    "held_out_points": held[["family", "param", "avg_depth", "ce", "kl_ref"]].to_dict("records"),
+    "n_windows": {"calibration": len(calib_idx), "held_out": len(held_idx), "online_check": len(sub)},
+    "online_check": online[["family", "param", "avg_depth_offline", "avg_depth_online", "ce_offline",
+                            "ce_online"]].to_dict("records"),
+    "notebook_seconds": time.time() - t0,
+}
+save_results(results_dir, "04_halting_and_routers", results)
+for fam in ("uniform", "kl", "router_linear", "router_mlp", "oracle"):
+    if fam in match.index:
+        r = match.loc[fam]
+        print(f"{fam:14s} matches CE(uniform {reference}) at {r.ce_depth_interp:.2f} loops "
+              f"({r.cut_vs_8_ce:+.0%} vs {reference}); KL<={kl_target:g} at {r.kl_depth_interp:.2f}")

@@ -1,0 +1,168 @@
+"""The book's artifacts: a prepared corpus, the model it studies, and the numbers each notebook establishes.
+
+Every notebook takes the same few paths from its profile (``book/profiles.toml``): ``corpus_dir``,
+``work_dir`` (intermediate artifacts, not committed: the model, measurement frames) and ``results_dir``
+(small JSON files of headline numbers, committed with the executed notebooks). This module is the only
+place that knows their layout:
+
+- ``work_dir/model/``: the studied model -- ``model.safetensors``, ``config.json``, ``train_config.json``,
+  ``metrics.jsonl`` and ``source.json`` (where it came from: a shipped checkpoint or a training run);
+- ``work_dir/train/``: a training run made by the book (resumable, :func:`drc_core.train.train`);
+- ``results_dir/<notebook>.json``: what :func:`save_results` wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from drc_core.config import TrainConfig, apply_overrides, preset
+from drc_core.data.prepare import PrepareConfig, prepare
+from drc_core.data.sampler import Corpus
+from drc_core.data.sources import SourceSpec
+from drc_core.errors import DrcError
+from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
+
+__all__ = [
+    "ensure_corpus",
+    "load_results",
+    "open_model",
+    "provide_model",
+    "provide_run",
+    "save_results",
+    "train_or_reuse",
+]
+
+_MODEL_FILES = (WEIGHTS_FILE, CONFIG_FILE)
+
+
+def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_docs: int | None = None,
+                  seq_len: int = 256, progress: bool = True) -> Corpus:
+    """Prepare ``corpus_dir`` from ``source`` if it is missing or out of date (a cached no-op otherwise)."""
+    spec = SourceSpec(name=source, max_docs=max_docs)
+    prepare(PrepareConfig(source=spec, out=str(corpus_dir), vocab_size=vocab_size, seq_len=seq_len),
+            progress=progress)
+    return Corpus.open(corpus_dir)
+
+
+def _check_tokenizer(checkpoint: Path, corpus: Corpus) -> None:
+    meta_path = checkpoint / "corpus_meta.json"
+    if not meta_path.is_file():
+        return
+    want = json.loads(meta_path.read_text()).get("tokenizer_sha256")
+    have = corpus.meta.get("tokenizer_sha256")
+    if want and have and want != have:
+        raise DrcError(
+            f"checkpoint '{checkpoint}' was trained on a corpus with another tokenizer than '{corpus.path}': "
+            "prepare the corpus it names in its README, or retrain (retrain=true)"
+        )
+
+
+def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *, progress: bool = True) -> Path:
+    """Train ``cfg`` into ``out`` (resuming a partial run; a finished run with the same config is reused) and
+    return ``out``. A finished run made with another config is an error: nothing is overwritten."""
+    from drc_core.train import train  # torch.distributed set-up is only needed here
+
+    out = Path(out)
+    final = out / "final" / WEIGHTS_FILE
+    if final.is_file():
+        saved = TrainConfig.from_dict(json.loads((out / CONFIG_FILE).read_text()))
+        if saved != cfg:
+            raise DrcError(f"'{out}' holds a finished run with another config: delete it or choose another work_dir")
+        return out
+    train(cfg, corpus_dir, out, resume=(out / "checkpoints").exists(), progress=progress)
+    return out
+
+
+def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, overrides: list[str],
+                  checkpoint: str = "", retrain: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Put the studied model in ``work_dir/model``: a copy of ``checkpoint`` (a directory like
+    ``data/reference``) unless it is empty or ``retrain`` is set, else a run trained here with
+    ``preset_name`` + ``overrides``. Returns ``source.json``'s content."""
+    work = Path(work_dir)
+    model_dir = work / "model"
+    if checkpoint and not retrain:
+        src = Path(checkpoint)
+        missing = [f for f in (*_MODEL_FILES, "train_config.json", "metrics.jsonl") if not (src / f).is_file()]
+        if missing:
+            raise DrcError(f"checkpoint '{src}' lacks {', '.join(missing)}: pass a directory like data/reference "
+                           "or set retrain=true")
+        _check_tokenizer(src, corpus)
+        files = {f: src / f for f in (*_MODEL_FILES, "train_config.json", "metrics.jsonl")}
+        info = {"kind": "checkpoint", "path": str(src)}
+    else:
+        cfg = apply_overrides(preset(preset_name), list(overrides))
+        run = train_or_reuse(cfg, corpus.path, work / "train", progress=progress)
+        files = {WEIGHTS_FILE: run / "final" / WEIGHTS_FILE, CONFIG_FILE: run / "final" / CONFIG_FILE,
+                 "train_config.json": run / CONFIG_FILE, "metrics.jsonl": run / "metrics.jsonl"}
+        info = {"kind": "trained", "path": str(run), "preset": preset_name, "overrides": list(overrides)}
+    tmp = work / "model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, path in files.items():
+        shutil.copy2(path, tmp / name)
+    (tmp / "source.json").write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    tmp.rename(model_dir)
+    return info
+
+
+def provide_run(run_dir: str | Path, corpus_dir: str | Path, *, preset_name: str, overrides: list[str],
+                progress: bool = False) -> tuple[Path, TrainConfig]:
+    """The directory holding a side experiment's weights (e.g. one seed of the small preset): ``run_dir``
+    itself when it is a shipped copy (``model.safetensors`` + ``config.json``, as under ``data/experiments``),
+    else ``run_dir/final`` of a run of ``preset_name`` + ``overrides`` trained (or resumed, or reused) there.
+    Returns that directory and the run's training config; its ``metrics.jsonl`` is in ``run_dir`` either way."""
+    run = Path(run_dir)
+    if all((run / f).is_file() for f in _MODEL_FILES) and (run / "train_config.json").is_file():
+        return run, TrainConfig.from_dict(json.loads((run / "train_config.json").read_text()))
+    cfg = apply_overrides(preset(preset_name), list(overrides))
+    return train_or_reuse(cfg, corpus_dir, run, progress=progress) / "final", cfg
+
+
+def open_model(work_dir: str | Path) -> tuple[DepthRecurrentLM, TrainConfig, pd.DataFrame]:
+    """The studied model (eval mode), its training config and its metrics (``metrics.jsonl`` as a frame)."""
+    model_dir = Path(work_dir) / "model"
+    if not (model_dir / WEIGHTS_FILE).is_file():
+        raise DrcError(f"no model in '{model_dir}': run 01_training of this profile first")
+    model = DepthRecurrentLM.load(model_dir).eval()
+    cfg = TrainConfig.from_dict(json.loads((model_dir / "train_config.json").read_text()))
+    metrics = pd.read_json(model_dir / "metrics.jsonl", lines=True)
+    return model, cfg, metrics
+
+
+def _plain(x: Any) -> Any:
+    """JSON-ready: numpy scalars/arrays to Python, NaN/inf to None."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _plain(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def save_results(results_dir: str | Path, name: str, results: dict[str, Any]) -> Path:
+    """Write ``results_dir/<name>.json`` (sorted keys, NaN as null) and return its path."""
+    path = Path(results_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_plain(results), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def load_results(results_dir: str | Path, name: str) -> dict[str, Any]:
+    """Read ``results_dir/<name>.json``; a missing file names the notebook to run."""
+    path = Path(results_dir) / f"{name}.json"
+    if not path.is_file():
+        raise DrcError(f"{path} not found: run notebook {name} of this profile first")
+    return json.loads(path.read_text())
