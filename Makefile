@@ -11,7 +11,12 @@ CORPUS ?= data/corpus/default
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: venv data test test-slow lint book clean
+# `make book` runs the reference profile (shipped checkpoint); `make book RETRAIN=1` trains the cpu preset instead;
+# `make book PROFILE=smoke` runs another profile of book/profiles.toml (HTML under _build/<profile>/_build/html).
+PROFILE ?= reference
+RETRAIN ?=
+
+.PHONY: venv data test test-slow lint book book-run book-html clean
 
 venv: $(STAMP)
 
@@ -35,8 +40,13 @@ test: venv lint
 test-slow: venv
 	$(PY) -m pytest -m slow
 
-book: data
-	@echo "make book: the corpus is prepared at $(CORPUS); running and rendering the notebooks arrives with issue D."
+book: book-run book-html
+
+book-run: data
+	$(PY) -m drc_core.book run --profile $(PROFILE) $(if $(RETRAIN),--set retrain=true)
+
+book-html: venv
+	$(PY) -m drc_core.book build --profile $(PROFILE)
 
 clean:
-	rm -rf _build .pytest_cache .ruff_cache
+	rm -rf _build _static .pytest_cache .ruff_cache

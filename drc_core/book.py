@@ -1,0 +1,302 @@
+"""Run the book at a profile's scale, and render it.
+
+``python -m drc_core.book run --profile smoke|reference|paper`` takes each notebook source listed in the
+profiles file (``book/profiles.toml``: jupytext ``py:percent`` text files under ``book/``), converts it with
+jupytext, executes it with papermill (kernel ``python3``, a progress bar per notebook) with the profile's
+parameters injected after its ``parameters`` cell, and writes the executed notebook to
+``papermill_runs/<profile>/<name>.ipynb``. A notebook receives only the parameters it declares, so one
+profile table serves every notebook.
+
+A failing cell stops the run: the command prints one ``error:`` line naming the notebook, the cell and the
+exception, exits 1, and keeps the partial output at ``papermill_runs/<profile>/failed/<name>.ipynb``; the
+executed notebook of an earlier successful run stays untouched (a notebook is moved into place only once it
+has run to the end).
+
+``python -m drc_core.book build --profile reference`` renders the executed notebooks with Jupyter Book v1
+(never re-executing them) into ``_build/html`` (the ``reference`` profile, whose table of contents is the
+top-level ``_toc.yml``) or ``_build/<profile>/_build/html`` (any other profile, with a generated table of
+contents). The page loads a local copy of plotly.js (the one of the installed ``plotly`` package), so the
+figures draw without a network; the notebooks' figures carry an HTML bundle for that (the profile's
+``plotly_renderer``, set as ``PLOTLY_RENDERER`` for the kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from drc_core.errors import DrcError, run_cli
+
+__all__ = ["BookSpec", "Profile", "build_book", "load_profiles", "run_book", "toc_for"]
+
+DEFAULT_PROFILES = Path("book") / "profiles.toml"
+DEFAULT_OUT = Path("papermill_runs")
+DEFAULT_RENDERER = "plotly_mimetype+notebook_connected"
+PLOTLY_STATIC = Path("_static") / "plotly.min.js"  # copied in by `build`; _config.yml lists it in html_js_files
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One scale of the book: ``parameters`` go to every notebook that declares them, ``notebooks[name]``
+    adds or overrides parameters of one notebook; ``env`` is set for the kernels."""
+
+    name: str
+    description: str = ""
+    plotly_renderer: str = DEFAULT_RENDERER
+    parameters: dict[str, Any] = field(default_factory=dict)
+    notebooks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def parameters_for(self, notebook: str) -> dict[str, Any]:
+        return {"profile": self.name, **self.parameters, **self.notebooks.get(notebook, {})}
+
+
+@dataclass(frozen=True)
+class BookSpec:
+    """The profiles file: where the sources are, their order, the root page, and the profiles."""
+
+    source_dir: Path
+    root: str
+    notebooks: tuple[str, ...]
+    profiles: dict[str, Profile]
+
+    def profile(self, name: str) -> Profile:
+        if name not in self.profiles:
+            raise DrcError(f"unknown profile '{name}': choose from {', '.join(self.profiles)}")
+        return self.profiles[name]
+
+
+def load_profiles(path: str | Path = DEFAULT_PROFILES) -> BookSpec:
+    """Read a profiles file (see ``book/profiles.toml`` for the format)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DrcError(f"profiles file '{path}' not found: run from the repository root or pass --profiles")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise DrcError(f"profiles file '{path}' is not valid TOML ({exc}): fix the line it names") from None
+    book = raw.get("book", {})
+    unknown_book = set(book) - {"source_dir", "root", "notebooks"}
+    if unknown_book:
+        raise DrcError(f"{path}: unknown key(s) {sorted(unknown_book)} in [book]: use source_dir, root, notebooks")
+    notebooks = tuple(book.get("notebooks", ()))
+    if not notebooks:
+        raise DrcError(f"{path}: [book] notebooks is empty: list the notebook sources in order")
+    source_dir = (path.parent / book.get("source_dir", ".")).resolve()
+    for nb in notebooks:
+        if not (source_dir / f"{nb}.py").is_file():
+            raise DrcError(f"{path}: notebook '{nb}' has no source {source_dir / (nb + '.py')}")
+    profiles = {}
+    for name, table in raw.get("profiles", {}).items():
+        allowed = {"description", "plotly_renderer", "parameters", "notebooks", "env"}
+        extra = set(table) - allowed
+        if extra:
+            raise DrcError(f"{path}: profile '{name}' has unknown key(s) {sorted(extra)}: use {sorted(allowed)}")
+        stray = set(table.get("notebooks", {})) - set(notebooks)
+        if stray:
+            raise DrcError(f"{path}: profile '{name}' sets parameters of unlisted notebook(s) {sorted(stray)}")
+        profiles[name] = Profile(name=name, description=table.get("description", ""),
+                                 plotly_renderer=table.get("plotly_renderer", DEFAULT_RENDERER),
+                                 parameters=dict(table.get("parameters", {})),
+                                 notebooks={k: dict(v) for k, v in table.get("notebooks", {}).items()},
+                                 env={k: str(v) for k, v in table.get("env", {}).items()})
+    if not profiles:
+        raise DrcError(f"{path}: no [profiles.<name>] table: define at least one profile")
+    return BookSpec(source_dir=source_dir, root=str(book.get("root", "")), notebooks=notebooks, profiles=profiles)
+
+
+def _failure_line(name: str, exc: Exception) -> str:
+    """One line for a failed notebook: the cell (index and execution count) and the exception."""
+    cell = getattr(exc, "cell_index", None)
+    count = getattr(exc, "exec_count", None)
+    ename, evalue = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
+    where = f"cell {cell}" if cell is not None else "a cell"
+    if count is not None:
+        where += f" (In [{count}])"
+    evalue = " ".join(str(evalue).split())
+    return f"notebook {name} failed at {where}: {ename}: {evalue}"
+
+
+def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, only: list[str] | None = None,
+             overrides: dict[str, Any] | None = None, cwd: str | Path = ".", progress: bool = True,
+             kernel: str = "python3") -> dict[str, float]:
+    """Execute the notebooks of ``spec`` (all, or ``only``) at ``profile``'s parameters (plus ``overrides``
+    for every notebook that declares them) into ``out/<profile>/``; returns seconds per notebook and writes
+    them to ``out/<profile>/timings.json``. A failing cell raises :class:`DrcError` (see the module doc)."""
+    import jupytext
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    prof = spec.profile(profile)
+    names = list(spec.notebooks)
+    if only:
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise DrcError(f"unknown notebook(s) {unknown}: choose from {', '.join(names)}")
+        names = [n for n in names if n in only]
+    dest = Path(out) / profile
+    dest.mkdir(parents=True, exist_ok=True)
+    failed_dir, work = dest / "failed", dest / ".running"
+    env = {"PLOTLY_RENDERER": prof.plotly_renderer, **prof.env}
+    timings_path = dest / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    old_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits the environment of this process
+    try:
+        for name in names:
+            nb = jupytext.read(spec.source_dir / f"{name}.py")
+            nb.metadata["kernelspec"] = {"name": kernel, "display_name": "Python 3", "language": "python"}
+            work.mkdir(exist_ok=True)
+            src, partial = work / f"{name}.src.ipynb", work / f"{name}.ipynb"
+            jupytext.write(nb, src)
+            declared = set(pm.inspect_notebook(str(src)))  # the names its `parameters` cell assigns
+            params = {k: v for k, v in {**prof.parameters_for(name), **(overrides or {})}.items() if k in declared}
+            print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
+                  flush=True)
+            t0 = time.perf_counter()
+            try:
+                pm.execute_notebook(str(src), str(partial), parameters=params, kernel_name=kernel,
+                                    cwd=str(cwd), progress_bar=progress, log_output=False,
+                                    store_widget_state=False)
+            except PapermillExecutionError as exc:
+                failed_dir.mkdir(exist_ok=True)
+                shutil.move(str(partial), failed_dir / f"{name}.ipynb")
+                raise DrcError(f"{_failure_line(name, exc)}; partial output kept at {failed_dir / (name + '.ipynb')}")\
+                    from None
+            seconds = time.perf_counter() - t0
+            os.replace(partial, dest / f"{name}.ipynb")
+            src.unlink()
+            (failed_dir / f"{name}.ipynb").unlink(missing_ok=True)
+            timings[name] = round(seconds, 1)
+            timings_path.write_text(json.dumps(timings, indent=2) + "\n")
+            print(f"[{profile}] {name}: done in {seconds:.1f} s -> {dest / (name + '.ipynb')}", flush=True)
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(work, ignore_errors=True)
+        if failed_dir.is_dir() and not any(failed_dir.iterdir()):
+            failed_dir.rmdir()
+    return {n: timings[n] for n in names}
+
+
+def toc_for(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root_dir: str | Path = ".") -> str:
+    """The Jupyter Book ``_toc.yml`` of ``profile``'s executed notebooks, paths relative to ``root_dir``."""
+    root_dir = Path(root_dir).resolve()
+    root = (spec.source_dir / spec.root).resolve().relative_to(root_dir).as_posix() if spec.root else None
+    chapters = [(Path(out) / profile / name).resolve().relative_to(root_dir).as_posix() for name in spec.notebooks]
+    if root is None:
+        root, chapters = chapters[0], chapters[1:]
+    lines = ["# Generated by drc_core.book from the profiles file: the executed notebooks of one profile.",
+             "format: jb-book", f"root: {root}", "chapters:"]
+    lines += [f"  - file: {c}" for c in chapters]
+    return "\n".join(lines) + "\n"
+
+
+def _copy_plotly(root_dir: Path) -> None:
+    import plotly
+
+    src = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    dst = root_dir / PLOTLY_STATIC
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not dst.is_file() or dst.stat().st_size != src.stat().st_size:
+        shutil.copy2(src, dst)
+
+
+def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root_dir: str | Path = ".",
+               config: str | Path | None = None, toc: str | Path | None = None) -> Path:
+    """Render ``profile``'s executed notebooks with Jupyter Book v1; returns the ``index.html`` path. Uses
+    ``toc`` when given (the ``reference`` profile's is the top-level ``_toc.yml``), else a generated one."""
+    root_dir = Path(root_dir).resolve()
+    missing = [n for n in spec.notebooks if not (Path(out) / profile / f"{n}.ipynb").is_file()]
+    if missing:
+        raise DrcError(f"no executed notebook(s) {missing} in {Path(out) / profile}: run "
+                       f"`python -m drc_core.book run --profile {profile}` first")
+    build_root = root_dir / "_build" if profile == "reference" else root_dir / "_build" / profile
+    build_root.mkdir(parents=True, exist_ok=True)
+    if toc is None:
+        toc = build_root / "_toc.yml"
+        Path(toc).write_text(toc_for(spec, profile, out, root_dir))
+    _copy_plotly(root_dir)
+    exe = Path(sys.executable).with_name("jupyter-book")
+    cmd = [str(exe) if exe.is_file() else "jupyter-book", "build", str(root_dir), "--toc", str(toc),
+           "--config", str(config or root_dir / "_config.yml"), "--all", "-q"]
+    if profile != "reference":
+        cmd += ["--path-output", str(build_root)]
+    print(" ".join(cmd), flush=True)
+    res = subprocess.run(cmd, cwd=root_dir)
+    index = (root_dir if profile == "reference" else build_root) / "_build" / "html" / "index.html"
+    if res.returncode != 0 or not index.is_file():
+        raise DrcError(f"jupyter-book build failed (exit {res.returncode}): see its output above")
+    return index
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m drc_core.book", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profiles file (default: book/profiles.toml)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="executed notebooks go to OUT/<profile>/")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="execute the notebooks with papermill")
+    r.add_argument("--profile", required=True)
+    r.add_argument("--only", nargs="+", metavar="NOTEBOOK", help="run only these notebooks (names without .py)")
+    r.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a parameter for every notebook that declares it; VALUE is JSON or a string")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    b = sub.add_parser("build", help="render the executed notebooks to HTML (Jupyter Book v1)")
+    b.add_argument("--profile", required=True)
+    b.add_argument("--toc", help="table of contents (default: _toc.yml for reference, generated otherwise)")
+    sub.add_parser("list", help="list the profiles and notebooks")
+    return ap
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise DrcError(f"--set {pair!r} is not KEY=VALUE: e.g. --set n_windows=8")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    spec = load_profiles(args.profiles)
+    if args.cmd == "list":
+        for p in spec.profiles.values():
+            print(f"{p.name}: {p.description}")
+        print("notebooks:", ", ".join(spec.notebooks))
+        return 0
+    if args.cmd == "run":
+        try:
+            timings = run_book(spec, args.profile, args.out, only=args.only, overrides=_parse_sets(args.sets),
+                               progress=not args.quiet)
+        except DrcError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        total = sum(timings.values())
+        print(f"[{args.profile}] {len(timings)} notebook(s) in {total:.0f} s: " +
+              ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
+        return 0
+    toc = args.toc or ("_toc.yml" if args.profile == "reference" else None)
+    index = build_book(spec, args.profile, args.out, toc=toc)
+    print(f"built {index}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -1,0 +1,175 @@
+"""The book runner (drc_core.book): profiles, papermill execution, failures, the Jupyter Book build, and a real
+browser drawing a plotly figure of a built page.
+
+The fixture book (tests/book_fixtures) has a passing notebook, a failing one and one with a plotly figure. The
+``slow`` tests run the real book at the ``smoke`` profile end to end and open its convergence page.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from drc_core.book import build_book, load_profiles, main, run_book, toc_for
+from drc_core.errors import DrcError
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "book_fixtures"
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.skip("no Chromium on PATH: `apt-get install chromium` (.ci/run installs it)")
+
+
+def rendered_dom(html: Path) -> str:
+    """The DOM of ``html`` after headless Chromium ran its scripts (no network is needed or used)."""
+    res = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000",
+                          "--dump-dom", html.as_uri()], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+@pytest.fixture
+def fixture_book(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A repository-like directory: book/ with the fixture notebooks and a profiles file, and _config.yml."""
+    shutil.copytree(FIXTURES, tmp_path / "book")
+    shutil.copy(ROOT / "_config.yml", tmp_path / "_config.yml")
+    (tmp_path / "book" / "profiles.toml").write_text(
+        '[book]\nroot = "00_overview"\nnotebooks = ["01_pass", "02_fail", "03_plot"]\n\n'
+        '[profiles.p]\ndescription = "fixture"\n[profiles.p.parameters]\nresults_dir = "res"\nn_windows = 3\n'
+        'not_declared_anywhere = 7\n[profiles.p.notebooks.01_pass]\nlabel = "special"\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def outputs(nb_path: Path) -> str:
+    nb = nbformat.read(nb_path, as_version=4)
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_run_injects_only_declared_parameters(fixture_book: Path) -> None:
+    spec = load_profiles("book/profiles.toml")
+    timings = run_book(spec, "p", "papermill_runs", only=["01_pass"], progress=False)
+    assert set(timings) == {"01_pass"} and timings["01_pass"] > 0
+    assert json.loads(Path("res/01_pass.json").read_text()) == {"profile": "p", "n_windows": 3}
+    executed = Path("papermill_runs/p/01_pass.ipynb")
+    assert "profile=p n_windows=3 label=special" in outputs(executed)
+    injected = [c for c in nbformat.read(executed, as_version=4).cells if "injected-parameters" in c.metadata.get(
+        "tags", [])]
+    assert len(injected) == 1 and "not_declared_anywhere" not in injected[0].source
+    assert json.loads(Path("papermill_runs/p/timings.json").read_text())["01_pass"] == timings["01_pass"]
+
+
+def test_overrides_from_the_command_line(fixture_book: Path) -> None:
+    assert main(["run", "--profile", "p", "--only", "01_pass", "--set", "n_windows=11", "--quiet"]) == 0
+    assert json.loads(Path("res/01_pass.json").read_text())["n_windows"] == 11
+
+
+def test_failing_cell_stops_with_one_line_and_keeps_partial_output(fixture_book: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    good = Path("papermill_runs/p/02_fail.ipynb")
+    good.parent.mkdir(parents=True)
+    good.write_text("an earlier successful run")
+    assert main(["run", "--profile", "p", "--quiet"]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1
+    assert "notebook 02_fail failed at cell" in err[0] and "ValueError: fixture failure on purpose" in err[0]
+    partial = Path("papermill_runs/p/failed/02_fail.ipynb")
+    assert partial.is_file() and "before the failure" in outputs(partial)
+    assert "never reached" not in outputs(partial)
+    assert good.read_text() == "an earlier successful run"  # not overwritten by the failed run
+    assert Path("papermill_runs/p/01_pass.ipynb").is_file()  # notebooks before the failure ran
+    assert not Path("papermill_runs/p/03_plot.ipynb").exists()  # and none after it
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["run", "--profile", "nope"], "unknown profile 'nope'"),
+    (["run", "--profile", "p", "--only", "99_none"], "unknown notebook"),
+    (["run", "--profile", "p", "--set", "novalue"], "is not KEY=VALUE"),
+    (["build", "--profile", "p"], "no executed notebook"),
+])
+def test_bad_input_gives_one_error_line(fixture_book: Path, capsys: pytest.CaptureFixture, argv: list[str],
+                                        needle: str) -> None:
+    from drc_core.errors import run_cli
+
+    assert run_cli(main, argv) in (1, 2)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+
+
+def test_profiles_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(DrcError, match="not found"):
+        load_profiles(tmp_path / "none.toml")
+    bad = tmp_path / "p.toml"
+    bad.write_text('[book]\nnotebooks = ["missing"]\n[profiles.a]\n')
+    with pytest.raises(DrcError, match="has no source"):
+        load_profiles(bad)
+    bad.write_text("[book\n")
+    with pytest.raises(DrcError, match="not valid TOML"):
+        load_profiles(bad)
+
+
+def test_project_profiles_and_toc() -> None:
+    """The shipped profiles file lists every notebook source, has the three profiles, and the top-level
+    _toc.yml is exactly the reference profile's generated table of contents."""
+    spec = load_profiles(ROOT / "book" / "profiles.toml")
+    assert set(spec.profiles) >= {"smoke", "reference", "paper"}
+    assert sorted(spec.notebooks) == sorted(p.stem for p in (ROOT / "book").glob("[0-9][0-9]_*.py"))
+    assert yaml.safe_load((ROOT / "_toc.yml").read_text()) == yaml.safe_load(toc_for(spec, "reference",
+                                                                                      ROOT / "papermill_runs", ROOT))
+
+
+def test_build_draws_plotly_in_a_real_browser(fixture_book: Path) -> None:
+    spec = load_profiles("book/profiles.toml")
+    run_book(spec, "p", "papermill_runs", only=["01_pass", "03_plot"], progress=False)
+    (fixture_book / "book" / "profiles.toml").write_text(
+        (fixture_book / "book" / "profiles.toml").read_text().replace('"02_fail", ', ""))
+    index = build_book(load_profiles("book/profiles.toml"), "p", "papermill_runs")
+    page = index.parent / "papermill_runs" / "p" / "03_plot.html"
+    assert page.is_file()
+    dom = rendered_dom(page)
+    assert 'class="main-svg"' in dom and "fixture figure" in dom  # plotly drew the figure, offline
+
+
+@pytest.mark.slow
+def test_smoke_profile_runs_every_notebook_and_renders(tmp_path: Path) -> None:
+    """The real book at the smoke profile, end to end (< 5 min on 2 cores), then the HTML: every figure of the
+    convergence page drawn by Chromium."""
+    out = tmp_path / "runs"
+    spec = load_profiles(ROOT / "book" / "profiles.toml")
+    timings = run_book(spec, "smoke", out, cwd=ROOT, progress=False,
+                       overrides={"results_dir": str(tmp_path / "results"), "work_dir": str(tmp_path / "work"),
+                                  "runs_dir": str(tmp_path / "experiments")})
+    assert list(timings) == list(spec.notebooks)
+    for name in spec.notebooks:
+        nb = nbformat.read(out / "smoke" / f"{name}.ipynb", as_version=4)
+        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                  if o.get("output_type") == "error"]
+        assert not errors, name
+        assert (tmp_path / "results" / f"{name}.json").is_file(), name
+    # render inside a copy of the repository layout so the generated toc's paths resolve
+    site = tmp_path / "site"
+    (site / "book").mkdir(parents=True)
+    shutil.copy(ROOT / "_config.yml", site)
+    shutil.copy(ROOT / "book" / "00_overview.md", site / "book")
+    shutil.copy(ROOT / "book" / "profiles.toml", site / "book")
+    for name in spec.notebooks:
+        shutil.copy(ROOT / "book" / f"{name}.py", site / "book")
+    shutil.copytree(out, site / "papermill_runs")
+    index = build_book(load_profiles(site / "book" / "profiles.toml"), "smoke", site / "papermill_runs", site)
+    page = index.parent / "papermill_runs" / "smoke" / "02_convergence.html"
+    html = page.read_text()
+    n_figures = html.count('class="plotly-graph-div"')
+    assert n_figures >= 3
+    dom = rendered_dom(page)
+    assert dom.count('class="main-svg"') >= n_figures  # each figure drew at least its main SVG
