@@ -97,15 +97,15 @@ print(f"{len(specs)} rules + uniform depths + oracle on {len(windows)} windows i
 
 # %%
 uni_ref = held[(held.family == "uniform") & (held.param == reference)].iloc[0]
-plot = held[held.avg_depth <= rule_max_loops + 0.5].rename(columns={"family": "rule_family"})
-viz.quality_vs_depth(plot.rename(columns={"rule_family": "rule", "ce": "quality", "ce_lo": "quality_lo",
-                                          "ce_hi": "quality_hi"}),
-                     reference=float(uni_ref.ce), quality_label="validation cross-entropy (nats)")
+plot = held[held.avg_depth <= rule_max_loops + 0.5].drop(columns="rule").rename(columns={"family": "rule"})
+viz.quality_vs_depth(plot.rename(columns={"ce": "quality", "ce_lo": "quality_lo", "ce_hi": "quality_hi"}),
+                     reference=float(uni_ref.ce), quality_label="validation cross-entropy (nats)",
+                     reference_label=f"uniform {reference} loops")
 
 # %%
-viz.quality_vs_depth(plot.rename(columns={"rule_family": "rule", "kl_ref": "quality", "kl_ref_lo": "quality_lo",
-                                          "kl_ref_hi": "quality_hi"}),
-                     reference=kl_target, quality_label=f"mean KL(p_{reference} ‖ p_exit) (nats)", log_y=True)
+viz.quality_vs_depth(plot.rename(columns={"kl_ref": "quality", "kl_ref_lo": "quality_lo", "kl_ref_hi": "quality_hi"}),
+                     reference=kl_target, quality_label=f"mean KL(p_{reference} ‖ p_exit) (nats)", log_y=True,
+                     reference_label=f"target {kl_target:g}")
 
 # %% [markdown]
 # ## Lowest average depth that matches uniform depth-8 quality

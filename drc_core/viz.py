@@ -1,0 +1,740 @@
+"""Figures and the per-token depth explorer used by the book (plotly ``graph_objects`` and ipywidgets).
+
+What is where:
+
+- training and depth curves: :func:`loss_curves` (``metrics.jsonl`` as a frame), :func:`loss_vs_depth`
+  (loss at uniform depths, one line per series, optional interval band and reference line);
+- convergence: :func:`per_loop_figure` (successive KL and state change per loop, log scale, bootstrap bands;
+  the output of :func:`drc_core.measure.per_loop_summary`), :func:`depth_histogram` (convergence depths of
+  :func:`drc_core.measure.convergence_depth` and the cumulative share converged), :func:`class_depth_bars`
+  (:func:`drc_core.tokens.class_depth_summary`);
+- halting and compute: :func:`quality_vs_depth` (quality against average exit loop per rule family, as
+  :func:`drc_core.sweep.summarize` gives it), :func:`speedup_bars` (FLOP-proxy vs wall-clock speed-ups);
+- the per-token depth explorer, for one validation window of a :func:`drc_core.measure.measure_windows` frame:
+  :func:`depth_slider_figure` (static-safe: plotly frames + slider + play button, works in exported HTML
+  without a kernel), :func:`token_strip_html` (the passage as coloured ``<span>`` s at one loop) and
+  :class:`DepthExplorer` (the live ipywidgets version: loop slider, metric toggle, coloured text, token
+  selector and that token's trajectory).
+
+The explorer's shared pieces are private helpers below: token text (:func:`_token_texts`, each id decoded on
+its own with ``tokenizer.decode([id])``; a partial UTF-8 byte shows as U+FFFD), the wrapped passage layout
+(:func:`_wrap`), the per-window matrices (:class:`_Passage`) and the colour mapping (:func:`_color_range`,
+:func:`_css_colors`). Colours are fixed across loops for a passage, so moving the slider compares like with
+like. The successive KL is coloured by ``log10`` on a diverging scale whose middle (yellow) is ``eps``:
+green tokens are below the convergence threshold at that loop, red ones above. At loop 1 the successive KL
+and the state change are undefined (NaN in the frame: there is no previous loop); those tokens are drawn
+grey (:data:`NAN_COLOR`). Values below :data:`LOG_FLOOR` (and exact zeros) are drawn at the floor.
+"Converged at loop l" means the token's convergence depth (:func:`drc_core.measure.convergence_depth`, the
+loop after which its successive KL stays below ``eps``) is <= l and the token did settle within the frame's
+loops. Every figure uses the ``plotly_white`` template; none is a ``FigureWidget`` (executed notebooks stay
+small), the explorer renders its trajectory figure into an ``ipywidgets.Output``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import plotly.colors as pcolors
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from drc_core.errors import DrcError
+from drc_core.measure import DEFAULT_EPS, convergence_depth
+
+__all__ = [
+    "LOG_FLOOR",
+    "NAN_COLOR",
+    "DepthExplorer",
+    "class_depth_bars",
+    "depth_histogram",
+    "depth_slider_figure",
+    "loss_curves",
+    "loss_vs_depth",
+    "per_loop_figure",
+    "quality_vs_depth",
+    "speedup_bars",
+    "token_strip_html",
+]
+
+TEMPLATE = "plotly_white"
+HEIGHT = 400
+LOG_FLOOR = 1e-10  # log-scale colours clip smaller values (and zeros) to this
+NAN_COLOR = "#d9d9d9"  # tokens without a value at a loop (successive KL / state change at loop 1)
+CONVERGED_COLOR = "#a6dba0"
+UPDATING_COLOR = "#f4a582"
+_PALETTE = pcolors.qualitative.Plotly
+_KL_SCALE = ("#1a9850", "#ffffbf", "#d73027")  # low (converged) -> eps -> high (still changing)
+_SEQ_SCALE = "YlOrRd"
+_LINE_CHARS = 72  # characters per row of the passage layout
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small shared helpers
+
+
+def _style(fig: go.Figure, title: str, height: int = HEIGHT, **layout) -> go.Figure:
+    layout.setdefault("margin", {"l": 60, "r": 30, "t": 60, "b": 50})
+    fig.update_layout(template=TEMPLATE, title=title, height=height, **layout)
+    return fig
+
+
+def _need_columns(df: object, columns: Sequence[str], what: str) -> pd.DataFrame:
+    """A DataFrame with ``columns``, else one-line DrcError naming the first missing column and the source."""
+    if not isinstance(df, pd.DataFrame):
+        raise DrcError(f"expected a pandas DataFrame ({what}); got {type(df).__name__}")
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise DrcError(f"the table lacks column {missing[0]!r} (has {list(map(str, df.columns))}); pass {what}")
+    if len(df) == 0:
+        raise DrcError(f"the table is empty; pass {what}")
+    return df
+
+
+def _rgba(color: str, alpha: float) -> str:
+    r, g, b = pcolors.hex_to_rgb(color) if color.startswith("#") else pcolors.unlabel_rgb(color)
+    return f"rgba({int(r)}, {int(g)}, {int(b)}, {alpha})"
+
+
+def _floats(values) -> np.ndarray:
+    return np.asarray(values, dtype=float)
+
+
+def _band(fig: go.Figure, x, lo, hi, color: str, name: str, *, log: bool = False, **where) -> None:
+    """A shaded interval from ``lo`` to ``hi`` (two traces: upper edge, then lower edge filled to it)."""
+    x, lo, hi = np.asarray(x), _floats(lo), _floats(hi)
+    ok = np.isfinite(lo) & np.isfinite(hi)
+    if log:
+        ok &= (lo > 0) & (hi > 0)
+    if not ok.any():
+        return
+    common = {"mode": "lines", "line": {"width": 0}, "legendgroup": name, "showlegend": False, "hoverinfo": "skip"}
+    fig.add_trace(go.Scatter(x=x[ok], y=hi[ok], **common), **where)
+    fig.add_trace(go.Scatter(x=x[ok], y=lo[ok], fill="tonexty", fillcolor=_rgba(color, 0.2), **common), **where)
+
+
+def _reference_line(fig: go.Figure, x_min: float, x_max: float, y: float, label: str) -> None:
+    """A dashed horizontal line drawn as a trace (so it has a legend entry and works on log axes)."""
+    fig.add_trace(go.Scatter(x=[x_min, x_max], y=[y, y], mode="lines", name=f"{label} ({y:.4g})",
+                             line={"color": "grey", "dash": "dash", "width": 1.5},
+                             hovertemplate=f"{html.escape(label)}: {y:.4g}<extra></extra>"))
+
+
+def _pow2_ticks(values) -> list[int]:
+    lo, hi = float(np.nanmin(values)), float(np.nanmax(values))
+    return [2**k for k in range(0, 12) if lo <= 2**k <= hi]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training and depth curves
+
+
+def loss_curves(metrics: pd.DataFrame) -> go.Figure:
+    """Training loss per step (raw, faint, and a rolling mean) and validation loss per step at each eval depth.
+
+    ``metrics`` is ``metrics.jsonl`` as a frame: rows ``kind="train"`` (``step``, ``loss``, ...) and
+    ``kind="eval"`` (``step``, ``loops``, ``loss``); without a ``kind`` column every row is a training row.
+    Each training step ran at its own sampled depth; the validation lines are fixed depths. When there are
+    validation rows the y range is zoomed to them (the first training steps lie above; autoscale shows all).
+    """
+    _need_columns(metrics, ("step", "loss"), "metrics.jsonl as a frame (drc_core.workspace.open_model)")
+    kind = metrics["kind"] if "kind" in metrics.columns else pd.Series("train", index=metrics.index)
+    train = metrics[kind == "train"].dropna(subset=["step", "loss"]).sort_values("step")
+    evals = metrics[kind == "eval"].dropna(subset=["step", "loss"])
+    fig = go.Figure()
+    if len(train):
+        window = max(1, min(25, len(train) // 10))
+        fig.add_trace(go.Scatter(x=train["step"], y=train["loss"], mode="lines", name="train (each step)",
+                                 line={"color": _PALETTE[0], "width": 1}, opacity=0.35))
+        fig.add_trace(go.Scatter(x=train["step"], y=train["loss"].rolling(window, min_periods=1).mean(),
+                                 mode="lines", name=f"train (mean of {window} logs)", line={"color": _PALETTE[0]}))
+    if len(evals) and "loops" in evals.columns:
+        depths = sorted(int(v) for v in evals["loops"].dropna().unique())
+        colors = pcolors.sample_colorscale("Viridis", list(np.linspace(0, 0.9, len(depths))))
+        for depth, color in zip(depths, colors, strict=True):
+            g = evals[evals["loops"] == depth].sort_values("step")
+            name = f"val, {depth} loop" + ("s" if depth != 1 else "")
+            fig.add_trace(go.Scatter(x=g["step"], y=g["loss"], mode="lines+markers", name=name,
+                                     line={"color": color}, marker={"size": 5}))
+        lo = float(np.nanmin(np.r_[evals["loss"].to_numpy(float), train["loss"].to_numpy(float)]))
+        hi = float(evals["loss"].max())
+        fig.update_yaxes(range=[lo - 0.05 * (hi - lo + 0.1), hi + 0.3 * (hi - lo + 0.1)])
+    return _style(fig, "Training and validation loss", xaxis_title="step",
+                  yaxis_title="loss (nats/token)", hovermode="x unified")
+
+
+def loss_vs_depth(table: pd.DataFrame, reference: float | None = None, reference_label: str = "") -> go.Figure:
+    """Loss against the number of loops (log-2 x axis): one line per ``series`` (one line without that column),
+    an interval band where ``lo``/``hi`` are given, and an optional dashed horizontal ``reference`` line."""
+    _need_columns(table, ("loops", "loss"), "a table with columns loops, loss (optional series, lo, hi)")
+    df = table.reset_index(drop=True)
+    series = df["series"].astype(str) if "series" in df.columns else pd.Series("loss", index=df.index)
+    fig = go.Figure()
+    for i, name in enumerate(dict.fromkeys(series)):
+        g = df[series == name].sort_values("loops")
+        color = _PALETTE[i % len(_PALETTE)]
+        if {"lo", "hi"} <= set(g.columns):
+            _band(fig, g["loops"], g["lo"], g["hi"], color, name)
+        fig.add_trace(go.Scatter(x=g["loops"], y=g["loss"], mode="lines+markers", name=name, legendgroup=name,
+                                 line={"color": color},
+                                 hovertemplate="%{x} loops: %{y:.4f} nats<extra>" + html.escape(name) + "</extra>"))
+    if reference is not None:
+        _reference_line(fig, float(df["loops"].min()), float(df["loops"].max()), float(reference),
+                        reference_label or "reference")
+    fig.update_xaxes(type="log", tickvals=_pow2_ticks(df["loops"]))
+    return _style(fig, "Validation loss versus loops", xaxis_title="loops at inference",
+                  yaxis_title="cross-entropy (nats/token)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Convergence
+
+
+def per_loop_figure(summary: pd.DataFrame) -> go.Figure:
+    """Two log-scale panels from :func:`drc_core.measure.per_loop_summary`: the successive KL
+    ``KL(p_l ‖ p_{l−1})`` (and, dashed, the KL to the deepest output ``KL(p_L ‖ p_l)`` when measured), and the
+    relative state change, each with its bootstrap band. Loops where a value is NaN (loop 1) or not positive
+    (``kl_final`` at loop L) are left out."""
+    _need_columns(summary, ("loop", "kl_prev", "state_delta"), "the output of drc_core.measure.per_loop_summary")
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("successive KL(p_l ‖ p_{l−1})", "relative state change ‖Δs‖/‖s‖"))
+    panels = [("kl_prev", "KL(p_l ‖ p_{l−1})", 1, 0, "solid"), ("kl_final", "KL(p_L ‖ p_l)", 1, 2, "dash"),
+              ("state_delta", "‖s_l − s_{l−1}‖ / ‖s_l‖", 2, 1, "solid")]
+    for col, name, panel, color_i, dash in panels:
+        if col not in summary.columns:
+            continue
+        s = summary.sort_values("loop")
+        y = _floats(s[col])
+        ok = np.isfinite(y) & (y > 0)
+        if not ok.any():
+            continue
+        color = _PALETTE[color_i]
+        if f"{col}_ci_low" in s.columns and f"{col}_ci_high" in s.columns:
+            _band(fig, s["loop"][ok], s[f"{col}_ci_low"][ok], s[f"{col}_ci_high"][ok], color, name, log=True,
+                  row=1, col=panel)
+        fig.add_trace(go.Scatter(x=s["loop"][ok], y=y[ok], mode="lines+markers", name=name, legendgroup=name,
+                                 line={"color": color, "dash": dash}, marker={"size": 5},
+                                 hovertemplate="loop %{x}: %{y:.3g}<extra>" + html.escape(name) + "</extra>"),
+                      row=1, col=panel)
+    fig.update_yaxes(type="log", exponentformat="power")
+    fig.update_yaxes(title_text="mean over tokens (nats)", row=1, col=1)
+    fig.update_yaxes(title_text="mean over tokens (relative)", row=1, col=2)
+    fig.update_xaxes(title_text="loop l")
+    return _style(fig, "Convergence per loop (95% bootstrap intervals over documents)",
+                  legend={"orientation": "h", "y": -0.2})
+
+
+def depth_histogram(depths: pd.DataFrame) -> go.Figure:
+    """Share of tokens per convergence depth (one bar per loop 1..L, tokens that never settled shown apart at
+    depth L) and, on the right axis, the cumulative share converged by loop l; from
+    :func:`drc_core.measure.convergence_depth`."""
+    _need_columns(depths, ("depth",), "the output of drc_core.measure.convergence_depth")
+    d = depths["depth"].to_numpy(np.int64)
+    conv = depths["converged"].to_numpy(bool) if "converged" in depths.columns else np.ones(len(d), bool)
+    n_loops = int(max(depths.attrs.get("max_loops", 0), d.max()))
+    loops = np.arange(1, n_loops + 1)
+    n = len(d)
+    settled = np.bincount(d[conv], minlength=n_loops + 1)[1:]
+    never = np.bincount(d[~conv], minlength=n_loops + 1)[1:]
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Bar(x=loops, y=settled / n, name="converged at this depth", marker_color=_PALETTE[0],
+                         customdata=settled,
+                         hovertemplate="depth %{x}: %{y:.1%} (%{customdata} tokens)<extra></extra>"),
+                  secondary_y=False)
+    if never.any():
+        fig.add_trace(go.Bar(x=loops, y=never / n, name="never settled (depth = L)", marker_color=_PALETTE[1],
+                             customdata=never, hovertemplate="%{y:.1%} never settled (%{customdata} tokens)"
+                             "<extra></extra>"), secondary_y=False)
+    fig.add_trace(go.Scatter(x=loops, y=np.cumsum(settled) / n, mode="lines+markers", name="converged by loop l",
+                             line={"color": "black"}, marker={"size": 4},
+                             hovertemplate="by loop %{x}: %{y:.1%}<extra></extra>"), secondary_y=True)
+    eps = depths.attrs.get("eps")
+    fig.update_layout(barmode="stack", bargap=0.1, legend={"orientation": "h", "y": -0.2})
+    fig.update_xaxes(title_text="convergence depth (loops)", dtick=1 if n_loops <= 16 else 2)
+    fig.update_yaxes(title_text="share of tokens", tickformat=".0%", secondary_y=False)
+    fig.update_yaxes(title_text="cumulative share converged", tickformat=".0%", range=[0, 1.02], secondary_y=True,
+                     showgrid=False, tickvals=[0, 0.25, 0.5, 0.75, 1])
+    title = "Per-token convergence depth" + (f" (ε = {eps:g})" if eps is not None else "") + f", {n:,} tokens"
+    return _style(fig, title)
+
+
+def class_depth_bars(by_class: pd.DataFrame) -> go.Figure:
+    """Mean convergence depth per token class with its bootstrap interval, shallowest first; from
+    :func:`drc_core.tokens.class_depth_summary` (bar labels: each class's share of tokens)."""
+    _need_columns(by_class, ("class", "mean_depth"), "the output of drc_core.tokens.class_depth_summary")
+    df = by_class.sort_values("mean_depth", kind="stable")
+    mean = _floats(df["mean_depth"])
+    error = None
+    if {"ci_low", "ci_high"} <= set(df.columns):
+        error = {"type": "data", "array": _floats(df["ci_high"]) - mean, "arrayminus": mean - _floats(df["ci_low"])}
+    share = _floats(df["share"]) if "share" in df.columns else np.full(len(df), math.nan)
+    count = df["count"].to_numpy() if "count" in df.columns else np.full(len(df), math.nan)
+    fig = go.Figure(go.Bar(
+        x=df["class"].astype(str), y=mean, error_y=error, marker_color=_PALETTE[0],
+        text=[f"{s:.0%}" if np.isfinite(s) else "" for s in share], textposition="inside",
+        customdata=np.column_stack([share, count]),
+        hovertemplate="%{x}: mean depth %{y:.2f} loops<br>%{customdata[0]:.1%} of tokens (%{customdata[1]:,})"
+                      "<extra></extra>"))
+    return _style(fig, "Mean convergence depth by token class (95% bootstrap intervals; labels: share of tokens)",
+                  xaxis_title="token class (shallow → deep)", yaxis_title="mean convergence depth (loops)")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Halting and compute
+
+
+def _rule_column(df: pd.DataFrame) -> pd.Series:
+    """The ``rule`` column; when a rename left two (``family`` renamed onto an existing ``rule``), the one with
+    fewer distinct values (the family)."""
+    col = df["rule"]
+    if isinstance(col, pd.DataFrame):
+        col = min((col.iloc[:, j] for j in range(col.shape[1])), key=lambda s: s.nunique())
+    return col.astype(str)
+
+
+def quality_vs_depth(df: pd.DataFrame, reference: float | None = None, quality_label: str = "quality",
+                     log_y: bool = False, reference_label: str = "reference") -> go.Figure:
+    """Quality against average exit loop, one line per rule family (``rule``), points sorted by ``avg_depth``.
+
+    Columns: ``rule``, ``param``, ``avg_depth``, ``quality`` and optionally ``quality_lo``/``quality_hi``
+    (error bars). Uniform depth is drawn black, the oracle dashed grey; hover shows each point's ``param``.
+    ``reference`` adds a dashed horizontal line; ``log_y`` a log quality axis (non-positive points vanish).
+    """
+    _need_columns(df, ("rule", "param", "avg_depth", "quality"),
+                  "a drc_core.sweep.summarize table with columns rule, param, avg_depth, quality")
+    rule = _rule_column(df)
+    names = sorted(set(rule), key=lambda r: (r != "uniform", r == "oracle", r))
+    fig = go.Figure()
+    color_i = 0
+    for name in names:
+        g = df[(rule == name).to_numpy()].sort_values("avg_depth")
+        q = _floats(g["quality"])
+        if name == "uniform":
+            line, marker = {"color": "black", "width": 2.5}, {"size": 7, "symbol": "square"}
+        elif name == "oracle":
+            line, marker = {"color": "grey", "dash": "dash"}, {"size": 6, "symbol": "diamond"}
+        else:
+            line, marker = {"color": _PALETTE[color_i % len(_PALETTE)]}, {"size": 6}
+            color_i += 1
+        error = None
+        if {"quality_lo", "quality_hi"} <= set(g.columns):
+            error = {"type": "data", "array": _floats(g["quality_hi"]) - q, "arrayminus": q - _floats(g["quality_lo"]),
+                     "thickness": 1, "width": 0}
+        params = [f"{p:g}" if isinstance(p, int | float | np.number) else str(p) for p in g["param"]]
+        fig.add_trace(go.Scatter(
+            x=g["avg_depth"], y=q, mode="lines+markers", name=name, line=line, marker=marker, error_y=error,
+            customdata=params,
+            hovertemplate="param %{customdata}<br>avg depth %{x:.2f} loops<br>quality %{y:.4g}<extra>"
+                          + html.escape(name) + "</extra>"))
+    if reference is not None:
+        _reference_line(fig, float(df["avg_depth"].min()), float(df["avg_depth"].max()), float(reference),
+                        reference_label)
+    if log_y:
+        fig.update_yaxes(type="log", exponentformat="power")
+    return _style(fig, f"{quality_label} versus average depth (lower left is better)",
+                  xaxis_title="average exit loop (loops per token)", yaxis_title=quality_label, height=450)
+
+
+def speedup_bars(table: pd.DataFrame) -> go.Figure:
+    """FLOP-proxy and wall-clock speed-ups side by side per (``setting``, ``rule``), a marker at 0.9 x the proxy
+    and a dotted line at 1 (no speed-up). Columns: ``setting``, ``rule``, ``avg_loops``, ``proxy_speedup``,
+    ``wallclock_speedup`` (NaN where not measured)."""
+    _need_columns(table, ("setting", "rule", "avg_loops", "proxy_speedup", "wallclock_speedup"),
+                  "a table with columns setting, rule, avg_loops, proxy_speedup, wallclock_speedup")
+    x = [table["setting"].astype(str).tolist(), table["rule"].astype(str).tolist()]
+    proxy, wall = _floats(table["proxy_speedup"]), _floats(table["wallclock_speedup"])
+    loops = _floats(table["avg_loops"])
+    hover = "%{x}<br>%{y:.2f}x<br>avg loops %{customdata:.2f}<extra>%{fullData.name}</extra>"
+    fig = go.Figure([
+        go.Bar(x=x, y=proxy, name="FLOP proxy", marker_color=_PALETTE[0], customdata=loops, hovertemplate=hover,
+               offsetgroup="proxy",
+               text=[f"{v:.2f}x" for v in proxy], textposition="outside"),
+        go.Bar(x=x, y=wall, name="wall-clock", marker_color=_PALETTE[1], customdata=loops, hovertemplate=hover,
+               offsetgroup="wall",
+               text=[f"{v:.2f}x" if np.isfinite(v) else "" for v in wall], textposition="inside"),
+        go.Scatter(x=x, y=0.9 * proxy, mode="markers", name="0.9 x proxy", customdata=loops, hovertemplate=hover,
+                   offsetgroup="wall",
+                   marker={"symbol": "line-ew-open", "size": 28, "color": "black", "line": {"width": 2}}),
+    ])
+    fig.add_hline(y=1, line_dash="dot", line_color="grey")
+    return _style(fig, "Speed-up over uniform depth: FLOP proxy vs wall-clock", barmode="group", scattermode="group",
+                  xaxis_title="setting / rule", yaxis_title="speed-up (x)", legend={"orientation": "h", "y": -0.25})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The per-token depth explorer: shared pieces
+
+
+@dataclass(frozen=True)
+class _Mode:
+    key: str
+    column: str | None  # frame column coloured (None: converged / still updating)
+    label: str
+    unit: str
+    log: bool
+
+
+_MODES = {
+    "kl": _Mode("kl", "kl_prev", "KL(p_l ‖ p_{l−1})", "nats", True),
+    "state": _Mode("state", "state_delta", "state change ‖s_l − s_{l−1}‖/‖s_l‖", "relative", True),
+    "entropy": _Mode("entropy", "entropy", "entropy H(p_l)", "nats", False),
+    "converged": _Mode("converged", None, "converged / still updating", "", False),
+}
+_ALIASES = {"kl_prev": "kl", "state_delta": "state"}
+
+
+def _mode(mode: str, allow_converged: bool = True) -> _Mode:
+    key = _ALIASES.get(mode, mode) if isinstance(mode, str) else mode
+    options = [k for k in _MODES if allow_converged or k != "converged"]
+    if key not in options:
+        raise DrcError(f"unknown metric/mode {mode!r}; use one of {options} (or 'kl_prev', 'state_delta')")
+    return _MODES[key]
+
+
+def _token_texts(tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each id decoded on its own (``tokenizer.decode([id])``); a special token that decodes to nothing shows
+    its name, and without a tokenizer the id itself (``#17``)."""
+    cache: dict[int, str] = {}
+    out = []
+    for i in (int(v) for v in ids):
+        if i not in cache:
+            if tokenizer is None:
+                cache[i] = f"#{i}"
+            else:
+                text = tokenizer.decode([i])
+                if text == "" and hasattr(tokenizer, "id_to_token"):
+                    text = tokenizer.id_to_token(i) or ""
+                cache[i] = text or f"<{i}>"
+        out.append(cache[i])
+    return out
+
+
+def _visible(text: str) -> str:
+    """Whitespace that would vanish made visible (newline ↵, tab ⇥, carriage return ␍)."""
+    return text.replace("\r", "␍").replace("\t", "⇥").replace("\n", "↵")
+
+
+def _wrap(texts: Sequence[str], line_chars: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lay tokens out like wrapped text: per token its row, first character column and width (characters of
+    its visible text, at least 1). A token that does not fit starts a new row; a row ends after a newline."""
+    rows, starts, widths = [], [], []
+    row = col = 0
+    for text in texts:
+        width = max(1, len(_visible(text)))
+        if col > 0 and col + width > line_chars:
+            row, col = row + 1, 0
+        rows.append(row)
+        starts.append(col)
+        widths.append(width)
+        col += width
+        if "\n" in text:
+            row, col = row + 1, 0
+    return np.asarray(rows), np.asarray(starts), np.asarray(widths)
+
+
+@dataclass(frozen=True)
+class _Passage:
+    """One window's first tokens, as (tokens, loops) matrices."""
+
+    window: int
+    eps: float
+    pos: np.ndarray  # (n,)
+    ids: np.ndarray  # (n,)
+    texts: list[str]  # decoded text per token
+    loops: np.ndarray  # (L,) sorted
+    values: dict[str, np.ndarray]  # column -> (n, L)
+    depth: np.ndarray  # (n,) convergence depth
+    settled: np.ndarray  # (n,) converged within the frame's loops
+
+    def loop_index(self, loop: object) -> int:
+        if isinstance(loop, bool) or not isinstance(loop, int | np.integer) or int(loop) not in self.loops:
+            raise DrcError(f"loop={loop!r} is out of range; window {self.window} has loops "
+                           f"{int(self.loops[0])}..{int(self.loops[-1])}")
+        return int(np.searchsorted(self.loops, int(loop)))
+
+    def converged_at(self, loop: int) -> np.ndarray:
+        return self.settled & (self.depth <= loop)
+
+
+_PASSAGE_COLUMNS = ("window", "pos", "loop", "token", "kl_prev", "state_delta", "entropy")
+
+
+def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
+    _need_columns(frame, _PASSAGE_COLUMNS, "a frame from drc_core.measure.measure_windows")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or max_tokens < 1:
+        raise DrcError(f"max_tokens={max_tokens!r} is invalid; it must be an integer >= 1")
+    if isinstance(eps, bool) or not isinstance(eps, int | float | np.floating) or not 0 < float(eps) < math.inf:
+        raise DrcError(f"eps={eps!r} is invalid; it must be a finite number > 0")
+    windows = frame["window"].to_numpy()
+    if isinstance(window, bool) or not isinstance(window, int | np.integer) or not (windows == window).any():
+        raise DrcError(f"window={window!r} is not in the frame; it has windows {int(windows.min())}.."
+                       f"{int(windows.max())}")
+    sub = frame.loc[windows == window]
+    pos = np.sort(sub["pos"].unique())[: int(max_tokens)]
+    sub = sub[sub["pos"].isin(pos)]
+    loops = np.sort(sub["loop"].unique()).astype(np.int64)
+    pi = np.searchsorted(pos, sub["pos"].to_numpy())
+    li = np.searchsorted(loops, sub["loop"].to_numpy())
+    if len(sub) != len(pos) * len(loops) or len(np.unique(pi * len(loops) + li)) != len(sub):
+        raise DrcError(f"window {window} does not have exactly one row per (pos, loop); pass a measure_windows frame")
+    columns = ["kl_prev", "state_delta", "entropy", *(c for c in ("kl_final", "ce") if c in sub.columns)]
+    values = {}
+    for c in columns:
+        m = np.full((len(pos), len(loops)), math.nan)
+        m[pi, li] = sub[c].to_numpy(float)
+        values[c] = m
+    ids = np.zeros(len(pos), np.int64)
+    ids[pi] = sub["token"].to_numpy(np.int64)
+    depths = convergence_depth(sub, float(eps))  # sorted by window, pos like ``pos``
+    return _Passage(int(window), float(eps), pos, ids, _token_texts(tokenizer, ids), loops, values,
+                    depths["depth"].to_numpy(np.int64), depths["converged"].to_numpy(bool))
+
+
+def _color_range(p: _Passage, mode: _Mode) -> tuple[np.ndarray, float, float, list[list]]:
+    """The colour value of every (token, loop) (log10 for log metrics, clipped at LOG_FLOOR; NaN stays NaN),
+    the fixed range over the passage, and the colour scale. The KL scale is diverging around log10(eps)."""
+    raw = p.values[mode.column]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        v = np.log10(np.maximum(raw, LOG_FLOOR)) if mode.log else raw.copy()
+    finite = v[np.isfinite(v)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if mode.key == "kl":
+        mid = math.log10(p.eps)
+        lo, hi = min(lo, mid - 1), max(hi, mid + 1)
+        f = (mid - lo) / (hi - lo)
+        scale = [[0.0, _KL_SCALE[0]], [f, _KL_SCALE[1]], [1.0, _KL_SCALE[2]]]
+    else:
+        if hi - lo < 1e-9:
+            lo, hi = lo - 0.5, hi + 0.5
+        scale = [list(x) for x in pcolors.get_colorscale(_SEQ_SCALE)]
+    return v, lo, hi, scale
+
+
+def _css_colors(values: np.ndarray, lo: float, hi: float, scale: list[list]) -> list[str]:
+    """``rgb(...)`` colours of ``values`` on ``scale`` over [lo, hi]; NAN_COLOR where a value is NaN."""
+    frac = np.clip((values - lo) / (hi - lo), 0.0, 1.0)
+    ok = np.isfinite(frac)
+    sampled = iter(pcolors.sample_colorscale(scale, frac[ok].tolist()) if ok.any() else [])
+    return [next(sampled) if good else NAN_COLOR for good in ok]
+
+
+def _ink(background: str) -> str:
+    """Black or white text, whichever reads better on ``background``."""
+    r, g, b = pcolors.hex_to_rgb(background) if background.startswith("#") else pcolors.unlabel_rgb(background)
+    return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.2g}" if np.isfinite(v) else "n/a"
+
+
+def _strip_html(p: _Passage, loop: int, mode: _Mode) -> str:
+    j = p.loop_index(loop)
+    kl, sd, ent = p.values["kl_prev"][:, j], p.values["state_delta"][:, j], p.values["entropy"][:, j]
+    conv = p.converged_at(int(loop))
+    if mode.column is None:
+        colors = [CONVERGED_COLOR if c else UPDATING_COLOR for c in conv]
+        legend = (f"<span style='background:{CONVERGED_COLOR}'>&nbsp;converged&nbsp;</span> "
+                  f"<span style='background:{UPDATING_COLOR}'>&nbsp;still updating&nbsp;</span> "
+                  f"(convergence depth ≤ {int(loop)}, ε = {p.eps:g})")
+    else:
+        v, lo, hi, scale = _color_range(p, mode)
+        colors = _css_colors(v[:, j], lo, hi, scale)
+        ends = f"{10**lo:.0e} … {10**hi:.0e}" if mode.log else f"{lo:.2f} … {hi:.2f}"
+        legend = (f"colour: {html.escape(mode.label)} ({mode.unit}), {ends}"
+                  + (f", yellow = ε = {p.eps:g}" if mode.key == "kl" else "") + "; grey: undefined at this loop")
+    spans = []
+    for i, text in enumerate(p.texts):
+        status = "converged" if conv[i] else "still updating"
+        title = (f"pos {int(p.pos[i])} {text!r}: KL {_fmt(kl[i])} nats, state change {_fmt(sd[i])}, "
+                 f"entropy {_fmt(ent[i])} nats, depth {int(p.depth[i])}, {status}")
+        body = html.escape(text.replace("\r", "␍").replace("\t", "⇥")).replace("\n", "↵<br>")
+        spans.append(f"<span title=\"{html.escape(title, quote=True)}\" style=\"background:{colors[i]};"
+                     f"color:{_ink(colors[i])};border-radius:2px;padding:0 1px\">{body}</span>")
+    header = (f"<div style='font-size:90%;margin-bottom:4px'>window {p.window}, loop {int(loop)} of "
+              f"{int(p.loops[-1])}: {legend}</div>")
+    return (f"<div class='drc-token-strip'>{header}<div style='font-family:monospace;white-space:pre-wrap;"
+            f"line-height:1.7'>{''.join(spans)}</div></div>")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The per-token depth explorer: public API
+
+
+def token_strip_html(frame: pd.DataFrame, window: int, loop: int, tokenizer, eps: float = DEFAULT_EPS,
+                     mode: str = "kl", max_tokens: int = 96) -> str:
+    """The first ``max_tokens`` tokens of ``window`` as HTML, one ``<span>`` per token coloured at ``loop``.
+
+    ``mode``: ``"kl"`` (successive KL, log scale, yellow at ``eps``), ``"state"`` (state change, log scale),
+    ``"entropy"`` or ``"converged"`` (green: converged by ``loop``, red: still updating). Colour ranges are
+    fixed over the passage's loops. Each span's ``title`` gives the token's values; text is HTML-escaped and
+    newlines show as ↵ plus a line break.
+    """
+    p = _passage(frame, window, tokenizer, eps, max_tokens)
+    return _strip_html(p, loop, _mode(mode))
+
+
+def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float = DEFAULT_EPS, max_tokens: int = 96,
+                        metric: str = "kl_prev", line_chars: int = _LINE_CHARS) -> go.Figure:
+    """The first ``max_tokens`` tokens of ``window`` laid out as wrapped text, each a box coloured by ``metric``
+    at loop l, with a slider over loops and a play button (plotly frames: interactive in static HTML).
+
+    ``metric``: ``"kl_prev"`` (log10 of the successive KL; the scale's yellow middle is ``eps``),
+    ``"state_delta"`` (log10) or ``"entropy"``. The colour range is fixed across loops; tokens without a value
+    at a loop (loop 1 for KL and state change) are grey. The figure opens at the first loop where some token
+    has a value. Hover: the token, its KL and state change at that loop and whether it has converged.
+    Frame ``l`` (named ``str(l)``) holds ``marker.color`` (the colour values, rounded to 3 decimals, or
+    NAN_COLOR) and ``customdata`` (KL, state change, status as text).
+    """
+    mode = _mode(metric, allow_converged=False)
+    if isinstance(line_chars, bool) or not isinstance(line_chars, int) or line_chars < 8:
+        raise DrcError(f"line_chars={line_chars!r} is invalid; it must be an integer >= 8")
+    p = _passage(frame, window, tokenizer, eps, max_tokens)
+    v, lo, hi, scale = _color_range(p, mode)
+    rows, starts, widths = _wrap(p.texts, line_chars)
+    n_rows = int(rows.max()) + 1
+    kl, sd = p.values["kl_prev"], p.values["state_delta"]
+
+    def colors(j: int) -> list:
+        return [round(float(x), 3) if np.isfinite(x) else NAN_COLOR for x in v[:, j]]
+
+    def custom(j: int) -> list[list[str]]:
+        conv = p.converged_at(int(p.loops[j]))
+        return [[_fmt(kl[i, j]), _fmt(sd[i, j]), "converged" if conv[i] else "still updating"]
+                for i in range(len(p.pos))]
+
+    has_value = np.isfinite(v).any(axis=0)
+    start = int(np.argmax(has_value)) if has_value.any() else 0
+    if mode.log:
+        ticks = list(range(math.ceil(lo), math.floor(hi) + 1))
+        colorbar = {"title": {"text": f"{mode.key} ({mode.unit})"}, "tickvals": ticks,
+                    "ticktext": [f"1e{k}" for k in ticks]}
+    else:
+        colorbar = {"title": {"text": f"{mode.key} ({mode.unit})"}}
+    marker = {"color": colors(start), "colorscale": scale, "cmin": lo, "cmax": hi, "showscale": True,
+              "colorbar": colorbar, "line": {"width": 1, "color": "white"}}
+    hover = [f"pos {int(q)}: {t!r}" for q, t in zip(p.pos, p.texts, strict=True)]
+    fig = go.Figure(go.Bar(
+        orientation="h", y=rows, x=widths, base=starts, width=0.8, marker=marker, customdata=custom(start),
+        text=[_visible(t) for t in p.texts], textposition="inside", insidetextanchor="middle", textangle=0,
+        textfont={"family": "monospace", "size": 13}, hovertext=hover,
+        hovertemplate="%{hovertext}<br>KL(p_l ‖ p_{l−1}) %{customdata[0]} nats<br>state change %{customdata[1]}"
+                      "<br>%{customdata[2]}<extra></extra>"))
+    fig.frames = [go.Frame(name=str(int(lp)), data=[go.Bar(marker={"color": colors(j)}, customdata=custom(j))])
+                  for j, lp in enumerate(p.loops)]
+    step_args = {"mode": "immediate", "frame": {"duration": 0, "redraw": True}, "transition": {"duration": 0}}
+    slider = {"active": start, "currentvalue": {"prefix": "loop "}, "pad": {"t": 30}, "len": 0.9, "x": 0.1,
+              "steps": [{"label": str(int(lp)), "method": "animate", "args": [[str(int(lp))], step_args]}
+                        for lp in p.loops]}
+    play = {"type": "buttons", "direction": "left", "showactive": False, "x": 0.0, "y": 0, "xanchor": "left",
+            "yanchor": "top", "pad": {"t": 42},
+            "buttons": [{"label": "▶", "method": "animate",
+                         "args": [None, {"frame": {"duration": 500, "redraw": True}, "fromcurrent": True,
+                                         "transition": {"duration": 0}}]},
+                        {"label": "❚❚", "method": "animate", "args": [[None], step_args]}]}
+    fig.update_xaxes(visible=False, range=[-0.5, line_chars + 0.5])
+    fig.update_yaxes(visible=False, autorange="reversed")
+    return _style(fig, f"Window {p.window}: {mode.label} per token at loop l (ε = {p.eps:g}; grey: undefined)",
+                  height=max(300, 170 + 26 * n_rows), sliders=[slider], updatemenus=[play], barmode="overlay",
+                  uniformtext={"minsize": 11, "mode": "show"}, plot_bgcolor="white", showlegend=False,
+                  margin={"l": 20, "r": 20, "t": 60, "b": 20})
+
+
+class DepthExplorer:
+    """The live per-token depth explorer (JupyterLab): ``explorer.widget`` is an ipywidgets ``VBox`` with
+
+    - ``slider`` (``IntSlider`` over the frame's loops) and ``metric`` (``ToggleButtons``: ``"kl"``,
+      ``"state"``, ``"entropy"``, ``"converged"``), which redraw ``text`` (an ``HTML`` widget holding
+      :func:`token_strip_html` of the window at that loop and mode);
+    - ``token`` (a ``Dropdown`` of positions labelled with the token text), which redraws ``trajectory``: a
+      ``go.Figure`` (KL(p_l ‖ p_{l−1}), KL(p_L ‖ p_l) when measured and the state change against the loop,
+      log scale, the ε line and the current loop) rendered into ``output`` (an ``ipywidgets.Output``) when an
+      IPython kernel is running.
+
+    Everything updates through ``.observe`` callbacks, so setting ``explorer.slider.value = 5`` (or
+    ``metric.value`` / ``token.value``) from code updates ``text`` / ``trajectory`` at once.
+    """
+
+    def __init__(self, frame: pd.DataFrame, tokenizer, window: int = 0, eps: float = DEFAULT_EPS,
+                 max_tokens: int = 96) -> None:
+        import ipywidgets as widgets
+
+        self.passage = _passage(frame, window, tokenizer, eps, max_tokens)
+        p = self.passage
+        first = int(p.loops[1]) if len(p.loops) > 1 else int(p.loops[0])
+        self.slider = widgets.IntSlider(value=first, min=int(p.loops[0]), max=int(p.loops[-1]), step=1,
+                                        description="loop", continuous_update=True)
+        self.metric = widgets.ToggleButtons(
+            options=[("KL", "kl"), ("state change", "state"), ("entropy", "entropy"),
+                     ("converged?", "converged")], value="kl", description="colour")
+        self.text = widgets.HTML()
+        self.token = widgets.Dropdown(options=[(f"{int(q)}: {t!r}", int(q)) for q, t in zip(p.pos, p.texts,
+                                                                                          strict=True)],
+                                      value=int(p.pos[0]), description="token")
+        self.output = widgets.Output()
+        self.trajectory = go.Figure()
+        self.widget = widgets.VBox([widgets.HBox([self.slider, self.metric]), self.text, self.token, self.output])
+        self.slider.observe(self._on_loop, names="value")
+        self.metric.observe(self._on_metric, names="value")
+        self.token.observe(self._on_token, names="value")
+        self.update_text()
+        self.update_trajectory()
+
+    # callbacks (the widgets' observers) ----------------------------------------------------------------
+    def _on_loop(self, _change) -> None:
+        self.update_text()
+        self._mark_loop()
+        self._render()
+
+    def _on_metric(self, _change) -> None:
+        self.update_text()
+
+    def _on_token(self, _change) -> None:
+        self.update_trajectory()
+
+    # updates, also callable directly ------------------------------------------------------------------
+    def update_text(self) -> None:
+        """Redraw the coloured passage for the slider's loop and the selected metric."""
+        self.text.value = _strip_html(self.passage, int(self.slider.value), _mode(self.metric.value))
+
+    def update_trajectory(self) -> None:
+        """Rebuild the selected token's trajectory figure and render it."""
+        p = self.passage
+        i = int(np.searchsorted(p.pos, int(self.token.value)))
+        fig = go.Figure()
+        series = [("kl_prev", "KL(p_l ‖ p_{l−1}) (nats)", "solid"), ("kl_final", "KL(p_L ‖ p_l) (nats)", "dash"),
+                  ("state_delta", "state change (relative)", "solid")]
+        for k, (col, name, dash) in enumerate(series):
+            if col in p.values and (col != "kl_final" or np.isfinite(p.values[col][i]).any()):
+                fig.add_trace(go.Scatter(x=p.loops, y=p.values[col][i], mode="lines+markers", name=name,
+                                         line={"color": _PALETTE[k], "dash": dash}, marker={"size": 5}))
+        fig.add_trace(go.Scatter(x=[p.loops[0], p.loops[-1]], y=[p.eps, p.eps], mode="lines", name=f"ε = {p.eps:g}",
+                                 line={"color": "grey", "dash": "dot"}))
+        status = f"converged at depth {p.depth[i]}" if p.settled[i] else "never settled"
+        fig.update_yaxes(type="log", exponentformat="power", title_text="value (log scale)")
+        fig.update_xaxes(title_text="loop l")
+        _style(fig, f"pos {int(p.pos[i])} {p.texts[i]!r}: {status}", height=320,
+               legend={"orientation": "h", "y": -0.3})
+        self.trajectory = fig
+        self._mark_loop()
+        self._render()
+
+    def _mark_loop(self) -> None:
+        self.trajectory.layout.shapes = ()
+        self.trajectory.add_vline(x=int(self.slider.value), line_color="black", line_width=1, opacity=0.4)
+
+    def _render(self) -> None:
+        from IPython import get_ipython
+        from IPython.display import display
+
+        if get_ipython() is None:  # headless (tests, scripts): keep the figure, draw nothing
+            return
+        self.output.clear_output(wait=True)
+        with self.output:
+            display({"application/vnd.plotly.v1+json": json.loads(self.trajectory.to_json()),
+                     "text/plain": f"trajectory of token {int(self.token.value)}"}, raw=True)

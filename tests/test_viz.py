@@ -1,0 +1,290 @@
+"""Figures and the per-token depth explorer (drc_core.viz), on a real frame of the tiny model and a tiny BPE."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+import torch
+
+from drc_core import viz
+from drc_core.data.tokenizer import train_bpe
+from drc_core.errors import DrcError
+from drc_core.measure import convergence_depth, measure_windows, per_loop_summary
+from drc_core.tokens import class_depth_summary
+
+T, L, EPS = 24, 6, 1e-3
+TEXT = ("a < b & c > d. The cat sat on the mat.\nThe dog ran after the cat, and the cat ran up the tree.\n"
+        "In 1790 the first address was given; the second followed in 1791.\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads(one_thread):
+    yield
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe([TEXT] * 3 + ["the cat and the dog, a mat and a tree."] * 3, 300)
+
+
+@pytest.fixture(scope="module")
+def frame(tok, tiny_model_factory) -> pd.DataFrame:
+    ids = tok.encode(TEXT * 3).ids
+    windows = torch.tensor([ids[i * T : i * T + T + 1] for i in range(3)])
+    model = tiny_model_factory(tok.get_vocab_size(), core_scale=1.0)  # depths 3..5 at eps 1e-3: some converge, some not
+    return measure_windows(model, windows, L, doc_ids=torch.tensor([0, 0, 1]), batch_size=4)
+
+
+def token_rows(frame: pd.DataFrame, window: int, col: str) -> np.ndarray:
+    """(n_pos, L) matrix of ``col`` for one window (the frame is sorted by window, pos, loop)."""
+    return frame[frame.window == window][col].to_numpy(float).reshape(-1, L)
+
+
+def synthetic_frame(n_pos: int, n_loops: int, vocab: int, seed: int = 0) -> pd.DataFrame:
+    """A frame with measure_windows' columns: KL falling geometrically per token at its own rate."""
+    rng = np.random.default_rng(seed)
+    pos, loop = np.meshgrid(np.arange(n_pos), np.arange(1, n_loops + 1), indexing="ij")
+    rate = rng.uniform(0.5, 3.0, size=(n_pos, 1))
+    kl = 10.0 ** (-rate * (loop - 1)) * rng.uniform(0.5, 2, size=loop.shape)
+    kl[:, 0] = np.nan
+    tokens = np.broadcast_to(rng.integers(0, vocab, size=(n_pos, 1)), loop.shape)
+    df = pd.DataFrame({
+        "window": 0, "pos": pos.ravel(), "loop": loop.ravel(), "token": tokens.ravel(), "target": 0,
+        "kl_prev": kl.ravel(), "kl_final": kl.ravel() / 2, "state_delta": np.sqrt(kl).ravel(),
+        "entropy": rng.uniform(1, 5, loop.size), "argmax": 0, "ce": rng.uniform(1, 5, loop.size),
+    })
+    return df.astype({c: np.float32 for c in ("kl_prev", "kl_final", "state_delta", "entropy", "ce")})
+
+
+def lines(fig: go.Figure) -> list:
+    """The traces that carry data (not the invisible band edges)."""
+    return [t for t in fig.data if t.showlegend is not False]
+
+
+# ------------------------------------------------------------------------------------------------ curves
+
+
+def test_loss_curves_train_and_one_val_line_per_depth():
+    train = pd.DataFrame({"kind": "train", "step": np.arange(10, 510, 10), "loss": np.linspace(8, 4.5, 50),
+                          "lr": 1e-3, "loops": 6, "tokens": 0, "seconds": 1.0})
+    evals = pd.DataFrame([{"kind": "eval", "step": s, "loops": lp, "loss": 5 - 0.01 * lp - s / 1000}
+                          for s in (250, 500) for lp in (1, 2, 4, 8)])
+    fig = viz.loss_curves(pd.concat([train, evals], ignore_index=True))
+    assert isinstance(fig, go.Figure) and fig.layout.template.layout.paper_bgcolor is not None
+    assert len(fig.data) == 2 + 4
+    raw, smooth = fig.data[0], fig.data[1]
+    np.testing.assert_allclose(raw.y, train.loss)
+    assert smooth.y[-1] == pytest.approx(train.loss.tail(5).mean())  # 50 logs -> a mean of 5
+    assert [t.name for t in fig.data[2:]] == ["val, 1 loop", "val, 2 loops", "val, 4 loops", "val, 8 loops"]
+    assert list(fig.data[3].x) == [250, 500] and list(fig.data[3].y) == [4.73, 4.48]
+    with pytest.raises(DrcError, match="lacks column 'loss'"):
+        viz.loss_curves(pd.DataFrame({"step": [1]}))
+
+
+def test_loss_vs_depth_series_band_and_reference():
+    loops = [1, 2, 4, 8, 16]
+    table = pd.concat([pd.DataFrame({"loops": loops, "loss": np.linspace(5, 4, 5) + k, "series": s,
+                                     "lo": np.linspace(5, 4, 5) + k - 0.1, "hi": np.linspace(5, 4, 5) + k + 0.1})
+                       for k, s in enumerate(["all", "wikipedia"])])
+    fig = viz.loss_vs_depth(table, reference=6.75, reference_label="unigram entropy")
+    named = lines(fig)
+    assert [t.name for t in named] == ["all", "wikipedia", "unigram entropy (6.75)"]
+    assert all(list(t.x) == loops for t in named[:2])
+    assert list(named[2].y) == [6.75, 6.75] and list(named[2].x) == [1, 16]
+    assert len(fig.data) == 2 * 3 + 1  # per series: band upper, band lower, line
+    assert fig.layout.xaxis.type == "log"
+    plain = viz.loss_vs_depth(table[table.series == "all"][["loops", "loss"]])
+    assert len(plain.data) == 1 and list(plain.data[0].x) == loops
+
+
+def test_per_loop_figure_skips_nan_and_zero(frame):
+    summary = per_loop_summary(frame, n_boot=50)
+    fig = viz.per_loop_figure(summary)
+    named = {t.name: t for t in lines(fig)}
+    kl, state, final = named["KL(p_l ‖ p_{l−1})"], named["‖s_l − s_{l−1}‖ / ‖s_l‖"], named["KL(p_L ‖ p_l)"]
+    assert list(kl.x) == list(range(2, L + 1)) and list(state.x) == list(range(2, L + 1))
+    assert list(final.x) == list(range(1, L))  # KL(p_L || p_L) = 0 has no place on a log axis
+    np.testing.assert_allclose(kl.y, summary.kl_prev.iloc[1:])
+    assert kl.xaxis == "x" and state.xaxis == "x2"
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+    bands = [t for t in fig.data if t.fill == "tonexty"]
+    assert len(bands) == 3
+
+
+def test_depth_histogram_shares_and_cumulative(frame):
+    depths = convergence_depth(frame, EPS)
+    fig = viz.depth_histogram(depths)
+    bars = [t for t in fig.data if isinstance(t, go.Bar)]
+    cum = [t for t in fig.data if isinstance(t, go.Scatter)][0]
+    assert all(list(b.x) == list(range(1, L + 1)) for b in bars)
+    assert sum(float(np.sum(b.y)) for b in bars) == pytest.approx(1.0)
+    assert np.all(np.diff(cum.y) >= 0)
+    assert cum.y[-1] == pytest.approx(depths.converged.mean())
+    counts = np.bincount(depths.depth[depths.converged], minlength=L + 1)[1:]
+    np.testing.assert_array_equal(bars[0].customdata, counts)
+
+
+def test_class_depth_bars_order_and_intervals():
+    rng = np.random.default_rng(0)
+    classes = rng.choice(["content", "function", "whitespace"], 300)
+    depth = np.where(classes == "content", 6, np.where(classes == "function", 4, 2)) + rng.integers(0, 3, 300)
+    by_class = class_depth_summary(classes, depth, n_boot=100)
+    fig = viz.class_depth_bars(by_class.sample(frac=1, random_state=1))  # order restored by mean depth
+    bar = fig.data[0]
+    assert list(bar.x) == ["whitespace", "function", "content"]
+    b = by_class.set_index("class").loc[list(bar.x)]
+    np.testing.assert_allclose(bar.y, b.mean_depth)
+    np.testing.assert_allclose(np.asarray(bar.y) + bar.error_y.array, b.ci_high)
+    np.testing.assert_allclose(np.asarray(bar.y) - bar.error_y.arrayminus, b.ci_low)
+
+
+def test_quality_vs_depth_families_and_the_notebook_rename():
+    rows = [("uniform", float(d), f"uniform({d})", d, 5 - 0.1 * math.log2(d)) for d in (8, 1, 2, 4)]
+    rows += [("kl", p, f"kl({p:g})", 6 - p * 1e3, 4.75 + p * 10) for p in (1e-3, 1e-4)]
+    rows += [("oracle", p, f"oracle({p:g})", 2 + p * 100, 4.71) for p in (1e-2, 1e-3)]
+    held = pd.DataFrame(rows, columns=["family", "param", "rule", "avg_depth", "ce"])
+    held["ce_lo"], held["ce_hi"] = held.ce - 0.01, held.ce + 0.02
+    # exactly the notebook's call: family -> rule_family -> rule, next to summarize's own "rule" column
+    plot = held.rename(columns={"family": "rule_family"})
+    df = plot.rename(columns={"rule_family": "rule", "ce": "quality", "ce_lo": "quality_lo", "ce_hi": "quality_hi"})
+    fig = viz.quality_vs_depth(df, reference=4.7, quality_label="validation cross-entropy (nats)")
+    named = lines(fig)
+    assert [t.name for t in named] == ["uniform", "kl", "oracle", "reference (4.7)"]
+    uni, kl, oracle = named[:3]
+    assert list(uni.x) == [1, 2, 4, 8] and uni.line.color == "black"
+    assert list(uni.customdata) == ["1", "2", "4", "8"]
+    assert oracle.line.dash == "dash"
+    assert list(kl.x) == sorted(kl.x) and list(kl.customdata) == ["0.001", "0.0001"]
+    np.testing.assert_allclose(kl.error_y.array, [0.02, 0.02])
+    assert viz.quality_vs_depth(df, log_y=True).layout.yaxis.type == "log"
+
+
+def test_speedup_bars_grouped():
+    table = pd.DataFrame({"setting": ["batched eval", "batched eval", "generation"], "rule": ["kl", "oracle", "kl"],
+                          "avg_loops": [5.0, 3.0, 5.5], "proxy_speedup": [1.5, 2.4, 1.4],
+                          "wallclock_speedup": [1.3, np.nan, 1.1]})
+    fig = viz.speedup_bars(table)
+    proxy, wall, target = fig.data
+    assert [list(v) for v in proxy.x] == [list(table.setting), list(table.rule)]
+    np.testing.assert_allclose(proxy.y, table.proxy_speedup)
+    np.testing.assert_allclose(target.y, 0.9 * table.proxy_speedup)
+    assert math.isnan(wall.y[1]) and fig.layout.barmode == "group"
+    with pytest.raises(DrcError, match="wallclock_speedup"):
+        viz.speedup_bars(table.drop(columns="wallclock_speedup"))
+
+
+# ------------------------------------------------------------------------------------ the depth explorer
+
+
+def test_token_texts_decode_each_id(tok):
+    ids = tok.encode(TEXT).ids
+    texts = viz._token_texts(tok, ids)
+    assert texts == [tok.decode([i]) for i in ids]
+    assert "".join(texts) == TEXT
+    assert viz._token_texts(None, [3, 17]) == ["#3", "#17"]
+
+
+def test_slider_figure_one_frame_per_loop_coloured_by_log_kl(frame, tok):
+    fig = viz.depth_slider_figure(frame, 1, tok, eps=EPS, max_tokens=20)
+    assert [f.name for f in fig.frames] == [str(lp) for lp in range(1, L + 1)]
+    assert len(fig.layout.sliders[0].steps) == L and fig.layout.sliders[0].active == 1  # opens at loop 2
+    kl = token_rows(frame, 1, "kl_prev")[:20]
+    assert all(c == viz.NAN_COLOR for c in fig.frames[0].data[0].marker.color)  # no KL at loop 1
+    for lp in range(2, L + 1):
+        expected = np.round(np.log10(np.maximum(kl[:, lp - 1], viz.LOG_FLOOR)), 3)
+        np.testing.assert_allclose(fig.frames[lp - 1].data[0].marker.color, expected, atol=1e-9)
+    np.testing.assert_allclose(fig.data[0].marker.color, fig.frames[1].data[0].marker.color)
+    bar = fig.data[0]
+    assert len(bar.x) == 20 and bar.marker.cmin < math.log10(EPS) < bar.marker.cmax
+    ids = frame[(frame.window == 1) & (frame.loop == 1)].token.to_numpy()[:20]
+    assert list(bar.text) == [tok.decode([int(i)]).replace("\n", "↵") for i in ids]
+    # the layout reads like wrapped text: within a row tokens follow each other without overlap
+    rows, starts, widths = np.asarray(bar.y), np.asarray(bar.base), np.asarray(bar.x)
+    for r in np.unique(rows):
+        s, w = starts[rows == r], widths[rows == r]
+        assert s[0] == 0 and np.all(s[1:] == s[:-1] + w[:-1])
+    status = {c[2] for f in fig.frames for c in f.data[0].customdata}
+    assert status <= {"converged", "still updating"}
+    entropy = viz.depth_slider_figure(frame, 1, tok, metric="entropy", max_tokens=20)
+    np.testing.assert_allclose(entropy.frames[0].data[0].marker.color,
+                               np.round(token_rows(frame, 1, "entropy")[:20, 0], 3), atol=1e-9)
+
+
+def test_slider_figure_stays_small(tok):
+    big = synthetic_frame(n_pos=120, n_loops=32, vocab=tok.get_vocab_size())
+    fig = viz.depth_slider_figure(big, 0, tok, max_tokens=96)
+    assert len(fig.frames) == 32 and len(fig.data[0].x) == 96
+    size = len(fig.to_json())
+    assert size < 300_000, f"{size} bytes"
+    json.loads(fig.to_json())  # NaN-free, plain JSON
+
+
+def test_token_strip_html_escapes_and_follows_the_loop(frame, tok):
+    html2 = viz.token_strip_html(frame, 0, 2, tok, eps=EPS, max_tokens=T)
+    html_last = viz.token_strip_html(frame, 0, L, tok, eps=EPS, max_tokens=T)
+    assert html2 != html_last
+    text_nodes = re.sub(r"<[^>]*>", "", html2)  # attribute values are escaped too, so tags end at their own >
+    assert "<" not in text_nodes and ">" not in text_nodes
+    assert "a &lt; b &amp; c &gt; d" in text_nodes
+    assert html2.count("<span title=") == T
+    assert "↵<br>" in html2  # the first line of TEXT ends at token 22 of window 0
+    assert viz.NAN_COLOR in viz.token_strip_html(frame, 0, 1, tok, eps=EPS, max_tokens=T)
+
+
+def test_token_strip_html_converged_mode_matches_convergence_depth(frame, tok):
+    depths = convergence_depth(frame, EPS)
+    d0 = depths[depths.window == 0].head(20)
+    for lp in (2, 4, L):
+        out = viz.token_strip_html(frame, 0, lp, tok, eps=EPS, mode="converged", max_tokens=20)
+        n_green = out.count(f"background:{viz.CONVERGED_COLOR};")
+        assert n_green == int((d0.converged & (d0.depth <= lp)).sum())
+        assert out.count(f"background:{viz.UPDATING_COLOR};") == 20 - n_green
+
+
+def test_depth_explorer_headless(frame, tok):
+    ex = viz.DepthExplorer(frame, tok, window=2, eps=EPS, max_tokens=16)
+    assert ex.slider.min == 1 and ex.slider.max == L and ex.slider.value == 2
+    assert ex.text.value == viz.token_strip_html(frame, 2, 2, tok, eps=EPS, max_tokens=16)
+    before = ex.text.value
+    ex.slider.value = 5
+    assert ex.text.value != before
+    assert ex.text.value == viz.token_strip_html(frame, 2, 5, tok, eps=EPS, max_tokens=16)
+    ex.metric.value = "state"
+    assert ex.text.value == viz.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="state", max_tokens=16)
+    ex.metric.value = "converged"
+    assert ex.text.value == viz.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="converged", max_tokens=16)
+    kl = token_rows(frame, 2, "kl_prev")
+    sd = token_rows(frame, 2, "state_delta")
+    ex.token.value = 7
+    traj = ex.trajectory
+    assert list(traj.data[0].x) == list(range(1, L + 1))
+    np.testing.assert_allclose(traj.data[0].y, kl[7], equal_nan=True)
+    state = [t for t in traj.data if t.name.startswith("state")][0]
+    np.testing.assert_allclose(state.y, sd[7], equal_nan=True)
+    assert traj.layout.yaxis.type == "log"
+    assert traj.layout.shapes[0].x0 == 5  # the current loop
+    ex.slider.value = 3
+    assert ex.trajectory.layout.shapes[0].x0 == 3
+    assert len(ex.token.options) == 16 and ex.token.options[7][1] == 7
+    assert ex.widget.children[1] is ex.text
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda f, t: viz.token_strip_html(f, 99, 2, t), "window=99 is not in the frame"),
+    (lambda f, t: viz.token_strip_html(f, 0, L + 1, t), f"loop={L + 1} is out of range"),
+    (lambda f, t: viz.token_strip_html(f, 0, 2, t, mode="rainbow"), "unknown metric/mode 'rainbow'"),
+    (lambda f, t: viz.depth_slider_figure(f, 0, t, metric="converged"), "unknown metric/mode 'converged'"),
+    (lambda f, t: viz.depth_slider_figure(f, 0, t, max_tokens=0), "max_tokens=0 is invalid"),
+    (lambda f, t: viz.DepthExplorer(f.drop(columns="kl_prev"), t), "lacks column 'kl_prev'"),
+    (lambda f, t: viz.DepthExplorer(f, t, eps=0), "eps=0 is invalid"),
+])
+def test_bad_input_is_one_clear_line(frame, tok, call, message):
+    with pytest.raises(DrcError, match=message) as err:
+        call(frame, tok)
+    assert "\n" not in str(err.value)
