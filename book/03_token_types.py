@@ -25,6 +25,7 @@ seed = 0
 eps = 1e-3
 explorer_window = 0
 explorer_tokens = 96
+live_explorer = True  # the ipywidgets explorer; the profiles turn it off for papermill runs (no kernel in the book)
 
 # %%
 import time
@@ -65,7 +66,7 @@ viz.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tokens=e
 # training-mean depth:
 
 # %%
-from IPython.display import HTML  # noqa: E402
+from IPython.display import HTML, display  # noqa: E402
 
 from drc_core.workspace import open_model  # noqa: E402
 
@@ -74,8 +75,12 @@ HTML(viz.token_strip_html(frame, explorer_window, int(cfg.recurrence.mean), toke
                           max_tokens=explorer_tokens))
 
 # %%
-explorer = viz.DepthExplorer(frame, tokenizer, window=explorer_window, eps=eps)
-explorer.widget  # live in JupyterLab; in the static book use the slider figure above
+if live_explorer:  # live in JupyterLab; the static book has the slider figure above
+    explorer = viz.DepthExplorer(frame, tokenizer, window=explorer_window, eps=eps)
+    display(explorer.widget)
+else:
+    print("The live explorer (loop slider, metric toggle, per-token trajectory) needs a running kernel: open "
+          "book/03_token_types.py in JupyterLab, where live_explorer = True.")
 
 # %%
 order = by_class["class"].tolist()

@@ -23,6 +23,7 @@ figures draw without a network; the notebooks' figures carry an HTML bundle for 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shutil
@@ -36,12 +37,17 @@ from typing import Any
 
 from drc_core.errors import DrcError, run_cli
 
-__all__ = ["BookSpec", "Profile", "build_book", "load_profiles", "run_book", "toc_for"]
+__all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "load_profiles", "render_png",
+           "run_book", "toc_for"]
 
 DEFAULT_PROFILES = Path("book") / "profiles.toml"
 DEFAULT_OUT = Path("papermill_runs")
 DEFAULT_RENDERER = "plotly_mimetype+notebook_connected"
 PLOTLY_STATIC = Path("_static") / "plotly.min.js"  # copied in by `build`; _config.yml lists it in html_js_files
+
+
+class NotebookFailed(DrcError):
+    """A cell of a notebook raised: the message names the notebook, the cell and the exception."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,18 @@ def load_profiles(path: str | Path = DEFAULT_PROFILES) -> BookSpec:
     return BookSpec(source_dir=source_dir, root=str(book.get("root", "")), notebooks=notebooks, profiles=profiles)
 
 
+def declared_parameters(nb) -> set[str]:
+    """The names a notebook's ``parameters``-tagged cell assigns (plain or annotated assignments)."""
+    names: set[str] = set()
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "parameters" in cell.metadata.get("tags", []):
+            for node in ast.parse(cell.source).body:
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, ast.AnnAssign) else [])
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
 def _failure_line(name: str, exc: Exception) -> str:
     """One line for a failed notebook: the cell (index and execution count) and the exception."""
     cell = getattr(exc, "cell_index", None)
@@ -158,20 +176,23 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
             work.mkdir(exist_ok=True)
             src, partial = work / f"{name}.src.ipynb", work / f"{name}.ipynb"
             jupytext.write(nb, src)
-            declared = set(pm.inspect_notebook(str(src)))  # the names its `parameters` cell assigns
+            declared = declared_parameters(nb)
+            own = set(prof.notebooks.get(name, {})) - declared
+            if own:
+                raise DrcError(f"profile '{profile}' sets {sorted(own)} for notebook {name}, whose parameters cell "
+                               f"does not assign them: declare them there or fix the profiles file")
             params = {k: v for k, v in {**prof.parameters_for(name), **(overrides or {})}.items() if k in declared}
             print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
                   flush=True)
             t0 = time.perf_counter()
             try:
                 pm.execute_notebook(str(src), str(partial), parameters=params, kernel_name=kernel,
-                                    cwd=str(cwd), progress_bar=progress, log_output=False,
-                                    store_widget_state=False)
+                                    cwd=str(cwd), progress_bar=progress, log_output=False)
             except PapermillExecutionError as exc:
                 failed_dir.mkdir(exist_ok=True)
                 shutil.move(str(partial), failed_dir / f"{name}.ipynb")
-                raise DrcError(f"{_failure_line(name, exc)}; partial output kept at {failed_dir / (name + '.ipynb')}")\
-                    from None
+                kept = failed_dir / f"{name}.ipynb"
+                raise NotebookFailed(f"{_failure_line(name, exc)}; partial output kept at {kept}") from None
             seconds = time.perf_counter() - t0
             os.replace(partial, dest / f"{name}.ipynb")
             src.unlink()
@@ -242,6 +263,33 @@ def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root
     return index
 
 
+def render_png(figure_json: str | Path, png: str | Path, width: int = 900, height: int = 500) -> Path:
+    """Draw a plotly figure saved as JSON (``fig.write_json``, e.g. by a notebook into its results) to a PNG with
+    headless Chromium (Debian ``chromium``): how the README's figures are made from the book's own output."""
+    import tempfile
+
+    import plotly.io as pio
+
+    browser = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    if browser is None:
+        raise DrcError("no Chromium on PATH: install it (apt-get install chromium) to render PNG figures")
+    if not Path(figure_json).is_file():
+        raise DrcError(f"{figure_json} not found: run the notebook that saves it first")
+    fig = pio.read_json(figure_json)
+    fig.update_layout(width=width, height=height)
+    png = Path(png).resolve()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        html = Path(tmp) / "figure.html"
+        fig.write_html(html, include_plotlyjs=True, full_html=True, config={"staticPlot": True})
+        res = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                              f"--window-size={width},{height}", "--virtual-time-budget=10000",
+                              f"--screenshot={png}", html.as_uri()], capture_output=True, text=True, timeout=120)
+    if res.returncode != 0 or not png.is_file():
+        raise DrcError(f"Chromium could not render {figure_json} (exit {res.returncode}): {res.stderr[-300:]}")
+    return png
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m drc_core.book", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profiles file (default: book/profiles.toml)")
@@ -256,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="render the executed notebooks to HTML (Jupyter Book v1)")
     b.add_argument("--profile", required=True)
     b.add_argument("--toc", help="table of contents (default: _toc.yml for reference, generated otherwise)")
+    f = sub.add_parser("figure", help="draw a figure a notebook saved as JSON to a PNG (headless Chromium)")
+    f.add_argument("figure_json")
+    f.add_argument("png")
+    f.add_argument("--width", type=int, default=900)
+    f.add_argument("--height", type=int, default=500)
     sub.add_parser("list", help="list the profiles and notebooks")
     return ap
 
@@ -275,6 +328,9 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "figure":
+        print(f"wrote {render_png(args.figure_json, args.png, args.width, args.height)}")
+        return 0
     spec = load_profiles(args.profiles)
     if args.cmd == "list":
         for p in spec.profiles.values():
@@ -285,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             timings = run_book(spec, args.profile, args.out, only=args.only, overrides=_parse_sets(args.sets),
                                progress=not args.quiet)
-        except DrcError as exc:
+        except NotebookFailed as exc:  # exit 1; bad input (DrcError) exits 2 through run_cli
             print(f"error: {exc}", file=sys.stderr)
             return 1
         total = sum(timings.values())

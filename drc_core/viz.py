@@ -730,11 +730,11 @@ class DepthExplorer:
 
     def _render(self) -> None:
         from IPython import get_ipython
-        from IPython.display import display
+        from IPython.display import clear_output, display
 
         if get_ipython() is None:  # headless (tests, scripts): keep the figure, draw nothing
             return
-        self.output.clear_output(wait=True)
         with self.output:
+            clear_output(wait=True)
             display({"application/vnd.plotly.v1+json": json.loads(self.trajectory.to_json()),
                      "text/plain": f"trajectory of token {int(self.token.value)}"}, raw=True)

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from drc_core.book import build_book, load_profiles, main, run_book, toc_for
+from drc_core.book import declared_parameters as declare
 from drc_core.errors import DrcError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,9 +103,24 @@ def test_bad_input_gives_one_error_line(fixture_book: Path, capsys: pytest.Captu
                                         needle: str) -> None:
     from drc_core.errors import run_cli
 
-    assert run_cli(main, argv) in (1, 2)
+    assert run_cli(main, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+
+
+def test_declared_parameters_reads_the_cell_itself() -> None:
+    """Comments holding '=' or quotes (which papermill's own inspection misreads) and annotations count."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        'checkpoint = "data/reference"  # "" = train here\nmax_docs = 0  # 0 = all\nxs: list[str] = []\n'
+        'a = b = 1\n', metadata={"tags": ["parameters"]}), nbformat.v4.new_code_cell("later = 2")])
+    assert declare(nb) == {"checkpoint", "max_docs", "xs", "a", "b"}
+
+
+def test_notebook_specific_parameter_must_be_declared(fixture_book: Path) -> None:
+    toml = fixture_book / "book" / "profiles.toml"
+    toml.write_text(toml.read_text().replace('label = "special"', 'label = "special"\ntypo_param = 1'))
+    with pytest.raises(DrcError, match=r"sets \['typo_param'\] for notebook 01_pass"):
+        run_book(load_profiles(toml), "p", "papermill_runs", only=["01_pass"], progress=False)
 
 
 def test_profiles_file_errors(tmp_path: Path) -> None:

@@ -1,0 +1,582 @@
+"""Realized speedup of per-token halting: the FLOP proxy beside measured wall-clock (issue C), and what the
+32-loop measurement pass costs.
+
+The FLOP proxy of a halting rule is ``r / a``: uniform depth r against the rule's average exit loop a,
+counting only the core (prelude and coda run once). This module measures, on the same windows and in the
+same process, what that becomes on the clock:
+
+- :func:`matched_rules`: for each rule family (default :class:`~drc_core.halting.KLThreshold` and
+  :class:`~drc_core.halting.StateDelta`), the lowest-average-depth point of its threshold grid
+  (:func:`drc_core.sweep.default_rules`) whose cross-entropy is within ``ce_tolerance`` of uniform depth r.
+  The grid is swept offline (:func:`drc_core.sweep.sweep`, one uniform pass for all thresholds,
+  :func:`~drc_core.sweep.summarize`, :func:`~drc_core.sweep.matching_depth`); the chosen point is then run
+  online with :func:`~drc_core.adaptive.skip_forward` (the path that is timed) and, should its CE miss the
+  target there, the next stricter grid point is tried.
+- :func:`time_batched`: ``model(x, r)`` (uniform depth r, one readout) against ``skip_forward`` with each
+  matched rule, and against ``skip_forward`` with ``Uniform(r)`` (the skipping machinery's own overhead at
+  equal depth), over the same windows with the same initial states.
+- :func:`time_generation`: :func:`~drc_core.generate.generate` with ``Uniform(r)`` (the project's KV-cached
+  decoder at fixed depth) against the same decoder with each matched rule: same prompt, same number of new
+  tokens, greedy. Time per new token = (time of n new tokens - time of 1) / (n - 1), so the prompt pass drops
+  out.
+- :func:`measurement_cost`: :func:`drc_core.measure.measure_windows` at ``max_loops`` = 32 against one
+  depth-32 forward and against a bare pass that reads out (log-softmax) at every loop.
+
+Timing: every comparison runs its variants once untimed first (warm-up, and the quality numbers), then
+``rounds`` interleaved rounds (the order rotates from round to round, as in ``bench/train_throughput.py``);
+reported times are medians over rounds, so load on a shared machine slows all variants alike. Everything
+runs under ``torch.inference_mode()`` in eval mode.
+
+Why the clock falls short of the proxy (the cost model of :mod:`drc_core.adaptive`; ``block`` one transformer
+block, ``core = R * block + adapter``, ``head = 2 d V``; :func:`matmul_flops_per_token`)::
+
+    uniform depth r (forward)             (P + C) * block + r * core + head
+    skip_forward, rule with log-probs     P * block + a * (core + C * block + head)   (+ a V-sized softmax per loop)
+    skip_forward, rule without            P * block + a * core + C * block + head     (coda context ignored)
+
+A rule that reads the output (KL, entropy, confidence) pays the coda and the vocabulary head at every loop
+of every active token: with d = 128 and V = 4096 the head alone is about two blocks, so on a small model such
+a rule can be slower than uniform depth even at a large proxy. A rule on the states only (StateDelta) pays
+the core per active token and one readout, so its matmul FLOPs follow the proxy; what remains between them
+is the fixed per-loop cost of gathering, scattering and padding the active tokens (the ``Uniform(r)`` row of
+:func:`time_batched` shows it at equal depth).
+
+Why "measurement pass <= 1.2 x one depth-32 forward" cannot hold: per-token, per-loop statistics need
+every loop's output distribution, i.e. the coda, the head and a log-softmax at each of the 32 loops, while a
+forward reads out once. The bare every-loop readout pass is the floor of any such measurement; the
+measurement's own overhead is its time over that floor (:func:`measurement_cost` prints both ratios).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drc_core.adaptive import skip_forward
+from drc_core.errors import DrcError
+from drc_core.evaluate import EVAL_STATE_SEED, evaluation
+from drc_core.generate import generate
+from drc_core.halting import HaltingRule, Uniform
+from drc_core.measure import measure_windows
+from drc_core.model import DepthRecurrentLM
+from drc_core.sweep import RuleSpec, default_rules, matching_depth, summarize, sweep
+
+__all__ = [
+    "TARGET_RATIO",
+    "Matched",
+    "SpeedConfig",
+    "SpeedReport",
+    "matched_rules",
+    "matmul_flops_per_token",
+    "measurement_cost",
+    "run_speed",
+    "speedup_table",
+    "time_batched",
+    "time_generation",
+]
+
+TARGET_RATIO = 0.9  # issue C: wall-clock speedup >= 0.9 x the FLOP proxy at matched quality
+TARGET_MEASURE = 1.2  # issue C, as worded: the measurement pass <= 1.2 x one depth-32 forward
+Log = Callable[[str], None] | None
+
+
+def _families() -> list[str]:
+    return list(dict.fromkeys(s.family for s in default_rules()))
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    """What to measure and how (every field validated; a bad value is a one-line :class:`DrcError`).
+
+    ``reference_loops`` r: the uniform depth to match and to beat. ``rule_max_loops``: every rule's
+    ``max_loops``. ``families``: rule families of :func:`drc_core.sweep.default_rules` to match.
+    ``ce_tolerance``: "matched quality" is CE <= CE(uniform r) + this (nats). ``batch_size``: windows per
+    batch (also fixes the initial states, as in :func:`drc_core.evaluate.loss_by_depth`). ``rounds``: timed,
+    interleaved rounds. ``new_tokens``/``prompt_len``/``gen_rows``: generation of ``new_tokens`` greedy
+    tokens after the first ``prompt_len`` tokens of ``gen_rows`` windows. ``measure_loops`` and
+    ``measure_windows``: the measurement pass compared (on the first ``measure_windows`` windows).
+    ``max_online_tries``: stricter grid points tried when the offline-matched one misses the target online.
+    """
+
+    reference_loops: int = 8
+    rule_max_loops: int = 16
+    families: tuple[str, ...] = ("kl", "state_delta")
+    ce_tolerance: float = 0.005
+    batch_size: int = 16
+    rounds: int = 3
+    seed: int = EVAL_STATE_SEED
+    new_tokens: int = 64
+    prompt_len: int = 32
+    gen_rows: int = 1
+    measure_loops: int = 32
+    measure_windows: int = 8
+    max_online_tries: int = 3
+
+    def __post_init__(self) -> None:
+        minimum = {"reference_loops": 1, "rule_max_loops": 1, "batch_size": 1, "rounds": 1, "new_tokens": 2,
+                   "prompt_len": 1, "gen_rows": 1, "measure_loops": 2, "measure_windows": 1, "max_online_tries": 1}
+        for name, lo in minimum.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise DrcError(f"{name}={v!r} is invalid: it must be an integer >= {lo}")
+        tol = self.ce_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, int | float) or not (0 <= tol < math.inf):
+            raise DrcError(f"ce_tolerance={tol!r} is invalid: it must be a finite number >= 0 (nats), e.g. 0.005")
+        known = _families()
+        if not self.families or any(f not in known for f in self.families):
+            raise DrcError(f"families={list(self.families)!r} is invalid: choose from {', '.join(known)}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cost model and timing helpers
+
+
+def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, path: str) -> float:
+    """Matmul FLOPs per token of one of three paths at (average) depth ``loops`` (see the module docstring).
+
+    ``path``: "forward" (uniform depth, one readout), "skip_log_probs" (:func:`~drc_core.adaptive.skip_forward`
+    with a rule that reads log-probs: coda + head at every loop of every active token) or "skip_states" (a
+    rule on the states only: one readout per token; the coda context's k/v projections are ignored). Built
+    from :meth:`~drc_core.model.DepthRecurrentLM.flops_per_token`; log-softmax, statistics and the
+    gather/scatter of the skipping path are not matmuls and not counted.
+    """
+    c = model.cfg
+    base = model.flops_per_token(0, seq_len)  # (P + C) * block + head
+    core = model.flops_per_token(1, seq_len) - base
+    head = 2 * c.d_model * c.vocab_size
+    n_blocks = c.n_prelude + c.n_coda
+    block = (base - head) / n_blocks if n_blocks else 0.0
+    prelude, coda = c.n_prelude * block, c.n_coda * block
+    if path == "forward":
+        return base + loops * core
+    if path == "skip_log_probs":
+        return prelude + loops * (core + coda + head)
+    if path == "skip_states":
+        return prelude + loops * core + coda + head
+    raise ValueError(f"path={path!r} is not supported; use 'forward', 'skip_log_probs' or 'skip_states'")
+
+
+def _skip_path(rule: HaltingRule) -> str:
+    return "skip_log_probs" if rule.needs_log_probs else "skip_states"
+
+
+def _interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one call per round, the order rotating from round to round."""
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for rnd in range(rounds):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - t0)
+        if log:
+            log(f"{what} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
+    return times
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def _spread(xs: Sequence[float]) -> float:
+    """(max - min) / median over rounds."""
+    return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
+
+
+def _need_tokens(model: DepthRecurrentLM, ids: object, what: str, min_len: int) -> Tensor:
+    """``ids`` as a (N, T) integer tensor on the model's device, with N >= 1, T >= ``min_len``, ids in the
+    vocabulary and T - 1 <= max_seq_len; else a one-line :class:`DrcError` naming ``what``."""
+    if (not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < min_len
+            or ids.dtype.is_floating_point or ids.dtype == torch.bool):
+        shown = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+        raise DrcError(f"{what} must be a (N, T) integer tensor with N >= 1 and T >= {min_len}; got {shown}")
+    vocab = model.cfg.vocab_size
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise DrcError(f"{what} hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]: "
+                       "use the corpus the model was trained on")
+    if ids.shape[1] - 1 > model.cfg.max_seq_len:
+        raise DrcError(f"{what} have {ids.shape[1] - 1} positions but max_seq_len is {model.cfg.max_seq_len}")
+    return ids.to(next(model.parameters()).device)
+
+
+def _need_windows(model: DepthRecurrentLM, windows: object) -> Tensor:
+    """(N, T+1) windows: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
+    return _need_tokens(model, windows, "windows (N, T+1; drc_core.measure.val_windows_with_docs)", 2)
+
+
+def _batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(inputs, targets, s_0) per batch; s_0 drawn exactly as :func:`drc_core.sweep.sweep` and
+    :func:`drc_core.evaluate.loss_by_depth` draw it for the same ``seed`` and ``batch_size``."""
+    out = []
+    with evaluation(model, cfg.seed) as gen:
+        for b0 in range(0, len(windows), cfg.batch_size):
+            w = windows[b0 : b0 + cfg.batch_size]
+            x = w[:, :-1]
+            out.append((x, w[:, 1:], model.initial_state(model.embed(x), gen)))
+    return out
+
+
+def _ce_sum(logits: Tensor, y: Tensor) -> float:
+    return float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Matched quality
+
+
+@dataclass
+class Matched:
+    """What :func:`matched_rules` returns: ``specs`` (the chosen :class:`~drc_core.sweep.RuleSpec` per matched
+    family), ``table`` (one row per family: the chosen point offline and online, or why none) and ``grid``
+    (the offline summary of every grid point, ``chosen`` marks the picks)."""
+
+    specs: list[RuleSpec]
+    table: pd.DataFrame
+    grid: pd.DataFrame
+
+
+def _online(model: DepthRecurrentLM, batches: list[tuple[Tensor, Tensor, Tensor]], rule: HaltingRule,
+            ) -> tuple[float, float]:
+    """(average exit loop, mean CE) of ``skip_forward`` with ``rule`` over the batches."""
+    loops = ce = 0.0
+    n = 0
+    for x, y, s0 in batches:
+        res = skip_forward(model, x, rule, state=s0)
+        loops += float(res.exit_loop.double().sum())
+        ce += _ce_sum(res.logits, y)
+        n += x.numel()
+    return loops / n, ce / n
+
+
+def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
+                  log: Log = None) -> Matched:
+    """Each family's lowest-average-depth grid point with CE <= CE(uniform r) + ``ce_tolerance`` on ``windows``.
+
+    Offline sweep of the family grids of :func:`drc_core.sweep.default_rules` (``rule_max_loops``), then
+    :func:`~drc_core.sweep.matching_depth` on its :func:`~drc_core.sweep.summarize`; the pick is checked online
+    with :func:`~drc_core.adaptive.skip_forward` (same initial states) and, if its CE misses the target there,
+    up to ``max_online_tries - 1`` stricter grid points are tried. A family whose grid has no point within the
+    target offline (``matched_offline`` False) falls back to its lowest-CE point, so that it is still timed;
+    ``within_tolerance`` says whether the chosen point meets the target online, ``note`` why not.
+    """
+    cfg = cfg or SpeedConfig()
+    windows = _need_windows(model, windows)
+    r = cfg.reference_loops
+    specs = [s for s in default_rules(cfg.rule_max_loops) if s.family in cfg.families]
+    with torch.inference_mode():
+        frame = sweep(model, windows, specs, reference_loops=r, uniform_loops=[r], oracle_eps=(),
+                      batch_size=cfg.batch_size, seed=cfg.seed, mode="offline")
+        grid = summarize(frame, n_boot=200, seed=0)
+        ce_uniform = float(grid[(grid.family == "uniform") & (grid.param == r)].ce.iloc[0])
+        target = ce_uniform + cfg.ce_tolerance
+        if log:
+            log(f"matching: offline sweep of {len(specs)} grid points; target CE <= {ce_uniform:.4f} + "
+                f"{cfg.ce_tolerance:g} = {target:.4f}")
+        batches = _batches(model, windows, cfg)
+        by_param = {(s.family, float(s.param)): s for s in specs}
+        grid["chosen"] = False
+        chosen: list[RuleSpec] = []
+        rows = []
+        for fam in cfg.families:
+            m = matching_depth(grid, fam, target)
+            points = grid[grid.family == fam]
+            matched_offline = not math.isnan(m["param"])
+            if matched_offline:
+                points = points[(points.avg_depth >= m["grid"]) & (points.ce <= target)].sort_values("avg_depth")
+            else:
+                points = points.sort_values(["ce", "avg_depth"]).head(1)
+            tries = 0
+            for _, point in points.head(cfg.max_online_tries).iterrows():
+                spec = by_param[(fam, float(point.param))]
+                loops, ce = _online(model, batches, spec.rule)
+                tries += 1
+                ok = ce <= target
+                if log:
+                    log(f"matching: {spec.rule} offline {point.avg_depth:.3f} loops CE {point.ce:.4f}; "
+                        f"online {loops:.3f} loops CE {ce:.4f} ({'within' if ok else 'misses'} the target)")
+                if ok:
+                    break
+            grid.loc[(grid.family == fam) & (grid.param == spec.param), "chosen"] = True
+            chosen.append(spec)
+            note = ("" if ok else "no grid point within the target offline: lowest-CE point" if not matched_offline
+                    else f"online CE misses the target at {tries} grid point(s)")
+            rows.append({"family": fam, "param": float(spec.param), "rule": str(spec.rule),
+                         "needs_log_probs": spec.rule.needs_log_probs, "ce_uniform": ce_uniform, "ce_target": target,
+                         "matched_offline": matched_offline, "avg_loops_offline": float(point.avg_depth),
+                         "ce_offline": float(point.ce), "avg_loops": loops, "ce": ce, "within_tolerance": ok,
+                         "online_tries": tries, "note": note})
+    return Matched(specs=chosen, table=pd.DataFrame(rows), grid=grid)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batched evaluation
+
+
+def _specs(rules: Sequence[RuleSpec | HaltingRule], r: int) -> list[RuleSpec]:
+    """Rules as :class:`RuleSpec` (a bare rule: family = its class name, param NaN), distinct by name and
+    distinct from the baselines."""
+    specs = [s if isinstance(s, RuleSpec) else RuleSpec(type(s).__name__, math.nan, s) for s in rules]
+    for spec in specs:
+        if not isinstance(spec.rule, HaltingRule):
+            raise DrcError(f"rules must be HaltingRule or RuleSpec instances; got {spec.rule!r}")
+    names = [str(spec.rule) for spec in specs]
+    if len(set(names)) != len(names) or f"uniform={r}" in names:
+        raise DrcError(f"rules {names} repeat a rule or the baseline uniform={r}: pass each rule once")
+    return specs
+
+
+def _speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flops: float) -> dict:
+    row["proxy_speedup"] = r / row["avg_loops"]
+    row["flop_speedup"] = base_flops / flops
+    row["wallclock_speedup"] = base_seconds / row["seconds"]
+    row["wall_over_proxy"] = row["wallclock_speedup"] / row["proxy_speedup"]
+    return row
+
+
+def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                 cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
+    """Wall-clock of uniform depth r (``model(x, r)``) against ``skip_forward`` with each rule, same windows.
+
+    One row per variant: the baseline (``path`` "forward"), ``Uniform(r)`` through ``skip_forward`` (the
+    skipping machinery at equal depth) and every rule. Columns: ``setting`` ("batched eval"), ``family``,
+    ``param``, ``rule``, ``path``, ``baseline``, ``needs_log_probs``, ``avg_loops`` (mean exit loop), ``ce``
+    (mean next-token CE of exactly the timed outputs), ``ce_uniform``, ``ce_gap``, ``within_tolerance``,
+    ``seconds`` (median over rounds for all windows), ``spread``, ``tokens_per_s``, ``proxy_speedup`` (r /
+    avg_loops), ``flop_speedup`` (:func:`matmul_flops_per_token` ratio), ``wallclock_speedup`` and
+    ``wall_over_proxy`` (the issue's target: >= 0.9).
+    """
+    cfg = cfg or SpeedConfig()
+    windows = _need_windows(model, windows)
+    r = cfg.reference_loops
+    specs = _specs(rules, r)
+    t_len = windows.shape[1] - 1
+    variants: list[tuple[dict, Callable[[Tensor, Tensor], Tensor]]] = [
+        ({"family": "uniform", "param": float(r), "rule": f"uniform={r}", "path": "forward", "baseline": True,
+          "needs_log_probs": False}, lambda x, s: model(x, r, state=s)),
+        ({"family": "uniform", "param": float(r), "rule": f"uniform={r} via skip_forward", "path": "skip_states",
+          "baseline": False, "needs_log_probs": False}, lambda x, s: skip_forward(model, x, Uniform(r), state=s)),
+    ]
+    for spec in specs:
+        variants.append(({"family": spec.family, "param": float(spec.param), "rule": str(spec.rule),
+                          "path": _skip_path(spec.rule), "baseline": False,
+                          "needs_log_probs": spec.rule.needs_log_probs},
+                         lambda x, s, rule=spec.rule: skip_forward(model, x, rule, state=s)))
+    with torch.inference_mode():
+        model.eval()
+        batches = _batches(model, windows, cfg)
+        n_tok = sum(x.numel() for x, _, _ in batches)
+        rows = []
+        for info, fn in variants:  # untimed pass: warm-up and the quality of exactly what is timed
+            loops = ce = 0.0
+            for x, y, s0 in batches:
+                out = fn(x, s0)
+                logits = out if isinstance(out, Tensor) else out.logits
+                loops += r * x.numel() if isinstance(out, Tensor) else float(out.exit_loop.double().sum())
+                ce += _ce_sum(logits, y)
+                del out, logits
+            rows.append({"setting": "batched eval", **info, "avg_loops": loops / n_tok, "ce": ce / n_tok})
+
+        def run(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[], None]:
+            def go() -> None:
+                for x, _, s0 in batches:
+                    fn(x, s0)
+            return go
+
+        times = _interleaved({info["rule"]: run(fn) for info, fn in variants}, cfg.rounds, log, "batched eval")
+    base = rows[0]
+    base_s = _median(times[base["rule"]])
+    base_flops = matmul_flops_per_token(model, r, t_len, "forward")
+    for row in rows:
+        row["ce_uniform"] = base["ce"]
+        row["ce_gap"] = row["ce"] - base["ce"]
+        row["within_tolerance"] = row["ce_gap"] <= cfg.ce_tolerance
+        row["seconds"] = _median(times[row["rule"]])
+        row["spread"] = _spread(times[row["rule"]])
+        row["tokens_per_s"] = n_tok / row["seconds"]
+        _speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generation
+
+
+def _first_divergence(tokens: Tensor, reference: Tensor) -> float:
+    """Mean over rows of the index of the first new token that differs from ``reference`` (n if none does)."""
+    differ = tokens != reference
+    first = torch.where(differ.any(dim=1), differ.int().argmax(dim=1), tokens.shape[1])
+    return float(first.double().mean())
+
+
+def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                    cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
+    """Time per new token of greedy :func:`~drc_core.generate.generate` with ``Uniform(r)`` against each rule.
+
+    Same prompt (B, T0), same ``new_tokens`` n, same initial states. Time per new token = (median time of n
+    new tokens - median time of 1) / (n - 1): the decode steps alone (should noise make that <= 0, the median
+    time of n tokens / n). One row per variant; columns as in :func:`time_batched` (``setting``
+    "generation", ``path`` "generate"), with ``avg_loops`` the mean exit loop of the n positions whose outputs
+    chose the new tokens, ``ms_per_token``, ``prompt_ms`` (the prompt pass plus the first token),
+    ``same_tokens`` (fraction of new tokens equal to the uniform run's, position by position),
+    ``first_divergence`` (index of the first new token that differs; n if none; mean over rows) and no CE.
+    ``flop_speedup`` uses a context of T0 + n tokens.
+    """
+    cfg = cfg or SpeedConfig()
+    prompt = _need_tokens(model, prompt, "prompt", 1)
+    B, t0 = prompt.shape
+    n, r = cfg.new_tokens, cfg.reference_loops
+    if t0 + n > model.cfg.max_seq_len:
+        raise DrcError(f"prompt length {t0} + new_tokens {n} exceeds max_seq_len={model.cfg.max_seq_len}: "
+                       "shorten the prompt or generate fewer tokens")
+    specs = [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]
+    with torch.inference_mode():
+        model.eval()
+        gen = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
+        s0 = model.initial_state(torch.zeros(B, t0 + n, model.cfg.d_model, device=prompt.device), gen)
+        rows, variants = [], {}
+        uniform_tokens = None
+        for i, spec in enumerate(specs):  # untimed: warm-up, exit loops and tokens
+            res = generate(model, prompt, n, spec.rule, state=s0)
+            generate(model, prompt, 1, spec.rule, state=s0[:, : t0 + 1])
+            if uniform_tokens is None:
+                uniform_tokens = res.new_tokens
+            rows.append({"setting": "generation", "family": spec.family, "param": float(spec.param),
+                         "rule": str(spec.rule), "path": "generate", "baseline": i == 0,
+                         "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": res.new_avg_depth,
+                         "same_tokens": float((res.new_tokens == uniform_tokens).double().mean()),
+                         "first_divergence": _first_divergence(res.new_tokens, uniform_tokens)})
+            name = str(spec.rule)
+            variants[f"{name} [n]"] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0)
+            variants[f"{name} [1]"] = lambda rule=spec.rule: generate(model, prompt, 1, rule, state=s0[:, : t0 + 1])
+        times = _interleaved(variants, cfg.rounds, log, "generation")
+    for row in rows:
+        full, first = times[f"{row['rule']} [n]"], times[f"{row['rule']} [1]"]
+        decode = (_median(full) - _median(first)) / (n - 1)
+        row["seconds"] = decode if decode > 0 else _median(full) / n  # timer noise above the decode time: amortize
+        row["ms_per_token"] = 1e3 * row["seconds"]
+        row["prompt_ms"] = 1e3 * _median(first)
+        row["spread"] = _spread(full)
+    base = rows[0]
+    base_flops = matmul_flops_per_token(model, r, t0 + n, "skip_states")
+    for row, spec in zip(rows, specs, strict=True):
+        path = _skip_path(spec.rule)
+        _speed_columns(row, base["seconds"], r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t0 + n,
+                                                                                    path))
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The measurement pass
+
+
+def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
+                     log: Log = None) -> pd.DataFrame:
+    """Wall-clock of the per-token, per-loop measurement pass against one forward at the same depth.
+
+    On the first ``measure_windows`` windows, L = ``measure_loops``: ``forward`` (``model(x, L)``, one
+    readout), ``readout every loop`` (``model.iterate(x, L, readout="log_probs")``: coda, head and
+    log-softmax at each loop, the floor of any per-loop statistic), and :func:`drc_core.measure.measure_windows`
+    with ``kl_to_final`` False and True (the latter is what notebook 2 runs). Columns: ``pass``, ``seconds``
+    (median), ``spread``, ``x_forward`` (time / forward's), ``x_readout_pass`` (time / the readout pass's),
+    ``target_as_worded`` (``x_forward`` <= 1.2).
+    """
+    cfg = cfg or SpeedConfig()
+    windows = _need_windows(model, windows)[: cfg.measure_windows]
+    L, bs = cfg.measure_loops, cfg.batch_size
+
+    batches, one = _batches(model, windows, cfg), _batches(model, windows[:1], cfg)
+
+    def forward(w: Tensor, b: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        for x, _, s0 in b:
+            model(x, L, state=s0)
+
+    def readout(w: Tensor, b: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        for x, _, s0 in b:
+            for _ in model.iterate(x, L, state=s0, readout="log_probs"):
+                pass
+
+    def measure(kl_to_final: bool) -> Callable[[Tensor, list], object]:
+        return lambda w, b: measure_windows(model, w, L, batch_size=bs, seed=cfg.seed, kl_to_final=kl_to_final)
+
+    passes: dict[str, Callable[[Tensor, list], object]] = {
+        f"forward, depth {L}": forward,
+        f"readout every loop, {L} loops": readout,
+        "measure_windows (kl_to_final=False)": measure(False),
+        "measure_windows (kl_to_final=True)": measure(True),
+    }
+    with torch.inference_mode():
+        model.eval()
+        for fn in passes.values():  # warm-up on one window
+            fn(windows[:1], one)
+        times = _interleaved({k: (lambda fn=fn: fn(windows, batches)) for k, fn in passes.items()}, cfg.rounds,
+                             log, "measurement")
+    med = {k: _median(v) for k, v in times.items()}
+    fwd, ro = med[f"forward, depth {L}"], med[f"readout every loop, {L} loops"]
+    rows = [{"pass": k, "loops": L, "windows": len(windows), "seconds": med[k], "spread": _spread(times[k]),
+             "x_forward": med[k] / fwd, "x_readout_pass": med[k] / ro,
+             "target_as_worded": med[k] / fwd <= TARGET_MEASURE} for k in passes]
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Everything, and the table for the figure
+
+
+def speedup_table(*frames: pd.DataFrame) -> pd.DataFrame:
+    """The non-baseline rows of :func:`time_batched` / :func:`time_generation` frames: ``setting``, ``rule``,
+    ``avg_loops``, ``proxy_speedup``, ``flop_speedup``, ``wallclock_speedup``, ``wall_over_proxy`` (what
+    ``drc_core.viz.speedup_bars`` draws)."""
+    cols = ["setting", "rule", "avg_loops", "proxy_speedup", "flop_speedup", "wallclock_speedup", "wall_over_proxy"]
+    rows = pd.concat([f[~f.baseline] for f in frames], ignore_index=True)
+    return rows[cols].assign(rule=rows.rule.astype(str)).reset_index(drop=True)
+
+
+@dataclass
+class SpeedReport:
+    """What :func:`run_speed` returns: the config, the matching (:class:`Matched`) and the three frames."""
+
+    config: SpeedConfig
+    matched: Matched
+    batched: pd.DataFrame
+    generation: pd.DataFrame
+    measurement: pd.DataFrame
+
+    def table(self) -> pd.DataFrame:
+        """:func:`speedup_table` of the batched and generation frames."""
+        return speedup_table(self.batched, self.generation)
+
+    def to_dict(self) -> dict:
+        """JSON-ready content (frames as lists of records)."""
+        return {"config": asdict(self.config), "matched": self.matched.table.to_dict("records"),
+                "batched": self.batched.to_dict("records"), "generation": self.generation.to_dict("records"),
+                "measurement": self.measurement.to_dict("records"), "table": self.table().to_dict("records")}
+
+
+def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
+              log: Log = None) -> SpeedReport:
+    """:func:`matched_rules`, then :func:`time_batched` and :func:`time_generation` (prompt: the first
+    ``prompt_len`` tokens of the first ``gen_rows`` windows) with the matched rules, then
+    :func:`measurement_cost`."""
+    cfg = cfg or SpeedConfig()
+    windows = _need_windows(model, windows)
+    if cfg.prompt_len > windows.shape[1] or cfg.gen_rows > len(windows):
+        raise DrcError(f"prompt_len={cfg.prompt_len} / gen_rows={cfg.gen_rows} exceed the windows "
+                       f"({len(windows)} of {windows.shape[1]} tokens): lower them")
+    matched = matched_rules(model, windows, cfg, log=log)
+    batched = time_batched(model, windows, matched.specs, cfg, log=log)
+    prompt = windows[: cfg.gen_rows, : cfg.prompt_len]
+    generation = time_generation(model, prompt, matched.specs, cfg, log=log)
+    measurement = measurement_cost(model, windows, cfg, log=log)
+    return SpeedReport(cfg, matched, batched, generation, measurement)

@@ -1,0 +1,263 @@
+"""Realized speedup: matched rules, timing frames, measurement-pass cost, and the benchmark script
+(drc_core/speed.py, bench/adaptive_speed.py). Behaviour only: no assertion depends on how fast anything ran."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from drc_core.data import PrepareConfig, SourceSpec, prepare
+from drc_core.errors import DrcError, run_cli
+from drc_core.evaluate import loss_by_depth
+from drc_core.halting import KLThreshold, StateDelta
+from drc_core.speed import (
+    SpeedConfig,
+    matched_rules,
+    matmul_flops_per_token,
+    measurement_cost,
+    run_speed,
+    speedup_table,
+    time_batched,
+    time_generation,
+)
+
+V = 64
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "adaptive_speed.py"
+SPEED_COLS = ("proxy_speedup", "flop_speedup", "wallclock_speedup", "wall_over_proxy")
+
+
+@pytest.fixture(scope="module")
+def model(one_thread, tiny_model_factory):
+    return tiny_model_factory(V).eval()
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return torch.randint(0, V, (6, 17), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return SpeedConfig(reference_loops=4, rule_max_loops=8, batch_size=4, rounds=1, new_tokens=4, prompt_len=8,
+                       measure_loops=6, measure_windows=2)
+
+
+@pytest.fixture(scope="module")
+def report(model, windows, cfg):
+    return run_speed(model, windows, cfg)
+
+
+def _finite_positive(frame: pd.DataFrame, cols) -> None:
+    values = frame[list(cols)].to_numpy(float)
+    assert (values > 0).all() and pd.notna(values).all() and (values < math.inf).all(), frame[list(cols)]
+
+
+def test_frames_have_the_expected_columns(report, cfg):
+    assert {"family", "param", "rule", "needs_log_probs", "avg_loops", "ce", "ce_uniform", "ce_target",
+            "matched_offline", "within_tolerance", "note"} <= set(report.matched.table.columns)
+    assert list(report.matched.table.family) == list(cfg.families)
+    common = {"setting", "family", "param", "rule", "path", "baseline", "needs_log_probs", "avg_loops", "seconds",
+              "spread", *SPEED_COLS}
+    assert common | {"ce", "ce_uniform", "ce_gap", "within_tolerance", "tokens_per_s"} <= set(report.batched.columns)
+    assert common | {"ms_per_token", "prompt_ms", "same_tokens", "first_divergence"} <= set(report.generation.columns)
+    assert set(report.batched.setting) == {"batched eval"} and set(report.generation.setting) == {"generation"}
+    # baseline, Uniform(r) through skip_forward, one row per matched rule
+    assert len(report.batched) == 2 + len(report.matched.specs)
+    assert len(report.generation) == 1 + len(report.matched.specs)
+    assert {"pass", "loops", "seconds", "x_forward", "x_readout_pass", "target_as_worded"} <= set(
+        report.measurement.columns)
+    assert len(report.measurement) == 4 and set(report.measurement.loops) == {cfg.measure_loops}
+    table = report.table()
+    assert list(table.columns[:5]) == ["setting", "rule", "avg_loops", "proxy_speedup", "flop_speedup"]
+    assert {"wallclock_speedup", "wall_over_proxy"} <= set(table.columns)
+    assert len(table) == len(report.batched) - 1 + len(report.generation) - 1  # baselines left out
+    assert table.rule.map(type).eq(str).all()
+    json.dumps(report.to_dict(), default=str)  # JSON-ready
+
+
+def test_speedups_are_positive_and_finite(report):
+    for frame in (report.batched, report.generation):
+        _finite_positive(frame, (*SPEED_COLS, "seconds", "avg_loops"))
+    _finite_positive(report.measurement, ("seconds", "x_forward", "x_readout_pass"))
+    base = report.batched[report.batched.baseline].iloc[0]
+    assert base.path == "forward" and base.wallclock_speedup == 1 and base.proxy_speedup == 1
+    for frame in (report.batched, report.generation):
+        r = report.config.reference_loops
+        rules = frame[frame.family != "uniform"]
+        assert list(rules.proxy_speedup) == pytest.approx(list(r / rules.avg_loops))
+        assert list(rules.wall_over_proxy) == pytest.approx(list(rules.wallclock_speedup / rules.proxy_speedup))
+
+
+def test_matched_rules_are_within_tolerance_of_uniform(model, windows, report, cfg):
+    m = report.matched.table
+    assert m.within_tolerance.all() and m.matched_offline.all(), m
+    assert (m.ce <= m.ce_target + 1e-9).all()
+    r = cfg.reference_loops
+    want = loss_by_depth(model, windows, [r], batch_size=cfg.batch_size, seed=cfg.seed)[r]
+    assert m.ce_uniform.iloc[0] == pytest.approx(want, rel=1e-5)
+    b = report.batched.set_index("rule")
+    assert b.ce_uniform.iloc[0] == pytest.approx(want, rel=1e-5)
+    assert b.loc[f"uniform={r} via skip_forward", "ce"] == pytest.approx(want, rel=1e-4)
+    for row in m.itertuples():  # the timed outputs are exactly the matched point's online outputs
+        assert b.loc[row.rule, "ce"] == pytest.approx(row.ce, rel=1e-5)
+        assert b.loc[row.rule, "avg_loops"] == pytest.approx(row.avg_loops)
+        assert b.loc[row.rule, "ce_gap"] <= cfg.ce_tolerance
+        assert b.loc[row.rule, "within_tolerance"]
+    grid = report.matched.grid
+    assert grid.chosen.sum() == len(m)
+    for row in m.itertuples():  # no shallower grid point of the family met the target offline
+        fam = grid[grid.family == row.family]
+        shallower = fam[fam.avg_depth < row.avg_loops_offline]
+        assert (shallower.ce > row.ce_target).all()
+
+
+def test_rules_keep_their_needs_log_probs_path(report):
+    b = report.batched.set_index("family")
+    assert b.loc["kl", "path"] == "skip_log_probs" and bool(b.loc["kl", "needs_log_probs"])
+    assert b.loc["state_delta", "path"] == "skip_states" and not bool(b.loc["state_delta", "needs_log_probs"])
+
+
+def test_generation_rows(report, cfg):
+    g = report.generation
+    base = g[g.baseline].iloc[0]
+    assert base.rule == f"uniform={cfg.reference_loops}" and base.same_tokens == 1
+    assert base.first_divergence == cfg.new_tokens
+    assert ((g.first_divergence >= 0) & (g.first_divergence <= cfg.new_tokens)).all()
+    assert (g.same_tokens[g.first_divergence < cfg.new_tokens] < 1).all()
+    assert base.avg_loops == cfg.reference_loops
+    assert ((g.same_tokens >= 0) & (g.same_tokens <= 1)).all()
+    assert (g.avg_loops <= cfg.rule_max_loops).all() and (g.avg_loops >= 1).all()
+
+
+def test_functions_take_plain_rules(model, windows, cfg):
+    rules = [KLThreshold(1e-2, max_loops=6), StateDelta(1e-1, max_loops=6)]
+    b = time_batched(model, windows[:4], rules, cfg)
+    assert list(b.family[2:]) == ["KLThreshold", "StateDelta"] and b.param.iloc[2:].isna().all()
+    g = time_generation(model, windows[:2, :5], rules[1:], cfg)
+    assert len(g) == 2 and g.ms_per_token.gt(0).all()
+    assert speedup_table(b, g).setting.tolist() == ["batched eval"] * 3 + ["generation"]
+
+
+def test_measurement_cost_ratios(model, windows, cfg):
+    ms = measurement_cost(model, windows, cfg).set_index("pass")
+    assert ms.loc[f"forward, depth {cfg.measure_loops}", "x_forward"] == 1
+    assert ms.loc[f"readout every loop, {cfg.measure_loops} loops", "x_readout_pass"] == 1
+    assert (ms.windows == cfg.measure_windows).all()
+
+
+def test_matmul_flop_model(model):
+    T = 16
+    assert matmul_flops_per_token(model, 4, T, "forward") == model.flops_per_token(4, T)
+    assert matmul_flops_per_token(model, 4, T, "skip_states") == pytest.approx(model.flops_per_token(4, T))
+    assert matmul_flops_per_token(model, 2.5, T, "skip_states") < matmul_flops_per_token(model, 4, T, "forward")
+    # reading out at every loop costs the coda and the head per loop
+    assert matmul_flops_per_token(model, 4, T, "skip_log_probs") > matmul_flops_per_token(model, 4, T, "forward")
+    with pytest.raises(ValueError, match="path"):
+        matmul_flops_per_token(model, 4, T, "dense")
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"rounds": 0}, "rounds"), ({"new_tokens": 1}, "new_tokens"), ({"ce_tolerance": -1.0}, "ce_tolerance"),
+    ({"families": ("kl", "nope")}, "families"), ({"measure_loops": 1}, "measure_loops"),
+])
+def test_bad_config_is_one_line(kw, needle):
+    with pytest.raises(DrcError, match=needle) as exc:
+        SpeedConfig(**kw)
+    assert "\n" not in str(exc.value)
+
+
+def test_bad_windows_are_one_line(model, cfg):
+    with pytest.raises(DrcError, match="integer tensor"):
+        matched_rules(model, torch.zeros(2, 9), cfg)
+    with pytest.raises(DrcError, match="vocabulary"):
+        time_batched(model, torch.full((2, 9), V), [], cfg)
+    with pytest.raises(DrcError, match="max_seq_len"):
+        time_generation(model, torch.zeros(1, 30, dtype=torch.long), [], cfg)
+    with pytest.raises(DrcError, match="each rule once"):
+        time_batched(model, torch.zeros(2, 9, dtype=torch.long), [StateDelta(0.1), StateDelta(0.1)], cfg)
+
+
+# ---------------------------------------------------------------------------------------------- the bench
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("adaptive_speed", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _one_error_line(capsys, rc: int) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small prepared corpus of synthetic text (vocabulary 300, windows of 16 tokens)."""
+    rng = random.Random(0)
+    text = ("the of and a to in is was for on that with as by it his he at from this be are an which or had "
+            "time state nation people year law power war house work government congress")
+    words = text.split(" ")
+    src = tmp_path_factory.mktemp("speed_txt")
+    for i in range(20):
+        text = " ".join(rng.choice(words) for _ in range(400))
+        (src / f"doc{i}.txt").write_text(text.capitalize() + ".")
+    out = tmp_path_factory.mktemp("speed_corpus") / "corpus"
+    prepare(PrepareConfig(source=SourceSpec("local", paths=(str(src),)), out=str(out), vocab_size=300, seq_len=16),
+            progress=False)
+    return out
+
+
+def test_bench_missing_run_dir_is_one_error_line(capsys, tmp_path):
+    line = _one_error_line(capsys, run_cli(_bench().main, ["--run", str(tmp_path / "nope")]))
+    assert "does not exist" in line and "--run" in line
+
+
+def test_bench_script_exits_2_on_bad_input(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH), "--run", str(tmp_path / "nope")], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model directory"), proc.stderr
+
+
+def test_bench_bad_corpus_and_vocab_mismatch(capsys, tmp_path, corpus, tiny_model_factory):
+    run = tiny_model_factory(V).save(tmp_path / "run")
+    line = _one_error_line(capsys, run_cli(_bench().main, ["--run", str(run), "--data", str(tmp_path / "none")]))
+    assert "not a prepared corpus" in line
+    line = _one_error_line(capsys, run_cli(_bench().main, ["--run", str(run), "--data", str(corpus)]))
+    assert "vocabulary 300" in line and f"has {V}" in line
+    line = _one_error_line(capsys, run_cli(_bench().main, ["--run", str(run), "--data", str(corpus),
+                                                            "--windows", "0"]))
+    assert "--windows" in line
+
+
+def test_bench_end_to_end(capsys, tmp_path, corpus, tiny_model_factory):
+    run = tiny_model_factory(300).save(tmp_path / "run")
+    out = tmp_path / "speed.json"
+    argv = ["--run", str(run), "--data", str(corpus), "--windows", "4", "--seq-len", "16", "--loops", "4",
+            "--rule-max-loops", "8", "--rounds", "1", "--batch-size", "2", "--new-tokens", "3", "--prompt-len", "6",
+            "--measure-windows", "1", "--measure-loops", "4", "--threads", "1", "--quiet", "--ce-tolerance", "0.05",
+            "--json", str(out)]
+    assert run_cli(_bench().main, argv) == 0
+    text = capsys.readouterr().out
+    for needle in ("matched quality", "batched eval", "generation", "measurement pass", "verdicts", "wall/proxy",
+                   "cannot hold as worded"):
+        assert needle in text
+    data = json.loads(out.read_text())
+    assert data["windows"] == 4 and {"batched", "generation", "measurement", "matched", "table"} <= set(data)
+    assert {row["setting"] for row in data["table"]} == {"batched eval", "generation"}
