@@ -61,7 +61,10 @@ print(f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len
 
 # %%
 summary = per_loop_summary(frame, seed=seed)
-viz.per_loop_figure(summary)
+fig = viz.per_loop_figure(summary)
+Path(results_dir).mkdir(parents=True, exist_ok=True)
+fig.write_json(Path(results_dir) / "02_convergence_per_loop.figure.json")  # the README's figure (drc_core.book figure)
+fig
 
 # %%
 summary.set_index("loop")[["kl_prev", "kl_prev_ci_low", "kl_prev_ci_high", "state_delta", "ce"]].map(

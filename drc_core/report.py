@@ -11,9 +11,11 @@ and the claim-by-claim comparison with the paper.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -29,6 +31,7 @@ __all__ = [
     "PAPER",
     "Claim",
     "across_seeds",
+    "runs_table",
     "headline_numbers",
     "plateau_depth",
     "reproduction_table",
@@ -219,3 +222,34 @@ def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
     notes["ce_curve"] = (f"depth buys {c1 - c8:.2f} nats from 1 to 8 loops here vs 0.60 in the paper "
                          f"({scale} vs {paper_scale}); losses differ in absolute terms (other corpus, vocab 4096)")
     return notes
+
+
+def runs_table(root: str | Path) -> pd.DataFrame:
+    """One row per training run under ``root`` (each ``<run>/eval.json`` of ``python -m drc_core.evaluate``, with
+    the run's ``config.json`` and ``metrics.jsonl``): parameters, training tokens and minutes, validation loss at
+    1, 8 and 32 loops, the gain from depth CE(1) - CE(8), successive KL at loops 2, 8 and 16, bits per byte per
+    source at 8 loops. Used for the preset candidates (``scripts/cpu_candidates.sh``) and the depth levers
+    (``scripts/depth_levers.sh``)."""
+    root = Path(root)
+    rows = []
+    for f in sorted(root.glob("*/eval.json")):
+        r = json.loads(f.read_text())
+        loss = {int(k): v for k, v in r["loss_all"].items()}
+        kl = {int(k): v for k, v in r["successive_kl"].items()}
+        by = pd.DataFrame(r["by_source"])
+        shipped = f.parent / "train_config.json"  # a shipped copy (data/experiments) keeps the model config apart
+        cfg = json.loads((shipped if shipped.is_file() else f.parent / "config.json").read_text())
+        metrics = pd.read_json(f.parent / "metrics.jsonl", lines=True)
+        train = metrics[metrics.kind == "train"]
+        row = {
+            "run": f.parent.name,
+            "params_M": r["params"] / 1e6,
+            "tokens_M": cfg["max_steps"] * cfg["batch_size"] * cfg["seq_len"] / 1e6,
+            "minutes": train.seconds.max() / 60,
+            "CE@1": loss[1], "CE@8": loss[8], "CE@32": loss[32], "CE1-CE8": loss[1] - loss[8],
+            "KL@2": kl[2], "KL@8": kl[8], "KL@16": kl[16],
+        }
+        for src, g in by[by.loops == 8].groupby("source"):
+            row[f"bpb@8 {src}"] = float(g.bits_per_byte.iloc[0])
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("run")

@@ -65,3 +65,21 @@ def test_loss_by_source_converts_to_bits_per_byte(corpus, model):
         d = docs[docs.source == src]
         ratio = (d.tok_end - d.tok_start).sum() / d.n_bytes.sum()
         assert np.allclose(g.bits_per_byte, g.loss * ratio / math.log(2))
+
+
+def test_depth_gain_by_step_from_metrics_rows() -> None:
+    import pandas as pd
+    import pytest
+
+    from drc_core.evaluate import depth_gain_by_step
+
+    rows = [{"kind": "train", "step": 1, "loss": 9.0, "loops": 3}]
+    rows += [{"kind": "eval", "step": s, "loops": lp, "loss": base - (0.1 * s / 100 if lp == 8 else 0.0)}
+             for s, base in ((100, 6.0), (200, 5.5)) for lp in (1, 8, 32)]
+    rows.append({"kind": "eval", "step": 300, "loops": 1, "loss": 5.0})  # step without a depth-8 row
+    gain = depth_gain_by_step(pd.DataFrame(rows))
+    assert gain.step.tolist() == [100, 200]
+    assert gain.gain.round(6).tolist() == [0.1, 0.2]
+    assert gain.loss_1.tolist() == [6.0, 5.5]
+    with pytest.raises(ValueError, match=r"no validation rows at \[4\] loops"):
+        depth_gain_by_step(pd.DataFrame(rows), deep=4)
