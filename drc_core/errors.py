@@ -10,6 +10,17 @@ class DrcError(ValueError):
     """A user-fixable problem. The message is one line: what is wrong, then how to fix it."""
 
 
+def need_int(name: str, value: object, minimum: int, owner: str = "") -> int:
+    """``value`` as an int, or a one-line :class:`DrcError` unless it is an integer (not a bool) >= ``minimum``;
+    ``owner`` (e.g. a rule's name) prefixes the message."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        prefix = f"{owner}: " if owner else ""
+        raise DrcError(f"{prefix}{name}={value!r} is invalid; it must be an integer >= {minimum}")
+    return int(value)
+
+
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """Run a CLI entry point; a :class:`DrcError` becomes one ``error:`` line and exit status 2."""
     try:

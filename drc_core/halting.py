@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from drc_core.errors import need_int
 from drc_core.measure import kl_successive
 from drc_core.model import DepthRecurrentLM, HaltFn, LoopOutput
 
@@ -178,12 +179,6 @@ def _fmt(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def _need_int(owner: str, name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be an integer >= {minimum}")
-    return value
-
-
 def _need_float(owner: str, name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
     """A finite number in [lo, hi] (or (lo, hi] with ``lo_open``); hi may be inf (then only finiteness)."""
     lo_text = f"({_fmt(lo)}" if lo_open else f"[{_fmt(lo)}"
@@ -222,8 +217,8 @@ class HaltingRule:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        _need_int(owner, "min_loops", self.min_loops, 1)
-        _need_int(owner, "max_loops", self.max_loops, 1)
+        need_int("min_loops", self.min_loops, 1, owner)
+        need_int("max_loops", self.max_loops, 1, owner)
         if self.min_loops > self.max_loops:
             raise ValueError(
                 f"{owner}: min_loops={self.min_loops} > max_loops={self.max_loops} is invalid; "
@@ -329,7 +324,7 @@ class ArgmaxPatience(HaltingRule):
     n: int
 
     def _validate(self, owner: str) -> None:
-        _need_int(owner, "n", self.n, 1)
+        need_int("n", self.n, 1, owner)
 
     def criterion(self, stats: LoopStats) -> Tensor:
         return stats.argmax_run > self.n
@@ -366,7 +361,7 @@ class Uniform(HaltingRule):
     needs_log_probs = False
 
     def __post_init__(self) -> None:
-        _need_int(type(self).__name__, "k", self.k, 1)
+        need_int("k", self.k, 1, type(self).__name__)
         self.min_loops = self.max_loops = self.k
         super().__post_init__()
 
@@ -639,9 +634,9 @@ def oracle_exit(
     the reference (on the same uniform-depth outputs); it is not a deployable rule.
     """
     eps = _need_float("oracle_exit", "eps", eps, 0.0, math.inf)
-    _need_int("oracle_exit", "min_loops", min_loops, 1)
+    need_int("min_loops", min_loops, 1, "oracle_exit")
     if reference_loop is not None:
-        _need_int("oracle_exit", "reference_loop", reference_loop, 1)
+        need_int("reference_loop", reference_loop, 1, "oracle_exit")
     if isinstance(log_probs_per_loop, Tensor):
         stacked = log_probs_per_loop
         if stacked.dim() != 4:

@@ -43,6 +43,7 @@ import pandas as pd
 import torch
 
 from drc_core.data.sampler import Corpus, eval_windows
+from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.model import DepthRecurrentLM
 
@@ -93,12 +94,6 @@ def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation helpers
-
-
-def _need_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
-    return int(value)
 
 
 def _need_eps(eps: object) -> float:
@@ -159,8 +154,8 @@ def measure_windows(
         raise ValueError(f"windows must be a non-empty (N, T+1) integer tensor with T >= 1; got {shown}")
     if windows.dtype.is_floating_point or windows.dtype.is_complex or windows.dtype == torch.bool:
         raise ValueError(f"windows must hold integer token ids; got dtype {windows.dtype}")
-    max_loops = _need_int("max_loops", max_loops, 2)
-    batch_size = _need_int("batch_size", batch_size, 1)
+    max_loops = need_int("max_loops", max_loops, 2)
+    batch_size = need_int("batch_size", batch_size, 1)
     n, t_len = windows.shape[0], windows.shape[1] - 1
     vocab = model.cfg.vocab_size
     lo, hi = int(windows.min()), int(windows.max())
@@ -245,9 +240,9 @@ def val_windows_with_docs(corpus: Corpus, seq_len: int,
     -1 where a token lies in no validation document. Window i covers val tokens i*seq_len .. i*seq_len+seq_len,
     and ``docs.tok_start``/``tok_end`` are offsets into the val split, so the lookup is a sorted search.
     """
-    seq_len = _need_int("seq_len", seq_len, 1)
+    seq_len = need_int("seq_len", seq_len, 1)
     if max_windows is not None:
-        max_windows = _need_int("max_windows", max_windows, 1)
+        max_windows = need_int("max_windows", max_windows, 1)
     windows = eval_windows(corpus.tokens("val"), seq_len, max_windows)
     docs = corpus.docs[corpus.docs.split == "val"].sort_values("tok_start")
     starts, ends = docs.tok_start.to_numpy(np.int64), docs.tok_end.to_numpy(np.int64)
@@ -305,7 +300,7 @@ def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 100
     n, k = x.shape
     if stat not in ("mean", "median"):
         raise ValueError(f"stat={stat!r} is not supported; use 'mean' or 'median'")
-    n_boot = _need_int("n_boot", n_boot, 1)
+    n_boot = need_int("n_boot", n_boot, 1)
     alpha = (1.0 - _need_level(level)) / 2.0
     if clusters is None:
         codes, n_c = np.arange(n), n

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from drc_core.errors import need_int
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
@@ -75,17 +77,15 @@ class ModelConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        def need_int(name: str, minimum: int) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
+        def need(name: str, minimum: int) -> None:
+            need_int(name, getattr(self, name), minimum)
 
         for name in ("vocab_size", "d_model", "n_heads", "n_core", "max_seq_len"):
-            need_int(name, 1)
+            need(name, 1)
         for name in ("n_prelude", "n_coda"):
-            need_int(name, 0)
+            need(name, 0)
         if self.mlp_hidden is not None:
-            need_int("mlp_hidden", 1)
+            need("mlp_hidden", 1)
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
@@ -399,8 +399,7 @@ class DepthRecurrentLM(nn.Module):
         cross-entropy over targets != -100. ``state`` (B, T, d), when given, is the initial latent state s_0
         (the trainer draws it for the global batch so that data-parallel ranks match one process).
         """
-        if isinstance(n_loops, bool) or not isinstance(n_loops, int) or n_loops < 1:
-            raise ValueError(f"n_loops={n_loops!r} is invalid; it must be an integer >= 1")
+        need_int("n_loops", n_loops, 1)
         if n_grad_loops is not None and (
             isinstance(n_grad_loops, bool) or not isinstance(n_grad_loops, int) or n_grad_loops < 1
         ):
@@ -455,8 +454,7 @@ class DepthRecurrentLM(nn.Module):
         result is its readout at its exit loop (:func:`drc_core.halting.adaptive_forward` keeps it). Without
         ``halt`` nothing is cached and every loop is exactly ``forward``'s.
         """
-        if isinstance(max_loops, bool) or not isinstance(max_loops, int) or max_loops < 1:
-            raise ValueError(f"max_loops={max_loops!r} is invalid; it must be an integer >= 1")
+        need_int("max_loops", max_loops, 1)
         if readout not in _READOUTS:
             raise ValueError(f"readout={readout!r} is not supported; use one of {_READOUTS}")
         e = self.embed(idx)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.halting import HaltingRule, LoopStats, loop_stats
 from drc_core.measure import DEFAULT_EPS
@@ -73,12 +74,6 @@ _LOG_CLAMP = (-12.0, 4.0)
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation
-
-
-def _need_int(owner: str, name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be an integer >= {minimum}")
-    return int(value)
 
 
 def _need_open_unit(owner: str, name: str, value: object, *, allow_zero: bool = False) -> float:
@@ -126,7 +121,7 @@ class FeatureSpec:
             raise ValueError("FeatureSpec: state and readout_stats must be true or false")
         if self.loop not in _LOOP_FEATURES:
             raise ValueError(f"FeatureSpec: loop={self.loop!r} is not supported; use one of {_LOOP_FEATURES}")
-        _need_int("FeatureSpec", "max_loops", self.max_loops, 1)
+        need_int("max_loops", self.max_loops, 1, "FeatureSpec")
         if not (self.state or self.readout_stats or self.loop != "none"):
             raise ValueError("FeatureSpec selects no features; enable state, readout_stats or a loop feature")
 
@@ -285,19 +280,19 @@ def harvest(
     """
     owner = "harvest"
     windows = _check_windows(model, windows)
-    max_loops = _need_int(owner, "max_loops", max_loops, 2)
+    max_loops = need_int("max_loops", max_loops, 2, owner)
     eps = _need_positive(owner, "eps", eps)
-    batch_size = _need_int(owner, "batch_size", batch_size, 1)
+    batch_size = need_int("batch_size", batch_size, 1, owner)
     spec = FeatureSpec(state=state_feature, loop=loop_feature, readout_stats=readout_stats, max_loops=max_loops)
     n, t_len = windows.shape[0], windows.shape[1] - 1
     if loops is None:
         keep = list(range(1, max_loops))
     else:
-        keep = sorted({_need_int(owner, "loops[i]", lp, 1) for lp in loops})
+        keep = sorted({need_int("loops[i]", lp, 1, owner) for lp in loops})
         if not keep or keep[-1] > max_loops:
             raise ValueError(f"{owner}: loops={list(loops)!r} is invalid; pass loops within 1..{max_loops}")
     if positions is not None:
-        positions = min(_need_int(owner, "positions", positions, 1), t_len)
+        positions = min(need_int("positions", positions, 1, owner), t_len)
     pos_idx = torch.stack([
         torch.arange(t_len) if positions is None else
         torch.from_numpy(np.sort(np.random.default_rng([subsample_seed, w]).choice(t_len, positions, replace=False)))
@@ -344,7 +339,7 @@ def split_windows(n_windows: int, train_fraction: float = 0.5, seed: int = 0) ->
     ``round(train_fraction * n_windows)`` windows (clamped to 1..n_windows-1) go to the router's training
     part, drawn by a permutation seeded with ``seed``.
     """
-    n_windows = _need_int("split_windows", "n_windows", n_windows, 2)
+    n_windows = need_int("n_windows", n_windows, 2, "split_windows")
     train_fraction = _need_open_unit("split_windows", "train_fraction", train_fraction)
     n_train = min(max(round(train_fraction * n_windows), 1), n_windows - 1)
     perm = np.random.default_rng(seed).permutation(n_windows)
@@ -366,7 +361,7 @@ class Router(nn.Module):
 
     def __init__(self, d_in: int) -> None:
         super().__init__()
-        self.d_in = _need_int(type(self).__name__, "d_in", d_in, 1)
+        self.d_in = need_int("d_in", d_in, 1, type(self).__name__)
         self.register_buffer("mean", torch.zeros(self.d_in))
         self.register_buffer("std", torch.ones(self.d_in))
         self.spec: FeatureSpec | None = None
@@ -411,7 +406,7 @@ class MLPRouter(Router):
 
     def __init__(self, d_in: int, hidden: int = 64) -> None:
         super().__init__(d_in)
-        self.hidden = _need_int("MLPRouter", "hidden", hidden, 1)
+        self.hidden = need_int("hidden", hidden, 1, "MLPRouter")
         self.layers = nn.Sequential(nn.Linear(self.d_in, self.hidden), nn.GELU(), nn.Linear(self.hidden, 1))
 
     def net(self, z: Tensor) -> Tensor:
@@ -499,12 +494,12 @@ def train_router(
         raise ValueError(f"{owner}: data is empty; harvest some windows first (harvest(model, windows, ...))")
     if data.n_features != router.d_in:
         raise ValueError(f"{owner}: data has {data.n_features} features but the router reads {router.d_in}")
-    epochs = _need_int(owner, "epochs", epochs, 1)
+    epochs = need_int("epochs", epochs, 1, owner)
     lr = _need_positive(owner, "lr", lr)
     weight_decay = _need_positive(owner, "weight_decay", weight_decay, allow_zero=True)
-    batch_size = _need_int(owner, "batch_size", batch_size, 1)
+    batch_size = need_int("batch_size", batch_size, 1, owner)
     val_fraction = _need_open_unit(owner, "val_fraction", val_fraction, allow_zero=True)
-    patience = _need_int(owner, "patience", patience, 1)
+    patience = need_int("patience", patience, 1, owner)
     if len(data) < 2 and val_fraction > 0:
         raise ValueError(f"{owner}: data has 1 row; pass more rows or val_fraction=0")
 

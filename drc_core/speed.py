@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.adaptive import skip_forward
-from drc_core.errors import DrcError
+from drc_core.errors import DrcError, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.generate import generate
 from drc_core.halting import HaltingRule, Uniform
@@ -125,9 +125,7 @@ class SpeedConfig:
         minimum = {"reference_loops": 1, "rule_max_loops": 1, "batch_size": 1, "rounds": 1, "new_tokens": 2,
                    "prompt_len": 1, "gen_rows": 1, "measure_loops": 2, "measure_windows": 1, "max_online_tries": 1}
         for name, lo in minimum.items():
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise DrcError(f"{name}={v!r} is invalid: it must be an integer >= {lo}")
+            need_int(name, getattr(self, name), lo)
         tol = self.ce_tolerance
         if isinstance(tol, bool) or not isinstance(tol, int | float) or not (0 <= tol < math.inf):
             raise DrcError(f"ce_tolerance={tol!r} is invalid: it must be a finite number >= 0 (nats), e.g. 0.005")

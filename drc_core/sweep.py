@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.halting import (
     AdaptiveResult,
@@ -92,12 +93,6 @@ def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
     specs += [RuleSpec("argmax_patience", n, ArgmaxPatience(n, **kw)) for n in [1, 2, 3, 4, 6]]
     specs += [RuleSpec("confidence", t, SoftmaxConfidence(t, **kw)) for t in [0.3, 0.5, 0.7, 0.9, 0.95, 0.99]]
     return specs
-
-
-def _need_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid; it must be an integer >= {minimum}")
-    return value
 
 
 def _token_quality(logp: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +154,8 @@ def sweep(
         raise ValueError(f"mode={mode!r} is invalid; pass 'online' (run each rule) or 'offline' (replay)")
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) == 0:
         raise ValueError("windows must be a non-empty (N, T+1) token tensor; use drc_core.data.sampler.eval_windows")
-    reference_loops = _need_int("reference_loops", reference_loops, 1)
-    batch_size = _need_int("batch_size", batch_size, 1)
+    reference_loops = need_int("reference_loops", reference_loops, 1)
+    batch_size = need_int("batch_size", batch_size, 1)
     rules = list(rules)
     for spec in rules:
         if not isinstance(spec, RuleSpec) or not isinstance(spec.rule, HaltingRule):

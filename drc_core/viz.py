@@ -44,7 +44,7 @@ import plotly.colors as pcolors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from drc_core.errors import DrcError
+from drc_core.errors import DrcError, need_int
 from drc_core.measure import DEFAULT_EPS, convergence_depth
 
 __all__ = [
@@ -466,8 +466,7 @@ _PASSAGE_COLUMNS = ("window", "pos", "loop", "token", "kl_prev", "state_delta", 
 
 def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
     _need_columns(frame, _PASSAGE_COLUMNS, "a frame from drc_core.measure.measure_windows")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) or max_tokens < 1:
-        raise DrcError(f"max_tokens={max_tokens!r} is invalid; it must be an integer >= 1")
+    need_int("max_tokens", max_tokens, 1)
     if isinstance(eps, bool) or not isinstance(eps, int | float | np.floating) or not 0 < float(eps) < math.inf:
         raise DrcError(f"eps={eps!r} is invalid; it must be a finite number > 0")
     windows = frame["window"].to_numpy()
@@ -592,8 +591,7 @@ def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float 
     NAN_COLOR) and ``customdata`` (KL, state change, status as text).
     """
     mode = _mode(metric, allow_converged=False)
-    if isinstance(line_chars, bool) or not isinstance(line_chars, int) or line_chars < 8:
-        raise DrcError(f"line_chars={line_chars!r} is invalid; it must be an integer >= 8")
+    need_int("line_chars", line_chars, 8)
     p = _passage(frame, window, tokenizer, eps, max_tokens)
     v, lo, hi, scale = _color_range(p, mode)
     rows, starts, widths = _wrap(p.texts, line_chars)
