@@ -96,3 +96,12 @@ def test_table_intervals_and_explanations():
     row = t.set_index("claim").loc["mean successive KL at loop 2"]
     assert row.ours == "0.2 [0.18, 0.22]" and row.why == notes["kl_2"]
     assert t.set_index("claim").loc["fraction of tokens still updating at depth 8"].ours == "3.0% [2.0%, 4.0%]"
+
+
+def test_class_order_verdict_leaves_out_special_tokens() -> None:
+    from drc_core.report import _verdict
+
+    text, ok = _verdict("class_order", {"class_order": ["special", "whitespace", "function", "content"]})
+    assert ok and text == "whitespace < function < content"
+    _, ok = _verdict("class_order", {"class_order": ["special", "whitespace", "content", "continuation"]})
+    assert not ok
