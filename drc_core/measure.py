@@ -70,9 +70,10 @@ FRAME_COLUMNS = (
 _METRICS = ("kl_prev", "state_delta", "entropy", "ce", "kl_final")
 
 
-def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor) -> torch.Tensor:
-    """KL(p_new || p_old) over the last axis, from log-probabilities; shape = input shape minus the last."""
-    return (logp_new.exp() * (logp_new - logp_old)).sum(-1)
+def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor, p_new: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(p_new || p_old) over the last axis, from log-probabilities; shape = input shape minus the last.
+    ``p_new`` (= ``logp_new.exp()``) may be passed when the same p_new is compared with many outputs."""
+    return ((logp_new.exp() if p_new is None else p_new) * (logp_new - logp_old)).sum(-1)
 
 
 def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops: int = 32,
@@ -178,7 +179,7 @@ def measure_windows(
         for b, start in enumerate(range(0, n, batch_size)):
             w = windows[start : start + batch_size].to(gen.device)
             x, y = w[:, :-1], w[:, 1:]
-            final = None
+            final = p_final = None
             if kl_to_final:
                 replay = gen.get_state()
                 last = None
@@ -186,6 +187,7 @@ def measure_windows(
                     last = out
                 assert last is not None
                 final = torch.log_softmax(model.readout(last.state).float(), dim=-1)
+                p_final = final.exp()  # once per batch, not once per loop
                 gen.set_state(replay)
             per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
             prev = None
@@ -199,9 +201,9 @@ def measure_windows(
                 per_loop["entropy"].append(st.entropy)
                 per_loop["argmax"].append(st.argmax)
                 per_loop["ce"].append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
-                per_loop["kl_final"].append(nan if final is None else kl_successive(final, st.log_probs))
+                per_loop["kl_final"].append(nan if final is None else kl_successive(final, st.log_probs, p_final))
                 prev = st
-            del prev, final, st, out  # free this batch's (B, T, V) tensors before the next one
+            del prev, final, p_final, st, out  # free this batch's (B, T, V) tensors before the next one
             for k in stat_names:  # (L, B, T) -> (B, T, L) -> flat in (window, pos, loop) order
                 floats[k].append(torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1).float().cpu().numpy())
             argmaxes.append(torch.stack(per_loop["argmax"]).permute(1, 2, 0).reshape(-1).cpu().numpy())
