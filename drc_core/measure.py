@@ -54,6 +54,7 @@ __all__ = [
     "convergence_depth",
     "depth_summary",
     "eps_sensitivity",
+    "kl_concentration",
     "kl_successive",
     "load_frame",
     "mean_successive_kl",
@@ -479,6 +480,28 @@ def depth_summary(depths: pd.DataFrame, train_mean_depth: float = 8, *, n_boot: 
     out["n_clusters"] = len(d) if clusters is None else len(np.unique(clusters))
     out.attrs.update({"train_mean_depth": float(train_mean_depth), **depths.attrs})
     return out
+
+
+def kl_concentration(df: pd.DataFrame, loops: Sequence[int], shares: Sequence[float] = (0.01, 0.001)) -> pd.DataFrame:
+    """How the mean successive KL at each of ``loops`` is made up: its mean and median over tokens, the 99th
+    percentile, the share of the mean carried by the top ``shares`` fraction of tokens (``top_1%``, ...), and
+    the mean without the top 1%. A mean far above the median, carried by a handful of tokens, is a few tokens
+    that never settle (e.g. a 2-cycle), not a slow common decay."""
+    _check_frame(df, ("loop", "kl_prev"))
+    rows = []
+    for loop in loops:
+        kl = np.sort(df.loc[df.loop == loop, "kl_prev"].dropna().to_numpy(float))[::-1]
+        if kl.size == 0:
+            raise ValueError(f"no successive KL at loop {loop}: the frame has loops 2..{int(df.loop.max())}")
+        total = kl.sum()
+        row = {"loop": int(loop), "n_tokens": kl.size, "mean": kl.mean(), "median": float(np.median(kl)),
+               "p99": float(np.quantile(kl, 0.99))}
+        for s in shares:
+            k = max(1, int(round(s * kl.size)))
+            row[f"top_{s:.1%}".replace(".0%", "%")] = float(kl[:k].sum() / total) if total > 0 else math.nan
+        row["mean_without_top_1%"] = float(kl[max(1, int(round(0.01 * kl.size))):].mean()) if kl.size > 1 else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def eps_sensitivity(df: pd.DataFrame, eps_grid: Sequence[float] = (1e-2, 1e-3, 1e-4, 1e-5),

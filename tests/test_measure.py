@@ -238,3 +238,18 @@ def test_bad_inputs(model, windows, frame):
         with pytest.raises(ValueError, match=match) as err:
             fn()
         assert "\n" not in str(err.value)
+
+
+def test_kl_concentration_on_a_hand_made_frame():
+    from drc_core.measure import kl_concentration
+
+    kl = np.full(1000, 1e-8)
+    kl[:2] = 1e-2  # two tokens in a cycle carry the mean
+    df = pd.DataFrame({"loop": 16, "kl_prev": kl})
+    row = kl_concentration(df, [16]).iloc[0]
+    assert row["mean"] == pytest.approx(kl.mean()) and row["median"] == pytest.approx(1e-8)
+    assert row["top_0.1%"] == pytest.approx(1e-2 / kl.sum())  # the single largest token
+    assert row["top_1%"] == pytest.approx((2e-2 + 8e-8) / kl.sum())
+    assert row["mean_without_top_1%"] == pytest.approx(1e-8)
+    with pytest.raises(ValueError, match="no successive KL at loop 3"):
+        kl_concentration(df, [3])
