@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from drc_core.data.sampler import Corpus, eval_windows
+from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.model import DepthRecurrentLM
@@ -236,21 +236,26 @@ def measure_windows(
     return df
 
 
-def val_windows_with_docs(corpus: Corpus, seq_len: int,
-                          max_windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def val_windows_with_docs(corpus: Corpus, seq_len: int, max_windows: int | None = None,
+                          spread: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The validation windows of :func:`drc_core.data.sampler.eval_windows` (N, seq_len+1) and, for every
     input position, the row number in ``corpus.docs`` of the document that holds that token (N, seq_len);
-    -1 where a token lies in no validation document. Window i covers val tokens i*seq_len .. i*seq_len+seq_len,
-    and ``docs.tok_start``/``tok_end`` are offsets into the val split, so the lookup is a sorted search.
+    -1 where a token lies in no validation document. With ``spread`` (the default) the ``max_windows``
+    windows are evenly spaced over the whole validation split, so that they sample every source and many
+    documents (the first windows of the split lie in its first few documents); window i covers val tokens
+    slot_i*seq_len .. slot_i*seq_len+seq_len, and ``docs.tok_start``/``tok_end`` are offsets into the val
+    split, so the lookup is a sorted search.
     """
     seq_len = need_int("seq_len", seq_len, 1)
     if max_windows is not None:
         max_windows = need_int("max_windows", max_windows, 1)
-    windows = eval_windows(corpus.tokens("val"), seq_len, max_windows)
+    val = corpus.tokens("val")
+    slots = window_slots(len(val), seq_len, max_windows, spread)
+    windows = eval_windows(val, seq_len, max_windows, spread)
     docs = corpus.docs[corpus.docs.split == "val"].sort_values("tok_start")
     starts, ends = docs.tok_start.to_numpy(np.int64), docs.tok_end.to_numpy(np.int64)
     rows = docs.index.to_numpy(np.int64)
-    pos = np.arange(len(windows))[:, None] * seq_len + np.arange(seq_len)[None, :]
+    pos = slots[:, None] * seq_len + np.arange(seq_len)[None, :]
     k = np.searchsorted(starts, pos, side="right") - 1
     inside = (k >= 0) & (pos < ends[np.clip(k, 0, None)])
     doc = np.where(inside, rows[np.clip(k, 0, None)], -1)

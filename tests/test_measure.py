@@ -209,11 +209,16 @@ def test_val_windows_with_docs(tmp_path):
     docs.to_parquet(tmp_path / "docs.parquet")
     (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": V}))
     corpus = Corpus.open(tmp_path)
-    w, doc = val_windows_with_docs(corpus, 8, 3)
+    w, doc = val_windows_with_docs(corpus, 8, 3, spread=False)
     assert w.shape == (3, 9) and doc.shape == (3, 8)
     flat = doc.reshape(-1).tolist()
     assert flat == [1] * 7 + [2] * 13 + [3] * 4
     assert (w[:, :-1].reshape(-1).numpy() == toks[:24]).all()
+    # spread (the default): 3 of the 4 slots evenly over the split, 0, 2 and 3
+    w, doc = val_windows_with_docs(corpus, 8, 3)
+    assert (w.numpy() == np.stack([toks[s * 8:s * 8 + 9] for s in (0, 2, 3)])).all()
+    assert doc.reshape(-1).tolist() == [1] * 7 + [2] + [2] * 4 + [3] * 4 + [3] * 8
+    assert val_windows_with_docs(corpus, 8)[0].shape == (4, 9)  # all slots: spread or not, the same
 
 
 def test_bad_inputs(model, windows, frame):

@@ -95,12 +95,23 @@ class WindowSampler:
         self.step = int(state["step"])
 
 
-def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
-    """Non-overlapping ``seq_len + 1`` windows from the start of a split (deterministic), as [N, seq_len+1]."""
-    n = (len(tokens) - 1) // seq_len
-    if max_windows is not None:
-        n = min(n, max_windows)
-    if n < 1:
-        raise DrcError(f"split has {len(tokens)} tokens, fewer than seq_len+1={seq_len + 1}: lower seq_len")
-    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+def window_slots(n_tokens: int, seq_len: int, max_windows: int | None = None, spread: bool = False) -> np.ndarray:
+    """Which of the split's non-overlapping ``seq_len`` slots :func:`eval_windows` takes: the first
+    ``max_windows`` (``spread=False``), or ``max_windows`` slots evenly spaced over the whole split
+    (``spread=True``: a sample of every document region, not just the first documents)."""
+    total = (n_tokens - 1) // seq_len
+    if total < 1:
+        raise DrcError(f"split has {n_tokens} tokens, fewer than seq_len+1={seq_len + 1}: lower seq_len")
+    n = total if max_windows is None else min(total, max_windows)
+    if not spread or n == total:
+        return np.arange(n)
+    return np.round(np.linspace(0, total - 1, n)).astype(np.int64)  # distinct: the step is >= 1
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None = None,
+                 spread: bool = False) -> torch.Tensor:
+    """Non-overlapping ``seq_len + 1`` windows of a split (deterministic), as [N, seq_len+1]: from its start, or
+    spread evenly over it (:func:`window_slots`)."""
+    slots = window_slots(len(tokens), seq_len, max_windows, spread)
+    idx = slots[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
