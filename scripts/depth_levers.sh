@@ -5,7 +5,9 @@
 # 4-layer core, and backprop through 8 loops. The baseline is the shipped
 # data/experiments/small-mean8-seed0 (same config and seed). Two lanes of one thread each; resumable (a
 # finished run is skipped). Evaluation (loss by depth, successive KL) and metrics, without weights, are copied to
-# data/levers/<name>/ for the book (notebook 01 tabulates them with drc_core.report.runs_table).
+# data/levers/<name>/ for the book (notebook 06 tabulates them with drc_core.report.runs_table).
+# Shipped so far (2026-12-03): base, mean-4, mean-12 (copies), mean-16 and mean-24; steps-2x, core-4 and
+# backprop-8 were stopped unfinished for lack of session time and are not shipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -13,13 +15,10 @@ OUT=${OUT:-runs/levers}
 DATA=${DATA:-data/corpus/default}
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT" data/levers
+source scripts/lib.sh
 run() {  # name overrides...
   local name=$1; shift
-  local sets=(); for kv in "$@"; do sets+=(--set "$kv"); done
-  if [ ! -f "$OUT/$name/final/model.safetensors" ]; then
-    $PY -m drc_core.train --preset small --data "$DATA" --out "$OUT/$name" --resume --quiet "${sets[@]}"
-  fi
-  $PY -m drc_core.evaluate --run "$OUT/$name" --data "$DATA" --json "$OUT/$name/eval.json"
+  train_and_eval small "$OUT" "$name" "$@"
   mkdir -p "data/levers/$name"
   cp "$OUT/$name/config.json" "$OUT/$name/metrics.jsonl" "$OUT/$name/eval.json" "data/levers/$name/"
 }

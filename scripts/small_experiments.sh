@@ -9,13 +9,10 @@ OUT=${OUT:-runs/small}
 DATA=${DATA:-data/corpus/default}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$OUT" data/experiments
+source scripts/lib.sh
 run() {  # name overrides...
   local name=$1; shift
-  local sets=(); for kv in "$@"; do sets+=(--set "$kv"); done
-  if [ ! -f "$OUT/$name/final/model.safetensors" ]; then
-    $PY -m drc_core.train --preset small --data "$DATA" --out "$OUT/$name" --resume --quiet "${sets[@]}"
-  fi
-  $PY -m drc_core.evaluate --run "$OUT/$name" --data "$DATA" --json "$OUT/$name/eval.json"
+  train_and_eval small "$OUT" "$name" "$@"
   local dst=data/experiments/$name
   mkdir -p "$dst"
   cp "$OUT/$name/final/model.safetensors" "$OUT/$name/final/config.json" "$dst/"
