@@ -24,10 +24,10 @@ results_dir = "papermill_runs/reference/results"
 corpus_dir = "data/corpus/default"
 source = "wikipedia+sotu"
 vocab_size = 4096
-max_docs = 0  # per source; 0 = all (fineweb-edu needs a number)
+max_docs = 0  # per source; 0 means all (fineweb-edu needs a number)
 preset = "cpu"
 train_overrides: list[str] = []
-checkpoint = "data/reference"  # "" = train here
+checkpoint = "data/reference"  # empty: train here
 retrain = False
 n_windows = 64
 max_loops = 32

@@ -79,7 +79,7 @@ summary.set_index("loop")[["kl_prev", "kl_prev_ci_low", "kl_prev_ci_high", "stat
 # the deepest output alternating between loops is a 2-cycle), not a slow decay of every token.
 
 # %%
-concentration = kl_concentration(frame, [lp for lp in (2, 4, 8, 12, 16, 24, max_loops) if 2 <= lp <= max_loops])
+concentration = kl_concentration(frame, sorted({lp for lp in (2, 4, 8, 12, 16, 24, max_loops) if 2 <= lp <= max_loops}))
 concentration.set_index("loop").map(lambda v: f"{v:.3g}")
 
 # %% [markdown]

@@ -34,8 +34,8 @@ n_windows = 64
 seed = 0
 eps = 1e-3  # convergence label of the routers (as in 02)
 rule_max_loops = 16  # every rule's max_loops
-ce_tolerance = 0.005  # "matches uniform depth-8 quality": CE <= CE(uniform 8) + this, in nats
-kl_target = 0.01  # the KL quality target: mean KL(p_8 || p_exit) <= this
+ce_tolerance = 0.005  # "matches uniform depth-8 quality": CE at most CE(uniform 8) plus this, in nats
+kl_target = 0.01  # the KL quality target: mean KL(p_8 || p_exit) at most this
 router_positions = 64  # harvested positions per window (all loops 1..L-1 of each)
 online_windows = 16  # held-out windows for the online (true per-token halting) check of the matched points
 
@@ -138,7 +138,7 @@ for fam in ["kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "
     for quality, target in (("ce", ce_target), ("kl_ref", kl_target)):
         cal_target = target if quality == "kl_ref" else float(
             calib[(calib.family == "uniform") & (calib.param == reference)].ce.iloc[0]) + ce_tolerance
-        c = calibrate(calib, held, fam, cal_target, quality=quality)
+        c = calibrate(calib, held, fam, cal_target, quality=quality, heldout_target=target)
         cal.append({**vars(c), "heldout_target": target})
 cal = pd.DataFrame(cal)
 cal[["family", "quality", "param", "calib_depth", "heldout_depth", "heldout_quality", "heldout_target",

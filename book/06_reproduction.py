@@ -37,7 +37,7 @@ ce_tolerance = 0.005
 rule_max_loops = 16
 plateau_tol = 0.005  # nats: a depth "stops improving" once deeper loops gain less than this
 seed = 0
-levers_dir = "data/levers"  # shipped depth-lever runs (scripts/depth_levers.sh); "" = skip
+levers_dir = "data/levers"  # shipped depth-lever runs (scripts/depth_levers.sh); empty: skip
 
 # %%
 import time

@@ -140,6 +140,12 @@ def test_calibrate_on_one_split_checks_the_other(frame):
     assert c.heldout_depth == pytest.approx(row.avg_depth) and c.holds == (row.ce <= uni8 + 0.01)
     impossible = calibrate(calib, held, "kl", -1.0)
     assert math.isnan(impossible.param) and not impossible.holds
+    # a relative target: judged against the held-out split's own baseline, not the calibration split's number
+    held_uni8 = float(held[(held.family == "uniform") & (held.param == 8)].ce.iloc[0])
+    rel = calibrate(calib, held, "kl", uni8 + 0.01, heldout_target=held_uni8 + 0.01)
+    assert rel.param == c.param and rel.holds == (row.ce <= held_uni8 + 0.01)
+    assert calibrate(calib, held, "kl", uni8 + 0.01, heldout_target=row.ce).holds
+    assert not calibrate(calib, held, "kl", uni8 + 0.01, heldout_target=row.ce - 1e-6).holds
 
 
 def test_window_clusters_and_summary_restriction(frame):
