@@ -161,6 +161,16 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
         if unknown:
             raise DrcError(f"unknown notebook(s) {unknown}: choose from {', '.join(names)}")
         names = [n for n in names if n in only]
+    notebooks = {name: jupytext.read(spec.source_dir / f"{name}.py") for name in names}
+    declared = {name: declared_parameters(nb) for name, nb in notebooks.items()}
+    for name in names:  # check every parameter against the notebooks before running any of them
+        own = set(prof.notebooks.get(name, {})) - declared[name]
+        if own:
+            raise DrcError(f"profile '{profile}' sets {sorted(own)} for notebook {name}, whose parameters cell "
+                           f"does not assign them: declare them there or fix the profiles file")
+    stray = set(overrides or {}) - set().union(*declared.values())
+    if stray:
+        raise DrcError(f"--set {sorted(stray)}: no notebook run here declares it; see their parameters cells")
     dest = Path(out) / profile
     dest.mkdir(parents=True, exist_ok=True)
     failed_dir, work = dest / "failed", dest / ".running"
@@ -171,17 +181,13 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
     os.environ.update(env)  # the kernel inherits the environment of this process
     try:
         for name in names:
-            nb = jupytext.read(spec.source_dir / f"{name}.py")
+            nb = notebooks[name]
             nb.metadata["kernelspec"] = {"name": kernel, "display_name": "Python 3", "language": "python"}
             work.mkdir(exist_ok=True)
             src, partial = work / f"{name}.src.ipynb", work / f"{name}.ipynb"
             jupytext.write(nb, src)
-            declared = declared_parameters(nb)
-            own = set(prof.notebooks.get(name, {})) - declared
-            if own:
-                raise DrcError(f"profile '{profile}' sets {sorted(own)} for notebook {name}, whose parameters cell "
-                               f"does not assign them: declare them there or fix the profiles file")
-            params = {k: v for k, v in {**prof.parameters_for(name), **(overrides or {})}.items() if k in declared}
+            params = {k: v for k, v in {**prof.parameters_for(name), **(overrides or {})}.items()
+                      if k in declared[name]}
             print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
                   flush=True)
             t0 = time.perf_counter()
@@ -190,8 +196,8 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
                                     cwd=str(cwd), progress_bar=progress, log_output=False)
             except PapermillExecutionError as exc:
                 failed_dir.mkdir(exist_ok=True)
-                shutil.move(str(partial), failed_dir / f"{name}.ipynb")
                 kept = failed_dir / f"{name}.ipynb"
+                shutil.move(str(partial), kept)
                 raise NotebookFailed(f"{_failure_line(name, exc)}; partial output kept at {kept}") from None
             seconds = time.perf_counter() - t0
             os.replace(partial, dest / f"{name}.ipynb")

@@ -97,6 +97,7 @@ def test_failing_cell_stops_with_one_line_and_keeps_partial_output(fixture_book:
     (["run", "--profile", "nope"], "unknown profile 'nope'"),
     (["run", "--profile", "p", "--only", "99_none"], "unknown notebook"),
     (["run", "--profile", "p", "--set", "novalue"], "is not KEY=VALUE"),
+    (["run", "--profile", "p", "--set", "n_windos=3"], "--set ['n_windos']: no notebook run here declares it"),
     (["build", "--profile", "p"], "no executed notebook"),
 ])
 def test_bad_input_gives_one_error_line(fixture_book: Path, capsys: pytest.CaptureFixture, argv: list[str],
