@@ -6,8 +6,8 @@
 # data/experiments/small-mean8-seed0 (same config and seed). Two lanes of one thread each; resumable (a
 # finished run is skipped). Evaluation (loss by depth, successive KL) and metrics, without weights, are copied to
 # data/levers/<name>/ for the book (notebook 06 tabulates them with drc_core.report.runs_table).
-# Shipped so far (2026-12-03): base, mean-4, mean-12 (copies), mean-16 and mean-24; steps-2x, core-4 and
-# backprop-8 were stopped unfinished for lack of session time and are not shipped.
+# Shipped (2026-12-03, all runs below finished): base, mean-4, mean-12 (copies), mean-16, mean-24, steps-2x,
+# core-4, backprop-8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
