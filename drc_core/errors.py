@@ -21,6 +21,15 @@ def need_int(name: str, value: object, minimum: int, owner: str = "") -> int:
     return int(value)
 
 
+def need_eps(eps: object) -> float:
+    """A convergence threshold as a float, or a one-line :class:`DrcError` unless it is a finite number > 0."""
+    import numbers
+
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < float(eps) < float("inf"):
+        raise DrcError(f"eps={eps!r} is invalid; it must be a finite number > 0")
+    return float(eps)
+
+
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """Run a CLI entry point; a :class:`DrcError` becomes one ``error:`` line and exit status 2."""
     try:

@@ -43,7 +43,7 @@ import pandas as pd
 import torch
 
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
-from drc_core.errors import need_int
+from drc_core.errors import need_eps, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.model import DepthRecurrentLM
 
@@ -96,12 +96,6 @@ def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation helpers
-
-
-def _need_eps(eps: object) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, int | float | np.floating) or not (0 < float(eps) < math.inf):
-        raise ValueError(f"eps={eps!r} is invalid; it must be a finite number > 0")
-    return float(eps)
 
 
 def _need_level(level: object) -> float:
@@ -441,7 +435,7 @@ def convergence_depth(df: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFram
     Returns one row per token: ``window``, ``pos`` (and ``doc`` when the frame has it), ``depth`` (int16)
     and ``converged`` (bool), sorted by window and pos.
     """
-    eps = _need_eps(eps)
+    eps = need_eps(eps)
     tokens, mats, n_loops = _token_matrix(df, ("kl_prev",))
     if n_loops < 2:
         raise ValueError("the frame has only loop 1; convergence depth needs loops 1..L with L >= 2")
@@ -514,7 +508,7 @@ def eps_sensitivity(df: pd.DataFrame, eps_grid: Sequence[float] = (1e-2, 1e-3, 1
                     level: float = 0.95) -> pd.DataFrame:
     """:func:`depth_summary` of :func:`convergence_depth` for every ``eps`` in ``eps_grid``, stacked: the
     columns of :func:`depth_summary` with ``eps`` first."""
-    grid = [_need_eps(e) for e in eps_grid]
+    grid = [need_eps(e) for e in eps_grid]
     if not grid:
         raise ValueError("eps_grid is empty; pass at least one eps > 0")
     parts = []

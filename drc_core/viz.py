@@ -44,7 +44,7 @@ import plotly.colors as pcolors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from drc_core.errors import DrcError, need_int
+from drc_core.errors import DrcError, need_eps, need_int
 from drc_core.measure import DEFAULT_EPS, convergence_depth
 
 __all__ = [
@@ -467,8 +467,7 @@ _PASSAGE_COLUMNS = ("window", "pos", "loop", "token", "kl_prev", "state_delta", 
 def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
     _need_columns(frame, _PASSAGE_COLUMNS, "a frame from drc_core.measure.measure_windows")
     need_int("max_tokens", max_tokens, 1)
-    if isinstance(eps, bool) or not isinstance(eps, int | float | np.floating) or not 0 < float(eps) < math.inf:
-        raise DrcError(f"eps={eps!r} is invalid; it must be a finite number > 0")
+    need_eps(eps)
     windows = frame["window"].to_numpy()
     if isinstance(window, bool) or not isinstance(window, int | np.integer) or not (windows == window).any():
         raise DrcError(f"window={window!r} is not in the frame; it has windows {int(windows.min())}.."
