@@ -37,8 +37,8 @@ from typing import Any
 
 from drc_core.errors import DrcError, run_cli
 
-__all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "load_profiles", "render_png",
-           "run_book", "toc_for"]
+__all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
+           "load_profiles", "render_png", "run_book", "toc_for"]
 
 DEFAULT_PROFILES = Path("book") / "profiles.toml"
 DEFAULT_OUT = Path("papermill_runs")
@@ -269,6 +269,11 @@ def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root
     return index
 
 
+def find_browser() -> str | None:
+    """Path of a headless-capable Chromium on PATH (Debian ``chromium``), or None."""
+    return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
 def render_png(figure_json: str | Path, png: str | Path, width: int = 900, height: int = 500) -> Path:
     """Draw a plotly figure saved as JSON (``fig.write_json``, e.g. by a notebook into its results) to a PNG with
     headless Chromium (Debian ``chromium``): how the README's figures are made from the book's own output."""
@@ -276,7 +281,7 @@ def render_png(figure_json: str | Path, png: str | Path, width: int = 900, heigh
 
     import plotly.io as pio
 
-    browser = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    browser = find_browser()
     if browser is None:
         raise DrcError("no Chromium on PATH: install it (apt-get install chromium) to render PNG figures")
     if not Path(figure_json).is_file():

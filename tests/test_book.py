@@ -16,7 +16,7 @@ import nbformat
 import pytest
 import yaml
 
-from drc_core.book import build_book, load_profiles, main, run_book, toc_for
+from drc_core.book import build_book, find_browser, load_profiles, main, run_book, toc_for
 from drc_core.book import declared_parameters as declare
 from drc_core.errors import DrcError
 
@@ -25,9 +25,8 @@ FIXTURES = Path(__file__).parent / "book_fixtures"
 
 
 def chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if path := shutil.which(name):
-            return path
+    if path := find_browser():
+        return path
     pytest.skip("no Chromium on PATH: `apt-get install chromium` (.ci/run installs it)")
 
 
