@@ -189,3 +189,17 @@ def test_smoke_profile_runs_every_notebook_and_renders(tmp_path: Path) -> None:
     assert n_figures >= 3
     dom = rendered_dom(page)
     assert dom.count('class="main-svg"') >= n_figures  # each figure drew at least its main SVG
+
+
+def test_render_png_draws_a_saved_figure(tmp_path: Path) -> None:
+    import plotly.graph_objects as go
+
+    from drc_core.book import render_png
+
+    chromium()  # skip without a browser
+    fig_json = tmp_path / "f.figure.json"
+    go.Figure(go.Scatter(x=[1, 2], y=[2, 1])).write_json(fig_json)
+    png = render_png(fig_json, tmp_path / "out" / "f.png", width=400, height=300)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    with pytest.raises(DrcError, match="not found"):
+        render_png(tmp_path / "missing.json", tmp_path / "x.png")
