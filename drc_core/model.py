@@ -150,7 +150,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # under bf16 autocast a sublayer output arrives in bf16: normalise in the weight's dtype (fp32)
+        return F.rms_norm(x.to(self.weight.dtype), (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, base: float) -> tuple[Tensor, Tensor]:
@@ -346,7 +347,8 @@ class DepthRecurrentLM(nn.Module):
     def inject(self, s: Tensor, e: Tensor) -> Tensor:
         if self.adapter is None:
             return s + e
-        return self.adapter(torch.cat([s, e], dim=-1))
+        # keep the residual stream in e's dtype (fp32) when autocast makes the adapter's output bf16
+        return self.adapter(torch.cat([s, e], dim=-1)).to(e.dtype)
 
     def core_step(self, s: Tensor, e: Tensor, *, frozen_kv: FrozenKV | None = None,
                   frozen: Tensor | None = None) -> Tensor:

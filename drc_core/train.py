@@ -27,7 +27,6 @@ import os
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from drc_core import precision
 from drc_core.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
 from drc_core.errors import DrcError, run_cli
@@ -199,12 +199,14 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
 
     val = eval_windows(corpus.tokens("val"), cfg.seq_len, cfg.eval_windows)
-    if cfg.compile:
-        for block in model.core:
+    path = precision.choose(cfg.autocast, cfg.compile, device)
+    if d.main and progress:
+        tqdm.write(path.why, file=sys.stderr)
+    if path.compile:
+        for block in (*model.prelude, *model.core, *model.coda):
             block.compile()
     net = torch.nn.parallel.DistributedDataParallel(model) if d.world_size > 1 else model
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.autocast == "bf16"
-                else nullcontext())
+    autocast = path.autocast_context(device)
     metrics = open(out / "metrics.jsonl", "a") if d.main else None  # noqa: SIM115
     good = found[-1] if found else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -260,7 +262,7 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
         shutil.rmtree(final, ignore_errors=True)
         model.save(final)
     steps_run = cfg.max_steps - start
-    return {"step": cfg.max_steps, "eval": last_eval, "seconds": seconds,
+    return {"step": cfg.max_steps, "eval": last_eval, "seconds": seconds, "numeric_path": path.why,
             "tokens_per_second": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan")}
 
 

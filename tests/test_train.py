@@ -93,8 +93,16 @@ def one_error_line(capsys, rc: int) -> str:
 # ---------------------------------------------------------------------------------- resume after kill -9
 
 
-def test_resume_after_sigkill_is_bit_identical(corpus, tmp_path):
-    sets = ("max_steps=200", "ckpt_every=10")  # ~3 s of steps after the first checkpoint: time to kill it
+NUMERIC_PATHS = [
+    pytest.param(("autocast=none", "compile=false"), id="fp32-eager"),
+    pytest.param(("autocast=bf16", "compile=false"), id="bf16-eager"),
+    pytest.param(("autocast=bf16", "compile=true"), id="bf16-compile", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("path", NUMERIC_PATHS)
+def test_resume_after_sigkill_is_bit_identical(corpus, tmp_path, path):
+    sets = ("max_steps=200", "ckpt_every=10", *path)  # ~3 s of steps after the first checkpoint: time to kill it
     py = [sys.executable, "-m", "drc_core.train"]
     ref_out, out = tmp_path / "uninterrupted", tmp_path / "killed"
     ref = subprocess.Popen(py + cli(corpus, ref_out, *sets), cwd=REPO, env=env_1thread(),
@@ -214,7 +222,8 @@ def test_two_rank_ddp_matches_one_process(corpus, tmp_path):
         (["lr"], ["'lr' is not key=value"]),
         (["lr=fast"], ["lr=fast", "float"]),
         (["max_steps=2.5"], ["max_steps=2.5", "int"]),
-        (["compile=maybe"], ["compile=maybe", "bool"]),
+        (["compile=maybe"], ["compile='maybe'", "auto, true, false"]),
+        (["autocast=fp8"], ["autocast='fp8'", "auto, none, bf16"]),
         (["eval_loops=1,x"], ["eval_loops", "int"]),
         (["batch_size=0"], ["batch_size=0", "positive"]),
         (["model.d_model=0"], ["d_model=0"]),
@@ -405,7 +414,7 @@ def test_apply_overrides_round_trip():
                                  "model.mlp_hidden=96", "recurrence.max_loops=none", "eval_loops=1,3",
                                  "recurrence.mean=5", "model.norm=sandwich"])
     assert cfg.max_steps == 7 and type(cfg.max_steps) is int
-    assert cfg.lr == 1e-4 and cfg.compile is True and cfg.model.tie_embeddings is False
+    assert cfg.lr == 1e-4 and cfg.compile == "true" and cfg.model.tie_embeddings is False
     assert cfg.model.mlp_hidden == 96 and cfg.recurrence.max_loops is None
     assert cfg.eval_loops == (1, 3) and cfg.recurrence.mean == 5.0 and type(cfg.recurrence.mean) is float
     assert cfg.model.norm == "sandwich"
