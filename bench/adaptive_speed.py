@@ -4,7 +4,7 @@
     .venv/bin/python bench/adaptive_speed.py --run data/reference --windows 64 --rounds 5 --json runs/bench/speed.json
     .venv/bin/python bench/adaptive_speed.py --run runs/cpu/final --families kl,state_delta,cosine --threads 2
 
-In one process (``drc_core.speed.run_speed``): each rule family's threshold is matched to uniform depth r's
+In one process (``drc_core.experiments.speed.run_speed``): each rule family's threshold is matched to uniform depth r's
 validation cross-entropy (within ``--ce-tolerance`` nats, on the same windows: lowest-average-depth grid
 point, offline sweep checked online); then, interleaved over ``--rounds`` rounds with medians,
 
@@ -15,7 +15,7 @@ point, offline sweep checked online); then, interleaved over ``--rounds`` rounds
 * the measurement pass: ``measure_windows`` at 32 loops against one depth-32 forward and a bare pass that
   reads out at every loop.
 
-It prints the FLOP proxy (r / average exit loop), the matmul-FLOP model of ``drc_core.adaptive``, the
+It prints the FLOP proxy (r / average exit loop), the matmul-FLOP model of ``drc_core.halting.skipping``, the
 wall-clock speedup and wall-clock / proxy against the issue's target (>= 0.9), and the measurement-pass ratios.
 """
 
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
+from drc_core.analysis.measure import val_windows_with_docs
+from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
-from drc_core.measure import val_windows_with_docs
+from drc_core.experiments.speed import TARGET_MEASURE, TARGET_RATIO, SpeedConfig, SpeedReport, run_speed
 from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
-from drc_core.speed import TARGET_MEASURE, TARGET_RATIO, SpeedConfig, SpeedReport, run_speed
-from drc_core.workspace import save_results
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (default 3)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--families", default="kl,state_delta",
-                    help="comma-separated rule families of drc_core.sweep.default_rules (default kl,state_delta)")
+                    help="comma-separated rule families of drc_core.halting.sweep.default_rules "
+                         "(default kl,state_delta)")
     ap.add_argument("--rule-max-loops", type=int, default=16, help="every rule's max_loops (default 16)")
     ap.add_argument("--ce-tolerance", type=float, default=0.005, help="matched quality: CE <= CE(uniform r) + this")
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per timed call")
@@ -102,7 +103,7 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
     cfg, out = rep.config, []
     m = rep.matched.table
     out.append(f"\nmatched quality: CE <= CE(uniform {r}) + {cfg.ce_tolerance:g} = {m.ce_target.iloc[0]:.4f} nats "
-               f"(CE(uniform {r}) = {m.ce_uniform.iloc[0]:.4f}); grid of drc_core.sweep.default_rules, "
+               f"(CE(uniform {r}) = {m.ce_uniform.iloc[0]:.4f}); grid of drc_core.halting.sweep.default_rules, "
                f"max_loops {cfg.rule_max_loops}")
     rows = []
     for _, x in m.iterrows():

@@ -38,10 +38,10 @@ import time
 
 import pandas as pd
 
-from drc_core import viz
+from drc_core.analysis.measure import val_windows_with_docs
+from drc_core.book import viz
+from drc_core.book.workspace import ensure_corpus, open_model, provide_model, save_results
 from drc_core.evaluate import depth_gain_by_step, loss_by_depth, loss_by_source, unigram_loss
-from drc_core.measure import val_windows_with_docs
-from drc_core.workspace import ensure_corpus, open_model, provide_model, save_results
 
 t0 = time.time()
 corpus = ensure_corpus(corpus_dir, source, vocab_size, max_docs=max_docs or None, progress=False)

@@ -14,7 +14,7 @@
 # One pass of `max_loops` loops over validation windows records, for every token and loop, the
 # successive-output KL `KL(p_l ‖ p_{l−1})` (the new output measured against the previous one), the KL to
 # the deepest output `KL(p_L ‖ p_l)`, the relative state change `‖s_l − s_{l−1}‖ / ‖s_l‖`, the entropy and
-# the cross-entropy of the next token (`drc_core.measure.measure_windows`). Intervals are 95% percentile
+# the cross-entropy of the next token (`drc_core.analysis.measure.measure_windows`). Intervals are 95% percentile
 # bootstrap intervals over documents.
 
 # %% tags=["parameters"]
@@ -31,9 +31,7 @@ eps = 1e-3  # convergence threshold on KL(p_l || p_{l-1}), see the sensitivity t
 import time
 from pathlib import Path
 
-from drc_core import viz
-from drc_core.data.sampler import Corpus
-from drc_core.measure import (
+from drc_core.analysis.measure import (
     convergence_depth,
     depth_summary,
     eps_sensitivity,
@@ -43,7 +41,9 @@ from drc_core.measure import (
     save_frame,
     val_windows_with_docs,
 )
-from drc_core.workspace import open_model, save_results
+from drc_core.book import viz
+from drc_core.book.workspace import open_model, save_results
+from drc_core.data.sampler import Corpus
 
 t0 = time.time()
 model, cfg, _ = open_model(work_dir)

@@ -11,7 +11,7 @@
 # %% [markdown]
 # # 3. Which tokens converge late?
 #
-# Each token is classified from its decoded text (`drc_core.tokens`): whitespace/newline, punctuation,
+# Each token is classified from its decoded text (`drc_core.analysis.tokens`): whitespace/newline, punctuation,
 # number, function word (a fixed closed-class list), content word, or word-continuation piece (no leading
 # space). The paper's claim: whitespace converges first, content words last. Below: mean convergence depth
 # per class with bootstrap intervals over documents, then the per-token depth explorer.
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from drc_core import viz
+from drc_core.analysis.measure import convergence_depth, load_frame
+from drc_core.analysis.tokens import class_depth_summary, classify_sequence
+from drc_core.book import viz
+from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
-from drc_core.measure import convergence_depth, load_frame
-from drc_core.tokens import class_depth_summary, classify_sequence
-from drc_core.workspace import save_results
 
 t0 = time.time()
 frame = load_frame(Path(work_dir) / "frame.parquet")
@@ -68,7 +68,7 @@ viz.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tokens=e
 # %%
 from IPython.display import HTML, display  # noqa: E402
 
-from drc_core.workspace import open_model  # noqa: E402
+from drc_core.book.workspace import open_model  # noqa: E402
 
 _, cfg, _ = open_model(work_dir)
 HTML(viz.token_strip_html(frame, explorer_window, int(cfg.recurrence.mean), tokenizer, eps=eps, mode="converged",

@@ -12,18 +12,18 @@
 # # 4. Halting each token early: training-free rules vs learned routers
 #
 # A halting rule looks at a token's statistics after each loop and decides whether it stops there; a
-# halted token's state is frozen and later tokens keep attending to it (`drc_core.halting`). For every
+# halted token's state is frozen and later tokens keep attending to it (`drc_core.halting.rules`). For every
 # rule over a grid of thresholds, for uniform depths and for the offline oracle, we measure the average
 # exit loop (the FLOP proxy: prelude and coda run once) against two qualities: the validation
 # cross-entropy at each token's exit, and the mean `KL(p_8 ‖ p_exit)` to the uniform training-mean-depth
-# output (`drc_core.sweep`). The validation windows are split in two: routers are trained and thresholds
+# output (`drc_core.halting.sweep`). The validation windows are split in two: routers are trained and thresholds
 # calibrated on the first half; every number below is measured on the held-out half.
 #
 # The full grid is swept *offline*: every rule is replayed on one uniform-depth trajectory per window
 # (`sweep(..., mode="offline")`), which is one forward pass for all ~80 rule settings instead of one each.
 # Offline replay ignores one effect of real halting: a halted token's frozen state and keys/values change
 # what later tokens see. The last section runs the matched points *online* (true per-token halting,
-# `drc_core.halting.adaptive_forward`) and reports the difference.
+# `drc_core.halting.rules.masked_forward`) and reports the difference.
 
 # %% tags=["parameters"]
 profile = "reference"
@@ -44,12 +44,20 @@ import time
 
 import pandas as pd
 
-from drc_core import viz
+from drc_core.analysis.measure import val_windows_with_docs
+from drc_core.book import viz
+from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
-from drc_core.measure import val_windows_with_docs
-from drc_core.router import LinearRouter, MLPRouter, RouterRule, harvest, router_metrics, split_windows, train_router
-from drc_core.sweep import RuleSpec, calibrate, default_rules, matching_depth, summarize, sweep, window_clusters
-from drc_core.workspace import open_model, save_results
+from drc_core.halting.router import (
+    LinearRouter,
+    MLPRouter,
+    RouterRule,
+    harvest,
+    router_metrics,
+    split_windows,
+    train_router,
+)
+from drc_core.halting.sweep import RuleSpec, calibrate, default_rules, matching_depth, summarize, sweep, window_clusters
 
 t0 = time.time()
 model, cfg, _ = open_model(work_dir)

@@ -14,18 +14,18 @@
 # Notebook 4 counted a halting rule's savings as the *FLOP proxy* `r / a`: uniform depth `r` against the
 # rule's average exit loop `a`, counting only the core (prelude and coda run once). Here we measure what
 # that becomes on the clock, at matched quality, on the same validation windows and in the same process
-# (`drc_core.speed`):
+# (`drc_core.experiments.speed`):
 #
 # - **batched evaluation**: `model(x, r)` (uniform depth, one readout) against
-#   `drc_core.adaptive.skip_forward`, which really skips the halted tokens: at loop `l` the core runs only
+#   `drc_core.halting.skipping.skip_forward`, which really skips the halted tokens: at loop `l` the core runs only
 #   on the tokens still active;
-# - **generation**: the KV-cached decoder `drc_core.generate.generate` with `Uniform(r)` against the same
+# - **generation**: the KV-cached decoder `drc_core.halting.generate.generate` with `Uniform(r)` against the same
 #   decoder with the rule, same prompt, same number of greedy tokens;
 # - **the measurement pass** of notebook 2 (`measure_windows`, 32 loops) against one depth-32 forward.
 #
 # ## The cost model
 # Matmul FLOPs per token (`block` one transformer block, `core = R·block + adapter`, `head = 2dV`; P, R, C
-# prelude/core/coda blocks; `drc_core.speed.matmul_flops_per_token`):
+# prelude/core/coda blocks; `drc_core.experiments.speed.matmul_flops_per_token`):
 #
 # | path | FLOPs per token |
 # |---|---|
@@ -52,7 +52,7 @@ n_windows = 64
 rounds = 3  # timed, interleaved rounds
 rule_max_loops = 16  # every rule's max_loops (as in notebook 4)
 ce_tolerance = 0.005  # matched quality: CE at most this above uniform depth r, in nats
-families = ["kl", "state_delta"]  # rule families of drc_core.sweep.default_rules
+families = ["kl", "state_delta"]  # rule families of drc_core.halting.sweep.default_rules
 new_tokens = 64  # greedy tokens per timed generation
 prompt_len = 32  # the prompt: the first tokens of the first validation window
 max_loops = 32  # depth of the measurement pass (as in notebook 2)
@@ -65,10 +65,11 @@ import time
 import pandas as pd
 import torch
 
-from drc_core import viz
+from drc_core.analysis.measure import val_windows_with_docs
+from drc_core.book import viz
+from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
-from drc_core.measure import val_windows_with_docs
-from drc_core.speed import (
+from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
     matched_rules,
@@ -78,7 +79,6 @@ from drc_core.speed import (
     time_batched,
     time_generation,
 )
-from drc_core.workspace import open_model, save_results
 
 t0 = time.time()
 if threads:
@@ -111,7 +111,7 @@ pd.DataFrame([{"avg loops a": a, "FLOP proxy r/a": reference / a,
 
 # %% [markdown]
 # ## Matched quality
-# For each rule family, the lowest-average-depth point of its threshold grid (`drc_core.sweep.default_rules`)
+# For each rule family, the lowest-average-depth point of its threshold grid (`drc_core.halting.sweep.default_rules`)
 # whose validation cross-entropy on these windows is within `ce_tolerance` of uniform depth `r`. The grid is
 # swept offline (one uniform pass for every threshold, as in notebook 4); the chosen point is rerun online with
 # `skip_forward` -- the path that is timed -- and a stricter point is taken if it misses the target there.

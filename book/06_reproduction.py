@@ -14,7 +14,7 @@
 # Claim by claim, the paper's number, ours on the reference model (with 95% bootstrap intervals over
 # documents where the notebook that measured it gives one), the mean and t-interval across seeds of a
 # smaller preset (the paper trained one seed), and whether they agree by a criterion stated in advance
-# (`drc_core.report.PAPER`). Then the paper's open question: does a model gain from loops beyond its
+# (`drc_core.experiments.report.PAPER`). Then the paper's open question: does a model gain from loops beyond its
 # training-mean depth? We train the small preset at mean depths 4, 8 and 12 and find where each model's
 # validation loss stops improving.
 
@@ -46,13 +46,20 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import display
 
-from drc_core import viz
+from drc_core.analysis.measure import val_windows_with_docs
+from drc_core.book import viz
+from drc_core.book.workspace import load_results, open_model, provide_run, save_results
 from drc_core.data.sampler import Corpus
 from drc_core.evaluate import loss_by_depth
-from drc_core.measure import val_windows_with_docs
+from drc_core.experiments.report import (
+    across_seeds,
+    explain,
+    headline_numbers,
+    plateau_depth,
+    reproduction_table,
+    runs_table,
+)
 from drc_core.model import DepthRecurrentLM
-from drc_core.report import across_seeds, explain, headline_numbers, plateau_depth, reproduction_table, runs_table
-from drc_core.workspace import load_results, open_model, provide_run, save_results
 
 t0 = time.time()
 r1, r2, r3, r4 = (load_results(results_dir, n) for n in

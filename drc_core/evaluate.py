@@ -1,4 +1,7 @@
-"""Validation loss at several uniform depths, from one ``iterate`` pass per batch."""
+"""Validation loss and mean successive KL at uniform depths, from one ``iterate`` pass per batch; the
+evaluation context (eval mode, no grad, a seeded initial state) every measurement pass uses.
+
+``python -m drc_core.evaluate --run DIR --data DIR`` prints and saves them for a trained run."""
 
 from __future__ import annotations
 
@@ -57,6 +60,29 @@ def loss_by_depth(model: DepthRecurrentLM, windows: torch.Tensor, loops: tuple[i
     return {n: totals[n] / count for n in wanted}
 
 
+def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor, p_new: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(p_new || p_old) over the last axis, from log-probabilities; shape = input shape minus the last.
+    ``p_new`` (= ``logp_new.exp()``) may be passed when the same p_new is compared with many outputs."""
+    return ((logp_new.exp() if p_new is None else p_new) * (logp_new - logp_old)).sum(-1)
+
+
+def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops: int = 32,
+                       batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
+    """Mean over tokens of KL(p_l || p_{l-1}) for l = 2..max_loops, one ``iterate`` pass per batch."""
+    sums = dict.fromkeys(range(2, max_loops + 1), 0.0)
+    count = 0
+    with evaluation(model, seed) as gen:
+        for start in range(0, len(windows), batch_size):
+            x = windows[start : start + batch_size, :-1].to(gen.device)
+            prev = None
+            for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
+                if prev is not None:
+                    sums[out.loop] += float(kl_successive(out.out, prev).sum())
+                prev = out.out
+            count += x.numel()
+    return {n: s / count for n, s in sums.items()}
+
+
 def unigram_loss(corpus: Corpus, alpha: float = 1.0) -> float:
     """Cross-entropy (nats/token) of the validation split under the training split's unigram distribution
     (add-``alpha`` smoothing): the bar a language model must clear."""
@@ -105,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from drc_core.errors import DrcError
-    from drc_core.measure import mean_successive_kl
 
     ap = argparse.ArgumentParser(prog="python -m drc_core.evaluate", description=main.__doc__)
     ap.add_argument("--run", required=True, help="a training run directory (uses its final/ weights)")

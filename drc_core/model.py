@@ -442,7 +442,7 @@ class DepthRecurrentLM(nn.Module):
         ``halt(loop_output)`` may return a (B, T) bool tensor of tokens that halt now (or None). It is called
         after loop l's readout, with ``halted``/``exit_loop`` as they were before loop l; the yielded output
         then includes its decisions. This is the reference (masked) semantics of per-token halting, which
-        :func:`drc_core.adaptive.skip_forward` reproduces while skipping the halted tokens' compute:
+        :func:`drc_core.halting.skipping.skip_forward` reproduces while skipping the halted tokens' compute:
 
         - a token that halts at loop e (its exit loop) keeps its state: ``s = where(halted, s_e, s_new)``;
         - at every later loop it offers, in every core block, the keys/values it computed at loop e (its last
@@ -453,7 +453,7 @@ class DepthRecurrentLM(nn.Module):
         The core and coda still run on every token (the halted tokens' results are discarded), so this costs
         as much as no halting. ``out`` at a halted position is still recomputed at later loops (its query
         sees the later keys/values of earlier active tokens) and is not that token's result: a token's
-        result is its readout at its exit loop (:func:`drc_core.halting.adaptive_forward` keeps it). Without
+        result is its readout at its exit loop (:func:`drc_core.halting.rules.masked_forward` keeps it). Without
         ``halt`` nothing is cached and every loop is exactly ``forward``'s.
         """
         need_int("max_loops", max_loops, 1)

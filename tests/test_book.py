@@ -16,8 +16,8 @@ import nbformat
 import pytest
 import yaml
 
-from drc_core.book import build_book, find_browser, load_profiles, main, run_book, toc_for
-from drc_core.book import declared_parameters as declare
+from drc_core.book.runner import build_book, find_browser, load_profiles, main, run_book, toc_for
+from drc_core.book.runner import declared_parameters as declare
 from drc_core.errors import DrcError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def test_smoke_profile_runs_every_notebook_and_renders(tmp_path: Path) -> None:
 def test_render_png_draws_a_saved_figure(tmp_path: Path) -> None:
     import plotly.graph_objects as go
 
-    from drc_core.book import render_png
+    from drc_core.book.runner import render_png
 
     chromium()  # skip without a browser
     fig_json = tmp_path / "f.figure.json"

@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drc_core.halting import (
+from drc_core.analysis.loops import iterate_stats, loop_stats
+from drc_core.evaluate import kl_successive
+from drc_core.halting.rules import (
     ArgmaxPatience,
     Cosine,
     EntropyDelta,
@@ -15,14 +17,11 @@ from drc_core.halting import (
     SoftmaxConfidence,
     StateDelta,
     Uniform,
-    adaptive_forward,
     halt_fn,
-    iterate_stats,
-    loop_stats,
+    masked_forward,
     offline_exits,
     oracle_exit,
 )
-from drc_core.measure import kl_successive
 from drc_core.model import DepthRecurrentLM, ModelConfig
 
 # ----------------------------------------------------------------------------------------------------------
@@ -194,7 +193,7 @@ def gen(seed: int = 1) -> torch.Generator:
 
 
 def test_never_equals_uniform_depth(model: DepthRecurrentLM, idx: torch.Tensor) -> None:
-    res = adaptive_forward(model, idx, Never(max_loops=6), generator=gen())
+    res = masked_forward(model, idx, Never(max_loops=6), generator=gen())
     with torch.no_grad():
         ref = model(idx, 6, generator=gen())
     torch.testing.assert_close(res.logits, ref, rtol=0, atol=0)
@@ -202,7 +201,7 @@ def test_never_equals_uniform_depth(model: DepthRecurrentLM, idx: torch.Tensor) 
 
 
 def test_uniform_k_equals_forward_k(model: DepthRecurrentLM, idx: torch.Tensor) -> None:
-    res = adaptive_forward(model, idx, Uniform(3), generator=gen())
+    res = masked_forward(model, idx, Uniform(3), generator=gen())
     with torch.no_grad():
         ref = model(idx, 3, generator=gen())
     torch.testing.assert_close(res.logits, ref, rtol=0, atol=0)
@@ -210,14 +209,14 @@ def test_uniform_k_equals_forward_k(model: DepthRecurrentLM, idx: torch.Tensor) 
     assert (res.exit_loop == 3).all() and res.avg_depth == 3.0
     # an explicit initial state gives the same as the generator that would draw it
     s0 = torch.randn(idx.shape[0], idx.shape[1], model.cfg.d_model, generator=gen(5))
-    torch.testing.assert_close(adaptive_forward(model, idx, Uniform(3), state=s0).logits,
+    torch.testing.assert_close(masked_forward(model, idx, Uniform(3), state=s0).logits,
                                model(idx, 3, state=s0), rtol=0, atol=0)
 
 
 def test_halted_states_frozen_and_logits_from_exit_loop(model: DepthRecurrentLM, idx: torch.Tensor) -> None:
     exit_loops = torch.randint(1, 7, idx.shape, generator=gen(3))
     rule = Oracle(exit_loops=exit_loops, max_loops=6)
-    res = adaptive_forward(model, idx, rule, generator=gen())
+    res = masked_forward(model, idx, rule, generator=gen())
     assert torch.equal(res.exit_loop, exit_loops)
     assert res.avg_depth == pytest.approx(exit_loops.float().mean().item())
     # replay the same masked run through iterate and keep every loop
@@ -245,7 +244,7 @@ def test_first_position_matches_offline_decisions(model: DepthRecurrentLM, idx: 
     stats = list(iterate_stats(model, idx, L, generator=gen()))
     kl = torch.stack([s.kl for s in stats[1:]])
     rule = KLThreshold(float(kl.median()), max_loops=L)
-    res = adaptive_forward(model, idx, rule, generator=gen())
+    res = masked_forward(model, idx, rule, generator=gen())
     offline = offline_exits(stats, [rule])[0]
     # position 0 attends only to itself, so halting elsewhere cannot change its trajectory
     assert torch.equal(res.exit_loop[:, 0], offline[:, 0])
@@ -305,6 +304,6 @@ def test_oracle_lower_bounds_every_rule(model: DepthRecurrentLM, idx: torch.Tens
     assert len(set(depths)) > 3  # the rules really differ on this model
 
 
-def test_adaptive_forward_rejects_non_rules(model: DepthRecurrentLM, idx: torch.Tensor) -> None:
+def test_masked_forward_rejects_non_rules(model: DepthRecurrentLM, idx: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="is not a HaltingRule"):
-        adaptive_forward(model, idx, 3)  # type: ignore[arg-type]
+        masked_forward(model, idx, 3)  # type: ignore[arg-type]

@@ -6,21 +6,20 @@ import pandas as pd
 import pytest
 import torch
 
-from drc_core.data.sampler import Corpus
-from drc_core.evaluate import EVAL_STATE_SEED, loss_by_depth
-from drc_core.measure import (
+from drc_core.analysis.measure import (
     FRAME_COLUMNS,
     bootstrap_ci,
     convergence_depth,
     depth_summary,
     eps_sensitivity,
     load_frame,
-    mean_successive_kl,
     measure_windows,
     per_loop_summary,
     save_frame,
     val_windows_with_docs,
 )
+from drc_core.data.sampler import Corpus
+from drc_core.evaluate import EVAL_STATE_SEED, loss_by_depth, mean_successive_kl
 from drc_core.model import DepthRecurrentLM
 
 V, T, N, L = 64, 12, 5, 6
@@ -246,7 +245,7 @@ def test_bad_inputs(model, windows, frame):
 
 
 def test_kl_concentration_on_a_hand_made_frame():
-    from drc_core.measure import kl_concentration
+    from drc_core.analysis.measure import kl_concentration
 
     kl = np.full(1000, 1e-8)
     kl[:2] = 1e-2  # two tokens in a cycle carry the mean

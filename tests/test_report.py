@@ -1,4 +1,4 @@
-"""The reproduction report's pieces (drc_core/report.py)."""
+"""The reproduction report's pieces (drc_core/experiments/report.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from drc_core.analysis.tokens import TokenClass
 from drc_core.data.tokenizer import train_bpe
-from drc_core.report import PAPER, across_seeds, headline_numbers, plateau_depth, reproduction_table
-from drc_core.tokens import TokenClass
+from drc_core.experiments.report import PAPER, across_seeds, headline_numbers, plateau_depth, reproduction_table
 
 
 def test_plateau_depth():
@@ -83,7 +83,7 @@ def test_headline_numbers_on_a_tiny_model(one_thread, tiny_model_factory, tmp_pa
 
 
 def test_table_intervals_and_explanations():
-    from drc_core.report import explain
+    from drc_core.experiments.report import explain
 
     ours = {"kl_2": 0.2, "kl_16": 2e-5, "median_depth": 4.0, "frac_updating": 0.03,
             "class_order": ["whitespace/newline", "content word"], "kl_rule_depth": 3.6, "router_depth": 7.0,
@@ -99,7 +99,7 @@ def test_table_intervals_and_explanations():
 
 
 def test_class_order_verdict_leaves_out_special_tokens() -> None:
-    from drc_core.report import _verdict
+    from drc_core.experiments.report import _verdict
 
     text, ok = _verdict("class_order", {"class_order": ["special", "whitespace", "function", "content"]})
     assert ok and text == "whitespace < function < content"

@@ -2,11 +2,10 @@ import numpy as np
 import pytest
 import torch
 
+from drc_core.analysis.loops import iterate_stats
+from drc_core.analysis.measure import convergence_depth, measure_windows
 from drc_core.evaluate import EVAL_STATE_SEED
-from drc_core.halting import adaptive_forward, iterate_stats, offline_exits
-from drc_core.measure import convergence_depth, measure_windows
-from drc_core.model import DepthRecurrentLM
-from drc_core.router import (
+from drc_core.halting.router import (
     FeatureSpec,
     LinearRouter,
     MLPRouter,
@@ -19,7 +18,9 @@ from drc_core.router import (
     split_windows,
     train_router,
 )
-from drc_core.router import _auc as auc
+from drc_core.halting.router import _auc as auc
+from drc_core.halting.rules import masked_forward, offline_exits
+from drc_core.model import DepthRecurrentLM
 
 V, T, N, L = 64, 16, 32, 12
 EPS = 1e-2  # with core weights x2 this spreads convergence depths over 2..12 and ~70% of rows are converged
@@ -161,12 +162,12 @@ def test_auc_rank_formula():
     assert np.isnan(auc(np.arange(3.0), np.ones(3, dtype=bool)))
 
 
-def test_router_rule_through_adaptive_forward(model, windows, trained):
+def test_router_rule_through_masked_forward(model, windows, trained):
     x = windows[N // 2 :, :-1]
     depths = {}
     for tau in (1e-6, 0.5, 1 - 1e-6):
         rule = RouterRule(router=trained, tau=tau, min_loops=2, max_loops=L)
-        res = adaptive_forward(model, x, rule, generator=torch.Generator().manual_seed(EVAL_STATE_SEED))
+        res = masked_forward(model, x, rule, generator=torch.Generator().manual_seed(EVAL_STATE_SEED))
         assert int(res.exit_loop.min()) >= 2 and int(res.exit_loop.max()) <= L
         depths[tau] = res.avg_depth
     assert depths[1e-6] == 2.0

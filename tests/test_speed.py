@@ -1,5 +1,6 @@
 """Realized speedup: matched rules, timing frames, measurement-pass cost, and the benchmark script
-(drc_core/speed.py, bench/adaptive_speed.py). Behaviour only: no assertion depends on how fast anything ran."""
+(drc_core/experiments/speed.py, bench/adaptive_speed.py). Behaviour only: no assertion depends on how fast anything
+ran."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import torch
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
 from drc_core.evaluate import loss_by_depth
-from drc_core.halting import KLThreshold, StateDelta
-from drc_core.speed import (
+from drc_core.experiments.speed import (
     SpeedConfig,
     matched_rules,
     matmul_flops_per_token,
@@ -29,6 +29,7 @@ from drc_core.speed import (
     time_batched,
     time_generation,
 )
+from drc_core.halting.rules import KLThreshold, StateDelta
 
 V = 64
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Sweeps of quality vs average depth, matching depths and calibration (drc_core/sweep.py)."""
+"""Sweeps of quality vs average depth, matching depths and calibration (drc_core/halting/sweep.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drc_core.evaluate import EVAL_STATE_SEED, loss_by_depth
-from drc_core.halting import KLThreshold, Never, Uniform, adaptive_forward, iterate_stats, offline_exits
-from drc_core.measure import kl_successive
-from drc_core.sweep import (
+from drc_core.analysis.loops import iterate_stats
+from drc_core.evaluate import EVAL_STATE_SEED, kl_successive, loss_by_depth
+from drc_core.halting.rules import KLThreshold, Never, Uniform, masked_forward, offline_exits
+from drc_core.halting.sweep import (
     RuleSpec,
     _first_at_most,
     calibrate,
@@ -58,14 +58,14 @@ def test_uniform_rows_equal_loss_by_depth(model, windows, frame):
 
 
 @torch.no_grad()
-def test_rule_rows_equal_adaptive_forward(model, windows, frame):
+def test_rule_rows_equal_masked_forward(model, windows, frame):
     # batch 1 (windows 4, 5) is the generator's second draw
     gen = torch.Generator().manual_seed(EVAL_STATE_SEED)
     x0 = windows[:4, :-1]
     model.initial_state(model.embed(x0), gen)
     x, y = windows[4:, :-1], windows[4:, 1:]
     s0 = model.initial_state(model.embed(x), gen)
-    res = adaptive_forward(model, x, KLThreshold(1e-2, max_loops=8), state=s0)
+    res = masked_forward(model, x, KLThreshold(1e-2, max_loops=8), state=s0)
     ref = F.log_softmax(model(x, 4, state=s0).float(), dim=-1)
     logp = res.log_probs()
     ce = -logp.gather(-1, y[..., None]).squeeze(-1)

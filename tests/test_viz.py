@@ -1,4 +1,4 @@
-"""Figures and the per-token depth explorer (drc_core.viz), on a real frame of the tiny model and a tiny BPE."""
+"""Figures and the per-token depth explorer (drc_core.book.viz), on a real frame of the tiny model and a tiny BPE."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from drc_core import viz
+from drc_core.analysis.measure import convergence_depth, measure_windows, per_loop_summary
+from drc_core.analysis.tokens import class_depth_summary
+from drc_core.book import viz
 from drc_core.data.tokenizer import train_bpe
 from drc_core.errors import DrcError
-from drc_core.measure import convergence_depth, measure_windows, per_loop_summary
-from drc_core.tokens import class_depth_summary
 
 T, L, EPS = 24, 6, 1e-3
 TEXT = ("a < b & c > d. The cat sat on the mat.\nThe dog ran after the cat, and the cat ran up the tree.\n"

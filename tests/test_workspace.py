@@ -1,4 +1,4 @@
-"""The book's artifacts: corpus, studied model, side runs and results files (drc_core/workspace.py)."""
+"""The book's artifacts: corpus, studied model, side runs and results files (drc_core/book/workspace.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from drc_core.book.workspace import ensure_corpus, load_results, open_model, provide_model, provide_run, save_results
 from drc_core.errors import DrcError
-from drc_core.workspace import ensure_corpus, load_results, open_model, provide_model, provide_run, save_results
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = ["max_steps=6", "ckpt_every=3", "eval_every=3", "log_every=3"]

@@ -5,21 +5,21 @@ The FLOP proxy of a halting rule is ``r / a``: uniform depth r against the rule'
 counting only the core (prelude and coda run once). This module measures, on the same windows and in the
 same process, what that becomes on the clock:
 
-- :func:`matched_rules`: for each rule family (default :class:`~drc_core.halting.KLThreshold` and
-  :class:`~drc_core.halting.StateDelta`), the lowest-average-depth point of its threshold grid
-  (:func:`drc_core.sweep.default_rules`) whose cross-entropy is within ``ce_tolerance`` of uniform depth r.
-  The grid is swept offline (:func:`drc_core.sweep.sweep`, one uniform pass for all thresholds,
-  :func:`~drc_core.sweep.summarize`, :func:`~drc_core.sweep.matching_depth`); the chosen point is then run
-  online with :func:`~drc_core.adaptive.skip_forward` (the path that is timed) and, should its CE miss the
-  target there, the next stricter grid point is tried.
+- :func:`matched_rules`: for each rule family (default :class:`~drc_core.halting.rules.KLThreshold` and
+  :class:`~drc_core.halting.rules.StateDelta`), the lowest-average-depth point of its threshold grid
+  (:func:`drc_core.halting.sweep.default_rules`) whose cross-entropy is within ``ce_tolerance`` of uniform depth r.
+  The grid is swept offline (:func:`drc_core.halting.sweep.sweep`, one uniform pass for all thresholds,
+  :func:`~drc_core.halting.sweep.summarize`, :func:`~drc_core.halting.sweep.matching_depth`); the chosen point is
+  then run online with :func:`~drc_core.halting.skipping.skip_forward` (the path that is timed) and, should its
+  CE miss the target there, the next stricter grid point is tried.
 - :func:`time_batched`: ``model(x, r)`` (uniform depth r, one readout) against ``skip_forward`` with each
   matched rule, and against ``skip_forward`` with ``Uniform(r)`` (the skipping machinery's own overhead at
   equal depth), over the same windows with the same initial states.
-- :func:`time_generation`: :func:`~drc_core.generate.generate` with ``Uniform(r)`` (the project's KV-cached
+- :func:`time_generation`: :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` (the project's KV-cached
   decoder at fixed depth) against the same decoder with each matched rule: same prompt, same number of new
   tokens, greedy. Time per new token = (time of n new tokens - time of 1) / (n - 1), so the prompt pass drops
   out.
-- :func:`measurement_cost`: :func:`drc_core.measure.measure_windows` at ``max_loops`` = 32 against one
+- :func:`measurement_cost`: :func:`drc_core.analysis.measure.measure_windows` at ``max_loops`` = 32 against one
   depth-32 forward and against a bare pass that reads out (log-softmax) at every loop.
 
 Timing: every comparison runs its variants once untimed first (warm-up, and the quality numbers), then
@@ -27,7 +27,7 @@ Timing: every comparison runs its variants once untimed first (warm-up, and the 
 reported times are medians over rounds, so load on a shared machine slows all variants alike. Everything
 runs under ``torch.inference_mode()`` in eval mode.
 
-Why the clock falls short of the proxy (the cost model of :mod:`drc_core.adaptive`; ``block`` one transformer
+Why the clock falls short of the proxy (the cost model of :mod:`drc_core.halting.skipping`; ``block`` one transformer
 block, ``core = R * block + adapter``, ``head = 2 d V``; :func:`matmul_flops_per_token`)::
 
     uniform depth r (forward)             (P + C) * block + r * core + head
@@ -61,14 +61,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.adaptive import skip_forward
+from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
-from drc_core.generate import generate
-from drc_core.halting import HaltingRule, Uniform
-from drc_core.measure import measure_windows
+from drc_core.halting.generate import generate
+from drc_core.halting.rules import HaltingRule, Uniform
+from drc_core.halting.skipping import skip_forward
+from drc_core.halting.sweep import RuleSpec, default_rules, matching_depth, summarize, sweep
 from drc_core.model import DepthRecurrentLM
-from drc_core.sweep import RuleSpec, default_rules, matching_depth, summarize, sweep
 
 __all__ = [
     "TARGET_RATIO",
@@ -98,7 +98,7 @@ class SpeedConfig:
     """What to measure and how (every field validated; a bad value is a one-line :class:`DrcError`).
 
     ``reference_loops`` r: the uniform depth to match and to beat. ``rule_max_loops``: every rule's
-    ``max_loops``. ``families``: rule families of :func:`drc_core.sweep.default_rules` to match.
+    ``max_loops``. ``families``: rule families of :func:`drc_core.halting.sweep.default_rules` to match.
     ``ce_tolerance``: "matched quality" is CE <= CE(uniform r) + this (nats). ``batch_size``: windows per
     batch (also fixes the initial states, as in :func:`drc_core.evaluate.loss_by_depth`). ``rounds``: timed,
     interleaved rounds. ``new_tokens``/``prompt_len``/``gen_rows``: generation of ``new_tokens`` greedy
@@ -141,7 +141,7 @@ class SpeedConfig:
 def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, path: str) -> float:
     """Matmul FLOPs per token of one of three paths at (average) depth ``loops`` (see the module docstring).
 
-    ``path``: "forward" (uniform depth, one readout), "skip_log_probs" (:func:`~drc_core.adaptive.skip_forward`
+    ``path``: "forward" (uniform depth, one readout), "skip_log_probs" (:func:`~drc_core.halting.skipping.skip_forward`
     with a rule that reads log-probs: coda + head at every loop of every active token) or "skip_states" (a
     rule on the states only: one readout per token; the coda context's k/v projections are ignored). Built
     from :meth:`~drc_core.model.DepthRecurrentLM.flops_per_token`; log-softmax, statistics and the
@@ -211,11 +211,11 @@ def _need_tokens(model: DepthRecurrentLM, ids: object, what: str, min_len: int) 
 
 def _need_windows(model: DepthRecurrentLM, windows: object) -> Tensor:
     """(N, T+1) windows: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
-    return _need_tokens(model, windows, "windows (N, T+1; drc_core.measure.val_windows_with_docs)", 2)
+    return _need_tokens(model, windows, "windows (N, T+1; drc_core.analysis.measure.val_windows_with_docs)", 2)
 
 
 def _batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """(inputs, targets, s_0) per batch; s_0 drawn exactly as :func:`drc_core.sweep.sweep` and
+    """(inputs, targets, s_0) per batch; s_0 drawn exactly as :func:`drc_core.halting.sweep.sweep` and
     :func:`drc_core.evaluate.loss_by_depth` draw it for the same ``seed`` and ``batch_size``."""
     out = []
     with evaluation(model, cfg.seed) as gen:
@@ -236,7 +236,7 @@ def _ce_sum(logits: Tensor, y: Tensor) -> float:
 
 @dataclass
 class Matched:
-    """What :func:`matched_rules` returns: ``specs`` (the chosen :class:`~drc_core.sweep.RuleSpec` per matched
+    """What :func:`matched_rules` returns: ``specs`` (the chosen :class:`~drc_core.halting.sweep.RuleSpec` per matched
     family), ``table`` (one row per family: the chosen point offline and online, or why none) and ``grid``
     (the offline summary of every grid point, ``chosen`` marks the picks)."""
 
@@ -262,11 +262,11 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
                   log: Log = None) -> Matched:
     """Each family's lowest-average-depth grid point with CE <= CE(uniform r) + ``ce_tolerance`` on ``windows``.
 
-    Offline sweep of the family grids of :func:`drc_core.sweep.default_rules` (``rule_max_loops``), then
-    :func:`~drc_core.sweep.matching_depth` on its :func:`~drc_core.sweep.summarize`; the pick is checked online
-    with :func:`~drc_core.adaptive.skip_forward` (same initial states) and, if its CE misses the target there,
-    up to ``max_online_tries - 1`` stricter grid points are tried. A family whose grid has no point within the
-    target offline (``matched_offline`` False) falls back to its lowest-CE point, so that it is still timed;
+    Offline sweep of the family grids of :func:`drc_core.halting.sweep.default_rules` (``rule_max_loops``), then
+    :func:`~drc_core.halting.sweep.matching_depth` on its :func:`~drc_core.halting.sweep.summarize`; the pick is checked
+    online with :func:`~drc_core.halting.skipping.skip_forward` (same initial states) and, if its CE misses the
+    target there, up to ``max_online_tries - 1`` stricter grid points are tried. A family whose grid has no point
+    within the target offline (``matched_offline`` False) falls back to its lowest-CE point, so that it is still timed;
     ``within_tolerance`` says whether the chosen point meets the target online, ``note`` why not.
     """
     cfg = cfg or SpeedConfig()
@@ -420,7 +420,7 @@ def _first_divergence(tokens: Tensor, reference: Tensor) -> float:
 
 def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
-    """Time per new token of greedy :func:`~drc_core.generate.generate` with ``Uniform(r)`` against each rule.
+    """Time per new token of greedy :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` against each rule.
 
     Same prompt (B, T0), same ``new_tokens`` n, same initial states. Time per new token = (median time of n
     new tokens - median time of 1) / (n - 1): the decode steps alone (should noise make that <= 0, the median
@@ -485,8 +485,9 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
 
     On the first ``measure_windows`` windows, L = ``measure_loops``: ``forward`` (``model(x, L)``, one
     readout), ``readout every loop`` (``model.iterate(x, L, readout="log_probs")``: coda, head and
-    log-softmax at each loop, the floor of any per-loop statistic), and :func:`drc_core.measure.measure_windows`
-    with ``kl_to_final`` False and True (the latter is what notebook 2 runs). Columns: ``pass``, ``seconds``
+    log-softmax at each loop, the floor of any per-loop statistic), and
+    :func:`drc_core.analysis.measure.measure_windows` with ``kl_to_final`` False and True (the latter is what
+    notebook 2 runs). Columns: ``pass``, ``seconds``
     (median), ``spread``, ``x_forward`` (time / forward's), ``x_readout_pass`` (time / the readout pass's),
     ``target_as_worded`` (``x_forward`` <= 1.2).
     """
@@ -535,7 +536,7 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
 def speedup_table(*frames: pd.DataFrame) -> pd.DataFrame:
     """The non-baseline rows of :func:`time_batched` / :func:`time_generation` frames: ``setting``, ``rule``,
     ``avg_loops``, ``proxy_speedup``, ``flop_speedup``, ``wallclock_speedup``, ``wall_over_proxy`` (what
-    ``drc_core.viz.speedup_bars`` draws)."""
+    ``drc_core.book.viz.speedup_bars`` draws)."""
     cols = ["setting", "rule", "avg_loops", "proxy_speedup", "flop_speedup", "wallclock_speedup", "wall_over_proxy"]
     rows = pd.concat([f[~f.baseline] for f in frames], ignore_index=True)
     return rows[cols].assign(rule=rows.rule.astype(str)).reset_index(drop=True)

@@ -5,12 +5,12 @@ What is where:
 - training and depth curves: :func:`loss_curves` (``metrics.jsonl`` as a frame), :func:`loss_vs_depth`
   (loss at uniform depths, one line per series, optional interval band and reference line);
 - convergence: :func:`per_loop_figure` (successive KL and state change per loop, log scale, bootstrap bands;
-  the output of :func:`drc_core.measure.per_loop_summary`), :func:`depth_histogram` (convergence depths of
-  :func:`drc_core.measure.convergence_depth` and the cumulative share converged), :func:`class_depth_bars`
-  (:func:`drc_core.tokens.class_depth_summary`);
+  the output of :func:`drc_core.analysis.measure.per_loop_summary`), :func:`depth_histogram` (convergence depths of
+  :func:`drc_core.analysis.measure.convergence_depth` and the cumulative share converged), :func:`class_depth_bars`
+  (:func:`drc_core.analysis.tokens.class_depth_summary`);
 - halting and compute: :func:`quality_vs_depth` (quality against average exit loop per rule family, as
-  :func:`drc_core.sweep.summarize` gives it), :func:`speedup_bars` (FLOP-proxy vs wall-clock speed-ups);
-- the per-token depth explorer, for one validation window of a :func:`drc_core.measure.measure_windows` frame:
+  :func:`drc_core.halting.sweep.summarize` gives it), :func:`speedup_bars` (FLOP-proxy vs wall-clock speed-ups);
+- the per-token depth explorer, for one validation window of a :func:`drc_core.analysis.measure.measure_windows` frame:
   :func:`depth_slider_figure` (static-safe: plotly frames + slider + play button, works in exported HTML
   without a kernel), :func:`token_strip_html` (the passage as coloured ``<span>`` s at one loop) and
   :class:`DepthExplorer` (the live ipywidgets version: loop slider, metric toggle, coloured text, token
@@ -24,7 +24,7 @@ like. The successive KL is coloured by ``log10`` on a diverging scale whose midd
 green tokens are below the convergence threshold at that loop, red ones above. At loop 1 the successive KL
 and the state change are undefined (NaN in the frame: there is no previous loop); those tokens are drawn
 grey (:data:`NAN_COLOR`). Values below :data:`LOG_FLOOR` (and exact zeros) are drawn at the floor.
-"Converged at loop l" means the token's convergence depth (:func:`drc_core.measure.convergence_depth`, the
+"Converged at loop l" means the token's convergence depth (:func:`drc_core.analysis.measure.convergence_depth`, the
 loop after which its successive KL stays below ``eps``) is <= l and the token did settle within the frame's
 loops. Every figure uses the ``plotly_white`` template; none is a ``FigureWidget`` (executed notebooks stay
 small), the explorer renders its trajectory figure into an ``ipywidgets.Output``.
@@ -44,8 +44,8 @@ import plotly.colors as pcolors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth
 from drc_core.errors import DrcError, need_eps, need_int
-from drc_core.measure import DEFAULT_EPS, convergence_depth
 
 __all__ = [
     "LOG_FLOOR",
@@ -142,7 +142,7 @@ def loss_curves(metrics: pd.DataFrame) -> go.Figure:
     Each training step ran at its own sampled depth; the validation lines are fixed depths. When there are
     validation rows the y range is zoomed to them (the first training steps lie above; autoscale shows all).
     """
-    _need_columns(metrics, ("step", "loss"), "metrics.jsonl as a frame (drc_core.workspace.open_model)")
+    _need_columns(metrics, ("step", "loss"), "metrics.jsonl as a frame (drc_core.book.workspace.open_model)")
     kind = metrics["kind"] if "kind" in metrics.columns else pd.Series("train", index=metrics.index)
     train = metrics[kind == "train"].dropna(subset=["step", "loss"]).sort_values("step")
     evals = metrics[kind == "eval"].dropna(subset=["step", "loss"])
@@ -196,11 +196,12 @@ def loss_vs_depth(table: pd.DataFrame, reference: float | None = None, reference
 
 
 def per_loop_figure(summary: pd.DataFrame) -> go.Figure:
-    """Two log-scale panels from :func:`drc_core.measure.per_loop_summary`: the successive KL
+    """Two log-scale panels from :func:`drc_core.analysis.measure.per_loop_summary`: the successive KL
     ``KL(p_l ‖ p_{l−1})`` (and, dashed, the KL to the deepest output ``KL(p_L ‖ p_l)`` when measured), and the
     relative state change, each with its bootstrap band. Loops where a value is NaN (loop 1) or not positive
     (``kl_final`` at loop L) are left out."""
-    _need_columns(summary, ("loop", "kl_prev", "state_delta"), "the output of drc_core.measure.per_loop_summary")
+    _need_columns(summary, ("loop", "kl_prev", "state_delta"),
+                  "the output of drc_core.analysis.measure.per_loop_summary")
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
                         subplot_titles=("successive KL(p_l ‖ p_{l−1})", "relative state change ‖Δs‖/‖s‖"))
     panels = [("kl_prev", "KL(p_l ‖ p_{l−1})", 1, 0, "solid"), ("kl_final", "KL(p_L ‖ p_l)", 1, 2, "dash"),
@@ -232,8 +233,8 @@ def per_loop_figure(summary: pd.DataFrame) -> go.Figure:
 def depth_histogram(depths: pd.DataFrame) -> go.Figure:
     """Share of tokens per convergence depth (one bar per loop 1..L, tokens that never settled shown apart at
     depth L) and, on the right axis, the cumulative share converged by loop l; from
-    :func:`drc_core.measure.convergence_depth`."""
-    _need_columns(depths, ("depth",), "the output of drc_core.measure.convergence_depth")
+    :func:`drc_core.analysis.measure.convergence_depth`."""
+    _need_columns(depths, ("depth",), "the output of drc_core.analysis.measure.convergence_depth")
     d = depths["depth"].to_numpy(np.int64)
     conv = depths["converged"].to_numpy(bool) if "converged" in depths.columns else np.ones(len(d), bool)
     n_loops = int(max(depths.attrs.get("max_loops", 0), d.max()))
@@ -265,8 +266,8 @@ def depth_histogram(depths: pd.DataFrame) -> go.Figure:
 
 def class_depth_bars(by_class: pd.DataFrame) -> go.Figure:
     """Mean convergence depth per token class with its bootstrap interval, shallowest first; from
-    :func:`drc_core.tokens.class_depth_summary` (bar labels: each class's share of tokens)."""
-    _need_columns(by_class, ("class", "mean_depth"), "the output of drc_core.tokens.class_depth_summary")
+    :func:`drc_core.analysis.tokens.class_depth_summary` (bar labels: each class's share of tokens)."""
+    _need_columns(by_class, ("class", "mean_depth"), "the output of drc_core.analysis.tokens.class_depth_summary")
     df = by_class.sort_values("mean_depth", kind="stable")
     mean = _floats(df["mean_depth"])
     error = None
@@ -306,7 +307,7 @@ def quality_vs_depth(df: pd.DataFrame, reference: float | None = None, quality_l
     ``reference`` adds a dashed horizontal line; ``log_y`` a log quality axis (non-positive points vanish).
     """
     _need_columns(df, ("rule", "param", "avg_depth", "quality"),
-                  "a drc_core.sweep.summarize table with columns rule, param, avg_depth, quality")
+                  "a drc_core.halting.sweep.summarize table with columns rule, param, avg_depth, quality")
     rule = _rule_column(df)
     names = sorted(set(rule), key=lambda r: (r != "uniform", r == "oracle", r))
     fig = go.Figure()
@@ -465,7 +466,7 @@ _PASSAGE_COLUMNS = ("window", "pos", "loop", "token", "kl_prev", "state_delta", 
 
 
 def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
-    _need_columns(frame, _PASSAGE_COLUMNS, "a frame from drc_core.measure.measure_windows")
+    _need_columns(frame, _PASSAGE_COLUMNS, "a frame from drc_core.analysis.measure.measure_windows")
     need_int("max_tokens", max_tokens, 1)
     need_eps(eps)
     windows = frame["window"].to_numpy()

@@ -7,12 +7,12 @@ window, the average exit loop and two quality measures:
 - ``ce``: next-token cross-entropy at each token's exit loop (nats; the validation loss);
 - ``kl_ref``: ``KL(p_ref || p_exit)``, the uniform reference-depth output (default depth 8, the training
   mean) measured against the token's output at its exit -- the direction of the oracle
-  (:func:`drc_core.halting.oracle_exit`) and of ``kl_final`` in :mod:`drc_core.measure`.
+  (:func:`drc_core.halting.rules.oracle_exit`) and of ``kl_final`` in :mod:`drc_core.analysis.measure`.
 
 One batch at a time (the same initial latent state s_0 for every rule of a batch, drawn as in
 :func:`drc_core.evaluate.loss_by_depth`): a single uniform-depth ``iterate`` pass gives every uniform depth
 and the oracle's exits at once. In ``mode="online"`` each halting rule then gets its own adaptive run
-(``forward_fn``, by default :func:`drc_core.halting.adaptive_forward`: halted tokens' states are frozen, later
+(``forward_fn``, by default :func:`drc_core.halting.rules.masked_forward`: halted tokens' states are frozen, later
 tokens keep attending to them), so a rule's numbers include the effect of its halting on later tokens; in
 ``mode="offline"`` every rule is replayed on that one uniform pass (one pass for any number of rules, the
 analysis behind a FLOP proxy), which ignores that effect.
@@ -34,9 +34,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from drc_core.analysis.loops import loop_stats
+from drc_core.analysis.measure import bootstrap_ci
 from drc_core.errors import need_int
-from drc_core.evaluate import EVAL_STATE_SEED, evaluation
-from drc_core.halting import (
+from drc_core.evaluate import EVAL_STATE_SEED, evaluation, kl_successive
+from drc_core.halting.rules import (
     AdaptiveResult,
     ArgmaxPatience,
     Cosine,
@@ -45,11 +47,9 @@ from drc_core.halting import (
     KLThreshold,
     SoftmaxConfidence,
     StateDelta,
-    adaptive_forward,
-    loop_stats,
+    masked_forward,
     offline_exits,
 )
-from drc_core.measure import bootstrap_ci, kl_successive
 from drc_core.model import DepthRecurrentLM
 
 __all__ = [
@@ -130,7 +130,7 @@ def sweep(
     oracle_eps: Sequence[float] = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4),
     batch_size: int = 16,
     seed: int = EVAL_STATE_SEED,
-    forward_fn: ForwardFn = adaptive_forward,
+    forward_fn: ForwardFn = masked_forward,
     mode: str = "online",
     progress: bool = False,
 ) -> pd.DataFrame:
@@ -145,7 +145,7 @@ def sweep(
 
     ``mode="online"`` runs every rule with ``forward_fn`` (true per-token halting: a halted token's frozen
     state and keys/values change what later tokens see). ``mode="offline"`` replays every rule on the one
-    uniform trajectory (:func:`drc_core.halting.offline_exits`; quality read at the exit loop of that
+    uniform trajectory (:func:`drc_core.halting.rules.offline_exits`; quality read at the exit loop of that
     trajectory), as a FLOP-proxy analysis does: one pass for all rules instead of one per rule, exact for a
     token whose earlier tokens run at least as long as it does. Compare the two on a few rules to see how much
     the freezing matters (notebook 4 does).
@@ -194,7 +194,7 @@ def _trajectory(model: DepthRecurrentLM, x: torch.Tensor, y: torch.Tensor, s0: t
                 loops: int, rules: Sequence[RuleSpec]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One uniform ``iterate`` pass of ``loops`` loops: per-loop CE and KL(p_ref || p_l), each (loops, B, T),
     and, for ``rules`` (offline mode), each rule's exit loops replayed on this trajectory
-    (:func:`drc_core.halting.offline_exits`: the decisions when halting changes no other token)."""
+    (:func:`drc_core.halting.rules.offline_exits`: the decisions when halting changes no other token)."""
     ces, kls = [], []
 
     def stats():
@@ -237,7 +237,7 @@ def _exit_rows(family: str, param: float, rule: str, b0: int, exit_loop: torch.T
 
 def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:
     """Per-window cluster ids for :func:`summarize` from per-position doc ids (N, T) (as returned by
-    :func:`drc_core.measure.val_windows_with_docs`): each window's most common document."""
+    :func:`drc_core.analysis.measure.val_windows_with_docs`): each window's most common document."""
     docs = np.asarray(doc_ids)
     if docs.ndim != 2:
         raise ValueError(f"doc_ids must be (N, T) per-position document ids; got shape {docs.shape}")
@@ -256,7 +256,7 @@ def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None
     ``windows`` restricts to those window ids (e.g. a calibration or held-out split); ``clusters`` gives each
     window's bootstrap cluster (indexed by window id, e.g. :func:`window_clusters`; default: windows). Every
     window has the same number of tokens, so means over windows are means over tokens. CIs: percentile
-    bootstrap over clusters (:func:`drc_core.measure.bootstrap_ci`), the same draws for every rule.
+    bootstrap over clusters (:func:`drc_core.analysis.measure.bootstrap_ci`), the same draws for every rule.
     """
     needed = {"family", "param", "rule", "window", "avg_depth", *QUALITIES}
     if missing := needed - set(frame.columns):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drc_core.errors import DrcError, run_cli
+from drc_core.errors import DrcError
 
 __all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
            "load_profiles", "render_png", "run_book", "toc_for"]
@@ -364,6 +364,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"built {index}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_cli(main))

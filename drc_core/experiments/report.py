@@ -21,11 +21,11 @@ import numpy as np
 import pandas as pd
 from scipy import stats as _stats
 
-from drc_core.halting import KLThreshold
-from drc_core.measure import convergence_depth, depth_summary, measure_windows, per_loop_summary
+from drc_core.analysis.measure import convergence_depth, depth_summary, measure_windows, per_loop_summary
+from drc_core.analysis.tokens import class_depth_summary, classify_sequence
+from drc_core.halting.rules import KLThreshold
+from drc_core.halting.sweep import RuleSpec, matching_depth, summarize, sweep
 from drc_core.model import DepthRecurrentLM
-from drc_core.sweep import RuleSpec, matching_depth, summarize, sweep
-from drc_core.tokens import class_depth_summary, classify_sequence
 
 __all__ = [
     "PAPER",
@@ -47,7 +47,7 @@ def headline_numbers(model: DepthRecurrentLM, windows, tokenizer, *, doc_ids=Non
     loops, mean successive KL at loops 2 and 16, median convergence depth and the fraction of tokens still
     updating at ``reference_loops`` (ε = ``eps``), the token-class order (shallow to deep), and the lowest
     average depth at which the KL rule (and uniform depth) matches CE(uniform ``reference_loops``) +
-    ``ce_tolerance`` (the KL rule swept in ``mode`` of :func:`drc_core.sweep.sweep`: "offline" replays it on the
+    ``ce_tolerance`` (the KL rule swept in ``mode`` of :func:`drc_core.halting.sweep.sweep`: "offline" replays it on the
     uniform trajectory, one pass for the whole grid; "online" runs it with true per-token halting)."""
     frame = measure_windows(model, windows, max_loops, doc_ids=doc_ids, kl_to_final=False)
     loops = per_loop_summary(frame, n_boot=1, seed=seed).set_index("loop")
@@ -208,7 +208,8 @@ def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
     notes["median_depth"] = ("the same definition (ε = 1e-3, the loop after which KL stays below ε); a model "
                              "whose loop-2 KL is smaller also settles earlier")
     notes["frac_updating"] = "share of tokens whose convergence depth exceeds the training-mean depth"
-    notes["class_order"] = ("mean convergence depth per class of decoded text (drc_core.tokens), CIs over documents; "
+    notes["class_order"] = ("mean convergence depth per class of decoded text (drc_core.analysis.tokens), CIs over "
+                            "documents; "
                             "the document-boundary token (special) is left out of the comparison")
     ud, kd = float(g("uniform_depth", math.nan)), float(g("kl_rule_depth"))
     od = g("oracle_depth")

@@ -1,7 +1,7 @@
 """Autoregressive decoding with per-token halting and key/value caches.
 
-:func:`generate` decodes with the semantics of :func:`drc_core.adaptive.skip_forward` (and the masked
-reference :func:`drc_core.halting.adaptive_forward`): every processed token runs the core until the rule
+:func:`generate` decodes with the semantics of :func:`drc_core.halting.skipping.skip_forward` (and the masked
+reference :func:`drc_core.halting.rules.masked_forward`): every processed token runs the core until the rule
 halts it at its exit loop e; at loop l it attends to each earlier token's loop-min(l, e') keys/values, in
 every core block and in every coda block, and its next-token logits are its readout at its exit loop.
 Because attention is causal and a token's halting depends only on itself and earlier tokens, teacher-forcing
@@ -18,7 +18,7 @@ Caches (zeros until written, all ``(B, H, T0 + max_new_tokens, hd)`` per slab):
   still writes its coda keys/values at every loop it is active (for one coda block: one k/v projection),
   but runs the last coda block's attention/MLP and the head only at its exit loop.
 
-The prompt is processed as one batch (:func:`drc_core.adaptive.run_loops`, equal to ``skip_forward`` on the
+The prompt is processed as one batch (:func:`drc_core.halting.skipping.run_loops`, equal to ``skip_forward`` on the
 prompt), then each new token alone; a step runs loop l only for the rows whose token is still active, so
 in a batch of rows a step costs the depth of its deepest row.
 """
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from drc_core.adaptive import LoopCaches, Tokens, block_step, check_state, empty_caches, run_loops
-from drc_core.halting import HaltingRule, Oracle
+from drc_core.halting.rules import HaltingRule, Oracle
+from drc_core.halting.skipping import LoopCaches, Tokens, block_step, check_state, empty_caches, run_loops
 from drc_core.model import DepthRecurrentLM
 
 __all__ = ["GenerationResult", "generate"]
@@ -130,7 +130,7 @@ def generate(
     None, ``model.initial_state`` drawn once up front from ``generator`` (else the global RNG) with that
     shape, before any sampling -- so a run is reproducible from the generator's seed, and the batched path
     with ``state=result.initial_state[:, :T]`` reproduces it. Runs under ``torch.no_grad()``; put the model in
-    eval mode first if it has dropout. :class:`~drc_core.halting.Oracle` is rejected (not deployable).
+    eval mode first if it has dropout. :class:`~drc_core.halting.rules.Oracle` is rejected (not deployable).
     """
     _check(model, prompt_ids, max_new_tokens, rule, temperature)
     B, T0 = prompt_ids.shape

@@ -8,11 +8,11 @@ Pipeline:
    s_l) and the *convergence label* "has this token converged by loop l?".
 3. :class:`LinearRouter` (logistic regression) or :class:`MLPRouter` is fitted with :func:`train_router`
    (class-balanced BCE, early stopping on a validation part of the harvested windows).
-4. :class:`RouterRule` wraps a trained router as a :class:`drc_core.halting.HaltingRule` (halt when the
+4. :class:`RouterRule` wraps a trained router as a :class:`drc_core.halting.rules.HaltingRule` (halt when the
    router's probability >= ``tau``), so it is evaluated on the held-out windows exactly like every other rule,
-   through :func:`drc_core.halting.adaptive_forward` or :func:`drc_core.halting.offline_exits`.
+   through :func:`drc_core.halting.rules.masked_forward` or :func:`drc_core.halting.rules.offline_exits`.
 
-Label definition (consistent with :func:`drc_core.measure.convergence_depth`): with L = ``max_loops``, a
+Label definition (consistent with :func:`drc_core.analysis.measure.convergence_depth`): with L = ``max_loops``, a
 token's convergence depth D is the smallest l >= 1 such that ``KL(p_{l'} || p_{l'-1}) < eps`` for every l' in
 l+1..L (so D = L for a token that never settled); the label at loop l is ``l >= D``. Labels are monotone in l.
 At loop L the label is True for every token by construction (and every rule halts there anyway), so by
@@ -23,7 +23,7 @@ deployment see exactly the same numbers): the state s_l (d dims, float32); optio
 scalar l, or a one-hot over 1..``max_loops``, loops beyond clamped to the last); optionally five readout
 statistics of loop l: entropy H(p_l), top probability, log10 KL(p_l || p_{l-1}), log10 of the relative state
 change and cos(s_l, s_{l-1}). The log10 statistics are clamped to [-12, 4] and the cosine to [-1, 1], which
-also gives the undefined loop-1 values (+inf / -inf in :class:`drc_core.halting.LoopStats`) finite values.
+also gives the undefined loop-1 values (+inf / -inf in :class:`drc_core.analysis.loops.LoopStats`) finite values.
 Routers standardise their input with the training part's mean and std (stored as buffers).
 """
 
@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from drc_core.analysis.loops import LoopStats, loop_stats
+from drc_core.analysis.measure import DEFAULT_EPS
 from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
-from drc_core.halting import HaltingRule, LoopStats, loop_stats
-from drc_core.measure import DEFAULT_EPS
+from drc_core.halting.rules import HaltingRule
 from drc_core.model import DepthRecurrentLM
 
 __all__ = [
@@ -183,7 +184,7 @@ class RouterData:
 
     ``features`` (M, F) float32; ``labels`` (M,) bool: converged at this loop (``loop >= depth``); ``loop``,
     ``window`` (row index into the windows given to :func:`harvest`), ``pos`` and ``depth`` (the token's
-    convergence depth, as :func:`drc_core.measure.convergence_depth`) are (M,) long. ``eps`` and
+    convergence depth, as :func:`drc_core.analysis.measure.convergence_depth`) are (M,) long. ``eps`` and
     ``max_loops`` define the labels; ``spec`` the features.
     """
 
@@ -271,8 +272,8 @@ def harvest(
     """Router features and convergence labels of ``model`` on ``windows`` (N, T+1) (inputs ``windows[:, :-1]``).
 
     One uniform-depth ``iterate`` pass of ``max_loops`` loops per batch; the initial state of batch k is the
-    k-th draw of a generator seeded with ``seed`` (as :func:`drc_core.measure.measure_windows`, so with the
-    same ``batch_size`` the labels equal :func:`drc_core.measure.convergence_depth` of its frame). Labels:
+    k-th draw of a generator seeded with ``seed`` (as :func:`drc_core.analysis.measure.measure_windows`, so with the
+    same ``batch_size`` the labels equal :func:`drc_core.analysis.measure.convergence_depth` of its frame). Labels:
     see the module docstring. ``loops``: the loops to keep (default 1..max_loops-1); ``positions``: keep this
     many positions per window, drawn without replacement from a generator seeded with
     ``(subsample_seed, window)`` (independent of ``batch_size``; None keeps all). The number of rows is
@@ -625,7 +626,7 @@ def router_metrics(router: Router, data: RouterData, tau: float = 0.5) -> dict[s
 class RouterRule(HaltingRule):
     """Halt once the router's P(converged) >= ``tau`` (``tau`` in (0, 1)), from the loop's features.
 
-    The features are :func:`router_features` of the loop's :class:`~drc_core.halting.LoopStats` with the
+    The features are :func:`router_features` of the loop's :class:`~drc_core.analysis.loops.LoopStats` with the
     router's ``spec`` (so exactly what it was trained on); the test is done on the logit,
     ``logit >= log(tau / (1 - tau))``, so a tiny or near-1 ``tau`` does not saturate. ``min_loops`` and
     ``max_loops`` apply as for every rule.

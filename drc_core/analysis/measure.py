@@ -5,13 +5,13 @@ Direction conventions, used everywhere in this project:
 - the *successive-output KL* at loop l is ``KL(p_l || p_{l-1}) = sum_v p_l(v) (log p_l(v) - log p_{l-1}(v))``,
   the new output measured against the previous one; it is defined for l >= 2 (NaN at loop 1 in the frames);
 - the *KL to the deepest output* at loop l is ``KL(p_L || p_l)``, the deepest output p_L (L = ``max_loops``)
-  measured against loop l's output -- the same direction as the oracle of :func:`drc_core.halting.oracle_exit`
+  measured against loop l's output -- the same direction as the oracle of :func:`drc_core.halting.rules.oracle_exit`
   (reference first); it is 0 at loop L.
 
 The relative state change is ``||s_l - s_{l-1}|| / ||s_l||`` (L2 over the model dimension; NaN at loop 1),
 the entropy ``H(p_l)`` in nats, ``ce`` the next-token cross-entropy ``-log p_l(target)`` in nats (its mean at
 loop l is the validation loss at uniform depth l). All per-loop statistics come from
-:func:`drc_core.halting.loop_stats`, the same code the halting rules see.
+:func:`drc_core.analysis.loops.loop_stats`, the same code the halting rules see.
 
 Measurement (:func:`measure_windows`). For each batch of windows the main pass is ONE ``iterate`` pass of
 ``max_loops`` loops (prelude once, core L times, coda + head + log-softmax at every loop). Per batch it keeps
@@ -42,9 +42,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from drc_core.analysis.loops import loop_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import need_eps, need_int
-from drc_core.evaluate import EVAL_STATE_SEED, evaluation
+from drc_core.evaluate import EVAL_STATE_SEED, evaluation, kl_successive
 from drc_core.model import DepthRecurrentLM
 
 __all__ = [
@@ -55,9 +56,7 @@ __all__ = [
     "depth_summary",
     "eps_sensitivity",
     "kl_concentration",
-    "kl_successive",
     "load_frame",
-    "mean_successive_kl",
     "measure_windows",
     "per_loop_summary",
     "save_frame",
@@ -69,29 +68,6 @@ FRAME_COLUMNS = (
     "window", "pos", "loop", "token", "target", "kl_prev", "kl_final", "state_delta", "entropy", "argmax", "ce",
 )
 _METRICS = ("kl_prev", "state_delta", "entropy", "ce", "kl_final")
-
-
-def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor, p_new: torch.Tensor | None = None) -> torch.Tensor:
-    """KL(p_new || p_old) over the last axis, from log-probabilities; shape = input shape minus the last.
-    ``p_new`` (= ``logp_new.exp()``) may be passed when the same p_new is compared with many outputs."""
-    return ((logp_new.exp() if p_new is None else p_new) * (logp_new - logp_old)).sum(-1)
-
-
-def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops: int = 32,
-                       batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
-    """Mean over tokens of KL(p_l || p_{l-1}) for l = 2..max_loops, one ``iterate`` pass per batch."""
-    sums = dict.fromkeys(range(2, max_loops + 1), 0.0)
-    count = 0
-    with evaluation(model, seed) as gen:
-        for start in range(0, len(windows), batch_size):
-            x = windows[start : start + batch_size, :-1].to(gen.device)
-            prev = None
-            for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
-                if prev is not None:
-                    sums[out.loop] += float(kl_successive(out.out, prev).sum())
-                prev = out.out
-            count += x.numel()
-    return {n: s / count for n, s in sums.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -143,8 +119,6 @@ def measure_windows(
     equals its loss at depth l). Runs under ``torch.no_grad()`` in eval mode and restores the model's mode.
     Memory and cost: see the module docstring (one pass, or about two with ``kl_to_final``).
     """
-    from drc_core.halting import loop_stats  # halting imports this module: import it lazily
-
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) < 1:
         shown = tuple(windows.shape) if isinstance(windows, torch.Tensor) else type(windows).__name__
         raise ValueError(f"windows must be a non-empty (N, T+1) integer tensor with T >= 1; got {shown}")
@@ -426,7 +400,7 @@ def convergence_depth(df: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFram
     """Per token, the first loop after which the successive KL stays below ``eps``.
 
     Definition: with L the deepest loop in the frame, a token's depth is the smallest l >= 1 such that
-    ``KL(p_{l'} || p_{l'-1}) < eps`` (strict, as :class:`drc_core.halting.KLThreshold`) for every l' in
+    ``KL(p_{l'} || p_{l'-1}) < eps`` (strict, as :class:`drc_core.halting.rules.KLThreshold`) for every l' in
     l+1..L. Equivalently it is the last loop l' >= 2 whose KL is >= eps (NaN counts as >= eps), or 1 if there
     is none: a KL that dips below ``eps`` and rises again does not count, only the last rise does. A token
     whose KL at loop L is still >= eps never settled; it gets depth L and ``converged=False`` (every

@@ -1,6 +1,6 @@
 """Per-token halting that really skips the halted tokens' compute (the "realized speedup" of issue C).
 
-:func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.adaptive_forward`
+:func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.rules.masked_forward`
 computes (to float tolerance, with the same exit loops), but at loop l it runs the core only on the tokens
 still active at loop l. The semantics (see :meth:`drc_core.model.DepthRecurrentLM.iterate`): a token that
 halts at loop e keeps s_e, and at every later loop offers, in every core and coda block, the keys/values it
@@ -17,8 +17,9 @@ position + 1.
 
 Readout. A rule with ``needs_log_probs`` (KL, entropy, argmax, confidence, routers) needs every active
 token's log-probs at every loop, so the coda and the head run on the N active tokens per loop. A rule
-without (:class:`~drc_core.halting.StateDelta`, :class:`~drc_core.halting.Cosine`,
-:class:`~drc_core.halting.Uniform`, :class:`~drc_core.halting.Never`, :class:`~drc_core.halting.Oracle`)
+without (:class:`~drc_core.halting.rules.StateDelta`, :class:`~drc_core.halting.rules.Cosine`,
+:class:`~drc_core.halting.rules.Uniform`, :class:`~drc_core.halting.rules.Never`,
+:class:`~drc_core.halting.rules.Oracle`)
 sees stats computed from states only, and a token is read out once, at its exit loop: the coda then runs on
 the tokens of its row that are still active at that loop and lie at or before the last exiting position
 (their coda keys/values at that loop are what the exiting token sees), the last coda block's queries,
@@ -50,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.halting import AdaptiveResult, HaltingRule, LoopStats, loop_stats, state_change
+from drc_core.analysis.loops import LoopStats, loop_stats, state_change
+from drc_core.halting.rules import AdaptiveResult, HaltingRule
 from drc_core.model import Block, DepthRecurrentLM, apply_rope
 
 __all__ = [
@@ -356,12 +358,12 @@ def skip_forward(
     generator: torch.Generator | None = None,
     state: Tensor | None = None,
 ) -> AdaptiveResult:
-    """:func:`drc_core.halting.adaptive_forward`, computing only the active tokens at every loop.
+    """:func:`drc_core.halting.rules.masked_forward`, computing only the active tokens at every loop.
 
-    Same arguments, same :class:`~drc_core.halting.AdaptiveResult`, same semantics (halted tokens frozen,
+    Same arguments, same :class:`~drc_core.halting.rules.AdaptiveResult`, same semantics (halted tokens frozen,
     offering their exit-loop keys/values in every core and coda block; logits from the exit loop), equal to
     it to float tolerance with the same exit loops (a decision can only differ where a statistic lies within
-    rounding of the threshold). The rule gets :class:`~drc_core.halting.LoopStats` over (B, T) whose active
+    rounding of the threshold). The rule gets :class:`~drc_core.analysis.loops.LoopStats` over (B, T) whose active
     entries equal the reference's; a halted token's entries are stale (its decisions are ignored); a rule
     whose ``needs_log_probs`` is False gets placeholder output fields (``log_probs`` (B, T, 0), NaN KL /
     entropy / top probability, argmax -1). Stops early once every token has halted. Runs under

@@ -1,0 +1,3 @@
+"""Layer 6, the book: the papermill runner and Jupyter Book build (``runner``; ``python -m drc_core.book``),
+where a profile's corpus, model and results live (``workspace``), figures and the depth explorer
+(``viz``)."""
