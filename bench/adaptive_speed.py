@@ -22,7 +22,6 @@ wall-clock speedup and wall-clock / proxy against the issue's target (>= 0.9), a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -36,7 +35,8 @@ from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
 from drc_core.experiments.speed import TARGET_MEASURE, TARGET_RATIO, SpeedConfig, SpeedReport, run_speed
-from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
+from drc_core.model import DepthRecurrentLM
+from drc_core.rundir import open_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,19 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_run(run: str) -> tuple[DepthRecurrentLM, dict]:
-    """The model in ``run`` (eval mode) and its ``train_config.json`` (empty if absent)."""
+    """The model in ``run`` (a training run, its final/ or a shipped copy; eval mode) and its training config
+    as a dict (empty if absent)."""
     path = Path(run)
-    missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (path / f).is_file()]
-    if not path.is_dir() or missing:
-        what = "does not exist" if not path.is_dir() else f"lacks {', '.join(missing)}"
-        raise DrcError(f"model directory '{path}' {what}: pass --run with a directory like data/reference")
-    try:
-        model = DepthRecurrentLM.load(path).eval()
-    except (ValueError, OSError, RuntimeError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise DrcError(f"cannot load the model in '{path}': {first}") from exc
-    tc = path / "train_config.json"
-    return model, (json.loads(tc.read_text()) if tc.is_file() else {})
+    if not path.is_dir():
+        raise DrcError(f"model directory '{path}' does not exist: pass --run with a directory like data/reference")
+    found = open_run(path)
+    return found.load_model(), (found.train_config_dict() if found.train_config_path else {})
 
 
 def _loadavg() -> str:

@@ -5,9 +5,13 @@ evaluation context (eval mode, no grad, a seeded initial state) every measuremen
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -15,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.data.sampler import Corpus, eval_windows
+from drc_core.errors import run_cli
 from drc_core.model import DepthRecurrentLM
+from drc_core.rundir import open_run
 
 EVAL_STATE_SEED = 1234  # the initial latent state of every evaluation pass, so evaluations are comparable
 
@@ -125,33 +131,23 @@ def loss_by_source(model: DepthRecurrentLM, corpus: Corpus, seq_len: int, loops:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m drc_core.evaluate --run DIR --data DIR``: loss by depth (per source) and successive KL."""
-    import argparse
-    import json
-    import sys
-    from pathlib import Path
-
-    from drc_core.errors import DrcError
-
     ap = argparse.ArgumentParser(prog="python -m drc_core.evaluate", description=main.__doc__)
-    ap.add_argument("--run", required=True, help="a training run directory (uses its final/ weights)")
+    ap.add_argument("--run", required=True,
+                    help="a training run directory (uses its final/ weights), its final/, or a shipped copy")
     ap.add_argument("--data", required=True, help="the prepared corpus the run was trained on")
     ap.add_argument("--loops", default="1,2,4,8,16,32")
     ap.add_argument("--windows", type=int, default=128, help="validation windows per source")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
-    run = Path(args.run)
-    weights = run / "final" if (run / "final").exists() else run
-    if not (weights / "model.safetensors").exists():
-        raise DrcError(f"no model.safetensors under '{run}': pass a finished run directory")
-    model = DepthRecurrentLM.load(weights)
-    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
-    seq_len = int(cfg.get("seq_len", min(256, model.cfg.max_seq_len)))
+    run = open_run(args.run)
+    model = run.load_model()
+    seq_len = run.train_config().seq_len  # the windows it was trained on; no default
     corpus = Corpus.open(args.data)
     loops = tuple(int(n) for n in args.loops.split(","))
     frame = loss_by_source(model, corpus, seq_len, loops, args.windows)
     windows = eval_windows(corpus.tokens("val"), seq_len, args.windows)
     result = {
-        "run": str(run),
+        "run": str(run.path),
         "params": model.num_params(),
         "unigram_loss": unigram_loss(corpus),
         "loss_all": loss_by_depth(model, windows, loops),
@@ -168,13 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    import sys
-
-    from drc_core.errors import run_cli
-
-    sys.exit(run_cli(main))
-
 
 def depth_gain_by_step(metrics: pd.DataFrame, shallow: int = 1, deep: int = 8) -> pd.DataFrame:
     """How much depth buys as training goes on: from the validation rows of ``metrics.jsonl`` (``kind="eval"``,
@@ -190,3 +179,7 @@ def depth_gain_by_step(metrics: pd.DataFrame, shallow: int = 1, deep: int = 8) -
     out = pd.DataFrame({f"loss_{shallow}": wide[shallow], f"loss_{deep}": wide[deep]}).dropna()
     out["gain"] = out[f"loss_{shallow}"] - out[f"loss_{deep}"]
     return out.reset_index()
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

@@ -28,6 +28,7 @@ from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec
 from drc_core.errors import DrcError
 from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
+from drc_core.rundir import FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
 
 __all__ = [
     "ensure_corpus",
@@ -38,9 +39,6 @@ __all__ = [
     "save_results",
     "train_or_reuse",
 ]
-
-_MODEL_FILES = (WEIGHTS_FILE, CONFIG_FILE)
-
 
 def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_docs: int | None = None,
                   seq_len: int = 256, progress: bool = True) -> Corpus:
@@ -70,10 +68,9 @@ def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *,
     from drc_core.train import train  # torch.distributed set-up is only needed here
 
     out = Path(out)
-    final = out / "final" / WEIGHTS_FILE
-    if final.is_file():
-        saved = TrainConfig.from_dict(json.loads((out / CONFIG_FILE).read_text()))
-        if saved != cfg:
+    run = open_run(out) if out.is_dir() else None
+    if run is not None and run.weights == out / FINAL_DIR:
+        if run.train_config() != cfg:
             raise DrcError(f"'{out}' holds a finished run with another config: delete it or choose another work_dir")
         return out
     train(cfg, corpus_dir, out, resume=(out / "checkpoints").exists(), progress=progress)
@@ -89,19 +86,22 @@ def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, ove
     model_dir = work / "model"
     if checkpoint and not retrain:
         src = Path(checkpoint)
-        missing = [f for f in (*_MODEL_FILES, "train_config.json", "metrics.jsonl") if not (src / f).is_file()]
+        run = open_run(src) if src.is_dir() else None
+        have = {WEIGHTS_FILE: run and run.weights, SHIPPED_TRAIN_CONFIG: run and run.train_config_path,
+                METRICS_FILE: run and run.metrics_path}
+        missing = [f for f, found in have.items() if not found]
         if missing:
             raise DrcError(f"checkpoint '{src}' lacks {', '.join(missing)}: pass a directory like data/reference "
                            "or set retrain=true")
         _check_tokenizer(src, corpus)
-        files = {f: src / f for f in (*_MODEL_FILES, "train_config.json", "metrics.jsonl")}
         info = {"kind": "checkpoint", "path": str(src)}
     else:
         cfg = apply_overrides(preset(preset_name), list(overrides))
-        run = train_or_reuse(cfg, corpus.path, work / "train", progress=progress)
-        files = {WEIGHTS_FILE: run / "final" / WEIGHTS_FILE, CONFIG_FILE: run / "final" / CONFIG_FILE,
-                 "train_config.json": run / CONFIG_FILE, "metrics.jsonl": run / "metrics.jsonl"}
-        info = {"kind": "trained", "path": str(run), "preset": preset_name, "overrides": list(overrides)}
+        run = open_run(train_or_reuse(cfg, corpus.path, work / "train", progress=progress))
+        info = {"kind": "trained", "path": str(run.path), "preset": preset_name, "overrides": list(overrides)}
+    assert run is not None and run.weights is not None
+    files = {WEIGHTS_FILE: run.weights / WEIGHTS_FILE, CONFIG_FILE: run.model_config_path,
+             SHIPPED_TRAIN_CONFIG: run.train_config_path, METRICS_FILE: run.metrics_path}
     tmp = work / "model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -119,11 +119,11 @@ def provide_run(run_dir: str | Path, corpus_dir: str | Path, *, preset_name: str
     itself when it is a shipped copy (``model.safetensors`` + ``config.json``, as under ``data/experiments``),
     else ``run_dir/final`` of a run of ``preset_name`` + ``overrides`` trained (or resumed, or reused) there.
     Returns that directory and the run's training config; its ``metrics.jsonl`` is in ``run_dir`` either way."""
-    run = Path(run_dir)
-    if all((run / f).is_file() for f in _MODEL_FILES) and (run / "train_config.json").is_file():
-        return run, TrainConfig.from_dict(json.loads((run / "train_config.json").read_text()))
+    run = open_run(run_dir) if Path(run_dir).is_dir() else None
+    if run is not None and run.weights == run.path and run.train_config_path is not None:
+        return run.path, run.train_config()
     cfg = apply_overrides(preset(preset_name), list(overrides))
-    return train_or_reuse(cfg, corpus_dir, run, progress=progress) / "final", cfg
+    return train_or_reuse(cfg, corpus_dir, run_dir, progress=progress) / FINAL_DIR, cfg
 
 
 def open_model(work_dir: str | Path) -> tuple[DepthRecurrentLM, TrainConfig, pd.DataFrame]:
@@ -131,10 +131,8 @@ def open_model(work_dir: str | Path) -> tuple[DepthRecurrentLM, TrainConfig, pd.
     model_dir = Path(work_dir) / "model"
     if not (model_dir / WEIGHTS_FILE).is_file():
         raise DrcError(f"no model in '{model_dir}': run 01_training of this profile first")
-    model = DepthRecurrentLM.load(model_dir).eval()
-    cfg = TrainConfig.from_dict(json.loads((model_dir / "train_config.json").read_text()))
-    metrics = pd.read_json(model_dir / "metrics.jsonl", lines=True)
-    return model, cfg, metrics
+    run = open_run(model_dir)
+    return run.load_model(), run.train_config(), run.metrics()
 
 
 def _plain(x: Any) -> Any:

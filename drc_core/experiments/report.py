@@ -26,6 +26,7 @@ from drc_core.analysis.tokens import class_depth_summary, classify_sequence
 from drc_core.halting.rules import KLThreshold
 from drc_core.halting.sweep import RuleSpec, matching_depth, summarize, sweep
 from drc_core.model import DepthRecurrentLM
+from drc_core.rundir import open_run
 
 __all__ = [
     "PAPER",
@@ -239,9 +240,9 @@ def runs_table(root: str | Path) -> pd.DataFrame:
         loss = {int(k): v for k, v in r["loss_all"].items()}
         kl = {int(k): v for k, v in r["successive_kl"].items()}
         by = pd.DataFrame(r["by_source"])
-        shipped = f.parent / "train_config.json"  # a shipped copy (data/experiments) keeps the model config apart
-        cfg = json.loads((shipped if shipped.is_file() else f.parent / "config.json").read_text())
-        metrics = pd.read_json(f.parent / "metrics.jsonl", lines=True)
+        run = open_run(f.parent)
+        cfg = run.train_config_dict()
+        metrics = run.metrics()
         train = metrics[metrics.kind == "train"]
         row = {
             "run": f.parent.name,

@@ -1,0 +1,135 @@
+"""The one reader of model and run directories: a training run, its ``final/``, and a shipped copy open the same way.
+
+Three layouts exist, written by :func:`drc_core.train.train` and copied by hand or by the book:
+
+- a training run ``R/``: ``config.json`` (the :class:`~drc_core.config.TrainConfig`), ``metrics.jsonl``,
+  ``checkpoints/`` and, once finished, ``final/`` (the weights);
+- its ``R/final/``: ``model.safetensors`` + ``config.json`` (the :class:`~drc_core.model.ModelConfig`);
+- a shipped copy (``data/reference``, ``data/experiments/<run>``, the book's ``work_dir/model``):
+  ``model.safetensors`` + ``config.json`` (the ModelConfig) beside ``train_config.json`` (the TrainConfig),
+  ``metrics.jsonl`` and optionally ``tokenizer.json`` / ``corpus_meta.json``.
+
+The model config is always ``config.json`` next to ``model.safetensors``; the training config is the run's
+``config.json`` (for ``R/`` and ``R/final/``) or ``train_config.json`` (a shipped copy). A directory without
+weights (a run still training, or metrics kept without weights as under ``data/levers``) opens too; asking it
+for the model is then a one-line :class:`~drc_core.errors.DrcError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from safetensors import SafetensorError
+
+from drc_core.config import TrainConfig
+from drc_core.errors import DrcError
+from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM, ModelConfig
+
+__all__ = ["FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir", "open_run"]
+
+FINAL_DIR = "final"
+METRICS_FILE = "metrics.jsonl"
+SHIPPED_TRAIN_CONFIG = "train_config.json"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Where a run's pieces are. ``path``: the directory opened; ``run``: the run it belongs to (``path``, or
+    its parent for a ``final/``); ``weights``: the directory holding ``model.safetensors`` and the model's
+    ``config.json`` (None without weights); ``train_config_path`` and ``metrics_path``: None where absent."""
+
+    path: Path
+    run: Path
+    weights: Path | None
+    train_config_path: Path | None
+    metrics_path: Path | None
+
+    @property
+    def model_config_path(self) -> Path:
+        return self._need_weights() / CONFIG_FILE
+
+    def _need_weights(self) -> Path:
+        if self.weights is None:
+            raise DrcError(f"'{self.path}' holds no {WEIGHTS_FILE} (nor {FINAL_DIR}/{WEIGHTS_FILE}): pass a finished "
+                           "run directory, its final/ or a shipped copy like data/reference")
+        return self.weights
+
+    def model_config(self) -> ModelConfig:
+        """The model's config (``config.json`` beside the weights)."""
+        return ModelConfig.from_dict(_read_json(self.model_config_path))
+
+    def train_config(self) -> TrainConfig:
+        """The training config; a :class:`DrcError` when the directory has none (e.g. a bare weights copy)."""
+        return TrainConfig.from_dict(self.train_config_dict())
+
+    def train_config_dict(self) -> dict:
+        """The training config as stored (a plain dict, not validated), e.g. for a table of many runs."""
+        if self.train_config_path is None:
+            raise DrcError(f"'{self.path}' has no training config (config.json of a run, or {SHIPPED_TRAIN_CONFIG} "
+                           "of a shipped copy): pass the run directory rather than a copy of its weights")
+        return _read_json(self.train_config_path)
+
+    def load_model(self, map_location: str = "cpu") -> DepthRecurrentLM:
+        """The model in eval mode; a damaged or mismatching checkpoint is a one-line :class:`DrcError`."""
+        weights = self._need_weights()
+        try:
+            return DepthRecurrentLM.load(weights, map_location=map_location).eval()
+        except DrcError:
+            raise
+        except (ValueError, OSError, RuntimeError, KeyError, TypeError, SafetensorError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DrcError(f"cannot load the model in '{weights}': {first}") from exc
+
+    def metrics(self) -> pd.DataFrame:
+        """``metrics.jsonl`` as a frame (one row per logged train or eval record)."""
+        if self.metrics_path is None:
+            raise DrcError(f"'{self.path}' has no {METRICS_FILE}: pass a training run or a shipped copy with metrics")
+        return pd.read_json(self.metrics_path, lines=True)
+
+    def file(self, name: str) -> Path | None:
+        """A side file of the run (``eval.json``, ``tokenizer.json``, ``corpus_meta.json``, ...), looked up in the
+        directory given and, for a ``final/``, in its run; None where absent."""
+        for d in dict.fromkeys([self.path, self.run]):
+            if (d / name).is_file():
+                return d / name
+        return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DrcError(f"cannot read '{path}': {exc}") from exc
+
+
+def _is_train_config(path: Path) -> bool:
+    return path.is_file() and "model" in _read_json(path)
+
+
+def open_run(path: str | Path) -> RunDir:
+    """Open a training run, its ``final/`` or a shipped copy (see the module docstring); a missing directory
+    is a :class:`DrcError`."""
+    p = Path(path)
+    if not p.is_dir():
+        raise DrcError(f"'{p}' is not a directory: pass a training run, its final/ or a shipped copy like "
+                       "data/reference")
+    if (p / FINAL_DIR / WEIGHTS_FILE).is_file():
+        weights: Path | None = p / FINAL_DIR
+        root = p
+    elif (p / WEIGHTS_FILE).is_file():
+        weights = p
+        is_final = p.name == FINAL_DIR and _is_train_config(p.parent / CONFIG_FILE)
+        root = p.parent if is_final else p
+    else:
+        weights, root = None, p
+    train_config = None
+    for candidate in (root / SHIPPED_TRAIN_CONFIG, root / CONFIG_FILE):
+        if _is_train_config(candidate):
+            train_config = candidate
+            break
+    metrics = root / METRICS_FILE
+    return RunDir(path=p, run=root, weights=weights, train_config_path=train_config,
+                  metrics_path=metrics if metrics.is_file() else None)
