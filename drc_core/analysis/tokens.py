@@ -442,3 +442,21 @@ def class_depth_summary(classes: Sequence[str], depths, doc_ids=None, n_boot: in
         "ci_high": hi,
     })
     return out.sort_values(["mean_depth", "class"], kind="stable").reset_index(drop=True)
+
+
+def token_texts(tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each id decoded on its own (``tokenizer.decode([id])``); a special token that decodes to nothing shows
+    its name, and without a tokenizer the id itself (``#17``)."""
+    cache: dict[int, str] = {}
+    out = []
+    for i in (int(v) for v in ids):
+        if i not in cache:
+            if tokenizer is None:
+                cache[i] = f"#{i}"
+            else:
+                text = tokenizer.decode([i])
+                if text == "" and hasattr(tokenizer, "id_to_token"):
+                    text = tokenizer.id_to_token(i) or ""
+                cache[i] = text or f"<{i}>"
+        out.append(cache[i])
+    return out

@@ -16,8 +16,9 @@ What is where:
   :class:`DepthExplorer` (the live ipywidgets version: loop slider, metric toggle, coloured text, token
   selector and that token's trajectory).
 
-The explorer's shared pieces are private helpers below: token text (:func:`_token_texts`, each id decoded on
-its own with ``tokenizer.decode([id])``; a partial UTF-8 byte shows as U+FFFD), the wrapped passage layout
+The explorer's shared pieces: token text (:func:`drc_core.analysis.tokens.token_texts`, each id decoded on its
+own with ``tokenizer.decode([id])``; a partial UTF-8 byte shows as U+FFFD), and private helpers below: the wrapped
+passage layout
 (:func:`_wrap`), the per-window matrices (:class:`_Passage`) and the colour mapping (:func:`_color_range`,
 :func:`_css_colors`). Colours are fixed across loops for a passage, so moving the slider compares like with
 like. The successive KL is coloured by ``log10`` on a diverging scale whose middle (yellow) is ``eps``:
@@ -45,6 +46,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth
+from drc_core.analysis.tokens import token_texts
 from drc_core.errors import DrcError, need_eps, need_int
 
 __all__ = [
@@ -397,24 +399,6 @@ def _mode(mode: str, allow_converged: bool = True) -> _Mode:
     return _MODES[key]
 
 
-def _token_texts(tokenizer, ids: Sequence[int]) -> list[str]:
-    """Each id decoded on its own (``tokenizer.decode([id])``); a special token that decodes to nothing shows
-    its name, and without a tokenizer the id itself (``#17``)."""
-    cache: dict[int, str] = {}
-    out = []
-    for i in (int(v) for v in ids):
-        if i not in cache:
-            if tokenizer is None:
-                cache[i] = f"#{i}"
-            else:
-                text = tokenizer.decode([i])
-                if text == "" and hasattr(tokenizer, "id_to_token"):
-                    text = tokenizer.id_to_token(i) or ""
-                cache[i] = text or f"<{i}>"
-        out.append(cache[i])
-    return out
-
-
 def _visible(text: str) -> str:
     """Whitespace that would vanish made visible (newline ↵, tab ⇥, carriage return ␍)."""
     return text.replace("\r", "␍").replace("\t", "⇥").replace("\n", "↵")
@@ -490,7 +474,7 @@ def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tok
     ids = np.zeros(len(pos), np.int64)
     ids[pi] = sub["token"].to_numpy(np.int64)
     depths = convergence_depth(sub, float(eps))  # sorted by window, pos like ``pos``
-    return _Passage(int(window), float(eps), pos, ids, _token_texts(tokenizer, ids), loops, values,
+    return _Passage(int(window), float(eps), pos, ids, token_texts(tokenizer, ids), loops, values,
                     depths["depth"].to_numpy(np.int64), depths["converged"].to_numpy(bool))
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.analysis.loops import LoopStats, loop_stats
-from drc_core.errors import need_int
+from drc_core.errors import DrcError, need_int
 from drc_core.evaluate import kl_successive
 from drc_core.model import DepthRecurrentLM, HaltFn, LoopOutput
 
@@ -42,10 +42,12 @@ __all__ = [
     "Never",
     "Oracle",
     "OracleResult",
+    "RULE_FAMILIES",
     "SoftmaxConfidence",
     "StateDelta",
     "Uniform",
     "halt_fn",
+    "make_rule",
     "masked_forward",
     "offline_exits",
     "oracle_exit",
@@ -325,6 +327,31 @@ class Oracle(HaltingRule):
     @property
     def name(self) -> str:
         return "oracle" if self.eps is None else f"oracle(kl<={_fmt(self.eps)})"
+
+
+RULE_FAMILIES: dict[str, type[HaltingRule]] = {
+    "kl": KLThreshold,
+    "state_delta": StateDelta,
+    "entropy_delta": EntropyDelta,
+    "cosine": Cosine,
+    "argmax_patience": ArgmaxPatience,
+    "confidence": SoftmaxConfidence,
+    "uniform": Uniform,
+    "never": Never,
+}  # the short names, as the sweeps' family column spells them
+
+
+def make_rule(name: str, *args: float, **kwargs: int) -> HaltingRule:
+    """A halting rule by its short name: ``make_rule("kl", 1e-3, max_loops=16)`` is ``KLThreshold(1e-3,
+    max_loops=16)``. Names: ``kl``, ``state_delta``, ``entropy_delta``, ``cosine``, ``argmax_patience``,
+    ``confidence`` (threshold first), ``uniform`` (the depth), ``never`` (no parameter). The oracle is not
+    here: it needs the deepest outputs of the very batch it halts (:func:`oracle_exit`)."""
+    if name not in RULE_FAMILIES:
+        raise DrcError(f"unknown halting rule {name!r}: choose from {', '.join(RULE_FAMILIES)}")
+    try:
+        return RULE_FAMILIES[name](*args, **kwargs)
+    except TypeError as exc:
+        raise DrcError(f"make_rule({name!r}, ...): {exc}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------

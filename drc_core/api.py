@@ -1,0 +1,189 @@
+"""The researcher's entry points, re-exported by ``drc_core``: open a model, trace a text through its loops,
+generate with per-token halting.
+
+    import drc_core
+    lm = drc_core.load("data/reference")               # model + tokenizer + training config
+    tr = lm.trace("The president spoke to Congress.", max_loops=16)
+    tr.convergence_depth(eps=1e-3)                      # per token: text, depth, converged
+    tr.to_frame()                                       # token x loop: kl_prev, kl_final, state_delta, entropy, ce
+    lm.generate("The president", max_new_tokens=8, rule=drc_core.make_rule("kl", 1e-3)).text
+
+A trace is one :func:`drc_core.analysis.measure.measure_windows` pass (plus its deepest-output pre-pass): memory
+O(L x T) for the statistics and at most three (T, V) distributions at a time, never the L x T x V outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from tokenizers import Tokenizer
+
+from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
+from drc_core.analysis.tokens import token_texts
+from drc_core.book.viz import DepthExplorer
+from drc_core.config import TrainConfig
+from drc_core.data.tokenizer import load_tokenizer
+from drc_core.errors import DrcError, need_int
+from drc_core.evaluate import EVAL_STATE_SEED
+from drc_core.halting.generate import generate as generate_ids
+from drc_core.halting.rules import HaltingRule, make_rule
+from drc_core.model import DepthRecurrentLM
+from drc_core.rundir import RunDir, open_run
+
+__all__ = ["Generation", "Model", "Trace", "generate", "load", "trace"]
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class Trace:
+    """Per token and loop statistics of one sequence (T tokens, loops 1..L), from :func:`trace`.
+
+    ``frame``: the tidy :func:`~drc_core.analysis.measure.measure_windows` frame (one row per (pos, loop);
+    ``window`` is 0) plus ``text``, the token's string. Its columns: ``kl_prev`` = KL(p_l || p_{l-1}) (NaN at
+    loop 1), ``kl_final`` = KL(p_L || p_l) (0 at loop L), ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l||,
+    ``entropy`` (nats), ``ce`` = -log p_l(next token) -- NaN at the last position, whose next token is
+    unknown, and everywhere when ``targets=False``. :meth:`matrix` gives one column as a (T, L) array.
+    """
+
+    ids: np.ndarray
+    tokens: list[str]
+    frame: pd.DataFrame
+    tokenizer: Tokenizer | None
+    max_loops: int
+
+    def matrix(self, column: str) -> np.ndarray:
+        """``column`` of :attr:`frame` as a (T, L) float array (row = position, column = loop - 1)."""
+        if column not in ("kl_prev", "kl_final", "state_delta", "entropy", "ce"):
+            raise DrcError(f"column={column!r} is not a statistic; use kl_prev, kl_final, state_delta, entropy or ce")
+        return self.frame[column].to_numpy(np.float64).reshape(len(self.ids), self.max_loops)
+
+    def convergence_depth(self, eps: float = DEFAULT_EPS) -> pd.DataFrame:
+        """Per token: ``pos``, ``text``, ``depth`` (the first loop after which KL(p_l || p_{l-1}) stays below
+        ``eps``; see :func:`drc_core.analysis.measure.convergence_depth`) and ``converged`` (False when it was
+        still >= eps at loop L; its depth is then L)."""
+        depth = convergence_depth(self.frame, eps)
+        depth.insert(2, "text", [self.tokens[int(p)] for p in depth["pos"]])
+        return depth.drop(columns="window")
+
+    def to_frame(self) -> pd.DataFrame:
+        """A copy of :attr:`frame` (token x loop rows), for pandas."""
+        return self.frame.copy()
+
+    def explorer(self, eps: float = DEFAULT_EPS) -> DepthExplorer:
+        """The live per-token depth explorer (JupyterLab widgets; display ``.widget``)."""
+        return DepthExplorer(self.frame, self.tokenizer, window=0, eps=eps, max_tokens=max(len(self.ids), 1))
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns: the ``prompt``, the generated ``text`` (the continuation only), the new
+    tokens' strings and ids, ``exit_loops`` (n,): the exit loop of the position whose output chose each new
+    token, and ``avg_depth``: their mean."""
+
+    prompt: str
+    text: str
+    tokens: list[str]
+    ids: list[int]
+    exit_loops: np.ndarray
+    avg_depth: float
+
+
+def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torch.Tensor) -> np.ndarray:
+    if isinstance(text_or_ids, str):
+        if tokenizer is None:
+            raise DrcError("a text needs a tokenizer: pass tokenizer=, or token ids instead of text")
+        ids = np.asarray(tokenizer.encode(text_or_ids).ids, dtype=np.int64)
+    else:
+        ids = np.asarray(text_or_ids.cpu() if isinstance(text_or_ids, torch.Tensor) else text_or_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise DrcError(f"token ids must be a 1-D sequence of integers; got shape {ids.shape}, dtype {ids.dtype}")
+        ids = ids.astype(np.int64)
+    if ids.size == 0:
+        raise DrcError("the text encodes to no tokens: pass a non-empty text")
+    return ids
+
+
+def trace(model: DepthRecurrentLM, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, *,
+          tokenizer: Tokenizer | None = None, targets: bool = True, seed: int = EVAL_STATE_SEED) -> Trace:
+    """Run a text (with ``tokenizer``) or token ids through ``max_loops`` loops of ``model`` and keep, per
+    token and loop, the statistics of :class:`Trace`. Every token of the input is traced (none is dropped to
+    serve as a target); with ``targets`` the next input token is each position's target for ``ce``. The
+    initial latent state comes from a generator seeded with ``seed``, as in every evaluation pass."""
+    max_loops = need_int("max_loops", max_loops, 2)
+    ids = _encode(tokenizer, text_or_ids)
+    window = torch.from_numpy(np.append(ids, ids[-1]))[None]  # the last target is a placeholder, blanked below
+    frame = measure_windows(model, window, max_loops, seed=seed, kl_to_final=True)
+    last = frame["pos"].to_numpy() == len(ids) - 1
+    if targets:
+        frame.loc[last, "ce"] = math.nan
+        frame.loc[last, "target"] = -1
+    else:
+        frame["ce"] = np.float32(math.nan)
+        frame["target"] = -1
+    texts = token_texts(tokenizer, ids.tolist())
+    frame["text"] = [texts[int(p)] for p in frame["pos"]]
+    return Trace(ids=ids, tokens=texts, frame=frame, tokenizer=tokenizer, max_loops=max_loops)
+
+
+def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 32, *,
+             rule: HaltingRule | str = "kl", temperature: float = 0.0, seed: int = 0) -> Generation:
+    """Continue ``prompt`` by ``max_new_tokens`` tokens, halting every token by ``rule`` (a
+    :class:`~drc_core.halting.rules.HaltingRule`, or a short name of :func:`~drc_core.halting.rules.make_rule`
+    with its default threshold: ``"kl"`` is KL < 1e-3 within 32 loops) on the compute-skipping path
+    (:func:`drc_core.halting.generate.generate`). Greedy at ``temperature`` 0; ``seed`` fixes the initial
+    latent states (and the sampling)."""
+    if isinstance(rule, str):
+        defaults = {"kl": (DEFAULT_EPS,), "never": ()}
+        if rule not in defaults:
+            raise DrcError(f"rule={rule!r} has no default threshold here: pass make_rule({rule!r}, <threshold>)")
+        rule = make_rule(rule, *defaults[rule])
+    ids = torch.from_numpy(_encode(tokenizer, prompt))[None]
+    gen = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        out = generate_ids(model, ids, max_new_tokens, rule, temperature=temperature, generator=gen)
+    finally:
+        model.train(was_training)
+    new = out.new_tokens[0].tolist()
+    exits = out.exit_loop[0, out.prompt_len - 1 :].cpu().numpy()
+    return Generation(prompt=prompt, text=tokenizer.decode(new), tokens=token_texts(tokenizer, new), ids=new,
+                      exit_loops=exits, avg_depth=float(out.new_avg_depth))
+
+
+@dataclass
+class Model:
+    """A loaded model with its tokenizer and training config (None for a bare weights copy); see :func:`load`."""
+
+    model: DepthRecurrentLM
+    tokenizer: Tokenizer
+    config: TrainConfig | None
+    run: RunDir
+
+    def trace(self, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, **kwargs) -> Trace:
+        """:func:`trace` with this model and tokenizer."""
+        return trace(self.model, text_or_ids, max_loops, tokenizer=self.tokenizer, **kwargs)
+
+    def generate(self, prompt: str, max_new_tokens: int = 32, **kwargs) -> Generation:
+        """:func:`generate` with this model and tokenizer."""
+        return generate(self.model, self.tokenizer, prompt, max_new_tokens, **kwargs)
+
+
+def load(path: str | Path, *, corpus: str | Path | None = None, map_location: str = "cpu") -> Model:
+    """Open a training run, its ``final/`` or a shipped copy (:func:`drc_core.rundir.open_run`): the model in
+    eval mode, the tokenizer (the directory's ``tokenizer.json``, else the prepared ``corpus``'s) and the
+    training config. A directory without a tokenizer and no ``corpus`` is a one-line error."""
+    run = open_run(path)
+    found = run.file(TOKENIZER_FILE)
+    if found is None and corpus is None:
+        raise DrcError(f"'{path}' has no {TOKENIZER_FILE}: pass corpus= the prepared corpus the model was trained on")
+    tokenizer = load_tokenizer(found if found is not None else Path(corpus))
+    config = run.train_config() if run.train_config_path is not None else None
+    return Model(model=run.load_model(map_location), tokenizer=tokenizer, config=config, run=run)

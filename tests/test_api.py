@@ -1,0 +1,138 @@
+"""The public API (drc_core.load / trace / generate / make_rule) and the README's "From Python" example."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import drc_core
+from drc_core.analysis.measure import convergence_depth, measure_windows
+from drc_core.errors import DrcError
+from drc_core.halting.generate import generate as generate_ids
+from drc_core.halting.rules import RULE_FAMILIES, KLThreshold, make_rule
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "data" / "reference"
+TEXT = "The Congress shall have power to lay and collect taxes."
+
+
+@pytest.fixture(scope="module")
+def lm(one_thread) -> drc_core.Model:
+    return drc_core.load(REFERENCE)
+
+
+def _readme_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## From Python\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 1, "the From Python section holds one python block"
+    return blocks[0]
+
+
+def test_readme_example_runs(monkeypatch, capsys, one_thread):
+    code = _readme_example()
+    assert "drc_core.load(" in code and ".trace(" in code and ".generate(" in code
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, "README.md:From Python", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out
+    assert "depth" in out and "converged" in out
+
+
+def test_every_exported_name_resolves():
+    for name in drc_core.__all__:
+        assert getattr(drc_core, name) is not None
+    with pytest.raises(AttributeError):
+        drc_core.no_such_name  # noqa: B018
+
+
+def test_load_gives_model_tokenizer_and_config(lm):
+    assert not lm.model.training
+    assert lm.tokenizer.get_vocab_size() == lm.model.cfg.vocab_size
+    assert lm.config is not None and lm.config.model == lm.model.cfg
+
+
+def test_load_without_a_tokenizer_needs_the_corpus(tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("model.safetensors", "config.json"):
+        shutil.copy2(REFERENCE / f, bare)
+    with pytest.raises(DrcError, match="corpus="):
+        drc_core.load(bare)
+    loaded = drc_core.load(bare, corpus=REFERENCE)  # a directory holding tokenizer.json
+    assert loaded.config is None and loaded.tokenizer.get_vocab_size() == loaded.model.cfg.vocab_size
+
+
+def test_trace_equals_measure_windows_and_keeps_every_token(lm):
+    ids = lm.tokenizer.encode(TEXT).ids
+    tr = lm.trace(TEXT, max_loops=8)
+    assert tr.ids.tolist() == ids and len(tr.tokens) == len(ids)
+    assert len(tr.frame) == len(ids) * 8
+    # the reference: the text followed by an extra next token, so every position has a target
+    extra = lm.tokenizer.encode(TEXT + " The").ids
+    assert extra[: len(ids)] == ids
+    ref = measure_windows(lm.model, torch.tensor([extra[: len(ids) + 1]]), 8)
+    for col in ("kl_prev", "kl_final", "state_delta", "entropy"):
+        np.testing.assert_allclose(tr.matrix(col), ref[col].to_numpy(float).reshape(len(ids), 8), rtol=1e-5,
+                                   atol=1e-7, equal_nan=True)
+    ce, ce_ref = tr.matrix("ce"), ref["ce"].to_numpy(float).reshape(len(ids), 8)
+    np.testing.assert_allclose(ce[:-1], ce_ref[:-1], rtol=1e-5)
+    assert np.isnan(ce[-1]).all()
+    assert (tr.matrix("kl_final")[:, -1] == 0).all()
+    no_targets = lm.trace(ids, max_loops=8, targets=False)
+    assert np.isnan(no_targets.matrix("ce")).all()
+    np.testing.assert_array_equal(no_targets.matrix("kl_prev"), tr.matrix("kl_prev"))
+
+
+def test_trace_convergence_depth_at_any_eps(lm):
+    tr = lm.trace(TEXT, max_loops=12)
+    for eps in (1e-2, 1e-4):
+        depth = tr.convergence_depth(eps)
+        ref = convergence_depth(tr.frame, eps)
+        assert depth["depth"].tolist() == ref["depth"].tolist()
+        assert depth["text"].tolist() == tr.tokens
+    assert (tr.convergence_depth(1e-4)["depth"] >= tr.convergence_depth(1e-2)["depth"]).all()
+    assert set(tr.to_frame().columns) >= {"pos", "loop", "text", "kl_prev", "kl_final", "state_delta", "entropy",
+                                          "ce"}
+
+
+def test_trace_explorer_is_the_live_widget(lm):
+    pytest.importorskip("ipywidgets")
+    ex = lm.trace(TEXT, max_loops=6).explorer()
+    ex.slider.value = 3
+    assert "span" in ex.text.value
+
+
+@pytest.mark.parametrize("bad", ["", [], [[1, 2]], [0.5, 1.5]])
+def test_trace_rejects_bad_inputs(lm, bad):
+    with pytest.raises(DrcError):
+        lm.trace(bad, max_loops=4)
+
+
+def test_generate_from_a_prompt_is_the_skipping_generator(lm):
+    rule = make_rule("kl", 1e-3, max_loops=16)
+    gen = lm.generate("The President said", max_new_tokens=6, rule=rule, seed=3)
+    prompt = torch.tensor([lm.tokenizer.encode("The President said").ids])
+    ref = generate_ids(lm.model, prompt, 6, rule, generator=torch.Generator().manual_seed(3))
+    assert gen.ids == ref.new_tokens[0].tolist()
+    assert gen.text == lm.tokenizer.decode(gen.ids) and len(gen.tokens) == 6 and len(gen.exit_loops) == 6
+    assert math.isclose(gen.avg_depth, ref.new_avg_depth) and gen.exit_loops.max() <= 16
+    assert lm.generate("The President said", max_new_tokens=6, seed=3).ids  # "kl" by name: KL < 1e-3
+    with pytest.raises(DrcError, match="no default threshold"):
+        lm.generate("The", max_new_tokens=2, rule="cosine")
+
+
+def test_rules_by_short_name():
+    assert make_rule("kl", 1e-3) == KLThreshold(1e-3)
+    for name, cls in RULE_FAMILIES.items():
+        args = () if name == "never" else ((2,) if name in ("uniform", "argmax_patience") else (0.5,))
+        assert isinstance(make_rule(name, *args), cls)
+    with pytest.raises(DrcError, match="unknown halting rule"):
+        make_rule("oracle")
+    with pytest.raises(DrcError, match="make_rule"):
+        make_rule("kl")
