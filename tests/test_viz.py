@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from drc_core.analysis.measure import convergence_depth, measure_windows, per_loop_summary
-from drc_core.analysis.tokens import class_depth_summary
+from drc_core.analysis.tokens import class_depth_summary, token_texts
 from drc_core.book import viz
 from drc_core.data.tokenizer import train_bpe
 from drc_core.errors import DrcError
@@ -184,10 +184,10 @@ def test_speedup_bars_grouped():
 
 def test_token_texts_decode_each_id(tok):
     ids = tok.encode(TEXT).ids
-    texts = viz._token_texts(tok, ids)
+    texts = token_texts(tok, ids)
     assert texts == [tok.decode([i]) for i in ids]
     assert "".join(texts) == TEXT
-    assert viz._token_texts(None, [3, 17]) == ["#3", "#17"]
+    assert token_texts(None, [3, 17]) == ["#3", "#17"]
 
 
 def test_slider_figure_one_frame_per_loop_coloured_by_log_kl(frame, tok):
