@@ -1,13 +1,57 @@
-"""One exception type for problems a user can fix, and the CLI convention for reporting them."""
+"""One exception type for problems a user can fix, and the CLI convention for reporting them.
+
+Every CLI runs through :func:`run_cli`, which turns whatever its inputs, the disk or an interrupt cause into one
+``error: ...`` line on stderr: a :class:`DrcError` (bad input: exit 2), an ``OSError`` (a full disk, a read-only
+or missing path: exit 2, with the path and the fix) and Ctrl-C (exit 1; :class:`Interrupted` says where and how to
+resume). Any other exception is a bug in this project and keeps its traceback. ``--debug`` on any CLI (or
+``DRC_DEBUG=1``) shows the traceback of the one-line errors too.
+"""
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import sys
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 
 class DrcError(ValueError):
     """A user-fixable problem. The message is one line: what is wrong, then how to fix it."""
+
+
+class Interrupted(DrcError):
+    """The user interrupted a long run (Ctrl-C); the message says what was kept and how to go on. Exit 1."""
+
+
+MB = 1 << 20
+
+
+def need_disk(path: str | Path, nbytes: int, what: str) -> None:
+    """A :class:`DrcError` unless the filesystem holding ``path`` (or its nearest existing parent) has ``nbytes``
+    free, plus a 1 MB margin; ``what`` names what is about to be written."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    if free < nbytes + MB:
+        raise DrcError(f"not enough disk space at {p} for {what}: need {max(1, -(-nbytes // MB))} MB, have "
+                       f"{free // MB} MB; free some space or write somewhere else")
+
+
+def _os_error_line(exc: OSError) -> str:
+    where = exc.filename or "the output path"
+    if exc.errno == errno.ENOSPC:
+        return f"not enough disk space at {where} (the disk filled up while writing): free some space and rerun"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {where}: {exc.strerror.lower()}; choose a writable directory"
+    if exc.errno == errno.ENOTDIR:
+        return f"{where} is not a directory (a file stands where a directory is needed): choose another path"
+    if exc.errno == errno.ENOENT:
+        return f"{where} does not exist: check the path"
+    return f"{exc.strerror or type(exc).__name__} at {where}: check the path and the disk"
 
 
 def need_int(name: str, value: object, minimum: int, owner: str = "") -> int:
@@ -31,9 +75,25 @@ def need_eps(eps: object) -> float:
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Run a CLI entry point; a :class:`DrcError` becomes one ``error:`` line and exit status 2."""
+    """Run a CLI entry point (see the module docstring): one ``error:`` line and exit 2 for bad input or the disk,
+    exit 1 for an interrupt; ``--debug`` (removed from ``argv`` before ``main`` sees it) adds the traceback."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("DRC_DEBUG", "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
+
+    def fail(line: str, code: int) -> int:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {line}", file=sys.stderr)
+        return code
+
     try:
-        return int(main(argv) or 0)
+        return int(main(args) or 0)
+    except Interrupted as exc:
+        return fail(str(exc), 1)
     except DrcError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc), 2)
+    except KeyboardInterrupt:
+        return fail("interrupted (Ctrl-C) before it finished: rerun the command", 1)
+    except OSError as exc:
+        return fail(_os_error_line(exc), 2)

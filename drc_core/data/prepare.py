@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from drc_core.data.sources import SourceSpec, fingerprint, load_documents
 from drc_core.data.tokenizer import EOT, check_vocab_size, tokenizer_hash, train_bpe
-from drc_core.errors import DrcError
+from drc_core.errors import DrcError, need_disk
 
 FORMAT_VERSION = 2
 DEFAULT_OUT = "data/corpus/default"
@@ -53,6 +53,11 @@ class PrepareConfig:
             raise DrcError(f"val fraction {self.val_fraction} must be strictly between 0 and 1: e.g. 0.1")
         if self.seq_len < 1:
             raise DrcError(f"seq_len {self.seq_len} must be positive: e.g. --seq-len 256")
+        if self.seed < 0:
+            raise DrcError(f"seed {self.seed} must be >= 0: e.g. --seed 0")
+        if self.source.max_docs is not None and self.source.max_docs < 1:
+            raise DrcError(f"--max-docs {self.source.max_docs} must be >= 1 (documents per source), or left out to "
+                           "read every document")
         self.source.parts()
 
     def fingerprint(self) -> str:
@@ -120,13 +125,12 @@ def _encode(tok, texts: list[str], eot_id: int, desc: str, progress: bool) -> tu
 
 
 def _write_split(path: Path, chunks: list[np.ndarray], total: int, dtype) -> None:
-    arr = np.memmap(path, dtype=dtype, mode="w+", shape=(total,))
-    pos = 0
-    for c in chunks:
-        arr[pos : pos + len(c)] = c
-        pos += len(c)
-    arr.flush()
-    del arr
+    """Write the token file with ordinary buffered writes after checking the free space: a disk that fills up
+    anyway raises ``OSError(ENOSPC)`` here (a memmap written onto a full disk dies with SIGBUS instead)."""
+    need_disk(path.parent, total * np.dtype(dtype).itemsize, f"{path.name} ({total:,} tokens)")
+    with open(path, "wb") as f:
+        for c in chunks:
+            f.write(np.ascontiguousarray(c, dtype=dtype).tobytes())
 
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
@@ -140,8 +144,13 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
         raise DrcError(f"output '{out}' holds files that are not a prepared corpus: choose an empty --out")
     fp = cfg.fingerprint()
     if is_prepared(out) and not cfg.force:
-        meta = json.loads((out / "meta.json").read_text())
-        if meta.get("fingerprint") == fp and all((out / f).exists() for f in meta["files"]):
+        try:
+            meta = json.loads((out / "meta.json").read_text())
+            files = list(meta["files"])
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DrcError(f"'{out}' holds a damaged prepared corpus (meta.json: {exc}): rebuild it with --force, or "
+                           "choose another --out") from None
+        if meta.get("fingerprint") == fp and all((out / f).exists() for f in files):
             return PrepareResult(out, meta, cached=True, seconds=time.perf_counter() - t0)
 
     docs = load_documents(cfg.source)

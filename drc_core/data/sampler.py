@@ -14,6 +14,8 @@ import torch
 from drc_core.data.tokenizer import load_tokenizer
 from drc_core.errors import DrcError
 
+CORPUS_META_KEYS = ("vocab_size", "dtype", "tokens", "fingerprint", "tokenizer_sha256")
+
 
 @dataclass
 class Corpus:
@@ -24,11 +26,42 @@ class Corpus:
 
     @classmethod
     def open(cls, path: str | Path) -> Corpus:
+        """Open and check a prepared corpus: ``meta.json`` readable with its required fields, and ``train.bin`` /
+        ``val.bin`` / ``tokenizer.json`` / ``docs.parquet`` present, each token file exactly as long as ``meta.json``
+        says. Any problem is a one-line :class:`DrcError` that says to prepare the corpus again."""
         p = Path(path)
+        again = f"prepare it again: `python -m drc_core.data prepare --force --out {p}` (with its original options)"
+        if not p.is_dir():
+            raise DrcError(f"corpus '{p}' does not exist: run `python -m drc_core.data prepare --out {p}` first")
         if not (p / "meta.json").exists():
             raise DrcError(f"'{p}' is not a prepared corpus (no meta.json): run `python -m drc_core.data prepare "
                            f"--out {p}` first")
-        return cls(p, json.loads((p / "meta.json").read_text()))
+        try:
+            meta = json.loads((p / "meta.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DrcError(f"corpus '{p}' has a damaged meta.json ({exc}): {again}") from None
+        missing = [k for k in CORPUS_META_KEYS if not isinstance(meta, dict) or k not in meta]
+        if missing:
+            raise DrcError(f"corpus '{p}' has a meta.json without {', '.join(missing)}: {again}")
+        for name in ("tokenizer.json", "docs.parquet"):
+            if not (p / name).is_file():
+                raise DrcError(f"corpus '{p}' lacks {name}: {again}")
+        for split in ("train", "val"):
+            f = p / f"{split}.bin"
+            want = int(meta["tokens"][split]) * np.dtype(meta["dtype"]).itemsize
+            have = f.stat().st_size if f.is_file() else None
+            if have != want:
+                state = "is missing" if have is None else f"has {have} bytes, not the {want} meta.json records"
+                raise DrcError(f"corpus '{p}': {split}.bin {state}: {again}")
+        return cls(p, meta)
+
+    @property
+    def tokenizer_hash(self) -> str:
+        return str(self.meta["tokenizer_sha256"])
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.meta["fingerprint"])
 
     @property
     def vocab_size(self) -> int:
@@ -41,7 +74,11 @@ class Corpus:
 
     @cached_property
     def docs(self) -> pd.DataFrame:
-        return pd.read_parquet(self.path / "docs.parquet")
+        try:
+            return pd.read_parquet(self.path / "docs.parquet")
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise DrcError(f"corpus '{self.path}' has a damaged docs.parquet ({str(exc).splitlines()[0]}): prepare it "
+                           f"again with `python -m drc_core.data prepare --force --out {self.path}`") from None
 
     def tokenizer(self):
         return load_tokenizer(self.path)
