@@ -16,9 +16,13 @@ STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PROFILE ?= reference
 RETRAIN ?=
 
-.PHONY: venv data test test-slow lint book book-run book-html clean
+.PHONY: venv data test test-slow lint book book-run book-html lab clean
 
-venv: $(STAMP)
+# JupyterLab reads settings overrides from the venv: jupyter/overrides.json makes jupytext's notebook view the
+# default for Python files, so book/*.py open as notebooks (a user's own settings still take precedence).
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/drc-book.json
+
+venv: $(STAMP) $(LAB_SETTINGS)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +31,9 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
+
+$(LAB_SETTINGS): jupyter/overrides.json $(STAMP)
+	install -D -m 644 $< $@
 
 data: venv
 	$(PY) -m drc_core.data prepare --out $(CORPUS)
@@ -47,6 +54,13 @@ book-run: data
 
 book-html: venv
 	$(PY) -m drc_core.book build --profile $(PROFILE)
+
+# JupyterLab from the venv on 127.0.0.1, at the repository root (book/*.py open as notebooks); extra options go in
+# LAB_ARGS, e.g. `make lab LAB_ARGS="--port 8890 --no-browser"`. As root (containers) it needs --allow-root.
+LAB_ARGS ?=
+lab: venv
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir="$(CURDIR)" \
+	    $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 clean:
 	rm -rf _build _static .pytest_cache .ruff_cache
