@@ -160,7 +160,7 @@ cal[["family", "quality", "param", "calib_depth", "heldout_depth", "heldout_qual
 # ## Offline replay versus true per-token halting
 # The point of each family that matched the CE target above, rerun online on `online_windows` held-out
 # windows: frozen states, exit-loop keys/values offered to later tokens (the semantics of
-# `DepthRecurrentLM.iterate`).
+# `drc_core.model.iterate`).
 
 # %%
 by_param = {(sp.family, float(sp.param)): sp for sp in specs}

@@ -10,7 +10,9 @@ import the analysis and plotting layers):
   ``explorer``);
 - :func:`generate` from a prompt string with per-token halting -> :class:`Generation`;
 - halting rules by short name (:func:`make_rule`, :data:`RULE_FAMILIES`) and the rule classes;
-- :class:`DepthRecurrentLM`, :class:`ModelConfig`, :func:`open_run`, :class:`DrcError`.
+- :class:`DepthRecurrentLM`, :class:`ModelConfig`, :func:`open_run`, :class:`DrcError`;
+- :class:`RecurrentModel`, the protocol a model of your own implements to use the analysis and halting code,
+  and :func:`iterate`, the loop they all run.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ _EXPORTS = {
     "skip_forward": "drc_core.halting.skipping",
     "DepthRecurrentLM": "drc_core.model",
     "ModelConfig": "drc_core.model",
+    "RecurrentModel": "drc_core.model",
+    "iterate": "drc_core.model",
     "open_run": "drc_core.rundir",
     "DrcError": "drc_core.errors",
 }

@@ -33,7 +33,7 @@ from drc_core.errors import DrcError, need_int
 from drc_core.evaluate import EVAL_STATE_SEED
 from drc_core.halting.generate import generate as generate_ids
 from drc_core.halting.rules import HaltingRule, make_rule
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import DepthRecurrentLM, RecurrentModel
 from drc_core.rundir import RunDir, open_run
 
 __all__ = ["Generation", "Model", "Trace", "generate", "load", "trace"]
@@ -110,7 +110,7 @@ def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torc
     return ids
 
 
-def trace(model: DepthRecurrentLM, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, *,
+def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, *,
           tokenizer: Tokenizer | None = None, targets: bool = True, seed: int = EVAL_STATE_SEED) -> Trace:
     """Run a text (with ``tokenizer``) or token ids through ``max_loops`` loops of ``model`` and keep, per
     token and loop, the statistics of :class:`Trace`. Every token of the input is traced (none is dropped to

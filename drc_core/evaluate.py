@@ -20,14 +20,14 @@ import torch.nn.functional as F
 
 from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.errors import run_cli
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import RecurrentModel, iterate
 from drc_core.rundir import open_run
 
 EVAL_STATE_SEED = 1234  # the initial latent state of every evaluation pass, so evaluations are comparable
 
 
 @contextmanager
-def evaluation(model: DepthRecurrentLM, seed: int = EVAL_STATE_SEED) -> Iterator[torch.Generator]:
+def evaluation(model: RecurrentModel, seed: int = EVAL_STATE_SEED) -> Iterator[torch.Generator]:
     """Eval mode and no grad for a measurement pass; yields the generator of its initial latent states.
 
     The generator is seeded with ``seed`` (so the global RNG, and therefore training, is not disturbed) and
@@ -43,7 +43,7 @@ def evaluation(model: DepthRecurrentLM, seed: int = EVAL_STATE_SEED) -> Iterator
         model.train(was_training)
 
 
-def loss_by_depth(model: DepthRecurrentLM, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
+def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
                   batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
     """Mean next-token cross-entropy (nats) at each depth in ``loops``, over ``windows`` [N, T+1].
 
@@ -58,7 +58,7 @@ def loss_by_depth(model: DepthRecurrentLM, windows: torch.Tensor, loops: tuple[i
         for start in range(0, len(windows), batch_size):
             w = windows[start : start + batch_size].to(gen.device)
             x, y = w[:, :-1], w[:, 1:]
-            for out in model.iterate(x, wanted[-1], generator=gen):
+            for out in iterate(model, x, wanted[-1], generator=gen):
                 if out.loop in totals:
                     ce = F.cross_entropy(out.out.float().flatten(0, 1), y.flatten(), reduction="sum")
                     totals[out.loop] += float(ce)
@@ -72,7 +72,7 @@ def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor, p_new: torch.T
     return ((logp_new.exp() if p_new is None else p_new) * (logp_new - logp_old)).sum(-1)
 
 
-def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops: int = 32,
+def mean_successive_kl(model: RecurrentModel, windows: torch.Tensor, max_loops: int = 32,
                        batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
     """Mean over tokens of KL(p_l || p_{l-1}) for l = 2..max_loops, one ``iterate`` pass per batch."""
     sums = dict.fromkeys(range(2, max_loops + 1), 0.0)
@@ -81,7 +81,7 @@ def mean_successive_kl(model: DepthRecurrentLM, windows: torch.Tensor, max_loops
         for start in range(0, len(windows), batch_size):
             x = windows[start : start + batch_size, :-1].to(gen.device)
             prev = None
-            for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
+            for out in iterate(model, x, max_loops, generator=gen, readout="log_probs"):
                 if prev is not None:
                     sums[out.loop] += float(kl_successive(out.out, prev).sum())
                 prev = out.out
@@ -108,7 +108,7 @@ def source_windows(corpus: Corpus, seq_len: int, max_windows: int | None = None)
     return out
 
 
-def loss_by_source(model: DepthRecurrentLM, corpus: Corpus, seq_len: int, loops: tuple[int, ...],
+def loss_by_source(model: RecurrentModel, corpus: Corpus, seq_len: int, loops: tuple[int, ...],
                    max_windows: int | None = None) -> pd.DataFrame:
     """Per-source validation loss by depth, in nats/token and in bits/byte (tokenizer-independent).
 

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from drc_core.errors import need_int
+from drc_core.errors import DrcError, need_int
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -174,20 +176,21 @@ KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (k, v) -> the (k, v)
 class FrozenKV:
     """The keys/values that frozen (halted) tokens offer to attention: one cached (k, v) pair per block.
 
-    ``hook(j, frozen)`` is a ``kv_fn`` for block j (see :meth:`Attention.forward`): given the freshly computed
-    k, v (B, H, T, hd) it returns ``where(frozen, cached_j, fresh)`` and stores that as the new ``cached_j``.
+    ``hook(j, frozen)`` is a ``kv_fn`` for block j (any index; a slot appears on first use; see
+    :meth:`Attention.forward`): given the freshly computed k, v (B, H, T, hd) it returns
+    ``where(frozen, cached_j, fresh)`` and stores that as the new ``cached_j``.
     So after each pass the cache holds, for every token, the keys/values it offered last: its fresh ones while
     it is not frozen, and from then on those of the last pass before it froze (its *last computed* ones).
     The first pass through block j only stores (nothing can be frozen before anything was computed), and a
     pass with no frozen token passes the fresh tensors through unchanged.
     """
 
-    def __init__(self, n_blocks: int) -> None:
-        self.kv: list[tuple[Tensor, Tensor] | None] = [None] * n_blocks
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
 
     def hook(self, j: int, frozen: Tensor) -> KVFn:
         def kv_fn(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-            cached = self.kv[j]
+            cached = self.kv.get(j)
             if cached is not None and bool(frozen.any()):
                 mask = frozen[:, None, :, None]
                 k, v = torch.where(mask, cached[0], k), torch.where(mask, cached[1], v)
@@ -267,7 +270,7 @@ class Block(nn.Module):
 
 @dataclass
 class LoopOutput:
-    """What :meth:`DepthRecurrentLM.iterate` yields after loop ``loop`` (1-based).
+    """What :func:`iterate` yields after loop ``loop`` (1-based).
 
     ``state`` is s_loop (B, T, d); ``out`` the readout at the selected positions (or None); ``halted`` (B, T)
     the tokens halted so far (including at this loop); ``exit_loop`` (B, T) the loop at which each token
@@ -282,6 +285,51 @@ class LoopOutput:
 
 
 HaltFn = Callable[[LoopOutput], Tensor | None]
+
+
+@runtime_checkable
+class RecurrentModel(Protocol):
+    """What the analysis, halting and sweep code needs from a depth-recurrent model (bring your own).
+
+    A ``torch.nn.Module`` (``eval``/``train``/``parameters`` are used for the evaluation context) with:
+
+    - ``vocab_size`` and ``max_seq_len``: the valid token ids are 0..vocab_size-1, sequences at most
+      ``max_seq_len`` long;
+    - ``embed(idx)``: token ids (B, T) -> the input injected at every loop, e (B, T, d) (e.g. a prelude's
+      output, or the embeddings);
+    - ``initial_state(e, generator)``: s_0 shaped like ``e`` (random from ``generator``, or zeros);
+    - ``core_step(s, e, frozen_kv=None, frozen=None)``: one loop, s_l from s_{l-1} and e;
+    - ``readout(state, positions=None, frozen_kv=None, frozen=None)``: state (B, T, d) -> logits (B, T', V), the
+      time ``positions`` (slice or index) selected after any sequence-mixing layers.
+
+    The frozen-KV hooks are needed only for per-token halting in :func:`iterate` (``halt=``, what
+    :func:`drc_core.halting.rules.masked_forward` runs): given a :class:`FrozenKV` and a (B, T) bool ``frozen``,
+    every attention layer j of the step passes its fresh keys/values through ``frozen_kv.hook(j, frozen)``
+    (see :class:`Attention`), so that halted tokens keep offering the keys/values of their exit loop. A model
+    without them may raise when ``frozen_kv`` is given; measurement, sweeps and routers never pass it.
+    The compute-skipping paths (:mod:`drc_core.halting.skipping`, :mod:`drc_core.halting.generate`) reach into
+    :class:`DepthRecurrentLM`'s blocks and are specific to it.
+    """
+
+    vocab_size: int
+    max_seq_len: int
+    training: bool
+
+    def eval(self) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def embed(self, idx: Tensor) -> Tensor: ...
+
+    def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor: ...
+
+    def core_step(self, s: Tensor, e: Tensor, *, frozen_kv: FrozenKV | None = None,
+                  frozen: Tensor | None = None) -> Tensor: ...
+
+    def readout(self, state: Tensor, positions: slice | Tensor | None = None, *, frozen_kv: FrozenKV | None = None,
+                frozen: Tensor | None = None) -> Tensor: ...
 
 
 class DepthRecurrentLM(nn.Module):
@@ -317,6 +365,14 @@ class DepthRecurrentLM(nn.Module):
             if isinstance(module, nn.Linear | nn.Embedding):
                 small = name.endswith(".attn.proj") or name.endswith(".mlp.down")
                 nn.init.normal_(module.weight, mean=0.0, std=out_std if small else 0.02)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cfg.max_seq_len
 
     # --- the pieces ------------------------------------------------------------------------------------
 
@@ -422,67 +478,6 @@ class DepthRecurrentLM(nn.Module):
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
-    def iterate(
-        self,
-        idx: Tensor,
-        max_loops: int,
-        *,
-        generator: torch.Generator | None = None,
-        positions: slice | Tensor | None = None,
-        readout: str | None = "logits",
-        halt: HaltFn | None = None,
-        state: Tensor | None = None,
-    ) -> Iterator[LoopOutput]:
-        """Yield a :class:`LoopOutput` after each loop 1..max_loops (prelude once, each loop once).
-
-        ``readout``: "logits", "log_probs" (float32 log-softmax) or None (``out`` is None). ``positions``
-        selects the time positions that are read out (see :meth:`readout`). Runs under the caller's grad mode.
-        With the same ``generator`` state (or the same ``state`` s_0), loop l's logits equal ``forward(idx, l)``.
-
-        ``halt(loop_output)`` may return a (B, T) bool tensor of tokens that halt now (or None). It is called
-        after loop l's readout, with ``halted``/``exit_loop`` as they were before loop l; the yielded output
-        then includes its decisions. This is the reference (masked) semantics of per-token halting, which
-        :func:`drc_core.halting.skipping.skip_forward` reproduces while skipping the halted tokens' compute:
-
-        - a token that halts at loop e (its exit loop) keeps its state: ``s = where(halted, s_e, s_new)``;
-        - at every later loop it offers, in every core block, the keys/values it computed at loop e (its last
-          computed ones), not ones recomputed from its frozen state, and in every coda block the coda
-          keys/values of its loop-e readout; active tokens offer their fresh ones (:class:`FrozenKV`);
-        - so an active token at loop l attends to each earlier token's loop-min(l, e) keys/values.
-
-        The core and coda still run on every token (the halted tokens' results are discarded), so this costs
-        as much as no halting. ``out`` at a halted position is still recomputed at later loops (its query
-        sees the later keys/values of earlier active tokens) and is not that token's result: a token's
-        result is its readout at its exit loop (:func:`drc_core.halting.rules.masked_forward` keeps it). Without
-        ``halt`` nothing is cached and every loop is exactly ``forward``'s.
-        """
-        need_int("max_loops", max_loops, 1)
-        if readout not in _READOUTS:
-            raise ValueError(f"readout={readout!r} is not supported; use one of {_READOUTS}")
-        e = self.embed(idx)
-        s = self.initial_state(e, generator) if state is None else state
-        halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
-        exit_loop = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
-        core_kv = FrozenKV(len(self.core)) if halt is not None else None
-        coda_kv = FrozenKV(len(self.coda)) if halt is not None else None
-        for loop in range(1, max_loops + 1):
-            frozen = halted if halt is not None else None
-            s_new = self.core_step(s, e, frozen_kv=core_kv, frozen=frozen)
-            s = torch.where(halted[..., None], s, s_new) if halt is not None else s_new
-            out = None
-            if readout is not None:
-                out = self.readout(s, positions, frozen_kv=coda_kv, frozen=frozen)
-                if readout == "log_probs":
-                    out = F.log_softmax(out.float(), dim=-1)
-            result = LoopOutput(loop=loop, state=s, out=out, halted=halted, exit_loop=exit_loop)
-            if halt is not None:
-                now = halt(result)
-                if now is not None:
-                    now = now.to(device=halted.device, dtype=torch.bool) & ~halted
-                    exit_loop = torch.where(now, loop, exit_loop)
-                    halted = halted | now
-                    result = LoopOutput(loop=loop, state=s, out=out, halted=halted, exit_loop=exit_loop)
-            yield result
 
     # --- accounting ------------------------------------------------------------------------------------
 
@@ -540,6 +535,27 @@ class DepthRecurrentLM(nn.Module):
         model = cls(ModelConfig.from_dict(json.loads(config_path.read_text())))
         load_state(model, path, map_location=map_location)
         return model.to(map_location)
+
+
+def check_token_ids(model: RecurrentModel, ids: object, what: str = "windows", *, targets: bool = True) -> Tensor:
+    """``ids`` unchanged if it is a non-empty integer tensor of token ids ``model`` can read, else a one-line
+    :class:`DrcError` naming ``what``. With ``targets`` it is (N, T+1) windows (inputs ``[:, :-1]``, targets
+    ``[:, 1:]``; T >= 1 positions), without it (N, T) inputs (T >= 1). Every id must lie in
+    0..vocab_size-1 and the T positions fit ``max_seq_len``."""
+    shape, least = ("(N, T+1)", 2) if targets else ("(N, T)", 1)
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < least:
+        shown = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+        raise DrcError(f"{what} must be a non-empty {shape} integer tensor with T >= 1; got {shown}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise DrcError(f"{what} must hold integer token ids (an integer tensor); got dtype {ids.dtype}")
+    lo, hi, vocab = int(ids.min()), int(ids.max()), model.vocab_size
+    if lo < 0 or hi >= vocab:
+        raise DrcError(f"{what} hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]: "
+                       "use the corpus the model was trained on")
+    positions = ids.shape[1] - 1 if targets else ids.shape[1]
+    if positions > model.max_seq_len:
+        raise DrcError(f"{what} have T={positions} positions but the model's max_seq_len is {model.max_seq_len}")
+    return ids
 
 
 def _kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
@@ -601,3 +617,76 @@ def load_state(model: DepthRecurrentLM, path: str | Path, map_location: str | to
     if model.cfg.tie_embeddings:
         ckpt["lm_head.weight"] = ckpt["tok_emb.weight"]
     model.load_state_dict(ckpt, strict=True)
+
+
+def iterate(
+    model: RecurrentModel,
+    idx: Tensor,
+    max_loops: int,
+    *,
+    generator: torch.Generator | None = None,
+    positions: slice | Tensor | None = None,
+    readout: str | None = "logits",
+    halt: HaltFn | None = None,
+    state: Tensor | None = None,
+) -> Iterator[LoopOutput]:
+    """Yield a :class:`LoopOutput` after each loop 1..max_loops of ``model`` (prelude once, each loop once):
+    the one loop every measurement, halting rule and sweep runs, for any :class:`RecurrentModel`.
+
+    ``readout``: "logits", "log_probs" (float32 log-softmax) or None (``out`` is None). ``positions``
+    selects the time positions that are read out (see :meth:`readout`). Runs under the caller's grad mode.
+    With the same ``generator`` state (or the same ``state`` s_0), loop l's logits equal ``forward(idx, l)``
+    (for :class:`DepthRecurrentLM`).
+
+    ``halt(loop_output)`` may return a (B, T) bool tensor of tokens that halt now (or None). It is called
+    after loop l's readout, with ``halted``/``exit_loop`` as they were before loop l; the yielded output
+    then includes its decisions. This is the reference (masked) semantics of per-token halting, which
+    :func:`drc_core.halting.skipping.skip_forward` reproduces while skipping the halted tokens' compute:
+
+    - a token that halts at loop e (its exit loop) keeps its state: ``s = where(halted, s_e, s_new)``;
+    - at every later loop it offers, in every core block, the keys/values it computed at loop e (its last
+      computed ones), not ones recomputed from its frozen state, and in every coda block the coda
+      keys/values of its loop-e readout; active tokens offer their fresh ones (:class:`FrozenKV`);
+    - so an active token at loop l attends to each earlier token's loop-min(l, e) keys/values.
+
+    The core and coda still run on every token (the halted tokens' results are discarded), so this costs
+    as much as no halting. ``out`` at a halted position is still recomputed at later loops (its query
+    sees the later keys/values of earlier active tokens) and is not that token's result: a token's
+    result is its readout at its exit loop (:func:`drc_core.halting.rules.masked_forward` keeps it). Without
+    ``halt`` nothing is cached and every loop is exactly ``forward``'s.
+    """
+    need_int("max_loops", max_loops, 1)
+    if readout not in _READOUTS:
+        raise ValueError(f"readout={readout!r} is not supported; use one of {_READOUTS}")
+    e = model.embed(idx)
+    s = model.initial_state(e, generator) if state is None else state
+    halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
+    exit_loop = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
+    core_kv = FrozenKV() if halt is not None else None
+    coda_kv = FrozenKV() if halt is not None else None
+    for loop in range(1, max_loops + 1):
+        frozen = halted if halt is not None else None
+        s_new = model.core_step(s, e, frozen_kv=core_kv, frozen=frozen)
+        s = torch.where(halted[..., None], s, s_new) if halt is not None else s_new
+        out = None
+        if readout is not None:
+            out = model.readout(s, positions, frozen_kv=coda_kv, frozen=frozen)
+            if readout == "log_probs":
+                out = F.log_softmax(out.float(), dim=-1)
+        result = LoopOutput(loop=loop, state=s, out=out, halted=halted, exit_loop=exit_loop)
+        if halt is not None:
+            now = halt(result)
+            if now is not None:
+                now = now.to(device=halted.device, dtype=torch.bool) & ~halted
+                exit_loop = torch.where(now, loop, exit_loop)
+                halted = halted | now
+                result = LoopOutput(loop=loop, state=s, out=out, halted=halted, exit_loop=exit_loop)
+        yield result
+
+
+def logits_at(model: RecurrentModel, idx: Tensor, n_loops: int, *, generator: torch.Generator | None = None,
+              state: Tensor | None = None) -> Tensor:
+    """The logits (B, T, V) after ``n_loops`` loops read out once: :meth:`DepthRecurrentLM.forward` for any
+    :class:`RecurrentModel` (the same operations, so the same numbers), e.g. a deepest reference output."""
+    (last,) = deque(iterate(model, idx, n_loops, generator=generator, readout=None, state=state), maxlen=1)
+    return model.readout(last.state)

@@ -22,7 +22,7 @@ from drc_core.halting.rules import (
     offline_exits,
     oracle_exit,
 )
-from drc_core.model import DepthRecurrentLM, ModelConfig
+from drc_core.model import DepthRecurrentLM, ModelConfig, iterate
 
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic statistics: token (b, t) "moves" until loop CONV[b, t] and is constant afterwards.
@@ -221,7 +221,7 @@ def test_halted_states_frozen_and_logits_from_exit_loop(model: DepthRecurrentLM,
     assert res.avg_depth == pytest.approx(exit_loops.float().mean().item())
     # replay the same masked run through iterate and keep every loop
     with torch.no_grad():
-        outs = list(model.iterate(idx, 6, generator=gen(), readout="logits", halt=halt_fn(rule, "logits")))
+        outs = list(iterate(model, idx, 6, generator=gen(), readout="logits", halt=halt_fn(rule, "logits")))
     states = torch.stack([o.state for o in outs])  # (6, B, T, d)
     logits = torch.stack([o.out for o in outs])
     assert torch.equal(outs[-1].exit_loop, exit_loops)

@@ -20,7 +20,7 @@ from drc_core.analysis.measure import (
 )
 from drc_core.data.sampler import Corpus
 from drc_core.evaluate import EVAL_STATE_SEED, loss_by_depth, mean_successive_kl
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import DepthRecurrentLM, iterate
 
 V, T, N, L = 64, 12, 5, 6
 
@@ -48,7 +48,7 @@ def reference(model, windows, batch_size=2):
     with torch.no_grad():
         for start in range(0, len(windows), batch_size):
             x = windows[start : start + batch_size, :-1]
-            outs = list(model.iterate(x, L, generator=gen, readout="log_probs"))
+            outs = list(iterate(model, x, L, generator=gen, readout="log_probs"))
             logps.append(torch.stack([o.out for o in outs], dim=1))
             states.append(torch.stack([o.state for o in outs], dim=1))
     return torch.cat(logps), torch.cat(states)

@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from drc_core.model import DepthRecurrentLM, LoopOutput, ModelConfig, load_state
+from drc_core.model import DepthRecurrentLM, LoopOutput, ModelConfig, iterate, load_state
 
 V, D, T = 64, 32, 16
 
@@ -72,7 +72,7 @@ def test_weight_tying(idx: torch.Tensor) -> None:
 def test_iterate_matches_forward(idx: torch.Tensor) -> None:
     model = make()
     with torch.no_grad():
-        outs = list(model.iterate(idx, 8, generator=gen(7)))
+        outs = list(iterate(model, idx, 8, generator=gen(7)))
         assert [o.loop for o in outs] == list(range(1, 9))
         for o in outs:
             ref = model(idx, o.loop, generator=gen(7))
@@ -82,12 +82,12 @@ def test_iterate_matches_forward(idx: torch.Tensor) -> None:
 def test_iterate_positions_and_log_probs(idx: torch.Tensor) -> None:
     model = make()
     with torch.no_grad():
-        full = [o.out for o in model.iterate(idx, 3, generator=gen())]
-        sl = [o.out for o in model.iterate(idx, 3, generator=gen(), positions=slice(5, 12))]
+        full = [o.out for o in iterate(model, idx, 3, generator=gen())]
+        sl = [o.out for o in iterate(model, idx, 3, generator=gen(), positions=slice(5, 12))]
         pos = torch.tensor([0, 7, 15])
-        picked = [o.out for o in model.iterate(idx, 3, generator=gen(), positions=pos)]
-        logp = [o.out for o in model.iterate(idx, 3, generator=gen(), readout="log_probs")]
-        none = [o.out for o in model.iterate(idx, 3, generator=gen(), readout=None)]
+        picked = [o.out for o in iterate(model, idx, 3, generator=gen(), positions=pos)]
+        logp = [o.out for o in iterate(model, idx, 3, generator=gen(), readout="log_probs")]
+        none = [o.out for o in iterate(model, idx, 3, generator=gen(), readout=None)]
     for f, s, p, lp, n in zip(full, sl, picked, logp, none, strict=True):
         assert s.shape == (2, 7, V)
         torch.testing.assert_close(s, f[:, 5:12], rtol=1e-5, atol=1e-6)
@@ -98,10 +98,10 @@ def test_iterate_positions_and_log_probs(idx: torch.Tensor) -> None:
 
 def test_iterate_respects_grad_mode(idx: torch.Tensor) -> None:
     model = make()
-    out = next(model.iterate(idx, 1))
+    out = next(iterate(model, idx, 1))
     assert out.out.requires_grad
     with torch.no_grad():
-        assert not next(model.iterate(idx, 1)).out.requires_grad
+        assert not next(iterate(model, idx, 1)).out.requires_grad
 
 
 def _prelude_grads(model: DepthRecurrentLM) -> list[torch.Tensor]:
@@ -159,8 +159,8 @@ def test_halt_freezes_state(idx: torch.Tensor) -> None:
         return torch.ones_like(o.halted) if o.loop == 3 else None
 
     with torch.no_grad():
-        outs = list(model.iterate(idx, 5, generator=gen(), halt=halt_all_at_3))
-        plain = list(model.iterate(idx, 3, generator=gen()))
+        outs = list(iterate(model, idx, 5, generator=gen(), halt=halt_all_at_3))
+        plain = list(iterate(model, idx, 3, generator=gen()))
     assert not outs[1].halted.any() and (outs[1].exit_loop == 0).all()
     for o in outs[2:]:
         assert o.halted.all() and (o.exit_loop == 3).all()
@@ -182,7 +182,7 @@ def test_halt_partial_tokens(idx: torch.Tensor) -> None:
         return None
 
     with torch.no_grad():
-        outs = list(model.iterate(idx, 5, generator=gen(), halt=halt))
+        outs = list(iterate(model, idx, 5, generator=gen(), halt=halt))
     assert (outs[2].exit_loop[mask] == 2).all() and (outs[2].exit_loop[~mask] == 0).all()
     assert (outs[4].exit_loop[mask] == 2).all() and (outs[4].exit_loop[~mask] == 4).all()
     torch.testing.assert_close(outs[4].state[mask], outs[1].state[mask], rtol=0, atol=0)
@@ -280,7 +280,7 @@ def test_bad_call_arguments(idx: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, T + 1, dtype=torch.long), 1)
     with pytest.raises(ValueError, match="readout='probs'"):
-        next(model.iterate(idx, 1, readout="probs"))
+        next(iterate(model, idx, 1, readout="probs"))
 
 
 def test_init_state(idx: torch.Tensor) -> None:

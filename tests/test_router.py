@@ -20,7 +20,7 @@ from drc_core.halting.router import (
 )
 from drc_core.halting.router import _auc as auc
 from drc_core.halting.rules import masked_forward, offline_exits
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import DepthRecurrentLM, iterate
 
 V, T, N, L = 64, 16, 32, 12
 EPS = 1e-2  # with core weights x2 this spreads convergence depths over 2..12 and ~70% of rows are converged
@@ -88,7 +88,7 @@ def test_labels_agree_with_convergence_depth(model, windows):
     assert 0.2 < data.positive_rate < 0.9 and len(ref.unique()) >= 5  # a non-trivial task
     # the features are the states s_l of a uniform-depth pass with the same initial states
     with torch.no_grad():
-        outs = list(model.iterate(windows[:8, :-1], L, generator=torch.Generator().manual_seed(EVAL_STATE_SEED),
+        outs = list(iterate(model, windows[:8, :-1], L, generator=torch.Generator().manual_seed(EVAL_STATE_SEED),
                                   readout=None))
     states = torch.stack([o.state for o in outs[: L - 1]], dim=2)  # (8, T, L-1, d)
     torch.testing.assert_close(data.features.view(N, T, L - 1, 32)[:8], states)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import RecurrentModel, iterate
 
 __all__ = ["LoopStats", "iterate_stats", "loop_stats", "state_change"]
 
@@ -126,7 +126,7 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
 
 @torch.no_grad()
 def iterate_stats(
-    model: DepthRecurrentLM,
+    model: RecurrentModel,
     idx: Tensor,
     max_loops: int,
     *,
@@ -135,7 +135,7 @@ def iterate_stats(
 ) -> Iterator[LoopStats]:
     """:class:`LoopStats` after each loop 1..max_loops of a run without halting (uniform depth)."""
     prev: LoopStats | None = None
-    for out in model.iterate(idx, max_loops, generator=generator, readout="log_probs", state=state):
+    for out in iterate(model, idx, max_loops, generator=generator, readout="log_probs", state=state):
         assert out.out is not None
         prev = loop_stats(prev, out.loop, out.out, out.state)
         yield prev

@@ -46,7 +46,7 @@ from drc_core.analysis.loops import loop_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import need_eps, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation, kl_successive
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import RecurrentModel, check_token_ids, iterate, logits_at
 
 __all__ = [
     "DEFAULT_EPS",
@@ -94,7 +94,7 @@ def _int_dtype(max_value: int) -> np.dtype:
 
 @torch.no_grad()
 def measure_windows(
-    model: DepthRecurrentLM,
+    model: RecurrentModel,
     windows: torch.Tensor,
     max_loops: int = 32,
     *,
@@ -119,20 +119,11 @@ def measure_windows(
     equals its loss at depth l). Runs under ``torch.no_grad()`` in eval mode and restores the model's mode.
     Memory and cost: see the module docstring (one pass, or about two with ``kl_to_final``).
     """
-    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) < 1:
-        shown = tuple(windows.shape) if isinstance(windows, torch.Tensor) else type(windows).__name__
-        raise ValueError(f"windows must be a non-empty (N, T+1) integer tensor with T >= 1; got {shown}")
-    if windows.dtype.is_floating_point or windows.dtype.is_complex or windows.dtype == torch.bool:
-        raise ValueError(f"windows must hold integer token ids; got dtype {windows.dtype}")
+    windows = check_token_ids(model, windows)
     max_loops = need_int("max_loops", max_loops, 2)
     batch_size = need_int("batch_size", batch_size, 1)
     n, t_len = windows.shape[0], windows.shape[1] - 1
-    vocab = model.cfg.vocab_size
-    lo, hi = int(windows.min()), int(windows.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"windows hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]")
-    if t_len > model.cfg.max_seq_len:
-        raise ValueError(f"windows have T={t_len} positions but the model's max_seq_len is {model.cfg.max_seq_len}")
+    vocab = model.vocab_size
     docs = None
     if doc_ids is not None:
         docs = torch.as_tensor(np.asarray(doc_ids)).long()
@@ -151,16 +142,12 @@ def measure_windows(
             final = p_final = None
             if kl_to_final:
                 replay = gen.get_state()
-                last = None
-                for out in model.iterate(x, max_loops, generator=gen, readout=None):
-                    last = out
-                assert last is not None
-                final = torch.log_softmax(model.readout(last.state).float(), dim=-1)
+                final = torch.log_softmax(logits_at(model, x, max_loops, generator=gen).float(), dim=-1)
                 p_final = final.exp()  # once per batch, not once per loop
                 gen.set_state(replay)
             per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
             prev = None
-            for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
+            for out in iterate(model, x, max_loops, generator=gen, readout="log_probs"):
                 assert out.out is not None
                 st = loop_stats(prev, out.loop, out.out, out.state)
                 nan = torch.full_like(st.entropy, math.nan)

@@ -68,7 +68,7 @@ from drc_core.halting.generate import generate
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec, default_rules, matching_depth, summarize, sweep
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import DepthRecurrentLM, check_token_ids, iterate
 
 __all__ = [
     "TARGET_RATIO",
@@ -192,26 +192,9 @@ def _spread(xs: Sequence[float]) -> float:
     return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
 
 
-def _need_tokens(model: DepthRecurrentLM, ids: object, what: str, min_len: int) -> Tensor:
-    """``ids`` as a (N, T) integer tensor on the model's device, with N >= 1, T >= ``min_len``, ids in the
-    vocabulary and T - 1 <= max_seq_len; else a one-line :class:`DrcError` naming ``what``."""
-    if (not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < min_len
-            or ids.dtype.is_floating_point or ids.dtype == torch.bool):
-        shown = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-        raise DrcError(f"{what} must be a (N, T) integer tensor with N >= 1 and T >= {min_len}; got {shown}")
-    vocab = model.cfg.vocab_size
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        raise DrcError(f"{what} hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]: "
-                       "use the corpus the model was trained on")
-    if ids.shape[1] - 1 > model.cfg.max_seq_len:
-        raise DrcError(f"{what} have {ids.shape[1] - 1} positions but max_seq_len is {model.cfg.max_seq_len}")
-    return ids.to(next(model.parameters()).device)
-
-
-def _need_windows(model: DepthRecurrentLM, windows: object) -> Tensor:
-    """(N, T+1) windows: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
-    return _need_tokens(model, windows, "windows (N, T+1; drc_core.analysis.measure.val_windows_with_docs)", 2)
+def _on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targets: bool = True) -> Tensor:
+    """:func:`drc_core.model.check_token_ids`, then moved to the model's device."""
+    return check_token_ids(model, ids, what, targets=targets).to(next(model.parameters()).device)
 
 
 def _batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -270,7 +253,7 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
     ``within_tolerance`` says whether the chosen point meets the target online, ``note`` why not.
     """
     cfg = cfg or SpeedConfig()
-    windows = _need_windows(model, windows)
+    windows = _on_device(model, windows)
     r = cfg.reference_loops
     specs = [s for s in default_rules(cfg.rule_max_loops) if s.family in cfg.families]
     with torch.inference_mode():
@@ -356,7 +339,7 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     ``wall_over_proxy`` (the issue's target: >= 0.9).
     """
     cfg = cfg or SpeedConfig()
-    windows = _need_windows(model, windows)
+    windows = _on_device(model, windows)
     r = cfg.reference_loops
     specs = _specs(rules, r)
     t_len = windows.shape[1] - 1
@@ -432,7 +415,7 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
     ``flop_speedup`` uses a context of T0 + n tokens.
     """
     cfg = cfg or SpeedConfig()
-    prompt = _need_tokens(model, prompt, "prompt", 1)
+    prompt = _on_device(model, prompt, "prompt", targets=False)
     B, t0 = prompt.shape
     n, r = cfg.new_tokens, cfg.reference_loops
     if t0 + n > model.cfg.max_seq_len:
@@ -484,7 +467,7 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
     """Wall-clock of the per-token, per-loop measurement pass against one forward at the same depth.
 
     On the first ``measure_windows`` windows, L = ``measure_loops``: ``forward`` (``model(x, L)``, one
-    readout), ``readout every loop`` (``model.iterate(x, L, readout="log_probs")``: coda, head and
+    readout), ``readout every loop`` (``iterate(model, x, L, readout="log_probs")``: coda, head and
     log-softmax at each loop, the floor of any per-loop statistic), and
     :func:`drc_core.analysis.measure.measure_windows` with ``kl_to_final`` False and True (the latter is what
     notebook 2 runs). Columns: ``pass``, ``seconds``
@@ -492,7 +475,7 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
     ``target_as_worded`` (``x_forward`` <= 1.2).
     """
     cfg = cfg or SpeedConfig()
-    windows = _need_windows(model, windows)[: cfg.measure_windows]
+    windows = _on_device(model, windows)[: cfg.measure_windows]
     L, bs = cfg.measure_loops, cfg.batch_size
 
     batches, one = _batches(model, windows, cfg), _batches(model, windows[:1], cfg)
@@ -503,7 +486,7 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
 
     def readout(w: Tensor, b: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         for x, _, s0 in b:
-            for _ in model.iterate(x, L, state=s0, readout="log_probs"):
+            for _ in iterate(model, x, L, state=s0, readout="log_probs"):
                 pass
 
     def measure(kl_to_final: bool) -> Callable[[Tensor, list], object]:
@@ -569,7 +552,7 @@ def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None 
     ``prompt_len`` tokens of the first ``gen_rows`` windows) with the matched rules, then
     :func:`measurement_cost`."""
     cfg = cfg or SpeedConfig()
-    windows = _need_windows(model, windows)
+    windows = _on_device(model, windows)
     if cfg.prompt_len > windows.shape[1] or cfg.gen_rows > len(windows):
         raise DrcError(f"prompt_len={cfg.prompt_len} / gen_rows={cfg.gen_rows} exceed the windows "
                        f"({len(windows)} of {windows.shape[1]} tokens): lower them")

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from drc_core.halting.rules import HaltingRule, Oracle
 from drc_core.halting.skipping import LoopCaches, Tokens, block_step, check_state, empty_caches, run_loops
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import DepthRecurrentLM, check_token_ids
 
 __all__ = ["GenerationResult", "generate"]
 
@@ -70,14 +70,7 @@ def _check(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, 
     """One-line ValueErrors naming the bad argument and the fix."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
-    if (not isinstance(prompt_ids, Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1
-            or prompt_ids.shape[0] < 1 or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool):
-        shown = tuple(prompt_ids.shape) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__
-        raise ValueError(f"prompt_ids must be a (B, T0) integer tensor with B, T0 >= 1; got {shown}")
-    vocab = model.cfg.vocab_size
-    lo, hi = int(prompt_ids.min()), int(prompt_ids.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"prompt_ids hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]")
+    check_token_ids(model, prompt_ids, "prompt_ids", targets=False)
     total, limit = prompt_ids.shape[1] + max_new_tokens, model.cfg.max_seq_len
     if total > limit:
         raise ValueError(

@@ -47,7 +47,7 @@ from drc_core.analysis.measure import DEFAULT_EPS
 from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.halting.rules import HaltingRule
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import RecurrentModel, check_token_ids, iterate
 
 __all__ = [
     "FeatureSpec",
@@ -226,22 +226,6 @@ class RouterData:
         return self.subset(torch.isin(self.window, wanted))
 
 
-def _check_windows(model: DepthRecurrentLM, windows: object) -> Tensor:
-    if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) < 1:
-        shown = tuple(windows.shape) if isinstance(windows, Tensor) else type(windows).__name__
-        raise ValueError(f"harvest: windows must be a non-empty (N, T+1) integer tensor with T >= 1; got {shown}")
-    if windows.dtype.is_floating_point or windows.dtype.is_complex or windows.dtype == torch.bool:
-        raise ValueError(f"harvest: windows must hold integer token ids; got dtype {windows.dtype}")
-    lo, hi, vocab = int(windows.min()), int(windows.max()), model.cfg.vocab_size
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"harvest: windows hold ids in [{lo}, {hi}] but the vocabulary is [0, {vocab - 1}]")
-    if windows.shape[1] - 1 > model.cfg.max_seq_len:
-        raise ValueError(
-            f"harvest: windows have T={windows.shape[1] - 1} positions but max_seq_len is {model.cfg.max_seq_len}"
-        )
-    return windows
-
-
 def _depth_from_kl(kl_by_loop: Tensor, eps: float) -> Tensor:
     """Convergence depth (B, T) long from the successive KL of loops 2..L stacked as (L-1, B, T).
 
@@ -255,7 +239,7 @@ def _depth_from_kl(kl_by_loop: Tensor, eps: float) -> Tensor:
 
 @torch.no_grad()
 def harvest(
-    model: DepthRecurrentLM,
+    model: RecurrentModel,
     windows: Tensor,
     max_loops: int = 32,
     eps: float = DEFAULT_EPS,
@@ -280,7 +264,7 @@ def harvest(
     N * positions * len(loops); only those rows' features are stored. Runs in eval mode under no_grad.
     """
     owner = "harvest"
-    windows = _check_windows(model, windows)
+    windows = check_token_ids(model, windows)
     max_loops = need_int("max_loops", max_loops, 2, owner)
     eps = _need_positive(owner, "eps", eps)
     batch_size = need_int("batch_size", batch_size, 1, owner)
@@ -309,7 +293,7 @@ def harvest(
             sel = pos_idx[start : start + batch_size].to(gen.device)  # (B, P)
             prev: LoopStats | None = None
             kls, kept = [], []
-            for out in model.iterate(x, max_loops, generator=gen, readout="log_probs"):
+            for out in iterate(model, x, max_loops, generator=gen, readout="log_probs"):
                 assert out.out is not None
                 st = loop_stats(prev, out.loop, out.out, out.state)
                 if out.loop >= 2:

@@ -30,7 +30,7 @@ from torch import Tensor
 from drc_core.analysis.loops import LoopStats, loop_stats
 from drc_core.errors import DrcError, need_int
 from drc_core.evaluate import kl_successive
-from drc_core.model import DepthRecurrentLM, HaltFn, LoopOutput
+from drc_core.model import HaltFn, LoopOutput, RecurrentModel, iterate
 
 __all__ = [
     "AdaptiveResult",
@@ -94,7 +94,7 @@ class HaltingRule:
 
     :meth:`decide` applies :meth:`criterion` and then forces False before ``min_loops`` and True at (and
     after) ``max_loops``; subclasses implement only :meth:`criterion`. ``decide`` does not know which tokens
-    have already halted: the caller (``DepthRecurrentLM.iterate``, :func:`offline_exits`) keeps the first
+    have already halted: the caller (``drc_core.model.iterate``, :func:`offline_exits`) keeps the first
     loop at which a token's decision was True.
 
     :attr:`needs_log_probs` says whether :meth:`criterion` reads the output-based statistics (log-probs, KL,
@@ -359,7 +359,7 @@ def make_rule(name: str, *args: float, **kwargs: int) -> HaltingRule:
 
 
 class _RuleHalt:
-    """A ``halt`` callable for :meth:`DepthRecurrentLM.iterate` that feeds ``rule`` the loop's stats."""
+    """A ``halt`` callable for :func:`drc_core.model.iterate` that feeds ``rule`` the loop's stats."""
 
     def __init__(self, rule: HaltingRule, readout: str) -> None:
         if not isinstance(rule, HaltingRule):
@@ -380,7 +380,7 @@ class _RuleHalt:
 
 
 def halt_fn(rule: HaltingRule, readout: str = "log_probs") -> HaltFn:
-    """A fresh ``halt`` callable for ``model.iterate(..., readout=readout, halt=...)`` applying ``rule``.
+    """A fresh ``halt`` callable for ``iterate(model, ..., readout=readout, halt=...)`` applying ``rule``.
 
     It remembers the previous loop's stats, so use one per ``iterate`` call. ``readout`` must be the one
     passed to ``iterate`` ("logits" or "log_probs"), with all positions read out.
@@ -410,7 +410,7 @@ class AdaptiveResult:
 
 @torch.no_grad()
 def masked_forward(
-    model: DepthRecurrentLM,
+    model: RecurrentModel,
     idx: Tensor,
     rule: HaltingRule,
     *,
@@ -419,7 +419,7 @@ def masked_forward(
 ) -> AdaptiveResult:
     """Run ``model`` on ``idx`` (B, T) with per-token halting by ``rule``, up to ``rule.max_loops`` loops.
 
-    Semantics (the masked reference of :meth:`DepthRecurrentLM.iterate`): after loop l the rule sees loop
+    Semantics (the masked reference of :func:`drc_core.model.iterate`): after loop l the rule sees loop
     l's stats; a token that halts at loop e keeps s_e from then on, and at every later loop offers, in every
     core and coda block, the keys/values it computed at loop e (its last computed ones); so a token active at
     loop l attends to each earlier token's loop-min(l, e) keys/values. A token's ``logits`` are the readout
@@ -435,7 +435,7 @@ def masked_forward(
     halt = _RuleHalt(rule, "logits")
     logits: Tensor | None = None
     last: LoopOutput | None = None
-    for out in model.iterate(idx, rule.max_loops, generator=generator, readout="logits", halt=halt, state=state):
+    for out in iterate(model, idx, rule.max_loops, generator=generator, readout="logits", halt=halt, state=state):
         assert out.out is not None
         now = (out.exit_loop == out.loop)[..., None]
         logits = out.out.clone() if logits is None else torch.where(now, out.out, logits)

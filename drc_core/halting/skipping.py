@@ -2,7 +2,7 @@
 
 :func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.rules.masked_forward`
 computes (to float tolerance, with the same exit loops), but at loop l it runs the core only on the tokens
-still active at loop l. The semantics (see :meth:`drc_core.model.DepthRecurrentLM.iterate`): a token that
+still active at loop l. The semantics (see :func:`drc_core.model.iterate`): a token that
 halts at loop e keeps s_e, and at every later loop offers, in every core and coda block, the keys/values it
 computed at loop e; an active token at loop l therefore attends to each earlier token's loop-min(l, e)
 keys/values, and a token's logits are its readout at its exit loop.

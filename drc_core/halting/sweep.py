@@ -50,7 +50,7 @@ from drc_core.halting.rules import (
     masked_forward,
     offline_exits,
 )
-from drc_core.model import DepthRecurrentLM
+from drc_core.model import RecurrentModel, check_token_ids, iterate, logits_at
 
 __all__ = [
     "QUALITIES",
@@ -121,7 +121,7 @@ def _first_at_most(kl_by_loop: torch.Tensor, eps: float) -> torch.Tensor:
 
 @torch.no_grad()
 def sweep(
-    model: DepthRecurrentLM,
+    model: RecurrentModel,
     windows: torch.Tensor,
     rules: Sequence[RuleSpec],
     *,
@@ -152,8 +152,7 @@ def sweep(
     """
     if mode not in ("online", "offline"):
         raise ValueError(f"mode={mode!r} is invalid; pass 'online' (run each rule) or 'offline' (replay)")
-    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2 or len(windows) == 0:
-        raise ValueError("windows must be a non-empty (N, T+1) token tensor; use drc_core.data.sampler.eval_windows")
+    windows = check_token_ids(model, windows)
     reference_loops = need_int("reference_loops", reference_loops, 1)
     batch_size = need_int("batch_size", batch_size, 1)
     rules = list(rules)
@@ -174,7 +173,7 @@ def sweep(
             xb = windows[b0 : b0 + batch_size]
             x, y = xb[:, :-1], xb[:, 1:]
             s0 = model.initial_state(model.embed(x), gen)
-            ref = F.log_softmax(model(x, reference_loops, state=s0).float(), dim=-1)
+            ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
             replay = rules if mode == "offline" else []
             ce_l, kl_l, exits = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), replay)
             rows += _uniform_and_oracle(ce_l, kl_l, y, b0, uniform, reference_loops, oracle_eps)
@@ -190,7 +189,7 @@ def sweep(
     return pd.DataFrame(rows)
 
 
-def _trajectory(model: DepthRecurrentLM, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor,
+def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor,
                 loops: int, rules: Sequence[RuleSpec]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One uniform ``iterate`` pass of ``loops`` loops: per-loop CE and KL(p_ref || p_l), each (loops, B, T),
     and, for ``rules`` (offline mode), each rule's exit loops replayed on this trajectory
@@ -199,7 +198,7 @@ def _trajectory(model: DepthRecurrentLM, x: torch.Tensor, y: torch.Tensor, s0: t
 
     def stats():
         prev = None
-        for out in model.iterate(x, loops, state=s0, readout="log_probs"):
+        for out in iterate(model, x, loops, state=s0, readout="log_probs"):
             assert out.out is not None
             ce, kl = _token_quality(out.out, y, ref)
             ces.append(ce)
