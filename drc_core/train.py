@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -32,12 +33,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from drc_core import precision
 from drc_core.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
-from drc_core.errors import DrcError, run_cli
+from drc_core.errors import DrcError, Interrupted, need_disk, run_cli
 from drc_core.evaluate import loss_by_depth
 from drc_core.model import DepthRecurrentLM, load_state
 from drc_core.recurrence import RecurrenceSampler
@@ -111,6 +113,31 @@ def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainCo
     final = root / f"step-{step:07d}"
     tmp = root / f".tmp-step-{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
+    need_disk(root, checkpoint_bytes(model), f"checkpoint step-{step:07d}")
+    try:
+        _write_checkpoint(tmp, model, opt, sched, cfg, step, sampler)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, RuntimeError | OSError) and shutil.disk_usage(root).free < checkpoint_bytes(model):
+            raise DrcError(f"not enough disk space at {root} for checkpoint step-{step:07d} (the disk filled up "
+                           "while writing it): free some space, then continue with --resume") from None
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoints(out)[: -cfg.keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def checkpoint_bytes(model: DepthRecurrentLM, optimizer: bool = True) -> int:
+    """An upper estimate of a checkpoint's size: fp32 weights, plus AdamW's two moments when ``optimizer``."""
+    n = sum(p.numel() for p in model.parameters()) * 4
+    return n * 3 + (1 << 20) if optimizer else n + (1 << 16)
+
+
+def _write_checkpoint(tmp: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainConfig, step: int,
+                      sampler: WindowSampler) -> None:
     model.save(tmp)
     state = {
         "step": step,
@@ -122,12 +149,66 @@ def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainCo
         "train_config": cfg.to_dict(),
     }
     torch.save(state, tmp / "train_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in checkpoints(out)[: -cfg.keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+CORPUS_RECORD = "corpus.json"
+
+
+def corpus_record(corpus: Corpus) -> dict:
+    """What a run records of its corpus: the path, the input fingerprint, the tokenizer hash and the vocabulary."""
+    return {"path": str(corpus.path), "fingerprint": corpus.fingerprint, "tokenizer_sha256": corpus.tokenizer_hash,
+            "vocab_size": corpus.vocab_size}
+
+
+def check_corpus_record(record: dict, corpus: Corpus, where: str) -> None:
+    """A one-line :class:`DrcError` unless ``corpus`` has the tokenizer (and inputs) ``record`` was made with."""
+    if record.get("tokenizer_sha256") != corpus.tokenizer_hash:
+        raise DrcError(f"{where} was trained on a corpus with another tokenizer (sha256 "
+                       f"{str(record.get('tokenizer_sha256'))[:12]}..., corpus '{corpus.path}' has "
+                       f"{corpus.tokenizer_hash[:12]}...): pass the corpus it was trained on ({record.get('path')})")
+    if record.get("fingerprint") != corpus.fingerprint:
+        raise DrcError(f"{where} was trained on other documents than corpus '{corpus.path}' holds (input "
+                       f"fingerprints differ): pass the corpus it was trained on ({record.get('path')})")
+
+
+def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> list[Path]:
+    """The checkpoints to resume from, after checking that training may write into ``out``.
+
+    Training writes only into a new or empty directory, or, with ``resume``, into a run of this trainer it can
+    verify: a readable ``config.json`` equal to ``cfg`` and the same corpus (tokenizer and inputs) as recorded in
+    ``corpus.json``. A finished run (``final/`` without checkpoints) is never rewritten.
+    """
+    if out.exists() and not out.is_dir():
+        raise DrcError(f"--out '{out}' is a file: choose a directory path")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return []
+    if not resume:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise DrcError(f"'{out}' is not empty ({shown}): training writes only into a new or empty directory; pass "
+                       "--resume to continue the run in it, or choose a new --out")
+    cfg_path = out / "config.json"
+    try:
+        saved = TrainConfig.from_dict(json.loads(cfg_path.read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise DrcError(f"'{out}' is not a run of this trainer that can be resumed (no readable config.json): "
+                       "choose a new --out") from None
+    diff = config_diff(saved, cfg)
+    if diff:
+        raise DrcError(f"--resume with a config that differs from the run in '{out}' in {', '.join(diff)}: resume "
+                       "with the same preset and --set values")
+    record_path = out / CORPUS_RECORD
+    if record_path.is_file():
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            raise DrcError(f"'{record_path}' is damaged: the run's corpus cannot be verified; choose a new --out") \
+                from None
+        check_corpus_record(record, corpus, f"the run in '{out}'")
+    found = checkpoints(out)
+    if not found and (out / "final").exists():
+        raise DrcError(f"'{out}' holds a finished run and no checkpoint to resume: choose a new --out")
+    return found
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -160,12 +241,7 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
             f"{cfg.model.vocab_size}: prepare it with --vocab-size {cfg.model.vocab_size} or pass "
             f"--set model.vocab_size={corpus.vocab_size}"
         )
-    found = checkpoints(out)
-    if found and not resume:
-        raise DrcError(f"'{out}' already holds checkpoints: pass --resume to continue, or choose a new --out")
-    if resume and not found and (out / "final").exists():
-        raise DrcError(f"'{out}' holds a finished run and no checkpoint to resume: choose a new --out")
-
+    found = check_out_dir(out, cfg, corpus, resume)
     torch.manual_seed(cfg.seed)
     model = DepthRecurrentLM(cfg.model).to(device)
     opt = make_optimizer(model, cfg)
@@ -176,16 +252,23 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
     start = 0
     if resume and found:
         ckpt = found[-1]
-        state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
-        saved = TrainConfig.from_dict(state["train_config"])
+        try:
+            state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
+            saved = TrainConfig.from_dict(state["train_config"])
+        except (OSError, RuntimeError, EOFError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DrcError(f"cannot resume from {ckpt}: its train_state.pt is damaged ({first}); delete that "
+                           "checkpoint directory to resume from the one before it") from None
         diff = config_diff(saved, cfg)
         if diff:
             raise DrcError(f"--resume with a config that differs from the checkpoint in {', '.join(diff)}: "
                            "resume with the same preset and --set values")
         try:
             load_state(model, ckpt / "model.safetensors", map_location=device)
-        except ValueError as exc:  # a mismatching checkpoint: one line, not a traceback
-            raise DrcError(f"cannot resume from {ckpt}: {exc}") from None
+        except (ValueError, OSError, SafetensorError) as exc:  # mismatching or damaged: one line, no traceback
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DrcError(f"cannot resume from {ckpt}: {first}; delete that checkpoint directory to resume from "
+                           "the one before it") from None
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
@@ -197,6 +280,7 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
         _truncate_metrics(out / "metrics.jsonl", start)  # also rows of a run killed before its first checkpoint
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (out / CORPUS_RECORD).write_text(json.dumps(corpus_record(corpus), indent=2) + "\n")
 
     val = eval_windows(corpus.tokens("val"), cfg.seq_len, cfg.eval_windows)
     path = precision.choose(cfg.autocast, cfg.compile, device)
@@ -210,7 +294,7 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
     metrics = open(out / "metrics.jsonl", "a") if d.main else None  # noqa: SIM115
     good = found[-1] if found else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    t0, last_eval = time.perf_counter(), {}
+    t0, last_eval, done = time.perf_counter(), {}, start
     bar = tqdm(total=cfg.max_steps, initial=start, desc="train", disable=not (progress and d.main),
                unit="step", dynamic_ncols=True)
     try:
@@ -252,12 +336,17 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
                     good = save_checkpoint(out, model, opt, sched, cfg, done, sampler)
                 if d.world_size > 1:
                     dist.barrier()
+    except KeyboardInterrupt:
+        where = f"the last checkpoint is {good.name}" if good else "no checkpoint was written yet"
+        raise Interrupted(f"interrupted at step {done}; {where}: continue with "
+                          "the same command and --resume") from None
     finally:
         bar.close()
         if metrics:
             metrics.close()
     seconds = time.perf_counter() - t0
     if d.main:
+        need_disk(out, checkpoint_bytes(model, optimizer=False), "the final weights")
         final = out / "final"
         shutil.rmtree(final, ignore_errors=True)
         model.save(final)

@@ -160,7 +160,9 @@ def test_rows_of_a_run_killed_before_its_first_checkpoint_are_dropped(corpus, tm
     out.mkdir()
     stale = {"kind": "train", "step": 5, "loss": 9.0, "lr": 0.0, "loops": 1, "tokens": 0, "seconds": 0.0}
     (out / "metrics.jsonl").write_text(json.dumps(stale) + "\n")
-    train(tiny("max_steps=10", "ckpt_every=10"), corpus, out, resume=True, progress=False)
+    cfg = tiny("max_steps=10", "ckpt_every=10")
+    (out / "config.json").write_text(json.dumps(cfg.to_dict()))  # the first thing a run writes
+    train(cfg, corpus, out, resume=True, progress=False)
     tr = metrics(out).query("kind == 'train'")
     assert tr.step.tolist() == [5, 10] and 9.0 not in tr.loss.tolist()
 
@@ -267,7 +269,8 @@ def test_existing_checkpoints_need_resume(capsys, tmp_path, corpus, run):
     out = shutil.copytree(src, tmp_path / "run")
     before = tree_digest(out)
     rc = run_cli(main, cli(corpus, out, *RUN_SETS))
-    assert "already holds checkpoints" in one_error_line(capsys, rc)
+    line = one_error_line(capsys, rc)
+    assert "is not empty" in line and "pass --resume" in line
     assert tree_digest(out) == before  # nothing overwritten, not even metrics or config.json
 
 
@@ -277,7 +280,8 @@ def test_resume_with_changed_config_names_the_keys(capsys, tmp_path, corpus, run
     shutil.rmtree(out / "final")
     before = tree_digest(out)
     rc = run_cli(main, cli(corpus, out, *RUN_SETS, "lr=0.001", "model.dropout=0.1", resume=True))
-    assert "differs from the checkpoint in lr, model.dropout:" in one_error_line(capsys, rc)
+    line = one_error_line(capsys, rc)
+    assert "differs from the run in" in line and "in lr, model.dropout:" in line
     assert tree_digest(out) == before
 
 
