@@ -14,7 +14,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from drc_core.errors import DrcError
+from drc_core.errors import MAX_LOOPS, DrcError, need_loops
 from drc_core.model import ModelConfig
 from drc_core.precision import AUTOCAST_CHOICES, COMPILE_CHOICES
 from drc_core.recurrence import RecurrenceConfig
@@ -59,8 +59,14 @@ class TrainConfig:
                 raise DrcError(f"{name}={getattr(self, name)!r} must be positive")
         if not 0 <= self.min_lr_ratio <= 1:
             raise DrcError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
-        if not self.eval_loops or any(n < 1 for n in self.eval_loops):
+        if not self.eval_loops:
             raise DrcError(f"eval_loops={self.eval_loops!r} must be a non-empty list of loop counts >= 1")
+        for n in self.eval_loops:
+            need_loops("eval_loops", n)
+        if self.recurrence.max_loops is not None:
+            need_loops("recurrence.max_loops", self.recurrence.max_loops)
+        if self.recurrence.mean > MAX_LOOPS:
+            raise DrcError(f"recurrence.mean={self.recurrence.mean} is above the limit of {MAX_LOOPS} loops")
         if isinstance(self.compile, bool):  # configs written before "auto" existed stored a bool
             self.compile = "true" if self.compile else "false"
         if self.autocast not in AUTOCAST_CHOICES:

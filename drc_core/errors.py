@@ -65,6 +65,18 @@ def need_int(name: str, value: object, minimum: int, owner: str = "") -> int:
     return int(value)
 
 
+MAX_LOOPS = 1024  # the most core loops any call runs; the state converges in tens of loops
+
+
+def need_loops(name: str, value: object) -> int:
+    """A loop count as an int, or a one-line :class:`DrcError` unless it is an integer in 1..:data:`MAX_LOOPS`."""
+    n = need_int(name, value, 1)
+    if n > MAX_LOOPS:
+        raise DrcError(f"{name}={n} is above the limit of {MAX_LOOPS} loops: the state converges within tens of "
+                       f"loops; use at most {MAX_LOOPS}")
+    return n
+
+
 def need_eps(eps: object) -> float:
     """A convergence threshold as a float, or a one-line :class:`DrcError` unless it is a finite number > 0."""
     import numbers
@@ -72,6 +84,13 @@ def need_eps(eps: object) -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < float(eps) < float("inf"):
         raise DrcError(f"eps={eps!r} is invalid; it must be a finite number > 0")
     return float(eps)
+
+
+def need_level(level: object) -> float:
+    """A confidence level as a float, or a one-line :class:`DrcError` unless it lies strictly between 0 and 1."""
+    if isinstance(level, bool) or not isinstance(level, int | float) or not 0 < level < 1:
+        raise DrcError(f"level={level!r} is invalid; it must lie strictly between 0 and 1")
+    return float(level)
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.data.sampler import Corpus, eval_windows
-from drc_core.errors import run_cli
+from drc_core.errors import DrcError, need_loops, run_cli
 from drc_core.model import RecurrentModel, iterate
 from drc_core.rundir import open_run
 
@@ -51,7 +51,9 @@ def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int
     ``forward(x, l)`` with the same initial state; the initial state comes from a generator seeded with
     ``seed`` so the global RNG (and therefore training) is not disturbed.
     """
-    wanted = sorted(set(int(n) for n in loops))
+    wanted = sorted({need_loops("loops", n) for n in loops})
+    if not wanted:
+        raise DrcError("loops is empty: pass the depths to evaluate, e.g. [1, 4, 8]")
     totals = dict.fromkeys(wanted, 0.0)
     count = 0
     with evaluation(model, seed) as gen:
@@ -75,7 +77,7 @@ def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor, p_new: torch.T
 def mean_successive_kl(model: RecurrentModel, windows: torch.Tensor, max_loops: int = 32,
                        batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
     """Mean over tokens of KL(p_l || p_{l-1}) for l = 2..max_loops, one ``iterate`` pass per batch."""
-    sums = dict.fromkeys(range(2, max_loops + 1), 0.0)
+    sums = dict.fromkeys(range(2, need_loops("max_loops", max_loops) + 1), 0.0)
     count = 0
     with evaluation(model, seed) as gen:
         for start in range(0, len(windows), batch_size):
@@ -129,6 +131,20 @@ def loss_by_source(model: RecurrentModel, corpus: Corpus, seq_len: int, loops: t
 # -------------------------------------------------------------------------------------------------- CLI
 
 
+def parse_loops(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); anything else (a word, an empty list, a count outside 1..MAX_LOOPS) is a one-line
+    :class:`DrcError`."""
+    try:
+        loops = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise DrcError(f"--loops {text!r} is not a comma-separated list of loop counts: e.g. --loops 1,4,8") from None
+    if not loops:
+        raise DrcError(f"--loops {text!r} names no loop count: e.g. --loops 1,4,8")
+    for n in loops:
+        need_loops("--loops", n)
+    return loops
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m drc_core.evaluate --run DIR --data DIR``: loss by depth (per source) and successive KL."""
     ap = argparse.ArgumentParser(prog="python -m drc_core.evaluate", description=main.__doc__)
@@ -139,11 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=128, help="validation windows per source")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
+    loops = parse_loops(args.loops)  # every argument is checked before anything is loaded
+    if args.windows < 1:
+        raise DrcError(f"--windows {args.windows} must be >= 1")
     run = open_run(args.run)
+    corpus = Corpus.open(args.data)
+    run.check_corpus(corpus)
     model = run.load_model()
     seq_len = run.train_config().seq_len  # the windows it was trained on; no default
-    corpus = Corpus.open(args.data)
-    loops = tuple(int(n) for n in args.loops.split(","))
     frame = loss_by_source(model, corpus, seq_len, loops, args.windows)
     windows = eval_windows(corpus.tokens("val"), seq_len, args.windows)
     result = {

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from drc_core.errors import DrcError, need_int
+from drc_core.errors import DrcError, need_int, need_loops
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -457,7 +457,7 @@ class DepthRecurrentLM(nn.Module):
         cross-entropy over targets != -100. ``state`` (B, T, d), when given, is the initial latent state s_0
         (the trainer draws it for the global batch so that data-parallel ranks match one process).
         """
-        need_int("n_loops", n_loops, 1)
+        need_loops("n_loops", n_loops)
         if n_grad_loops is not None and (
             isinstance(n_grad_loops, bool) or not isinstance(n_grad_loops, int) or n_grad_loops < 1
         ):
@@ -655,7 +655,7 @@ def iterate(
     result is its readout at its exit loop (:func:`drc_core.halting.rules.masked_forward` keeps it). Without
     ``halt`` nothing is cached and every loop is exactly ``forward``'s.
     """
-    need_int("max_loops", max_loops, 1)
+    need_loops("max_loops", max_loops)
     if readout not in _READOUTS:
         raise ValueError(f"readout={readout!r} is not supported; use one of {_READOUTS}")
     e = model.embed(idx)

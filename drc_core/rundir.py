@@ -25,14 +25,17 @@ import pandas as pd
 from safetensors import SafetensorError
 
 from drc_core.config import TrainConfig
+from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError
 from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM, ModelConfig
 
-__all__ = ["FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir", "open_run"]
+__all__ = ["CORPUS_RECORD", "FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir", "check_corpus_record",
+           "corpus_record", "open_run"]
 
 FINAL_DIR = "final"
 METRICS_FILE = "metrics.jsonl"
 SHIPPED_TRAIN_CONFIG = "train_config.json"
+SHIPPED_CORPUS_META = "corpus_meta.json"
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,21 @@ class RunDir:
             raise DrcError(f"'{self.path}' has no {METRICS_FILE}: pass a training run or a shipped copy with metrics")
         return pd.read_json(self.metrics_path, lines=True)
 
+    def corpus_record(self) -> dict | None:
+        """What the run recorded of its corpus (``corpus.json`` of a run, ``corpus_meta.json`` of a shipped copy):
+        at least ``fingerprint`` and ``tokenizer_sha256``; None for runs made before runs recorded it."""
+        for name in (CORPUS_RECORD, SHIPPED_CORPUS_META):
+            path = self.file(name)
+            if path is not None:
+                return _read_json(path)
+        return None
+
+    def check_corpus(self, corpus: Corpus) -> None:
+        """A one-line :class:`DrcError` unless ``corpus`` is the one the run recorded (tokenizer and inputs)."""
+        record = self.corpus_record()
+        if record is not None:
+            check_corpus_record(record, corpus, f"the model in '{self.path}'")
+
     def file(self, name: str) -> Path | None:
         """A side file of the run (``eval.json``, ``tokenizer.json``, ``corpus_meta.json``, ...), looked up in the
         directory given and, for a ``final/``, in its run; None where absent."""
@@ -96,6 +114,26 @@ class RunDir:
             if (d / name).is_file():
                 return d / name
         return None
+
+
+CORPUS_RECORD = "corpus.json"
+
+
+def corpus_record(corpus: Corpus) -> dict:
+    """What a run records of its corpus: the path, the input fingerprint, the tokenizer hash and the vocabulary."""
+    return {"path": str(corpus.path), "fingerprint": corpus.fingerprint, "tokenizer_sha256": corpus.tokenizer_hash,
+            "vocab_size": corpus.vocab_size}
+
+
+def check_corpus_record(record: dict, corpus: Corpus, where: str) -> None:
+    """A one-line :class:`DrcError` unless ``corpus`` has the tokenizer (and inputs) ``record`` was made with."""
+    if record.get("tokenizer_sha256") != corpus.tokenizer_hash:
+        raise DrcError(f"{where} was trained on a corpus with another tokenizer (sha256 "
+                       f"{str(record.get('tokenizer_sha256'))[:12]}..., corpus '{corpus.path}' has "
+                       f"{corpus.tokenizer_hash[:12]}...): pass the corpus it was trained on ({record.get('path')})")
+    if record.get("fingerprint") != corpus.fingerprint:
+        raise DrcError(f"{where} was trained on other documents than corpus '{corpus.path}' holds (input "
+                       f"fingerprints differ): pass the corpus it was trained on ({record.get('path')})")
 
 
 def _read_json(path: Path) -> dict:

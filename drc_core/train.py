@@ -43,6 +43,7 @@ from drc_core.errors import DrcError, Interrupted, need_disk, run_cli
 from drc_core.evaluate import loss_by_depth
 from drc_core.model import DepthRecurrentLM, load_state
 from drc_core.recurrence import RecurrenceSampler
+from drc_core.rundir import CORPUS_RECORD, check_corpus_record, corpus_record
 
 
 @dataclass
@@ -149,26 +150,6 @@ def _write_checkpoint(tmp: Path, model: DepthRecurrentLM, opt, sched, cfg: Train
         "train_config": cfg.to_dict(),
     }
     torch.save(state, tmp / "train_state.pt")
-
-
-CORPUS_RECORD = "corpus.json"
-
-
-def corpus_record(corpus: Corpus) -> dict:
-    """What a run records of its corpus: the path, the input fingerprint, the tokenizer hash and the vocabulary."""
-    return {"path": str(corpus.path), "fingerprint": corpus.fingerprint, "tokenizer_sha256": corpus.tokenizer_hash,
-            "vocab_size": corpus.vocab_size}
-
-
-def check_corpus_record(record: dict, corpus: Corpus, where: str) -> None:
-    """A one-line :class:`DrcError` unless ``corpus`` has the tokenizer (and inputs) ``record`` was made with."""
-    if record.get("tokenizer_sha256") != corpus.tokenizer_hash:
-        raise DrcError(f"{where} was trained on a corpus with another tokenizer (sha256 "
-                       f"{str(record.get('tokenizer_sha256'))[:12]}..., corpus '{corpus.path}' has "
-                       f"{corpus.tokenizer_hash[:12]}...): pass the corpus it was trained on ({record.get('path')})")
-    if record.get("fingerprint") != corpus.fingerprint:
-        raise DrcError(f"{where} was trained on other documents than corpus '{corpus.path}' holds (input "
-                       f"fingerprints differ): pass the corpus it was trained on ({record.get('path')})")
 
 
 def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> list[Path]:
