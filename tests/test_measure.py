@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
+from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.measure import (
     FRAME_COLUMNS,
-    bootstrap_ci,
     convergence_depth,
     depth_summary,
     eps_sensitivity,

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 from drc_core.analysis.loops import iterate_stats
 from drc_core.evaluate import EVAL_STATE_SEED, kl_successive, loss_by_depth
-from drc_core.halting.rules import KLThreshold, Never, Uniform, masked_forward, offline_exits
+from drc_core.halting.rules import KLThreshold, Never, Uniform, first_within, masked_forward, offline_exits
 from drc_core.halting.sweep import (
     RuleSpec,
-    _first_at_most,
     calibrate,
     default_rules,
     matching_depth,
@@ -111,7 +110,7 @@ def test_oracle_is_a_lower_bound_at_equal_worst_token_quality(model, windows):
         at_exit = logps.gather(0, (ex - 1)[None, ..., None].expand(1, *ex.shape, V))[0]
         eps = float(kl_successive(ref, at_exit).max())
         kl_by_loop = torch.stack([kl_successive(ref, logps[i]) for i in range(4)])
-        oracle = _first_at_most(kl_by_loop, eps)
+        oracle, _ = first_within(kl_by_loop, eps)
         assert (oracle <= ex.clamp(max=8)).all()
         assert oracle.float().mean() <= ex.float().mean()
 

@@ -234,12 +234,12 @@ def test_summary_is_deterministic_by_seed():
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"classes": ["a", "b"], "depths": [1.0]}, "differ in length"),
-    ({"n_boot": 0}, "n_boot must be a positive integer"),
-    ({"n_boot": 2.5}, "n_boot must be a positive integer"),
+    ({"n_boot": 0}, "n_boot=0 is invalid; it must be an integer >= 1"),
+    ({"n_boot": 2.5}, "n_boot=2.5 is invalid; it must be an integer >= 1"),
     ({"doc_ids": [0]}, "doc_ids and depths differ in length"),
     ({"depths": [1.0, float("nan")]}, "non-finite"),
     ({"classes": [], "depths": []}, "no tokens"),
-    ({"level": 1.5}, "level must lie"),
+    ({"level": 1.5}, "level=1.5 is invalid; it must lie strictly between 0 and 1"),
 ])
 def test_summary_rejects_bad_input_with_one_line(kwargs, match):
     args = {"classes": ["a", "b"], "depths": [1.0, 2.0]} | kwargs

@@ -25,7 +25,8 @@ start from the same initial state s_0 (the generator's state is replayed), so th
 loop L's output of the main pass. With ``kl_to_final=False`` the column is NaN and the cost is one pass.
 
 Summaries (:func:`per_loop_summary`, :func:`convergence_depth`, :func:`depth_summary`,
-:func:`eps_sensitivity`) carry percentile bootstrap CIs from one helper, :func:`bootstrap_ci`, which resamples
+:func:`eps_sensitivity`) carry percentile bootstrap CIs from one helper,
+:func:`drc_core.analysis.intervals.bootstrap_ci`, which resamples
 *clusters* with replacement: documents when the frame has a ``doc`` column, else windows. Every replicate of a
 pooled mean is the ratio of the drawn clusters' sums; all summaries are deterministic for a given ``seed``
 and, for the same clusters and seed, use the same resamples.
@@ -42,17 +43,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from drc_core.analysis.loops import loop_stats
+from drc_core.analysis.intervals import bootstrap_ci
+from drc_core.analysis.loops import iterate_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import need_eps, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation, kl_successive
-from drc_core.model import RecurrentModel, check_token_ids, iterate, logits_at
+from drc_core.model import RecurrentModel, check_token_ids, logits_at
 
 __all__ = [
     "DEFAULT_EPS",
     "FRAME_COLUMNS",
-    "bootstrap_ci",
     "convergence_depth",
+    "depth_from_successive_kl",
     "depth_summary",
     "eps_sensitivity",
     "kl_concentration",
@@ -72,12 +74,6 @@ _METRICS = ("kl_prev", "state_delta", "entropy", "ce", "kl_final")
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation helpers
-
-
-def _need_level(level: object) -> float:
-    if isinstance(level, bool) or not isinstance(level, int | float) or not 0 < level < 1:
-        raise ValueError(f"level={level!r} is invalid; it must lie strictly between 0 and 1")
-    return float(level)
 
 
 def _int_dtype(max_value: int) -> np.dtype:
@@ -146,20 +142,16 @@ def measure_windows(
                 p_final = final.exp()  # once per batch, not once per loop
                 gen.set_state(replay)
             per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
-            prev = None
-            for out in iterate(model, x, max_loops, generator=gen, readout="log_probs"):
-                assert out.out is not None
-                st = loop_stats(prev, out.loop, out.out, out.state)
+            for st in iterate_stats(model, x, max_loops, generator=gen):
                 nan = torch.full_like(st.entropy, math.nan)
-                first = prev is None
+                first = st.loop == 1
                 per_loop["kl_prev"].append(nan if first else st.kl)
                 per_loop["state_delta"].append(nan if first else st.state_delta)
                 per_loop["entropy"].append(st.entropy)
                 per_loop["argmax"].append(st.argmax)
                 per_loop["ce"].append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
                 per_loop["kl_final"].append(nan if final is None else kl_successive(final, st.log_probs, p_final))
-                prev = st
-            del prev, final, p_final, st, out  # free this batch's (B, T, V) tensors before the next one
+            del final, p_final, st  # free this batch's (B, T, V) tensors before the next one
             for k in stat_names:  # (L, B, T) -> (B, T, L) -> flat in (window, pos, loop) order
                 floats[k].append(torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1).float().cpu().numpy())
             argmaxes.append(torch.stack(per_loop["argmax"]).permute(1, 2, 0).reshape(-1).cpu().numpy())
@@ -234,87 +226,6 @@ def load_frame(path: str | Path) -> pd.DataFrame:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Bootstrap
-
-
-def _weighted_lower_median(sorted_x: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Per row of ``weights`` (m, n) over ``sorted_x`` (n,): the smallest x whose cumulative weight reaches
-    half the total (the lower median; with unit weights ``sorted_x[ceil(n/2) - 1]``)."""
-    cum = np.cumsum(weights, axis=1)
-    idx = (cum < cum[:, -1:] / 2.0).sum(axis=1)
-    return sorted_x[np.minimum(idx, len(sorted_x) - 1)]
-
-
-def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 1000, seed: int = 0,
-                 level: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Point estimate and percentile bootstrap CI of each column of ``values`` (n,) or (n, k).
-
-    The bootstrap resamples *clusters* with replacement: ``clusters`` (n,) gives each row's cluster (e.g. its
-    document); None makes every row its own cluster. A replicate draws as many clusters as there are, and all
-    k columns use the same draws. ``stat``: "mean" -- the pooled mean over the drawn rows (the ratio of the
-    drawn clusters' sums to their counts; NaN values are ignored) -- or "median" -- the lower weighted median
-    (each row weighted by how often its cluster was drawn; the point estimate is the plain lower median).
-    Returns ``(point, low, high)``, arrays of shape (k,) (or (1,) for 1-D input). Deterministic by ``seed``.
-    """
-    x = np.asarray(values, dtype=float)
-    if x.ndim not in (1, 2) or x.shape[0] == 0:
-        raise ValueError(f"values must be a non-empty (n,) or (n, k) array; got shape {x.shape}")
-    x = x.reshape(x.shape[0], -1)
-    n, k = x.shape
-    if stat not in ("mean", "median"):
-        raise ValueError(f"stat={stat!r} is not supported; use 'mean' or 'median'")
-    n_boot = need_int("n_boot", n_boot, 1)
-    alpha = (1.0 - _need_level(level)) / 2.0
-    if clusters is None:
-        codes, n_c = np.arange(n), n
-    else:
-        c = np.asarray(clusters).reshape(-1)
-        if c.size != n:
-            raise ValueError(f"clusters has {c.size} entries but values has {n} rows; pass one cluster per row")
-        _, codes = np.unique(c, return_inverse=True)
-        n_c = int(codes.max()) + 1
-    rng = np.random.default_rng(seed)
-    chunk = max(1, 4_000_000 // n)  # replicates per block of cluster counts, so a block stays ~32 MB
-
-    def draws():  # the same sequence of (m, n_clusters) count blocks for both statistics
-        for b in range(0, n_boot, chunk):
-            yield rng.multinomial(n_c, np.full(n_c, 1.0 / n_c), size=min(chunk, n_boot - b)).astype(float)
-
-    boot = np.empty((n_boot, k))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        if stat == "mean":
-            ok = ~np.isnan(x)
-            xz = np.where(ok, x, 0.0)
-            sums = np.stack([np.bincount(codes, weights=xz[:, j], minlength=n_c) for j in range(k)], axis=1)
-            cnts = np.stack([np.bincount(codes, weights=ok[:, j], minlength=n_c) for j in range(k)], axis=1)
-            point = sums.sum(0) / cnts.sum(0)
-            row = 0
-            for w in draws():
-                boot[row : row + len(w)] = (w @ sums) / (w @ cnts)
-                row += len(w)
-        else:
-            point = np.full(k, math.nan)
-            for j in range(k):
-                valid = ~np.isnan(x[:, j])
-                if not valid.any():
-                    boot[:, j] = math.nan
-                    continue
-                order = np.argsort(x[valid, j], kind="stable")
-                xs, cs = x[valid, j][order], codes[valid][order]
-                point[j] = xs[(len(xs) + 1) // 2 - 1]
-                rng = np.random.default_rng(seed)  # every column sees the same resamples
-                row = 0
-                for w in draws():
-                    boot[row : row + len(w), j] = _weighted_lower_median(xs, w[:, cs])
-                    row += len(w)
-    lo, hi = np.full(k, math.nan), np.full(k, math.nan)
-    some = ~np.isnan(boot).all(axis=0)  # columns with no value at all (e.g. kl_prev at loop 1) stay NaN
-    if some.any():
-        lo[some], hi[some] = np.nanquantile(boot[:, some], [alpha, 1.0 - alpha], axis=0)
-    return point, lo, hi
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Summaries
 
 
@@ -383,6 +294,16 @@ def per_loop_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, lev
     return out
 
 
+def depth_from_successive_kl(kl: np.ndarray, eps: float) -> np.ndarray:
+    """Convergence depth from the successive KL of loops 2..L along the last axis of ``kl`` (..., L-1): the
+    last loop l >= 2 whose ``KL(p_l || p_{l-1})`` is not below ``eps`` (NaN counts as not below), or 1 if there
+    is none; int64 of shape ``kl.shape[:-1]``. Compared in float64 (a float32 KL against a float64 eps), as
+    :func:`convergence_depth` defines it."""
+    above = ~(np.asarray(kl, dtype=np.float64) < eps)
+    last = (above.shape[-1] - 1) - np.argmax(above[..., ::-1], axis=-1)  # index into loops 2..L
+    return np.where(above.any(axis=-1), last + 2, 1)
+
+
 def convergence_depth(df: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFrame:
     """Per token, the first loop after which the successive KL stays below ``eps``.
 
@@ -402,11 +323,7 @@ def convergence_depth(df: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFram
         raise ValueError("the frame has only loop 1; convergence depth needs loops 1..L with L >= 2")
     if not mats["_present"][:, 1:].all():
         raise ValueError(f"the frame lacks loops for some tokens; every token needs loops 2..{n_loops}")
-    kl = mats["kl_prev"][:, 1:]  # loops 2..L
-    above = ~(kl < eps)
-    any_above = above.any(axis=1)
-    last = (n_loops - 2) - np.argmax(above[:, ::-1], axis=1)  # index into loops 2..L
-    depth = np.where(any_above, last + 2, 1)
+    depth = depth_from_successive_kl(mats["kl_prev"][:, 1:], eps)  # loops 2..L
     out = tokens.copy()
     out["depth"] = depth.astype(np.int16)
     out["converged"] = depth < n_loops

@@ -59,6 +59,9 @@ from enum import StrEnum
 import numpy as np
 import pandas as pd
 
+from drc_core.analysis.intervals import bootstrap_ci, percentile_interval
+from drc_core.errors import need_int, need_level
+
 
 class TokenClass(StrEnum):
     SPECIAL = "special"
@@ -347,14 +350,6 @@ def _classify_flat(f: VocabFeatures, ids: np.ndarray, row_len: int) -> np.ndarra
 # --------------------------------------------------------------------------------- depth per class
 
 
-def _percentile_ci(samples: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
-    alpha = (1.0 - level) / 2.0
-    with np.errstate(all="ignore"):
-        lo = np.nanquantile(samples, alpha, axis=0)
-        hi = np.nanquantile(samples, 1.0 - alpha, axis=0)
-    return lo, hi
-
-
 def _token_boot_means(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """Bootstrap means resampling the values of ``x`` with replacement.
 
@@ -396,40 +391,28 @@ def class_depth_summary(classes: Sequence[str], depths, doc_ids=None, n_boot: in
         raise ValueError("no tokens: classes and depths are empty")
     if not np.isfinite(d).all():
         raise ValueError(f"depths has {int((~np.isfinite(d)).sum())} non-finite values: drop or cap them first")
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int | np.integer) or n_boot < 1:
-        raise ValueError(f"n_boot must be a positive integer, got {n_boot!r}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie strictly between 0 and 1, got {level!r}")
+    n_boot = need_int("n_boot", n_boot, 1)
+    level = need_level(level)
 
     names, cls_code = np.unique(cls, return_inverse=True)
     k = names.size
     counts = np.bincount(cls_code, minlength=k)
     means = np.bincount(cls_code, weights=d, minlength=k) / counts
     medians = np.array([np.median(d[cls_code == c]) for c in range(k)])
-    rng = np.random.default_rng(seed)
-
     if doc_ids is None:
         n_docs = np.full(k, np.nan)
+        rng = np.random.default_rng(seed)
         boot = np.column_stack([_token_boot_means(d[cls_code == c], n_boot, rng) for c in range(k)])
+        lo, hi = percentile_interval(boot, level)
     else:
         docs = np.asarray(doc_ids).reshape(-1)
         if docs.size != d.size:
             raise ValueError(f"doc_ids and depths differ in length ({docs.size} vs {d.size}): pass one doc id "
                              "per token")
-        _, doc_code = np.unique(docs, return_inverse=True)
-        n_doc = int(doc_code.max()) + 1
-        cell = doc_code * k + cls_code
-        sums = np.bincount(cell, weights=d, minlength=n_doc * k).reshape(n_doc, k)
-        cnts = np.bincount(cell, minlength=n_doc * k).reshape(n_doc, k).astype(float)
-        n_docs = (cnts > 0).sum(axis=0).astype(float)
-        boot = np.empty((n_boot, k))
-        chunk = max(1, 4_000_000 // n_doc)
-        for b in range(0, n_boot, chunk):
-            m = min(chunk, n_boot - b)
-            w = rng.multinomial(n_doc, np.full(n_doc, 1.0 / n_doc), size=m).astype(float)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                boot[b : b + m] = (w @ sums) / (w @ cnts)  # NaN where a replicate drew no token of a class
-    lo, hi = _percentile_ci(boot, level)
+        by_class = np.full((d.size, k), np.nan)  # column c: the depths of class c's tokens, NaN elsewhere
+        by_class[np.arange(d.size), cls_code] = d
+        n_docs = np.array([np.unique(docs[cls_code == c]).size for c in range(k)], dtype=float)
+        _, lo, hi = bootstrap_ci(by_class, docs, n_boot=n_boot, seed=seed, level=level)
 
     out = pd.DataFrame({
         "class": names,

@@ -42,12 +42,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from drc_core.analysis.loops import LoopStats, loop_stats
-from drc_core.analysis.measure import DEFAULT_EPS
+from drc_core.analysis.loops import LoopStats, iterate_stats
+from drc_core.analysis.measure import DEFAULT_EPS, depth_from_successive_kl
 from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation
 from drc_core.halting.rules import HaltingRule
-from drc_core.model import RecurrentModel, check_token_ids, iterate
+from drc_core.model import RecurrentModel, check_token_ids
 
 __all__ = [
     "FeatureSpec",
@@ -226,17 +226,6 @@ class RouterData:
         return self.subset(torch.isin(self.window, wanted))
 
 
-def _depth_from_kl(kl_by_loop: Tensor, eps: float) -> Tensor:
-    """Convergence depth (B, T) long from the successive KL of loops 2..L stacked as (L-1, B, T).
-
-    ``max(1, the last loop l' >= 2 with not KL_l' < eps)``; compared in float64 like the measurement frames
-    (float32 values, float64 eps), with NaN counting as >= eps.
-    """
-    above = ~(kl_by_loop.double() < eps)
-    loops = torch.arange(2, kl_by_loop.shape[0] + 2, device=kl_by_loop.device).view(-1, 1, 1)
-    return torch.where(above, loops, torch.ones_like(loops)).amax(dim=0)
-
-
 @torch.no_grad()
 def harvest(
     model: RecurrentModel,
@@ -291,19 +280,16 @@ def harvest(
         for start in range(0, n, batch_size):
             x = windows[start : start + batch_size, :-1].to(gen.device)
             sel = pos_idx[start : start + batch_size].to(gen.device)  # (B, P)
-            prev: LoopStats | None = None
             kls, kept = [], []
-            for out in iterate(model, x, max_loops, generator=gen, readout="log_probs"):
-                assert out.out is not None
-                st = loop_stats(prev, out.loop, out.out, out.state)
-                if out.loop >= 2:
+            for st in iterate_stats(model, x, max_loops, generator=gen):
+                if st.loop >= 2:
                     kls.append(st.kl)
-                if out.loop in keep_set:
+                if st.loop in keep_set:
                     f = router_features(st, spec)  # (B, T, F)
                     kept.append(f.gather(1, sel[..., None].expand(-1, -1, f.shape[-1])).cpu())
-                prev = st
-            del prev, st, out
-            depths.append(_depth_from_kl(torch.stack(kls), eps).gather(1, sel).cpu())  # (B, P)
+            del st
+            depth = depth_from_successive_kl(torch.stack(kls, dim=-1).cpu().numpy(), eps)  # (B, T)
+            depths.append(torch.from_numpy(depth).gather(1, sel.cpu()))  # (B, P)
             feats.append(torch.stack(kept, dim=2))  # (B, P, K, F)
 
     features = torch.cat(feats).reshape(-1, feats[0].shape[-1]).float().contiguous()

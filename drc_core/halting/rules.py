@@ -46,6 +46,7 @@ __all__ = [
     "SoftmaxConfidence",
     "StateDelta",
     "Uniform",
+    "first_within",
     "halt_fn",
     "make_rule",
     "masked_forward",
@@ -512,6 +513,16 @@ class OracleResult:
         return Oracle(exit_loops=self.exit_loop, eps=self.eps, **kwargs)
 
 
+def first_within(kl_to_reference: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The oracle's exits from ``kl_to_reference`` (L, B, T), KL(p_ref || p_l) for loops 1..L: ``exit_loop``
+    (B, T) long, the first loop with KL <= ``eps`` or L where there is none, and ``reached`` (B, T) bool, whether
+    any loop came within ``eps``."""
+    ok = kl_to_reference <= eps
+    reached = ok.any(dim=0)
+    exit_loop = torch.where(reached, ok.float().argmax(dim=0) + 1, kl_to_reference.shape[0])
+    return exit_loop, reached
+
+
 @torch.no_grad()
 def oracle_exit(
     log_probs_per_loop: Tensor | Iterable[Tensor],
@@ -565,10 +576,8 @@ def oracle_exit(
     reference = reference.float()
     if reference.dim() != 3:
         raise ValueError(f"oracle_exit: reference must be (B, T, V); got {tuple(reference.shape)}")
-    shape = reference.shape[:2]
-    exit_loop = torch.zeros(shape, dtype=torch.long, device=reference.device)
-    reached = torch.zeros(shape, dtype=torch.bool, device=reference.device)
-    last = 0
+    p_ref = reference.exp()
+    kls = []
     for loop, logp in enumerate(loops, start=1):
         if reference_loop is not None and loop > reference_loop:
             break
@@ -577,15 +586,13 @@ def oracle_exit(
                 f"oracle_exit: loop {loop}'s log-probs have shape {tuple(logp.shape)} but the reference has "
                 f"{tuple(reference.shape)}"
             )
-        now = (kl_successive(reference, logp.float().to(reference.device)) <= eps) & ~reached
-        exit_loop.masked_fill_(now, loop)
-        reached |= now
-        last = loop
+        kls.append(kl_successive(reference, logp.float().to(reference.device), p_ref))  # (B, T) per loop
+    last = len(kls)
     if last == 0:
         raise ValueError("oracle_exit got no loops; pass the log-probs of loops 1..reference_loop")
     if reference_loop is not None and last < reference_loop:
         raise ValueError(f"oracle_exit: reference_loop={reference_loop} but only {last} loops were given")
-    exit_loop.masked_fill_(~reached, last)
+    exit_loop, reached = first_within(torch.stack(kls), eps)
     exit_loop.clamp_(min=min_loops)
     return OracleResult(
         exit_loop=exit_loop,

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import loop_stats
-from drc_core.analysis.measure import bootstrap_ci
 from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, evaluation, kl_successive
 from drc_core.halting.rules import (
@@ -47,6 +47,7 @@ from drc_core.halting.rules import (
     KLThreshold,
     SoftmaxConfidence,
     StateDelta,
+    first_within,
     masked_forward,
     offline_exits,
 )
@@ -110,13 +111,6 @@ def _rows(family: str, param: float, rule: str, window0: int, depth: torch.Tenso
          "kl_ref": k[i]}
         for i in range(depth.shape[0])
     ]
-
-
-def _first_at_most(kl_by_loop: torch.Tensor, eps: float) -> torch.Tensor:
-    """(L, B, T) KL to the reference per loop -> the 1-based first loop with KL <= eps (the last loop if none)."""
-    ok = kl_by_loop <= eps
-    ok[-1] = True
-    return ok.float().argmax(dim=0) + 1
 
 
 @torch.no_grad()
@@ -222,7 +216,7 @@ def _uniform_and_oracle(ce_l: torch.Tensor, kl_l: torch.Tensor, y: torch.Tensor,
         depth = torch.full(y.shape, k, dtype=torch.long, device=y.device)
         rows += _rows("uniform", float(k), f"uniform({k})", b0, depth, ce_l[k - 1], kl_l[k - 1])
     for eps in oracle_eps:
-        exit_loop = _first_at_most(kl_l[:reference_loops].clone(), eps)
+        exit_loop, _ = first_within(kl_l[:reference_loops], eps)
         rows += _exit_rows("oracle", float(eps), f"oracle(kl<={eps:g})", b0, exit_loop, ce_l, kl_l)
     return rows
 
@@ -255,7 +249,7 @@ def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None
     ``windows`` restricts to those window ids (e.g. a calibration or held-out split); ``clusters`` gives each
     window's bootstrap cluster (indexed by window id, e.g. :func:`window_clusters`; default: windows). Every
     window has the same number of tokens, so means over windows are means over tokens. CIs: percentile
-    bootstrap over clusters (:func:`drc_core.analysis.measure.bootstrap_ci`), the same draws for every rule.
+    bootstrap over clusters (:func:`drc_core.analysis.intervals.bootstrap_ci`), the same draws for every rule.
     """
     needed = {"family", "param", "rule", "window", "avg_depth", *QUALITIES}
     if missing := needed - set(frame.columns):
