@@ -305,11 +305,14 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
     handle.click()
     for _ in range(3):
         handle.send_keys(Keys.ARROW_RIGHT)
-    passage1 = wait_for(lambda: (p := d.execute_script(PASSAGE_JS)) != passage0 and p, 20,
+    loop1 = loop0 + 3
+    wait_for(lambda: int(float(handle.get_attribute("aria-valuenow"))) == loop1, 20, f"the slider to reach {loop1}")
+    # every step redraws; wait for the last one: the passage at loop1, the figure's loop marker at loop1
+    passage1 = wait_for(lambda: (p := d.execute_script(PASSAGE_JS)) and f"loop {loop1} of" in p and p, 20,
                         "the passage to follow the slider")
-    figure1 = wait_for(lambda: (f := d.execute_script(FIGURE_JS)) and f != figure0 and f, 20,
-                       "the trajectory's loop marker to follow the slider")
-    assert int(float(handle.get_attribute("aria-valuenow"))) > loop0
+    figure1 = wait_for(lambda: (f := d.execute_script(FIGURE_JS)) and [sh.get("x0") for sh in json.loads(f)["shapes"]]
+                       == [loop1] and f, 20, "the trajectory's loop marker to follow the slider")
+    assert passage1 != passage0 and figure1 != figure0
     shot("04_slider_moved")
 
     # the metric toggle
@@ -322,10 +325,13 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
 
     # a token
     choice = Select(explorer.find_element(By.CSS_SELECTOR, ".widget-dropdown select"))
+    last = choice.options[-1].text  # "<pos>: '<text>'"
     choice.select_by_index(len(choice.options) - 1)
-    figure2 = wait_for(lambda: (f := d.execute_script(FIGURE_JS)) and f != figure1 and f, 20,
-                       "the trajectory of the chosen token")
-    assert json.loads(figure2)["title"] != json.loads(figure1)["title"]
+    pos = int(last.split(":")[0])
+    figure2 = wait_for(lambda: (f := d.execute_script(FIGURE_JS))
+                       and (json.loads(f)["title"] or "").startswith(f"pos {pos} ") and f, 20,
+                       f"the trajectory of token {last}")
+    assert figure2 != figure1 and json.loads(figure2)["title"] != json.loads(figure1)["title"]
     shot("06_token_picked")
 
     # 4. a clean browser console
