@@ -11,6 +11,7 @@ import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.data.sampler import Corpus, eval_windows
-from drc_core.errors import DrcError, need_loops, run_cli
+from drc_core.errors import DrcError, need_int, need_loops, run_cli
 from drc_core.model import RecurrentModel, iterate
 from drc_core.rundir import open_run
 
@@ -43,6 +44,37 @@ def evaluation(model: RecurrentModel, seed: int = EVAL_STATE_SEED) -> Iterator[t
         model.train(was_training)
 
 
+@dataclass
+class Batch:
+    """One batch of an evaluation pass: ``x`` (B, T) inputs and ``y`` (B, T) targets on the model's device,
+    ``start`` the index of its first window, and ``generator``, positioned to draw this batch's initial state."""
+
+    start: int
+    x: torch.Tensor
+    y: torch.Tensor
+    generator: torch.Generator
+
+    def initial_state(self, model: RecurrentModel) -> torch.Tensor:
+        """Draw this batch's s_0 as :func:`drc_core.model.iterate` would (embed, then ``initial_state``)."""
+        return model.initial_state(model.embed(self.x), self.generator)
+
+
+def eval_batches(model: RecurrentModel, windows: torch.Tensor, batch_size: int = 16,
+                 seed: int = EVAL_STATE_SEED) -> Iterator[Batch]:
+    """The (N, T+1) ``windows`` in batches of ``batch_size``, inside :func:`evaluation` (eval mode, no grad).
+
+    Every pass draws the initial state of batch k as the k-th draw of one generator seeded with ``seed``, so
+    two passes over the same windows with the same ``batch_size`` and ``seed`` start from the same states
+    (and the mean CE of a measurement frame at loop l is :func:`loss_by_depth` at l). A caller that replays
+    a batch's draw (``generator.get_state`` / ``set_state``) must leave the generator where one draw left it.
+    """
+    batch_size = need_int("batch_size", batch_size, 1)
+    with evaluation(model, seed) as gen:
+        for start in range(0, len(windows), batch_size):
+            w = windows[start : start + batch_size].to(gen.device)
+            yield Batch(start=start, x=w[:, :-1], y=w[:, 1:], generator=gen)
+
+
 def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
                   batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
     """Mean next-token cross-entropy (nats) at each depth in ``loops``, over ``windows`` [N, T+1].
@@ -56,15 +88,12 @@ def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int
         raise DrcError("loops is empty: pass the depths to evaluate, e.g. [1, 4, 8]")
     totals = dict.fromkeys(wanted, 0.0)
     count = 0
-    with evaluation(model, seed) as gen:
-        for start in range(0, len(windows), batch_size):
-            w = windows[start : start + batch_size].to(gen.device)
-            x, y = w[:, :-1], w[:, 1:]
-            for out in iterate(model, x, wanted[-1], generator=gen):
-                if out.loop in totals:
-                    ce = F.cross_entropy(out.out.float().flatten(0, 1), y.flatten(), reduction="sum")
-                    totals[out.loop] += float(ce)
-            count += y.numel()
+    for batch in eval_batches(model, windows, batch_size, seed):
+        for out in iterate(model, batch.x, wanted[-1], generator=batch.generator):
+            if out.loop in totals:
+                ce = F.cross_entropy(out.out.float().flatten(0, 1), batch.y.flatten(), reduction="sum")
+                totals[out.loop] += float(ce)
+        count += batch.y.numel()
     return {n: totals[n] / count for n in wanted}
 
 
@@ -79,15 +108,13 @@ def mean_successive_kl(model: RecurrentModel, windows: torch.Tensor, max_loops: 
     """Mean over tokens of KL(p_l || p_{l-1}) for l = 2..max_loops, one ``iterate`` pass per batch."""
     sums = dict.fromkeys(range(2, need_loops("max_loops", max_loops) + 1), 0.0)
     count = 0
-    with evaluation(model, seed) as gen:
-        for start in range(0, len(windows), batch_size):
-            x = windows[start : start + batch_size, :-1].to(gen.device)
-            prev = None
-            for out in iterate(model, x, max_loops, generator=gen, readout="log_probs"):
-                if prev is not None:
-                    sums[out.loop] += float(kl_successive(out.out, prev).sum())
-                prev = out.out
-            count += x.numel()
+    for batch in eval_batches(model, windows, batch_size, seed):
+        prev = None
+        for out in iterate(model, batch.x, max_loops, generator=batch.generator, readout="log_probs"):
+            if prev is not None:
+                sums[out.loop] += float(kl_successive(out.out, prev).sum())
+            prev = out.out
+        count += batch.x.numel()
     return {n: s / count for n, s in sums.items()}
 
 

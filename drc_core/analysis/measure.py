@@ -47,7 +47,7 @@ from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import iterate_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import need_eps, need_int
-from drc_core.evaluate import EVAL_STATE_SEED, evaluation, kl_successive
+from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.model import RecurrentModel, check_token_ids, logits_at
 
 __all__ = [
@@ -131,33 +131,31 @@ def measure_windows(
     stat_names = ("kl_prev", "kl_final", "state_delta", "entropy", "ce")
     floats: dict[str, list[np.ndarray]] = {k: [] for k in stat_names}
     argmaxes: list[np.ndarray] = []
-    with evaluation(model, seed) as gen:
-        for b, start in enumerate(range(0, n, batch_size)):
-            w = windows[start : start + batch_size].to(gen.device)
-            x, y = w[:, :-1], w[:, 1:]
-            final = p_final = None
-            if kl_to_final:
-                replay = gen.get_state()
-                final = torch.log_softmax(logits_at(model, x, max_loops, generator=gen).float(), dim=-1)
-                p_final = final.exp()  # once per batch, not once per loop
-                gen.set_state(replay)
-            per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
-            for st in iterate_stats(model, x, max_loops, generator=gen):
-                nan = torch.full_like(st.entropy, math.nan)
-                first = st.loop == 1
-                per_loop["kl_prev"].append(nan if first else st.kl)
-                per_loop["state_delta"].append(nan if first else st.state_delta)
-                per_loop["entropy"].append(st.entropy)
-                per_loop["argmax"].append(st.argmax)
-                per_loop["ce"].append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
-                per_loop["kl_final"].append(nan if final is None else kl_successive(final, st.log_probs, p_final))
-            del final, p_final, st  # free this batch's (B, T, V) tensors before the next one
-            for k in stat_names:  # (L, B, T) -> (B, T, L) -> flat in (window, pos, loop) order
-                floats[k].append(torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1).float().cpu().numpy())
-            argmaxes.append(torch.stack(per_loop["argmax"]).permute(1, 2, 0).reshape(-1).cpu().numpy())
-            if progress:
-                print(f"measure: batch {b + 1}/{math.ceil(n / batch_size)} ({min(start + batch_size, n)}/{n} "
-                      "windows)", file=sys.stderr, flush=True)
+    for b, batch in enumerate(eval_batches(model, windows, batch_size, seed)):
+        x, y, gen = batch.x, batch.y, batch.generator
+        final = p_final = None
+        if kl_to_final:
+            replay = gen.get_state()
+            final = torch.log_softmax(logits_at(model, x, max_loops, generator=gen).float(), dim=-1)
+            p_final = final.exp()  # once per batch, not once per loop
+            gen.set_state(replay)
+        per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
+        for st in iterate_stats(model, x, max_loops, generator=gen):
+            nan = torch.full_like(st.entropy, math.nan)
+            first = st.loop == 1
+            per_loop["kl_prev"].append(nan if first else st.kl)
+            per_loop["state_delta"].append(nan if first else st.state_delta)
+            per_loop["entropy"].append(st.entropy)
+            per_loop["argmax"].append(st.argmax)
+            per_loop["ce"].append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
+            per_loop["kl_final"].append(nan if final is None else kl_successive(final, st.log_probs, p_final))
+        del final, p_final, st  # free this batch's (B, T, V) tensors before the next one
+        for k in stat_names:  # (L, B, T) -> (B, T, L) -> flat in (window, pos, loop) order
+            floats[k].append(torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1).float().cpu().numpy())
+        argmaxes.append(torch.stack(per_loop["argmax"]).permute(1, 2, 0).reshape(-1).cpu().numpy())
+        if progress:
+            print(f"measure: batch {b + 1}/{math.ceil(n / batch_size)} ({min(batch.start + batch_size, n)}/{n} "
+                  "windows)", file=sys.stderr, flush=True)
 
     shape = (n, t_len, max_loops)
     id_dtype = _int_dtype(max(vocab - 1, 1))

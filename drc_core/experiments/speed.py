@@ -63,7 +63,7 @@ from torch import Tensor
 
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_int
-from drc_core.evaluate import EVAL_STATE_SEED, evaluation
+from drc_core.evaluate import EVAL_STATE_SEED, eval_batches
 from drc_core.halting.generate import generate
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.halting.skipping import skip_forward
@@ -200,13 +200,7 @@ def _on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targ
 def _batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[tuple[Tensor, Tensor, Tensor]]:
     """(inputs, targets, s_0) per batch; s_0 drawn exactly as :func:`drc_core.halting.sweep.sweep` and
     :func:`drc_core.evaluate.loss_by_depth` draw it for the same ``seed`` and ``batch_size``."""
-    out = []
-    with evaluation(model, cfg.seed) as gen:
-        for b0 in range(0, len(windows), cfg.batch_size):
-            w = windows[b0 : b0 + cfg.batch_size]
-            x = w[:, :-1]
-            out.append((x, w[:, 1:], model.initial_state(model.embed(x), gen)))
-    return out
+    return [(b.x, b.y, b.initial_state(model)) for b in eval_batches(model, windows, cfg.batch_size, cfg.seed)]
 
 
 def _ce_sum(logits: Tensor, y: Tensor) -> float:

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from drc_core.analysis.loops import LoopStats, iterate_stats
 from drc_core.analysis.measure import DEFAULT_EPS, depth_from_successive_kl
 from drc_core.errors import need_int
-from drc_core.evaluate import EVAL_STATE_SEED, evaluation
+from drc_core.evaluate import EVAL_STATE_SEED, eval_batches
 from drc_core.halting.rules import HaltingRule
 from drc_core.model import RecurrentModel, check_token_ids
 
@@ -276,21 +276,19 @@ def harvest(
     keep_set = set(keep)
 
     feats, depths = [], []
-    with evaluation(model, seed) as gen:
-        for start in range(0, n, batch_size):
-            x = windows[start : start + batch_size, :-1].to(gen.device)
-            sel = pos_idx[start : start + batch_size].to(gen.device)  # (B, P)
-            kls, kept = [], []
-            for st in iterate_stats(model, x, max_loops, generator=gen):
-                if st.loop >= 2:
-                    kls.append(st.kl)
-                if st.loop in keep_set:
-                    f = router_features(st, spec)  # (B, T, F)
-                    kept.append(f.gather(1, sel[..., None].expand(-1, -1, f.shape[-1])).cpu())
-            del st
-            depth = depth_from_successive_kl(torch.stack(kls, dim=-1).cpu().numpy(), eps)  # (B, T)
-            depths.append(torch.from_numpy(depth).gather(1, sel.cpu()))  # (B, P)
-            feats.append(torch.stack(kept, dim=2))  # (B, P, K, F)
+    for batch in eval_batches(model, windows, batch_size, seed):
+        sel = pos_idx[batch.start : batch.start + batch_size].to(batch.x.device)  # (B, P)
+        kls, kept = [], []
+        for st in iterate_stats(model, batch.x, max_loops, generator=batch.generator):
+            if st.loop >= 2:
+                kls.append(st.kl)
+            if st.loop in keep_set:
+                f = router_features(st, spec)  # (B, T, F)
+                kept.append(f.gather(1, sel[..., None].expand(-1, -1, f.shape[-1])).cpu())
+        del st
+        depth = depth_from_successive_kl(torch.stack(kls, dim=-1).cpu().numpy(), eps)  # (B, T)
+        depths.append(torch.from_numpy(depth).gather(1, sel.cpu()))  # (B, P)
+        feats.append(torch.stack(kept, dim=2))  # (B, P, K, F)
 
     features = torch.cat(feats).reshape(-1, feats[0].shape[-1]).float().contiguous()
     n_keep = len(keep)

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import loop_stats
 from drc_core.errors import need_int
-from drc_core.evaluate import EVAL_STATE_SEED, evaluation, kl_successive
+from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.halting.rules import (
     AdaptiveResult,
     ArgmaxPatience,
@@ -157,28 +157,24 @@ def sweep(
     uniform = sorted(set(range(1, deepest + 1) if uniform_loops is None else uniform_loops))
     if not uniform or uniform[0] < 1:
         raise ValueError(f"uniform_loops={uniform!r} is invalid; pass loop counts >= 1")
-    device = next(model.parameters()).device
-    windows = windows.to(device)
     rows: list[dict[str, object]] = []
     n_batches = (len(windows) + batch_size - 1) // batch_size
     bar = tqdm(total=n_batches * (1 + len(rules)), desc=f"sweep ({mode})", disable=not progress)
-    with evaluation(model, seed) as gen:
-        for b0 in range(0, len(windows), batch_size):
-            xb = windows[b0 : b0 + batch_size]
-            x, y = xb[:, :-1], xb[:, 1:]
-            s0 = model.initial_state(model.embed(x), gen)
-            ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
-            replay = rules if mode == "offline" else []
-            ce_l, kl_l, exits = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), replay)
-            rows += _uniform_and_oracle(ce_l, kl_l, y, b0, uniform, reference_loops, oracle_eps)
-            for spec, exit_loop in zip(replay, exits, strict=True):
-                rows += _exit_rows(spec.family, float(spec.param), str(spec.rule), b0, exit_loop, ce_l, kl_l)
-            bar.update(1 + len(replay))
-            for spec in rules if mode == "online" else []:
-                res = forward_fn(model, x, spec.rule, state=s0)
-                ce, kl = _token_quality(res.log_probs(), y, ref)
-                rows += _rows(spec.family, float(spec.param), str(spec.rule), b0, res.exit_loop, ce, kl)
-                bar.update()
+    for batch in eval_batches(model, windows, batch_size, seed):
+        b0, x, y = batch.start, batch.x, batch.y
+        s0 = batch.initial_state(model)
+        ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
+        replay = rules if mode == "offline" else []
+        ce_l, kl_l, exits = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), replay)
+        rows += _uniform_and_oracle(ce_l, kl_l, y, b0, uniform, reference_loops, oracle_eps)
+        for spec, exit_loop in zip(replay, exits, strict=True):
+            rows += _exit_rows(spec.family, float(spec.param), str(spec.rule), b0, exit_loop, ce_l, kl_l)
+        bar.update(1 + len(replay))
+        for spec in rules if mode == "online" else []:
+            res = forward_fn(model, x, spec.rule, state=s0)
+            ce, kl = _token_quality(res.log_probs(), y, ref)
+            rows += _rows(spec.family, float(spec.param), str(spec.rule), b0, res.exit_loop, ce, kl)
+            bar.update()
     bar.close()
     return pd.DataFrame(rows)
 
