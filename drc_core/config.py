@@ -14,7 +14,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from drc_core.errors import MAX_LOOPS, DrcError, need_loops
+from drc_core.errors import MAX_LOOPS, DrcError, check_fields, need_loops
 from drc_core.model import ModelConfig
 from drc_core.precision import AUTOCAST_CHOICES, COMPILE_CHOICES
 from drc_core.recurrence import RecurrenceConfig
@@ -81,10 +81,11 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        d = dict(d)
-        model = ModelConfig.from_dict(d.pop("model"))
-        rec = RecurrenceConfig(**d.pop("recurrence"))
+    def from_dict(cls, d: dict[str, Any], where: str = "training config") -> TrainConfig:
+        """A config from its stored dict: every field present, none unknown, at every level."""
+        d = check_fields(cls, d, where)
+        model = ModelConfig.from_dict(d.pop("model"), f"{where} (model)")
+        rec = RecurrenceConfig(**check_fields(RecurrenceConfig, d.pop("recurrence"), f"{where} (recurrence)"))
         if "eval_loops" in d:
             d["eval_loops"] = tuple(d["eval_loops"])
         return cls(model=model, recurrence=rec, **d)
@@ -215,7 +216,9 @@ def apply_overrides(cfg: TrainConfig, pairs: list[str]) -> TrainConfig:
                 raise DrcError(f"unknown config key '{key}': valid keys here are {valid}")
             if i == len(parts) - 1:
                 if dataclasses.is_dataclass(hints[part]):
-                    raise DrcError(f"'{key}' is a section: set one of its fields, e.g. {key}.{names[0]}=...")
+                    inner = [f.name for f in dataclasses.fields(hints[part])]
+                    raise DrcError(f"'{key}' is a section: set one of its fields, e.g. {key}.{inner[0]}=... "
+                                   f"(fields: {', '.join(inner)})")
                 node[part] = _coerce(raw.strip(), hints[part], key)
             else:
                 if not dataclasses.is_dataclass(hints[part]):

@@ -65,6 +65,26 @@ def need_int(name: str, value: object, minimum: int, owner: str = "") -> int:
     return int(value)
 
 
+def check_fields(cls: type, data: object, where: str) -> dict:
+    """``data`` as a dict holding exactly the fields of the dataclass ``cls``, or a one-line :class:`DrcError`
+    naming the first missing or unknown field. Stored configs are written whole, so a missing field means a
+    damaged file (defaults are not filled in: that would silently load another model)."""
+    from dataclasses import fields
+
+    names = [f.name for f in fields(cls)]
+    if not isinstance(data, dict):
+        raise DrcError(f"{where} is not a JSON object of {cls.__name__} fields: restore the file")
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise DrcError(f"{where} has unknown {cls.__name__} key {unknown[0]!r}: remove it (valid keys: "
+                       f"{', '.join(names)})")
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise DrcError(f"{where} lacks {cls.__name__} field{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
+                       "the file is damaged or was edited; restore it from the run that wrote it")
+    return dict(data)
+
+
 MAX_LOOPS = 1024  # the most core loops any call runs; the state converges in tens of loops
 
 

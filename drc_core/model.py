@@ -18,7 +18,7 @@ import json
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from drc_core.errors import DrcError, need_int, need_loops
+from drc_core.errors import DrcError, check_fields, need_int, need_loops
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -129,15 +129,9 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> ModelConfig:
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(
-                f"unknown ModelConfig key {unknown[0]!r}; remove it or use one of {', '.join(known)}"
-            )
-        if "vocab_size" not in data:
-            raise ValueError("ModelConfig needs 'vocab_size'; add it (the tokenizer's vocabulary size)")
+    def from_dict(cls, data: dict[str, object], where: str = "model config") -> ModelConfig:
+        """A config from its stored dict: every field present, none unknown (:func:`~drc_core.errors.check_fields`)."""
+        data = check_fields(cls, data, where)
         return cls(**data)  # type: ignore[arg-type]
 
 
@@ -532,7 +526,7 @@ class DepthRecurrentLM(nn.Module):
         config_path = path / CONFIG_FILE
         if not config_path.is_file():
             raise ValueError(f"{config_path} not found; pass a directory written by DepthRecurrentLM.save")
-        model = cls(ModelConfig.from_dict(json.loads(config_path.read_text())))
+        model = cls(ModelConfig.from_dict(json.loads(config_path.read_text()), str(config_path)))
         load_state(model, path, map_location=map_location)
         return model.to(map_location)
 

@@ -62,11 +62,11 @@ class RunDir:
 
     def model_config(self) -> ModelConfig:
         """The model's config (``config.json`` beside the weights)."""
-        return ModelConfig.from_dict(_read_json(self.model_config_path))
+        return ModelConfig.from_dict(_read_json(self.model_config_path), str(self.model_config_path))
 
     def train_config(self) -> TrainConfig:
         """The training config; a :class:`DrcError` when the directory has none (e.g. a bare weights copy)."""
-        return TrainConfig.from_dict(self.train_config_dict())
+        return TrainConfig.from_dict(self.train_config_dict(), str(self.train_config_path))
 
     def train_config_dict(self) -> dict:
         """The training config as stored (a plain dict, not validated), e.g. for a table of many runs."""

@@ -238,6 +238,9 @@ def test_config_round_trip_and_unknown_keys(tmp_path) -> None:
         ModelConfig.from_dict({**cfg.to_dict(), "n_layer": 4})
     with pytest.raises(ValueError, match="vocab_size"):
         ModelConfig.from_dict({"d_model": 32})
+    damaged = {k: v for k, v in cfg.to_dict().items() if k != "n_heads"}  # no default is filled in silently
+    with pytest.raises(ValueError, match="lacks ModelConfig field n_heads"):
+        ModelConfig.from_dict(damaged)
 
 
 @pytest.mark.parametrize(
