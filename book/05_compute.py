@@ -25,7 +25,7 @@
 #
 # ## The cost model
 # Matmul FLOPs per token (`block` one transformer block, `core = R·block + adapter`, `head = 2dV`; P, R, C
-# prelude/core/coda blocks; `drc_core.experiments.speed.matmul_flops_per_token`):
+# prelude/core/coda blocks; `drc_core.experiments.cost.matmul_flops_per_token`):
 #
 # | path | FLOPs per token |
 # |---|---|
@@ -69,11 +69,11 @@ from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import viz
 from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
+from drc_core.experiments.cost import matmul_flops_per_token
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
     matched_rules,
-    matmul_flops_per_token,
     measurement_cost,
     speedup_table,
     time_batched,

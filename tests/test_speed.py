@@ -19,10 +19,10 @@ import torch
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
 from drc_core.evaluate import loss_by_depth
+from drc_core.experiments.cost import matmul_flops_per_token
 from drc_core.experiments.speed import (
     SpeedConfig,
     matched_rules,
-    matmul_flops_per_token,
     measurement_cost,
     run_speed,
     speedup_table,

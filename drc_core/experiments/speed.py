@@ -28,7 +28,7 @@ reported times are medians over rounds, so load on a shared machine slows all va
 runs under ``torch.inference_mode()`` in eval mode.
 
 Why the clock falls short of the proxy (the cost model of :mod:`drc_core.halting.skipping`; ``block`` one transformer
-block, ``core = R * block + adapter``, ``head = 2 d V``; :func:`matmul_flops_per_token`)::
+block, ``core = R * block + adapter``, ``head = 2 d V``; :func:`drc_core.experiments.cost.matmul_flops_per_token`)::
 
     uniform depth r (forward)             (P + C) * block + r * core + head
     skip_forward, rule with log-probs     P * block + a * (core + C * block + head)   (+ a V-sized softmax per loop)
@@ -49,10 +49,7 @@ measurement's own overhead is its time over that floor (:func:`measurement_cost`
 
 from __future__ import annotations
 
-import gc
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -64,6 +61,7 @@ from torch import Tensor
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches
+from drc_core.experiments.cost import Log, interleaved, matmul_flops_per_token, median, spread
 from drc_core.halting.generate import generate
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.halting.skipping import skip_forward
@@ -76,7 +74,6 @@ __all__ = [
     "SpeedConfig",
     "SpeedReport",
     "matched_rules",
-    "matmul_flops_per_token",
     "measurement_cost",
     "run_speed",
     "speedup_table",
@@ -86,7 +83,6 @@ __all__ = [
 
 TARGET_RATIO = 0.9  # issue C: wall-clock speedup >= 0.9 x the FLOP proxy at matched quality
 TARGET_MEASURE = 1.2  # issue C, as worded: the measurement pass <= 1.2 x one depth-32 forward
-Log = Callable[[str], None] | None
 
 
 def _families() -> list[str]:
@@ -138,58 +134,8 @@ class SpeedConfig:
 # Cost model and timing helpers
 
 
-def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, path: str) -> float:
-    """Matmul FLOPs per token of one of three paths at (average) depth ``loops`` (see the module docstring).
-
-    ``path``: "forward" (uniform depth, one readout), "skip_log_probs" (:func:`~drc_core.halting.skipping.skip_forward`
-    with a rule that reads log-probs: coda + head at every loop of every active token) or "skip_states" (a
-    rule on the states only: one readout per token; the coda context's k/v projections are ignored). Built
-    from :meth:`~drc_core.model.DepthRecurrentLM.flops_per_token`; log-softmax, statistics and the
-    gather/scatter of the skipping path are not matmuls and not counted.
-    """
-    c = model.cfg
-    base = model.flops_per_token(0, seq_len)  # (P + C) * block + head
-    core = model.flops_per_token(1, seq_len) - base
-    head = 2 * c.d_model * c.vocab_size
-    n_blocks = c.n_prelude + c.n_coda
-    block = (base - head) / n_blocks if n_blocks else 0.0
-    prelude, coda = c.n_prelude * block, c.n_coda * block
-    if path == "forward":
-        return base + loops * core
-    if path == "skip_log_probs":
-        return prelude + loops * (core + coda + head)
-    if path == "skip_states":
-        return prelude + loops * core + coda + head
-    raise ValueError(f"path={path!r} is not supported; use 'forward', 'skip_log_probs' or 'skip_states'")
-
-
 def _skip_path(rule: HaltingRule) -> str:
     return "skip_log_probs" if rule.needs_log_probs else "skip_states"
-
-
-def _interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one call per round, the order rotating from round to round."""
-    names = list(variants)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for rnd in range(rounds):
-        shift = rnd % len(names)
-        for name in names[shift:] + names[:shift]:
-            gc.collect()
-            t0 = time.perf_counter()
-            variants[name]()
-            times[name].append(time.perf_counter() - t0)
-        if log:
-            log(f"{what} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
-    return times
-
-
-def _median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
-
-
-def _spread(xs: Sequence[float]) -> float:
-    """(max - min) / median over rounds."""
-    return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
 
 
 def _on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targets: bool = True) -> Tensor:
@@ -329,8 +275,8 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     ``param``, ``rule``, ``path``, ``baseline``, ``needs_log_probs``, ``avg_loops`` (mean exit loop), ``ce``
     (mean next-token CE of exactly the timed outputs), ``ce_uniform``, ``ce_gap``, ``within_tolerance``,
     ``seconds`` (median over rounds for all windows), ``spread``, ``tokens_per_s``, ``proxy_speedup`` (r /
-    avg_loops), ``flop_speedup`` (:func:`matmul_flops_per_token` ratio), ``wallclock_speedup`` and
-    ``wall_over_proxy`` (the issue's target: >= 0.9).
+    avg_loops), ``flop_speedup`` (:func:`~drc_core.experiments.cost.matmul_flops_per_token` ratio),
+    ``wallclock_speedup`` and ``wall_over_proxy`` (the issue's target: >= 0.9).
     """
     cfg = cfg or SpeedConfig()
     windows = _on_device(model, windows)
@@ -369,16 +315,16 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
                     fn(x, s0)
             return go
 
-        times = _interleaved({info["rule"]: run(fn) for info, fn in variants}, cfg.rounds, log, "batched eval")
+        times = interleaved({info["rule"]: run(fn) for info, fn in variants}, cfg.rounds, log, "batched eval")
     base = rows[0]
-    base_s = _median(times[base["rule"]])
+    base_s = median(times[base["rule"]])
     base_flops = matmul_flops_per_token(model, r, t_len, "forward")
     for row in rows:
         row["ce_uniform"] = base["ce"]
         row["ce_gap"] = row["ce"] - base["ce"]
         row["within_tolerance"] = row["ce_gap"] <= cfg.ce_tolerance
-        row["seconds"] = _median(times[row["rule"]])
-        row["spread"] = _spread(times[row["rule"]])
+        row["seconds"] = median(times[row["rule"]])
+        row["spread"] = spread(times[row["rule"]])
         row["tokens_per_s"] = n_tok / row["seconds"]
         _speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
     return pd.DataFrame(rows)
@@ -435,14 +381,14 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
             name = str(spec.rule)
             variants[f"{name} [n]"] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0)
             variants[f"{name} [1]"] = lambda rule=spec.rule: generate(model, prompt, 1, rule, state=s0[:, : t0 + 1])
-        times = _interleaved(variants, cfg.rounds, log, "generation")
+        times = interleaved(variants, cfg.rounds, log, "generation")
     for row in rows:
         full, first = times[f"{row['rule']} [n]"], times[f"{row['rule']} [1]"]
-        decode = (_median(full) - _median(first)) / (n - 1)
-        row["seconds"] = decode if decode > 0 else _median(full) / n  # timer noise above the decode time: amortize
+        decode = (median(full) - median(first)) / (n - 1)
+        row["seconds"] = decode if decode > 0 else median(full) / n  # timer noise above the decode time: amortize
         row["ms_per_token"] = 1e3 * row["seconds"]
-        row["prompt_ms"] = 1e3 * _median(first)
-        row["spread"] = _spread(full)
+        row["prompt_ms"] = 1e3 * median(first)
+        row["spread"] = spread(full)
     base = rows[0]
     base_flops = matmul_flops_per_token(model, r, t0 + n, "skip_states")
     for row, spec in zip(rows, specs, strict=True):
@@ -496,11 +442,11 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
         model.eval()
         for fn in passes.values():  # warm-up on one window
             fn(windows[:1], one)
-        times = _interleaved({k: (lambda fn=fn: fn(windows, batches)) for k, fn in passes.items()}, cfg.rounds,
+        times = interleaved({k: (lambda fn=fn: fn(windows, batches)) for k, fn in passes.items()}, cfg.rounds,
                              log, "measurement")
-    med = {k: _median(v) for k, v in times.items()}
+    med = {k: median(v) for k, v in times.items()}
     fwd, ro = med[f"forward, depth {L}"], med[f"readout every loop, {L} loops"]
-    rows = [{"pass": k, "loops": L, "windows": len(windows), "seconds": med[k], "spread": _spread(times[k]),
+    rows = [{"pass": k, "loops": L, "windows": len(windows), "seconds": med[k], "spread": spread(times[k]),
              "x_forward": med[k] / fwd, "x_readout_pass": med[k] / ro,
              "target_as_worded": med[k] / fwd <= TARGET_MEASURE} for k in passes]
     return pd.DataFrame(rows)

@@ -1,0 +1,94 @@
+"""What a forward costs: the matmul-FLOP model of each path, and the interleaved timer the speed measurements and
+``bench/`` share.
+
+FLOPs come from one formula, :meth:`drc_core.model.DepthRecurrentLM.flops_per_token` (``block`` per transformer
+block, ``adapter`` per loop for concat injection, ``2 d V`` for the head); this module only splits it into the
+prelude, core, coda and head and recombines them per path (:func:`matmul_flops_per_token`) or for a training
+step (:func:`train_flops_per_token`).
+
+Timing: :func:`rotations` gives each round's order (each round starts one variant later, so no variant always
+runs first or after the same neighbour), :func:`interleaved` times one call per variant per round, and
+:func:`median` / :func:`spread` summarize the rounds: on a shared machine load slows all variants alike.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+from drc_core.model import DepthRecurrentLM
+
+__all__ = ["Log", "interleaved", "matmul_flops_per_token", "median", "rotations", "spread", "train_flops_per_token"]
+
+Log = Callable[[str], None] | None
+T = TypeVar("T")
+
+
+def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, path: str) -> float:
+    """Matmul FLOPs per token of one of three paths at (average) depth ``loops`` (see the module docstring).
+
+    ``path``: "forward" (uniform depth, one readout), "skip_log_probs" (:func:`~drc_core.halting.skipping.skip_forward`
+    with a rule that reads log-probs: coda + head at every loop of every active token) or "skip_states" (a
+    rule on the states only: one readout per token; the coda context's k/v projections are ignored). Built
+    from :meth:`~drc_core.model.DepthRecurrentLM.flops_per_token`; log-softmax, statistics and the
+    gather/scatter of the skipping path are not matmuls and not counted.
+    """
+    c = model.cfg
+    base = model.flops_per_token(0, seq_len)  # (P + C) * block + head
+    core = model.flops_per_token(1, seq_len) - base
+    head = 2 * c.d_model * c.vocab_size
+    n_blocks = c.n_prelude + c.n_coda
+    block = (base - head) / n_blocks if n_blocks else 0.0
+    prelude, coda = c.n_prelude * block, c.n_coda * block
+    if path == "forward":
+        return base + loops * core
+    if path == "skip_log_probs":
+        return prelude + loops * (core + coda + head)
+    if path == "skip_states":
+        return prelude + loops * core + coda + head
+    raise ValueError(f"path={path!r} is not supported; use 'forward', 'skip_log_probs' or 'skip_states'")
+
+
+def train_flops_per_token(model: DepthRecurrentLM, n: int, k: int | None, seq_len: int) -> int:
+    """Matmul FLOPs per token of one training step at ``n`` loops with backprop through the last ``k``: the
+    forward at all n loops plus a backward (~2x forward) only where a graph is built. With truncated backprop the
+    graph covers the prelude, the last k loops, the coda and the head, which is what ``flops_per_token(k, T)``
+    counts; full backprop (``k`` None, or k >= n) is 3 x F(n)."""
+    k_eff = n if k is None else min(k, n)
+    return model.flops_per_token(n, seq_len) + 2 * model.flops_per_token(k_eff, seq_len)
+
+
+def rotations(items: Sequence[T], rounds: int) -> Iterator[tuple[int, list[T]]]:
+    """``(round, order)`` for each of ``rounds`` rounds: the items, round r starting at item r mod n."""
+    items = list(items)
+    for rnd in range(rounds):
+        shift = rnd % len(items) if items else 0
+        yield rnd, items[shift:] + items[:shift]
+
+
+def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one call per round, the order rotating from round to round."""
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for rnd, order in rotations(names, rounds):
+        for name in order:
+            gc.collect()
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - t0)
+        if log:
+            log(f"{what} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    """The median over rounds."""
+    return statistics.median(xs)
+
+
+def spread(xs: Sequence[float]) -> float:
+    """(max - min) / median over rounds; 0 for a single round."""
+    return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0

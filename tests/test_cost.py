@@ -1,0 +1,32 @@
+"""The FLOP model's pieces and the interleaved timer shared by the speed measurements and bench/."""
+
+from __future__ import annotations
+
+import pytest
+
+from drc_core.experiments.cost import interleaved, median, rotations, spread, train_flops_per_token
+from drc_core.model import DepthRecurrentLM, ModelConfig
+
+
+def test_train_flops_are_forward_plus_twice_the_graph():
+    m = DepthRecurrentLM(ModelConfig(vocab_size=64, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=1,
+                                     max_seq_len=16))
+    f = m.flops_per_token
+    assert train_flops_per_token(m, 8, None, 16) == 3 * f(8, 16)
+    assert train_flops_per_token(m, 8, 3, 16) == f(8, 16) + 2 * f(3, 16)
+    assert train_flops_per_token(m, 4, 9, 16) == 3 * f(4, 16)  # k above n is full backprop
+
+
+def test_rotations_start_one_later_each_round():
+    assert list(rotations("abc", 4)) == [(0, list("abc")), (1, list("bca")), (2, list("cab")), (3, list("abc"))]
+    assert list(rotations([], 2)) == [(0, []), (1, [])]
+
+
+def test_interleaved_times_every_variant_once_per_round():
+    calls: list[str] = []
+    lines: list[str] = []
+    times = interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, lines.append, "x")
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3} and len(lines) == 3
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert spread([1.0, 2.0, 3.0]) == pytest.approx(1.0) and spread([5.0]) == 0.0
