@@ -10,6 +10,8 @@ resume). Any other exception is a bug in this project and keeps its traceback. `
 from __future__ import annotations
 
 import errno
+import math
+import numbers
 import os
 import shutil
 import sys
@@ -95,6 +97,36 @@ def need_loops(name: str, value: object) -> int:
         raise DrcError(f"{name}={n} is above the limit of {MAX_LOOPS} loops: the state converges within tens of "
                        f"loops; use at most {MAX_LOOPS}")
     return n
+
+
+def fmt_number(x: float) -> str:
+    """A short number for names and messages: 0.001 -> '1e-3', 0.5 -> '0.5', 1e-5 -> '1e-5'."""
+    if x == 0 or not math.isfinite(x) or 1e-2 <= abs(x) < 1e5:
+        return f"{x:g}"
+    text = f"{x:.6e}"
+    for digits in range(7):
+        text = f"{x:.{digits}e}"
+        if float(text) == x:
+            break
+    mantissa, exponent = text.split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def need_float(name: str, value: object, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False,
+               hi_open: bool = False, owner: str = "") -> float:
+    """``value`` as a float, or a one-line :class:`DrcError` unless it is a finite real number (not a bool) in
+    [lo, hi] (an end is excluded with ``lo_open`` / ``hi_open``; an infinite end is always open); ``owner``
+    prefixes the message, e.g. ``KLThreshold: tau=-1.0 is invalid; it must be a finite number in [0, inf)``."""
+    lo_text = f"({fmt_number(lo)}" if lo_open or not math.isfinite(lo) else f"[{fmt_number(lo)}"
+    hi_text = f"{fmt_number(hi)})" if hi_open or not math.isfinite(hi) else f"{fmt_number(hi)}]"
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
+    if ok:
+        v = float(value)
+        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        prefix = f"{owner}: " if owner else ""
+        raise DrcError(f"{prefix}{name}={value!r} is invalid; it must be a finite number in {lo_text}, {hi_text}")
+    return float(value)  # type: ignore[arg-type]
 
 
 def need_eps(eps: object) -> float:

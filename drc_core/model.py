@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from drc_core.errors import DrcError, check_fields, need_int, need_loops
+from drc_core.errors import DrcError, check_fields, need_float, need_int, need_loops
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -102,15 +102,10 @@ class ModelConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported; use one of {allowed}")
 
-        def need_number(name: str, ok: Callable[[float], bool], what: str) -> None:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
-                raise ValueError(f"{name}={value!r} is invalid; it must be {what}")
-
-        need_number("rope_base", lambda v: v > 0, "a positive number")
-        need_number("norm_eps", lambda v: v > 0, "a positive number")
-        need_number("init_state_scale", lambda v: v >= 0, "a number >= 0")
-        need_number("dropout", lambda v: 0 <= v < 1, "in [0, 1)")
+        need_float("rope_base", self.rope_base, 0.0, lo_open=True)
+        need_float("norm_eps", self.norm_eps, 0.0, lo_open=True)
+        need_float("init_state_scale", self.init_state_scale, 0.0)
+        need_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings={self.tie_embeddings!r} is invalid; use true or false")
 

@@ -46,7 +46,7 @@ import torch
 from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import iterate_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
-from drc_core.errors import need_eps, need_int
+from drc_core.errors import need_eps, need_float, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.model import RecurrentModel, check_token_ids, logits_at
 
@@ -338,8 +338,7 @@ def depth_summary(depths: pd.DataFrame, train_mean_depth: float = 8, *, n_boot: 
     plus ``n_tokens`` and ``n_clusters``.
     """
     _check_frame(depths, ("depth", "converged"))
-    if isinstance(train_mean_depth, bool) or not isinstance(train_mean_depth, int | float) or train_mean_depth < 1:
-        raise ValueError(f"train_mean_depth={train_mean_depth!r} is invalid; it must be a number >= 1")
+    need_float("train_mean_depth", train_mean_depth, 1.0)
     cluster = depths["doc"] if "doc" in depths.columns else depths.get("window")
     clusters = None if cluster is None else cluster.to_numpy()
     d = depths["depth"].to_numpy(float)

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.analysis.measure import measure_windows
-from drc_core.errors import DrcError, need_int
+from drc_core.errors import DrcError, need_float, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches
 from drc_core.experiments.cost import Log, interleaved, matmul_flops_per_token, median, spread
 from drc_core.halting.generate import generate
@@ -122,9 +122,7 @@ class SpeedConfig:
                    "prompt_len": 1, "gen_rows": 1, "measure_loops": 2, "measure_windows": 1, "max_online_tries": 1}
         for name, lo in minimum.items():
             need_int(name, getattr(self, name), lo)
-        tol = self.ce_tolerance
-        if isinstance(tol, bool) or not isinstance(tol, int | float) or not (0 <= tol < math.inf):
-            raise DrcError(f"ce_tolerance={tol!r} is invalid: it must be a finite number >= 0 (nats), e.g. 0.005")
+        need_float("ce_tolerance", self.ce_tolerance, 0.0)
         known = _families()
         if not self.families or any(f not in known for f in self.families):
             raise DrcError(f"families={list(self.families)!r} is invalid: choose from {', '.join(known)}")

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from drc_core.analysis.loops import LoopStats, iterate_stats
 from drc_core.analysis.measure import DEFAULT_EPS, depth_from_successive_kl
-from drc_core.errors import need_int
+from drc_core.errors import need_float, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches
 from drc_core.halting.rules import HaltingRule
 from drc_core.model import RecurrentModel, check_token_ids
@@ -75,29 +75,6 @@ _LOG_CLAMP = (-12.0, 4.0)
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation
-
-
-def _need_open_unit(owner: str, name: str, value: object, *, allow_zero: bool = False) -> float:
-    """A number in (0, 1), or [0, 1) with ``allow_zero``."""
-    lo = "[0" if allow_zero else "(0"
-    ok = isinstance(value, int | float | np.floating) and not isinstance(value, bool)
-    if ok:
-        v = float(value)
-        ok = math.isfinite(v) and (v > 0 or (allow_zero and v == 0)) and v < 1
-    if not ok:
-        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be a number in {lo}, 1)")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _need_positive(owner: str, name: str, value: object, *, allow_zero: bool = False) -> float:
-    ok = isinstance(value, int | float | np.floating) and not isinstance(value, bool)
-    if ok:
-        v = float(value)
-        ok = math.isfinite(v) and (v > 0 or (allow_zero and v == 0))
-    if not ok:
-        what = "a finite number >= 0" if allow_zero else "a finite number > 0"
-        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be {what}")
-    return float(value)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -255,7 +232,7 @@ def harvest(
     owner = "harvest"
     windows = check_token_ids(model, windows)
     max_loops = need_int("max_loops", max_loops, 2, owner)
-    eps = _need_positive(owner, "eps", eps)
+    eps = need_float("eps", eps, 0.0, lo_open=True, owner=owner)
     batch_size = need_int("batch_size", batch_size, 1, owner)
     spec = FeatureSpec(state=state_feature, loop=loop_feature, readout_stats=readout_stats, max_loops=max_loops)
     n, t_len = windows.shape[0], windows.shape[1] - 1
@@ -309,7 +286,8 @@ def split_windows(n_windows: int, train_fraction: float = 0.5, seed: int = 0) ->
     part, drawn by a permutation seeded with ``seed``.
     """
     n_windows = need_int("n_windows", n_windows, 2, "split_windows")
-    train_fraction = _need_open_unit("split_windows", "train_fraction", train_fraction)
+    train_fraction = need_float("train_fraction", train_fraction, 0.0, 1.0, lo_open=True, hi_open=True,
+                                owner="split_windows")
     n_train = min(max(round(train_fraction * n_windows), 1), n_windows - 1)
     perm = np.random.default_rng(seed).permutation(n_windows)
     return np.sort(perm[:n_train]).astype(np.int64), np.sort(perm[n_train:]).astype(np.int64)
@@ -464,10 +442,10 @@ def train_router(
     if data.n_features != router.d_in:
         raise ValueError(f"{owner}: data has {data.n_features} features but the router reads {router.d_in}")
     epochs = need_int("epochs", epochs, 1, owner)
-    lr = _need_positive(owner, "lr", lr)
-    weight_decay = _need_positive(owner, "weight_decay", weight_decay, allow_zero=True)
+    lr = need_float("lr", lr, 0.0, lo_open=True, owner=owner)
+    weight_decay = need_float("weight_decay", weight_decay, 0.0, owner=owner)
     batch_size = need_int("batch_size", batch_size, 1, owner)
-    val_fraction = _need_open_unit(owner, "val_fraction", val_fraction, allow_zero=True)
+    val_fraction = need_float("val_fraction", val_fraction, 0.0, 1.0, hi_open=True, owner=owner)
     patience = need_int("patience", patience, 1, owner)
     if len(data) < 2 and val_fraction > 0:
         raise ValueError(f"{owner}: data has 1 row; pass more rows or val_fraction=0")
@@ -561,7 +539,7 @@ def router_metrics(router: Router, data: RouterData, tau: float = 0.5) -> dict[s
     """
     if not isinstance(data, RouterData) or len(data) == 0:
         raise ValueError("router_metrics: data is empty; pass harvested rows (harvest(model, windows, ...))")
-    tau = _need_open_unit("router_metrics", "tau", tau)
+    tau = need_float("tau", tau, 0.0, 1.0, lo_open=True, hi_open=True, owner="router_metrics")
     device = router.mean.device
     was_training = router.training
     router.eval()
@@ -608,7 +586,7 @@ class RouterRule(HaltingRule):
             raise ValueError(f"{owner}: router={self.router!r} is not a Router; pass a trained LinearRouter/MLPRouter")
         if self.router.spec is None:
             raise ValueError(f"{owner}: the router has no feature spec; train it with train_router or load_router")
-        self.tau = _need_open_unit(owner, "tau", self.tau)
+        self.tau = need_float("tau", self.tau, 0.0, 1.0, lo_open=True, hi_open=True, owner=owner)
 
     def logits(self, stats: LoopStats) -> Tensor:
         """The router's logits (B, T) at this loop."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.analysis.loops import LoopStats, loop_stats
-from drc_core.errors import DrcError, need_int
+from drc_core.errors import DrcError, fmt_number, need_float, need_int
 from drc_core.evaluate import kl_successive
 from drc_core.model import HaltFn, LoopOutput, RecurrentModel, iterate
 
@@ -57,32 +57,6 @@ __all__ = [
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation and names
-
-
-def _fmt(x: float) -> str:
-    """A short number for rule names: 0.001 -> '1e-3', 0.5 -> '0.5'."""
-    if x == 0 or not math.isfinite(x) or 1e-2 <= abs(x) < 1e5:
-        return f"{x:g}"
-    text = f"{x:.6e}"
-    for digits in range(7):
-        text = f"{x:.{digits}e}"
-        if float(text) == x:
-            break
-    mantissa, exponent = text.split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
-def _need_float(owner: str, name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    """A finite number in [lo, hi] (or (lo, hi] with ``lo_open``); hi may be inf (then only finiteness)."""
-    lo_text = f"({_fmt(lo)}" if lo_open else f"[{_fmt(lo)}"
-    hi_text = f"{_fmt(hi)}]" if math.isfinite(hi) else "inf)"
-    what = f"a finite number in {lo_text}, {hi_text}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be {what}")
-    v = float(value)
-    if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
-        raise ValueError(f"{owner}: {name}={value!r} is invalid; it must be {what}")
-    return v
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -160,14 +134,14 @@ class _BelowThreshold(HaltingRule):
     _label = ""  # how the statistic is written in the rule's name
 
     def _validate(self, owner: str) -> None:
-        self.tau = _need_float(owner, "tau", self.tau, 0.0, math.inf)
+        self.tau = need_float("tau", self.tau, 0.0, math.inf, owner=owner)
 
     def criterion(self, stats: LoopStats) -> Tensor:
         return getattr(stats, self._stat) < self.tau
 
     @property
     def name(self) -> str:
-        return f"{self._label}<{_fmt(self.tau)}"
+        return f"{self._label}<{fmt_number(self.tau)}"
 
 
 @dataclass
@@ -200,14 +174,14 @@ class Cosine(HaltingRule):
     needs_log_probs = False
 
     def _validate(self, owner: str) -> None:
-        self.tau = _need_float(owner, "tau", self.tau, -1.0, 1.0)
+        self.tau = need_float("tau", self.tau, -1.0, 1.0, owner=owner)
 
     def criterion(self, stats: LoopStats) -> Tensor:
         return stats.cosine >= self.tau
 
     @property
     def name(self) -> str:
-        return f"cos>={_fmt(self.tau)}"
+        return f"cos>={fmt_number(self.tau)}"
 
 
 @dataclass
@@ -235,14 +209,14 @@ class SoftmaxConfidence(HaltingRule):
     tau: float
 
     def _validate(self, owner: str) -> None:
-        self.tau = _need_float(owner, "tau", self.tau, 0.0, 1.0, lo_open=True)
+        self.tau = need_float("tau", self.tau, 0.0, 1.0, lo_open=True, owner=owner)
 
     def criterion(self, stats: LoopStats) -> Tensor:
         return stats.top_prob >= self.tau
 
     @property
     def name(self) -> str:
-        return f"pmax>={_fmt(self.tau)}"
+        return f"pmax>={fmt_number(self.tau)}"
 
 
 @dataclass
@@ -310,7 +284,7 @@ class Oracle(HaltingRule):
                 f"pass max_loops >= {int(e.max())}"
             )
         if self.eps is not None:
-            self.eps = _need_float(owner, "eps", self.eps, 0.0, math.inf)
+            self.eps = need_float("eps", self.eps, 0.0, math.inf, owner=owner)
 
     def criterion(self, stats: LoopStats) -> Tensor:
         if tuple(self.exit_loops.shape) != tuple(stats.shape):
@@ -327,7 +301,7 @@ class Oracle(HaltingRule):
 
     @property
     def name(self) -> str:
-        return "oracle" if self.eps is None else f"oracle(kl<={_fmt(self.eps)})"
+        return "oracle" if self.eps is None else f"oracle(kl<={fmt_number(self.eps)})"
 
 
 RULE_FAMILIES: dict[str, type[HaltingRule]] = {
@@ -545,7 +519,7 @@ def oracle_exit(
     to it. The result is a lower bound on the average depth of any rule whose tokens end within ``eps`` of
     the reference (on the same uniform-depth outputs); it is not a deployable rule.
     """
-    eps = _need_float("oracle_exit", "eps", eps, 0.0, math.inf)
+    eps = need_float("eps", eps, 0.0, math.inf, owner="oracle_exit")
     need_int("min_loops", min_loops, 1, "oracle_exit")
     if reference_loop is not None:
         need_int("reference_loop", reference_loop, 1, "oracle_exit")
