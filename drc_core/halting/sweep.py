@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from drc_core.analysis.intervals import bootstrap_ci
-from drc_core.analysis.loops import loop_stats
+from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.halting.rules import (
@@ -51,7 +51,7 @@ from drc_core.halting.rules import (
     masked_forward,
     offline_exits,
 )
-from drc_core.model import RecurrentModel, check_token_ids, iterate, logits_at
+from drc_core.model import RecurrentModel, check_token_ids, logits_at
 
 __all__ = [
     "QUALITIES",
@@ -187,15 +187,11 @@ def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: tor
     ces, kls = [], []
 
     def stats():
-        prev = None
-        for out in iterate(model, x, loops, state=s0, readout="log_probs"):
-            assert out.out is not None
-            ce, kl = _token_quality(out.out, y, ref)
+        for st in iterate_stats(model, x, loops, state=s0):
+            ce, kl = _token_quality(st.log_probs, y, ref)
             ces.append(ce)
             kls.append(kl)
-            if rules:
-                prev = loop_stats(prev, out.loop, out.out, out.state)
-                yield prev
+            yield st
 
     it = stats()
     exits = offline_exits(it, [spec.rule for spec in rules]) if rules else []
