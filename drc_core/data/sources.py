@@ -24,6 +24,7 @@ Sources combine with ``+`` (``wikipedia+sotu``); :data:`DEFAULT_SOURCE` is the e
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -192,12 +193,11 @@ def _text_files(files: Sequence[Path], source: str, max_docs: int | None):
 
 
 def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int | None):
-    import datasets
 
     if builder == "json":
         for f in files:
             check_utf8(f)
-    ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    ds = _read_table(builder, files)
     if "text" not in ds.column_names:
         raise DrcError(f"{builder} files {files[0]}... have no 'text' column: name the text field 'text'")
     if max_docs is not None:
@@ -205,6 +205,28 @@ def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int
     ids = [str(i) for i in ds["id"]] if "id" in ds.column_names else [f"{source}:{i}" for i in range(len(ds))]
     ds = ds.select_columns(["text"])
     return ds.add_column("source", [source] * len(ds)).add_column("doc_id", ids)
+
+
+def _read_table(builder: str, files: Sequence[Path]):
+    """``datasets.load_dataset(builder, files)``; a file it cannot parse is a one-line :class:`DrcError` naming the
+    cause (``datasets`` wraps it in a DatasetGenerationError whose cause says what was wrong)."""
+    import datasets
+
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # datasets logs the parse error itself before raising: say it once, below
+    try:
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as exc:
+        root: BaseException = exc
+        while root.__cause__ is not None:
+            root = root.__cause__
+        first = (str(root).strip().splitlines() or [type(root).__name__])[0][:200]
+        kind = "JSON lines (one object with a 'text' field per line)" if builder == "json" else "parquet"
+        raise DrcError(f"cannot read the {builder} file(s) {', '.join(str(f) for f in files[:3])}: {first}; each must "
+                       f"be valid {kind}") from None
+    finally:
+        log.setLevel(level)
 
 
 def _local(paths: Sequence[str], max_docs: int | None):
@@ -233,6 +255,9 @@ def _fineweb_edu(data_files: Sequence[str], max_docs: int | None):
     if max_docs is None:
         raise DrcError("source 'fineweb-edu' streams 10B tokens: pass --max-docs N to take the first N documents")
     if data_files:
+        missing_files = [f for f in data_files if not Path(f).is_file()]
+        if missing_files:
+            raise DrcError(f"--data-files '{missing_files[0]}' does not exist: pass existing parquet shards")
         stream = datasets.load_dataset("parquet", data_files=list(data_files), split="train", streaming=True)
     else:  # pragma: no cover - needs the Hub
         stream = datasets.load_dataset(FINEWEB_REPO, name=FINEWEB_CONFIG, split="train", streaming=True)
