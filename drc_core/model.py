@@ -166,7 +166,7 @@ class FrozenKV:
     """The keys/values that frozen (halted) tokens offer to attention: one cached (k, v) pair per block.
 
     ``hook(j, frozen)`` is a ``kv_fn`` for block j (any index; a slot appears on first use; see
-    :meth:`Attention.forward`): given the freshly computed k, v (B, H, T, hd) it returns
+    :meth:`Block.forward`): given the freshly computed k, v (B, H, T, hd) it returns
     ``where(frozen, cached_j, fresh)`` and stores that as the new ``cached_j``.
     So after each pass the cache holds, for every token, the keys/values it offered last: its fresh ones while
     it is not frozen, and from then on those of the last pass before it froze (its *last computed* ones).
@@ -190,12 +190,9 @@ class FrozenKV:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with RoPE.
-
-    The forward pass is split into :meth:`project_qkv` (fused projection + split heads + RoPE) and
-    :meth:`attend` (attention + merge heads) so that a caller can read or replace a layer's per-token
-    keys/values in between; ``forward(..., kv_fn=f)`` does that with ``k, v = f(k, v)`` (see :class:`FrozenKV`).
-    """
+    """Causal multi-head self-attention with RoPE, in two steps that :class:`Block` composes:
+    :meth:`project_qkv` (fused projection + split heads + RoPE) and :meth:`attend` (attention + merge heads);
+    ``proj`` is the output projection."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -216,12 +213,6 @@ class Attention(nn.Module):
         B, _, T, _ = y.shape
         return y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_fn: KVFn | None = None) -> Tensor:
-        q, k, v = self.project_qkv(x, cos, sin)
-        if kv_fn is not None:
-            k, v = kv_fn(k, v)
-        return self.proj(self.attend(q, k, v))
-
 
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -235,7 +226,13 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """``x + post(attn(norm(x)))`` then ``x + post(mlp(norm(x)))``; ``post`` is identity unless sandwich."""
+    """``x + post(attn(norm(x)))`` then ``x + post(mlp(norm(x)))``; ``post`` is identity unless sandwich.
+
+    :meth:`forward` is :meth:`qkv`, the causal attention over those keys/values, then :meth:`finish`; the
+    compute-skipping paths (:func:`drc_core.halting.skipping.block_step`) run the same :meth:`qkv` and
+    :meth:`finish` on a flat list of tokens and swap only the attention, which reads a key/value cache. A
+    ``kv_fn`` (see :class:`FrozenKV`) may replace the keys/values attention sees: ``k, v = kv_fn(k, v)``.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -248,9 +245,21 @@ class Block(nn.Module):
         self.mlp_post = RMSNorm(cfg.d_model, cfg.norm_eps) if sandwich else nn.Identity()
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_fn: KVFn | None = None) -> Tensor:
-        x = x + self.drop(self.attn_post(self.attn(self.attn_norm(x), cos, sin, kv_fn)))
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, H, T, hd) of ``norm(x)`` (B, T, d), RoPE'd with ``cos``/``sin`` (T, hd/2) -- one row per
+        position of x, so a flat list of tokens passes its own positions' rows."""
+        return self.attn.project_qkv(self.attn_norm(x), cos, sin)
+
+    def finish(self, x: Tensor, y: Tensor) -> Tensor:
+        """The block after attention: ``y`` (..., H * hd) is the attention output of the tokens ``x`` (..., d)."""
+        x = x + self.drop(self.attn_post(self.attn.proj(y)))
         return x + self.drop(self.mlp_post(self.mlp(self.mlp_norm(x))))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_fn: KVFn | None = None) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        if kv_fn is not None:
+            k, v = kv_fn(k, v)
+        return self.finish(x, self.attn.attend(q, k, v))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -373,10 +382,18 @@ class DepthRecurrentLM(nn.Module):
             )
         return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
+    def token_embedding(self, idx: Tensor) -> Tensor:
+        """Token ids (any shape) -> their embeddings (..., d), before the prelude (with dropout)."""
+        return self.drop(self.tok_emb(idx))
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm + LM head: states after the coda (..., d) -> logits (..., V)."""
+        return self.lm_head(self.norm(x))
+
     def embed(self, idx: Tensor) -> Tensor:
         """Token ids (B, T) -> the prelude output e (B, T, d)."""
         cos, sin = self._rope(idx.shape[1])
-        x = self.drop(self.tok_emb(idx))
+        x = self.token_embedding(idx)
         for block in self.prelude:
             x = block(x, cos, sin)
         return x
@@ -424,7 +441,7 @@ class DepthRecurrentLM(nn.Module):
             x = block(x, cos, sin, _kv_hook(frozen_kv, j, frozen))
         if positions is not None:
             x = x[:, positions]
-        return self.lm_head(self.norm(x))
+        return self.head(x)
 
     # --- forward / iterate -------------------------------------------------------------------------------
 

@@ -88,9 +88,11 @@ def _check(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, 
 
 
 def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor) -> None:
-    """Run the prelude on positions [t0, t1) of every row with cached keys/values; write e there."""
+    """:meth:`DepthRecurrentLM.embed <drc_core.model.DepthRecurrentLM.embed>` on positions [t0, t1) of every
+    row, the prelude attending over cached keys/values (:func:`~drc_core.halting.skipping.block_step`); write e
+    there."""
     toks = Tokens.window(tokens.shape[0], *window, tokens.device)
-    x = model.drop(model.tok_emb(toks.gather(tokens)))
+    x = model.token_embedding(toks.gather(tokens))
     for block, slab in zip(model.prelude, kv, strict=True):
         x = block_step(block, x, toks, slab, model.rope_cos, model.rope_sin)
     e[toks.rows, toks.pos] = x

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from drc_core.analysis.loops import LoopStats, loop_stats, state_change
 from drc_core.halting.rules import AdaptiveResult, HaltingRule
-from drc_core.model import Block, DepthRecurrentLM, apply_rope
+from drc_core.model import Block, DepthRecurrentLM
 
 __all__ = [
     "KVSlab", "LoopCaches", "LoopResult", "Tokens", "attend_cached", "block_step", "check_state", "coda_readout",
@@ -124,26 +124,22 @@ def attend_cached(q: Tensor, toks: Tokens, kv: KVSlab) -> Tensor:
 
 def block_step(block: Block, x: Tensor, toks: Tokens, kv: KVSlab, cos: Tensor, sin: Tensor,
                query: Tensor | None = None) -> Tensor:
-    """One transformer block on the flat tokens ``x`` (N, d) at ``toks``, attending over the cache ``kv``.
+    """One transformer block on the flat tokens ``x`` (N, d) at ``toks``, attending over the cache ``kv``:
+    :meth:`Block.qkv <drc_core.model.Block.qkv>` and :meth:`Block.finish <drc_core.model.Block.finish>`, the
+    code of ``Block.forward``, around :func:`attend_cached` instead of dense causal attention.
 
     The tokens' keys/values are written into ``kv`` first (in place), so they see themselves and every other
     token's cached keys/values. ``query`` (N,) bool: only those tokens get the attention output and the MLP
     (all tokens still write their k/v); returns (N', d) for the N' selected tokens.
     """
-    attn = block.attn
-    n = x.shape[0]
-    q, k, v = attn.qkv(block.attn_norm(x)).view(n, 3, attn.n_heads, attn.head_dim).unbind(1)
-    c, s = cos[toks.pos][:, None], sin[toks.pos][:, None]
-    k = apply_rope(k, c, s)
+    q, k, v = (t[0].transpose(0, 1) for t in block.qkv(x[None], cos[toks.pos], sin[toks.pos]))  # (N, H, hd)
     kv[0][toks.rows, :, toks.pos] = k
     kv[1][toks.rows, :, toks.pos] = v
     if query is not None:
-        x, q, c, s, toks = x[query], q[query], c[query], s[query], toks.select(query)
+        x, q, toks = x[query], q[query], toks.select(query)
         if len(toks) == 0:
             return x
-    y = attend_cached(apply_rope(q, c, s), toks, kv)
-    x = x + block.drop(block.attn_post(attn.proj(y)))
-    return x + block.drop(block.mlp_post(block.mlp(block.mlp_norm(x))))
+    return block.finish(x, attend_cached(q, toks, kv))
 
 
 def coda_readout(model: DepthRecurrentLM, x: Tensor, toks: Tokens, coda_kv: list[KVSlab],
@@ -159,7 +155,7 @@ def coda_readout(model: DepthRecurrentLM, x: Tensor, toks: Tokens, coda_kv: list
         x = block_step(block, x, toks, kv, cos, sin, query=query if j == last else None)
     if last < 0 and query is not None:
         x = x[query]
-    return model.lm_head(model.norm(x))
+    return model.head(x)
 
 
 def empty_caches(model: DepthRecurrentLM, n_blocks: int, shape: tuple[int, ...], like: Tensor) -> list[KVSlab]:
