@@ -1,0 +1,101 @@
+"""Does Anderson acceleration reach the fixed point in fewer core evaluations than plain iteration?
+
+:func:`fixed_point_costs` runs every :class:`~drc_core.halting.anderson.AndersonConfig` (plain iteration among
+them) from the same initial states over the same windows and measures, per core evaluation k = 1..K:
+
+* ``ce``: mean next-token cross-entropy of the readout after k evaluations;
+* ``kl_ref``: mean KL(p_ref || p_k) to the reference output ``p_ref``, plain iteration's readout at ``ref_loops``
+  loops (the model's fixed-point output as trained);
+* ``kl_prev``: mean successive KL(p_k || p_{k-1});
+* ``residual``: median relative residual ||f(x) - x|| / ||f(x)|| per token;
+
+and, per token, the number of evaluations after which its successive KL stays below each ``eps`` (the definition
+of :func:`drc_core.analysis.measure.convergence_depth`, counted within the K evaluations). Wall-clock per
+evaluation is timed separately (no readout) by :func:`seconds_per_eval`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
+from drc_core.halting.anderson import PLAIN, AndersonConfig, anderson_iterate, evals_to_converge
+from drc_core.model import RecurrentModel, iterate
+
+
+@dataclass
+class FixedPointCosts:
+    """``curves``: one row per (method, evals) with ce, kl_ref, kl_prev, residual; ``depths``: one row per
+    (method, eps) with the mean / median / 90th percentile evaluations to converge and the share of tokens that
+    converged within K evaluations."""
+
+    curves: pd.DataFrame
+    depths: pd.DataFrame
+
+
+def fixed_point_costs(model: RecurrentModel, windows: torch.Tensor, configs: dict[str, AndersonConfig],
+                      max_evals: int = 32, ref_loops: int = 64, eps: tuple[float, ...] = (1e-3, 1e-5),
+                      batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> FixedPointCosts:
+    """Measure every config in ``configs`` (name -> config) on ``windows`` (N, T+1); see the module docstring."""
+    curves = {name: np.zeros((max_evals, 4)) for name in configs}
+    depths: dict[str, list[torch.Tensor]] = {name: [] for name in configs}
+    n_tokens = 0
+    for batch in eval_batches(model, windows, batch_size, seed):
+        start = batch.generator.get_state()
+        ref = None
+        for out in iterate(model, batch.x, ref_loops, generator=batch.generator, readout="log_probs"):
+            ref = out.out if out.loop == ref_loops else None
+        p_ref = ref.exp()
+        end = batch.generator.get_state()
+        y = batch.y.flatten()
+        for name, cfg in configs.items():
+            batch.generator.set_state(start)
+            prev, kls = None, []
+            for out in anderson_iterate(model, batch.x, max_evals, cfg, generator=batch.generator):
+                k = out.evals - 1
+                curves[name][k, 0] += float(F.nll_loss(out.out.flatten(0, 1), y, reduction="sum"))
+                curves[name][k, 1] += float(kl_successive(ref, out.out, p_ref).sum())
+                if prev is not None:
+                    kl = kl_successive(out.out, prev)
+                    kls.append(kl)
+                    curves[name][k, 2] += float(kl.sum())
+                curves[name][k, 3] += float(out.residual.median()) * out.residual.numel()
+                prev = out.out
+            depths[name].append(torch.stack(kls, -1).flatten(0, 1))
+        batch.generator.set_state(end)
+        n_tokens += batch.y.numel()
+    rows = []
+    for name, c in curves.items():
+        for k in range(max_evals):
+            rows.append({"method": name, "evals": k + 1, "ce": c[k, 0] / n_tokens, "kl_ref": c[k, 1] / n_tokens,
+                         "kl_prev": c[k, 2] / n_tokens if k else np.nan, "residual": c[k, 3] / n_tokens})
+    drows = []
+    for name, kls in depths.items():
+        kl = torch.cat(kls)
+        for e in eps:
+            d = evals_to_converge(kl, e).double()
+            drows.append({"method": name, "eps": e, "mean_evals": float(d.mean()), "median_evals": float(d.median()),
+                          "p90_evals": float(d.quantile(0.9)), "converged": float((d < max_evals).double().mean())})
+    return FixedPointCosts(pd.DataFrame(rows), pd.DataFrame(drows))
+
+
+def seconds_per_eval(model: RecurrentModel, x: torch.Tensor, cfg: AndersonConfig = PLAIN, evals: int = 16,
+                     rounds: int = 3) -> float:
+    """Median over ``rounds`` of the wall-clock seconds per core evaluation (prelude excluded, no readout)."""
+    times = []
+    with torch.no_grad():
+        for _ in range(rounds):
+            gen = torch.Generator(device=x.device).manual_seed(0)
+            it = anderson_iterate(model, x, evals + 1, cfg, generator=gen, readout=None)
+            next(it)  # the prelude and the first evaluation
+            t0 = time.perf_counter()
+            for _ in it:
+                pass
+            times.append((time.perf_counter() - t0) / evals)
+    return float(np.median(times))

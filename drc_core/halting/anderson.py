@@ -1,0 +1,158 @@
+"""Anderson acceleration of the core iteration at inference: reach the fixed point in fewer core evaluations.
+
+The core defines the map ``f(s) = core_step(s, e)`` (``e`` fixed for a sequence); the model was trained on plain
+iteration ``s_l = f(s_{l-1})``, and its state converges to a per-token fixed point ``s* = f(s*)``. Anderson
+acceleration (type II, the solver deep-equilibrium models use) spends the same one evaluation of ``f`` per step,
+but chooses the next point from the last ``h <= m + 1`` iterates ``x_i`` and their images ``f(x_i)``::
+
+    g_i   = f(x_i) - x_i                                           (residuals)
+    alpha = argmin_a || sum_i a_i g_i ||^2   s.t.  sum_i a_i = 1   (regularised: + lam * tr(G) * ||a||^2)
+    x'    = beta * sum_i alpha_i f(x_i) + (1 - beta) * sum_i alpha_i x_i
+
+``scope="token"`` solves one small (h x h) least-squares problem per token, from that token's own d-dimensional
+residuals (the per-token fixed point the paper measures); ``scope="sequence"`` one per sequence, over all of its
+T x d coordinates (the usual DEQ solver: the tokens are coupled through attention, so the map is really one map
+of the whole sequence). ``m = 0`` (or fewer than two iterates) is plain (damped) iteration: ``x' = beta f(x) +
+(1 - beta) x``; ``m = 0, beta = 1`` is exactly :func:`drc_core.model.iterate`.
+
+After ``k`` evaluations the state read out is the last image ``f(x_{k-1})``: the output of a core application,
+which is what the coda was trained to read (for plain iteration it is ``s_k``). So "evaluations" compare one to
+one with loops. Mixing costs O(h^2 d) per token, negligible against a core step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drc_core.errors import DrcError, need_float, need_int, need_loops
+from drc_core.model import RecurrentModel
+
+SCOPES = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class AndersonConfig:
+    """``m``: history window (0 = plain iteration); ``beta``: damping (1 = undamped); ``lam``: Tikhonov weight
+    relative to the trace of the residual Gram matrix; ``start``: plain steps before mixing begins (>= 1);
+    ``scope``: "token" or "sequence" (see the module docstring)."""
+
+    m: int = 3
+    beta: float = 1.0
+    lam: float = 1e-4
+    start: int = 1
+    scope: str = "token"
+
+    def __post_init__(self) -> None:
+        need_int("m", self.m, 0, "anderson")
+        need_float("beta", self.beta, 0.0, 1.0, lo_open=True, owner="anderson")
+        need_float("lam", self.lam, 0.0, owner="anderson")
+        need_int("start", self.start, 1, "anderson")
+        if self.scope not in SCOPES:
+            raise DrcError(f"anderson: scope={self.scope!r} is not supported; use one of {', '.join(SCOPES)}")
+
+    @property
+    def label(self) -> str:
+        if self.m == 0:
+            return "plain" if self.beta == 1 else f"plain (beta {self.beta:g})"
+        return f"anderson m={self.m} beta={self.beta:g} ({self.scope})"
+
+
+PLAIN = AndersonConfig(m=0)
+
+
+def anderson_weights(residuals: Tensor, lam: float) -> Tensor:
+    """The mixing weights for residuals (..., h, n): ``alpha`` (..., h) minimising ``||sum_i a_i g_i||^2 +
+    lam * tr(G) * ||a||^2`` subject to ``sum_i a_i = 1``, with ``G = g g^T`` the (h x h) Gram matrix.
+
+    Solved in float64 as ``alpha = z / sum(z)`` with ``(G + reg I) z = 1``; a tiny absolute floor on ``reg`` keeps
+    a zero residual (a token already at its fixed point) solvable, and gives it equal weights.
+    """
+    g = residuals.double()
+    gram = g @ g.transpose(-1, -2)
+    h = gram.shape[-1]
+    trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+    reg = lam * trace + 1e-30 + 1e-12 * trace.amax().clamp_min(0)
+    eye = torch.eye(h, dtype=gram.dtype, device=gram.device)
+    z = torch.linalg.solve(gram + reg[..., None, None] * eye, torch.ones(gram.shape[:-1], dtype=gram.dtype,
+                                                                          device=gram.device))
+    return (z / z.sum(-1, keepdim=True)).to(residuals.dtype)
+
+
+def anderson_step(xs: list[Tensor], fxs: list[Tensor], cfg: AndersonConfig) -> Tensor:
+    """The next point from iterates ``xs`` and their images ``fxs`` (each (B, T, d), oldest first)."""
+    if cfg.m == 0 or len(xs) < 2:
+        x, fx = xs[-1], fxs[-1]
+        return fx if cfg.beta == 1 else cfg.beta * fx + (1 - cfg.beta) * x
+    X, FX = torch.stack(xs, 2), torch.stack(fxs, 2)  # (B, T, h, d)
+    if cfg.scope == "token":
+        alpha = anderson_weights(FX - X, cfg.lam)[..., None]  # (B, T, h, 1)
+        mix_f, mix_x = (alpha * FX).sum(2), (alpha * X).sum(2)
+    else:
+        B, T, h, d = X.shape
+        res = (FX - X).permute(0, 2, 1, 3).reshape(B, h, T * d)
+        alpha = anderson_weights(res, cfg.lam)[:, None, :, None]  # (B, 1, h, 1)
+        mix_f, mix_x = (alpha * FX).sum(2), (alpha * X).sum(2)
+    return mix_f if cfg.beta == 1 else cfg.beta * mix_f + (1 - cfg.beta) * mix_x
+
+
+@dataclass
+class AndersonOutput:
+    """After ``evals`` core evaluations: ``state`` the last image f(x) (B, T, d), ``out`` its readout (logits or
+    float32 log-probs, or None) and ``residual`` the relative residual ||f(x) - x|| / ||f(x)|| per token (B, T)."""
+
+    evals: int
+    state: Tensor
+    out: Tensor | None
+    residual: Tensor
+
+
+def anderson_iterate(model: RecurrentModel, idx: Tensor, max_evals: int, cfg: AndersonConfig = AndersonConfig(), *,
+                     generator: torch.Generator | None = None, state: Tensor | None = None,
+                     readout: str | None = "log_probs") -> Iterator[AndersonOutput]:
+    """Yield an :class:`AndersonOutput` after each core evaluation 1..``max_evals`` (prelude once).
+
+    The initial state is drawn as :func:`drc_core.model.iterate` draws it (same ``generator`` -> same s_0), so
+    with :data:`PLAIN` the states equal ``iterate``'s loop by loop. Runs under the caller's grad mode.
+    """
+    need_loops("max_evals", max_evals)
+    if readout not in ("logits", "log_probs", None):
+        raise DrcError(f"readout={readout!r} is not supported; use logits, log_probs or None")
+    e = model.embed(idx)
+    x = model.initial_state(e, generator) if state is None else state
+    xs: deque[Tensor] = deque(maxlen=cfg.m + 1)
+    fxs: deque[Tensor] = deque(maxlen=cfg.m + 1)
+    for k in range(1, max_evals + 1):
+        fx = model.core_step(x, e)
+        residual = (fx - x).norm(dim=-1) / fx.norm(dim=-1).clamp_min(1e-12)
+        out = None
+        if readout is not None:
+            out = model.readout(fx)
+            if readout == "log_probs":
+                out = F.log_softmax(out.float(), dim=-1)
+        yield AndersonOutput(evals=k, state=fx, out=out, residual=residual)
+        if k == max_evals:
+            return
+        xs.append(x)
+        fxs.append(fx)
+        if k < cfg.start:
+            xs.clear()
+            fxs.clear()
+            x = fx
+            continue
+        x = anderson_step(list(xs), list(fxs), cfg)
+
+
+def evals_to_converge(kl: Tensor, eps: float) -> Tensor:
+    """Per token, the first evaluation k >= 2 after which the successive KL stays below ``eps`` for the rest of
+    the pass (``kl`` (..., K-1) holds KL(p_k || p_{k-1}) for k = 2..K, the definition of
+    :func:`drc_core.analysis.measure.convergence_depth`); K where the last KL is still >= eps."""
+    above = ~(kl.double() < eps)
+    n = above.shape[-1]
+    last = (n - 1) - above.flip(-1).int().argmax(-1)
+    return torch.where(above.any(-1), last + 2, torch.ones_like(last))
