@@ -34,6 +34,13 @@ max_loops = 32
 seed = 0
 
 # %%
+# the parameters' paths are relative to the repository root; resolve them from any working directory
+from drc_core.book.paths import at_root
+
+work_dir, corpus_dir, checkpoint = at_root(work_dir, corpus_dir, checkpoint)
+results_dir = at_root(results_dir)
+
+# %%
 import time
 
 import pandas as pd

@@ -28,6 +28,13 @@ seed = 0
 eps = 1e-3  # convergence threshold on KL(p_l || p_{l-1}), see the sensitivity table
 
 # %%
+# the parameters' paths are relative to the repository root; resolve them from any working directory
+from drc_core.book.paths import at_root
+
+work_dir, corpus_dir = at_root(work_dir, corpus_dir)
+results_dir = at_root(results_dir)
+
+# %%
 import time
 from pathlib import Path
 

@@ -28,6 +28,13 @@ explorer_tokens = 96
 live_explorer = True  # the ipywidgets explorer; the profiles turn it off for papermill runs (no kernel in the book)
 
 # %%
+# the parameters' paths are relative to the repository root; resolve them from any working directory
+from drc_core.book.paths import at_root
+
+work_dir, corpus_dir = at_root(work_dir, corpus_dir)
+results_dir = at_root(results_dir)
+
+# %%
 import time
 from pathlib import Path
 

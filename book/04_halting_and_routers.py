@@ -40,6 +40,13 @@ router_positions = 64  # harvested positions per window (all loops 1..L-1 of eac
 online_windows = 16  # held-out windows for the online (true per-token halting) check of the matched points
 
 # %%
+# the parameters' paths are relative to the repository root; resolve them from any working directory
+from drc_core.book.paths import at_root
+
+work_dir, corpus_dir = at_root(work_dir, corpus_dir)
+results_dir = at_root(results_dir)
+
+# %%
 import time
 
 import pandas as pd

@@ -60,6 +60,13 @@ measure_windows = 8  # windows for the measurement-pass comparison
 threads = 0  # torch threads; 0 keeps torch's default
 
 # %%
+# the parameters' paths are relative to the repository root; resolve them from any working directory
+from drc_core.book.paths import at_root
+
+work_dir, corpus_dir = at_root(work_dir, corpus_dir)
+results_dir = at_root(results_dir)
+
+# %%
 import time
 
 import pandas as pd

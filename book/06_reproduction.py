@@ -40,6 +40,13 @@ seed = 0
 levers_dir = "data/levers"  # shipped depth-lever runs (scripts/depth_levers.sh); empty: skip
 
 # %%
+# the parameters' paths are relative to the repository root; resolve them from any working directory
+from drc_core.book.paths import at_root
+
+work_dir, corpus_dir, runs_dir, levers_dir = at_root(work_dir, corpus_dir, runs_dir, levers_dir)
+results_dir = at_root(results_dir)
+
+# %%
 import time
 from pathlib import Path
 

@@ -8,6 +8,7 @@ The fixture book (tests/book_fixtures) has a passing notebook, a failing one and
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -203,3 +204,69 @@ def test_render_png_draws_a_saved_figure(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
     with pytest.raises(DrcError, match="not found"):
         render_png(tmp_path / "missing.json", tmp_path / "x.png")
+
+
+# --- paths: the notebooks' parameters resolve against the repository root from any working directory -----------
+
+
+@pytest.fixture
+def no_book_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from drc_core.book.paths import ROOT_ENV, RUN_ENV
+
+    monkeypatch.delenv(ROOT_ENV, raising=False)
+    monkeypatch.delenv(RUN_ENV, raising=False)
+
+
+def test_repo_root_walks_up_from_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       no_book_env: None) -> None:
+    from drc_core.book.paths import ROOT_ENV, at_root, repo_root
+
+    (tmp_path / "repo" / "book" / "deeper").mkdir(parents=True)
+    (tmp_path / "repo" / "_config.yml").write_text("title: t\n")
+    monkeypatch.chdir(tmp_path / "repo" / "book" / "deeper")
+    assert repo_root() == (tmp_path / "repo").resolve()
+    assert at_root("data/corpus/default") == "../../data/corpus/default"
+    assert at_root("runs/x", "", "/abs/path") == ("../../runs/x", "", "/abs/path")
+    monkeypatch.chdir(tmp_path / "repo")
+    assert at_root("data/corpus/default") == "data/corpus/default"  # papermill's cwd: the strings stay as given
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DrcError, match="no repository root"):
+        repo_root()
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "repo"))  # the override wins over the search
+    assert repo_root() == (tmp_path / "repo").resolve() and at_root("runs") == "repo/runs"
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path / "missing"))
+    with pytest.raises(DrcError, match="is not a directory"):
+        repo_root()
+
+
+def _parameters_and_path_cell(src: Path) -> tuple[str, str]:
+    import jupytext
+
+    cells = [c for c in jupytext.read(src).cells if c.cell_type == "code"]
+    i = next(i for i, c in enumerate(cells) if "parameters" in c.metadata.get("tags", []))
+    return cells[i].source, cells[i + 1].source
+
+
+@pytest.mark.parametrize("src", sorted((ROOT / "book").glob("[0-9][0-9]_*.py")), ids=lambda p: p.stem)
+def test_every_notebook_resolves_its_paths_in_the_cell_after_its_parameters(
+        src: Path, monkeypatch: pytest.MonkeyPatch, no_book_env: None) -> None:
+    """The first code cell after the parameters, run with the kernel in book/ (JupyterLab), gives every path
+    parameter pointing into the repository root (not into book/); the same strings at the root (papermill)."""
+    params, paths = _parameters_and_path_cell(src)
+    assert "at_root(" in paths and "%cd" not in paths
+    defaults: dict = {}
+    exec(params, defaults)
+    path_names = [k for k, v in defaults.items() if k.endswith("_dir") or k == "checkpoint"]
+    assert "work_dir" in path_names and "corpus_dir" in path_names
+    monkeypatch.chdir(ROOT / "book")
+    ns = dict(defaults)
+    exec(paths, ns)
+    for k in path_names:
+        if k == "results_dir":
+            continue  # where results go is the next test's concern
+        want = os.path.relpath(ROOT / defaults[k], ROOT / "book") if defaults[k] else ""
+        assert ns[k] == want, k
+    monkeypatch.chdir(ROOT)
+    ns = dict(defaults)
+    exec(paths, ns)
+    assert all(ns[k] == defaults[k] for k in path_names if k != "results_dir")

@@ -29,6 +29,8 @@ import nbformat
 import pytest
 from jupytext.config import load_jupytext_configuration_file
 
+from drc_core.book.paths import ROOT_ENV, RUN_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "book").glob("[0-9][0-9]_*.py"))
 NOTEBOOK = "book/03_token_types.py"
@@ -137,8 +139,9 @@ def lab_site(tmp_path: Path) -> Path:
     """A repository-shaped directory for JupyterLab: a copy of the source, jupytext.toml, the smoke profile's work
     dir under the path the notebook's parameters name, and the prepared corpus (read only, via a link).
 
-    The notebook's parameters are paths relative to the repository root, but the kernel starts in book/; until
-    the library resolves them against the root, links in book/ make the same relative paths resolve there too.
+    The notebook's parameters are paths relative to the repository root and the kernel starts in book/: the
+    notebook resolves them with drc_core.book.paths.at_root, against $DRC_BOOK_ROOT, which the JupyterLab fixture
+    points at this site (so nothing resolves against the real repository).
     """
     data = tmp_path / "smoke"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -155,8 +158,6 @@ def lab_site(tmp_path: Path) -> Path:
     (site / "runs" / "book" / "reference").symlink_to(data / "work")  # the notebook's default work_dir
     (site / "data" / "corpus").mkdir(parents=True)
     (site / "data" / "corpus" / "default").symlink_to(ROOT / "data" / "corpus" / "default")
-    for name in ["runs", "data"]:
-        (site / "book" / name).symlink_to(Path("..") / name)
     return site
 
 
@@ -166,10 +167,11 @@ def jupyterlab(lab_site: Path, tmp_path: Path) -> Iterator[str]:
     User settings, workspaces and runtime files live in the tmp dir; the venv's settings (overrides.d) apply."""
     port = free_port()
     home = tmp_path / "jupyter-home"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "JUPYTER_CONFIG_DIR": str(home / "config"),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ROOT_ENV: str(lab_site), "JUPYTER_CONFIG_DIR": str(home / "config"),
            "JUPYTER_RUNTIME_DIR": str(home / "runtime"), "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
     env.pop("PLOTLY_RENDERER", None)  # JupyterLab picks plotly's mimetype renderer itself
+    env.pop(RUN_ENV, None)  # an interactive session, not the book runner
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            "--ServerApp.port_retries=0", "--IdentityProvider.token=", f"--ServerApp.root_dir={lab_site}",
            "--LabApp.expose_app_in_browser=True"]
