@@ -35,10 +35,10 @@ seed = 0
 
 # %%
 # the parameters' paths are relative to the repository root; resolve them from any working directory
-from drc_core.book.paths import at_root
+from drc_core.book.paths import at_root, results_for
 
 work_dir, corpus_dir, checkpoint = at_root(work_dir, corpus_dir, checkpoint)
-results_dir = at_root(results_dir)
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 import time

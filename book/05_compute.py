@@ -61,10 +61,10 @@ threads = 0  # torch threads; 0 keeps torch's default
 
 # %%
 # the parameters' paths are relative to the repository root; resolve them from any working directory
-from drc_core.book.paths import at_root
+from drc_core.book.paths import at_root, results_for
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
-results_dir = at_root(results_dir)
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 import time

@@ -41,10 +41,10 @@ levers_dir = "data/levers"  # shipped depth-lever runs (scripts/depth_levers.sh)
 
 # %%
 # the parameters' paths are relative to the repository root; resolve them from any working directory
-from drc_core.book.paths import at_root
+from drc_core.book.paths import at_root, results_for
 
 work_dir, corpus_dir, runs_dir, levers_dir = at_root(work_dir, corpus_dir, runs_dir, levers_dir)
-results_dir = at_root(results_dir)
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 import time

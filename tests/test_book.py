@@ -17,6 +17,7 @@ import nbformat
 import pytest
 import yaml
 
+from drc_core.book.paths import ROOT_ENV, RUN_ENV
 from drc_core.book.runner import build_book, find_browser, load_profiles, main, run_book, toc_for
 from drc_core.book.runner import declared_parameters as declare
 from drc_core.errors import DrcError
@@ -62,7 +63,9 @@ def test_run_injects_only_declared_parameters(fixture_book: Path) -> None:
     spec = load_profiles("book/profiles.toml")
     timings = run_book(spec, "p", "papermill_runs", only=["01_pass"], progress=False)
     assert set(timings) == {"01_pass"} and timings["01_pass"] > 0
-    assert json.loads(Path("res/01_pass.json").read_text()) == {"profile": "p", "n_windows": 3}
+    # the runner tells the kernel that it runs the profile (drc_core.book.paths.RUN_ENV): results may go to the
+    # committed results_dir only then
+    assert json.loads(Path("res/01_pass.json").read_text()) == {"profile": "p", "n_windows": 3, "run": "p"}
     executed = Path("papermill_runs/p/01_pass.ipynb")
     assert "profile=p n_windows=3 label=special" in outputs(executed)
     injected = [c for c in nbformat.read(executed, as_version=4).cells if "injected-parameters" in c.metadata.get(
@@ -211,15 +214,13 @@ def test_render_png_draws_a_saved_figure(tmp_path: Path) -> None:
 
 @pytest.fixture
 def no_book_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from drc_core.book.paths import ROOT_ENV, RUN_ENV
-
     monkeypatch.delenv(ROOT_ENV, raising=False)
     monkeypatch.delenv(RUN_ENV, raising=False)
 
 
 def test_repo_root_walks_up_from_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        no_book_env: None) -> None:
-    from drc_core.book.paths import ROOT_ENV, at_root, repo_root
+    from drc_core.book.paths import at_root, repo_root
 
     (tmp_path / "repo" / "book" / "deeper").mkdir(parents=True)
     (tmp_path / "repo" / "_config.yml").write_text("title: t\n")
@@ -262,11 +263,45 @@ def test_every_notebook_resolves_its_paths_in_the_cell_after_its_parameters(
     ns = dict(defaults)
     exec(paths, ns)
     for k in path_names:
-        if k == "results_dir":
-            continue  # where results go is the next test's concern
+        if k == "results_dir":  # an interactive run: the same path under runs/lab/, never the committed one
+            assert ns[k] == os.path.relpath(ROOT / "runs" / "lab" / defaults[k], ROOT / "book")
+            continue
         want = os.path.relpath(ROOT / defaults[k], ROOT / "book") if defaults[k] else ""
         assert ns[k] == want, k
     monkeypatch.chdir(ROOT)
+    monkeypatch.setenv(RUN_ENV, "reference")  # as the book runner sets it for its kernels
     ns = dict(defaults)
     exec(paths, ns)
-    assert all(ns[k] == defaults[k] for k in path_names if k != "results_dir")
+    assert all(ns[k] == defaults[k] for k in path_names)
+
+
+def test_interactive_results_never_touch_the_committed_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            no_book_env: None) -> None:
+    """Without the runner's RUN_ENV, results_for sends a results directory inside the repository to runs/lab/;
+    save_results writes there, the committed file keeps its bytes, and load_results reads this session's result
+    where there is one and the committed one otherwise."""
+    from drc_core.book.paths import committed_counterpart, results_for
+    from drc_core.book.workspace import load_results, save_results
+
+    repo = tmp_path / "repo"
+    committed = repo / "papermill_runs" / "p" / "results"
+    committed.mkdir(parents=True)
+    (repo / "book").mkdir()
+    (repo / "_config.yml").write_text("title: t\n")
+    (committed / "03_x.json").write_text('{"value": 1}\n')
+    (committed / "01_y.json").write_text('{"value": 2}\n')
+    before = (committed / "03_x.json").read_bytes()
+    monkeypatch.chdir(repo / "book")
+    lab = results_for("papermill_runs/p/results")
+    assert lab == "../runs/lab/papermill_runs/p/results"
+    assert committed_counterpart(lab) == committed.resolve()
+    save_results(lab, "03_x", {"value": 3})
+    assert (committed / "03_x.json").read_bytes() == before
+    assert load_results(lab, "03_x") == {"value": 3} and load_results(lab, "01_y") == {"value": 2}
+    with pytest.raises(DrcError, match="run notebook 02_z"):
+        load_results(lab, "02_z")
+    assert results_for("runs/mine") == "../runs/mine"  # already untracked: kept
+    assert results_for(str(tmp_path / "elsewhere")) == str(tmp_path / "elsewhere")  # outside the repository: kept
+    monkeypatch.setenv(RUN_ENV, "p")  # the book runner: the committed directory itself
+    assert results_for("papermill_runs/p/results") == "../papermill_runs/p/results"
+    assert committed_counterpart("../papermill_runs/p/results") is None

@@ -156,6 +156,10 @@ def lab_site(tmp_path: Path) -> Path:
     shutil.copy(ROOT / "jupytext.toml", site)
     (site / "runs" / "book").mkdir(parents=True)
     (site / "runs" / "book" / "reference").symlink_to(data / "work")  # the notebook's default work_dir
+    # the committed result the notebook's default results_dir names: an interactive run must leave it alone
+    committed = site / "papermill_runs" / "reference" / "results"
+    committed.mkdir(parents=True)
+    shutil.copy(ROOT / "papermill_runs" / "reference" / "results" / "03_token_types.json", committed)
     (site / "data" / "corpus").mkdir(parents=True)
     (site / "data" / "corpus" / "default").symlink_to(ROOT / "data" / "corpus" / "default")
     return site
@@ -267,8 +271,9 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
     t0 = time.monotonic()
     shots = tmp_path / "screens"
     shots.mkdir()
-    results = ROOT / "papermill_runs" / "reference" / "results" / "03_token_types.json"
-    results_before = results.read_bytes() if results.is_file() else None
+    tracked = [ROOT / "papermill_runs" / "reference" / "results" / "03_token_types.json",
+               lab_site / "papermill_runs" / "reference" / "results" / "03_token_types.json"]
+    tracked_before = [p.read_bytes() for p in tracked]
     source_before = (lab_site / NOTEBOOK).read_bytes()
     d = browser
 
@@ -344,5 +349,7 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
     d.execute_script("window.jupyterapp.commands.execute('docmanager:save');")
     wait_for(lambda: d.execute_script(_PANEL + "return !w.context.model.dirty;"), 30, "the save")
     assert (lab_site / NOTEBOOK).read_bytes() == source_before
-    assert (results.read_bytes() if results.is_file() else None) == results_before
+    assert [p.read_bytes() for p in tracked] == tracked_before
+    interactive = lab_site / "runs" / "lab" / "papermill_runs" / "reference" / "results" / "03_token_types.json"
+    assert json.loads(interactive.read_text())["profile"] == "reference"  # the run's results went here instead
     print(f"live explorer test: {time.monotonic() - t0:.1f} s in the browser; screenshots in {shots}")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from drc_core.book.paths import RUN_ENV
 from drc_core.errors import DrcError
 
 __all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
@@ -174,7 +175,9 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
     dest = Path(out) / profile
     dest.mkdir(parents=True, exist_ok=True)
     failed_dir, work = dest / "failed", dest / ".running"
-    env = {"PLOTLY_RENDERER": prof.plotly_renderer, **prof.env}
+    # RUN_ENV tells the notebooks that the runner executes them: only then do results go to the committed
+    # results_dir (drc_core.book.paths.results_for); interactive runs write under runs/lab/
+    env = {"PLOTLY_RENDERER": prof.plotly_renderer, **prof.env, RUN_ENV: profile}
     timings_path = dest / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     old_env = {k: os.environ.get(k) for k in env}

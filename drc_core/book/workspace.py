@@ -8,7 +8,8 @@ place that knows their layout:
 - ``work_dir/model/``: the studied model -- ``model.safetensors``, ``config.json``, ``train_config.json``,
   ``metrics.jsonl`` and ``source.json`` (where it came from: a shipped checkpoint or a training run);
 - ``work_dir/train/``: a training run made by the book (resumable, :func:`drc_core.train.train`);
-- ``results_dir/<notebook>.json``: what :func:`save_results` wrote.
+- ``results_dir/<notebook>.json``: what :func:`save_results` wrote (the committed ``papermill_runs/<profile>/results``
+  only in a book-runner run; interactive runs write under ``runs/lab/``, see :mod:`drc_core.book.paths`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from drc_core.book.paths import committed_counterpart
 from drc_core.config import TrainConfig, apply_overrides, preset
 from drc_core.data.prepare import PrepareConfig, prepare
 from drc_core.data.sampler import Corpus
@@ -159,8 +161,13 @@ def save_results(results_dir: str | Path, name: str, results: dict[str, Any]) ->
 
 
 def load_results(results_dir: str | Path, name: str) -> dict[str, Any]:
-    """Read ``results_dir/<name>.json``; a missing file names the notebook to run."""
+    """Read ``results_dir/<name>.json``; a missing file names the notebook to run. For an interactive run's
+    results directory (under ``runs/lab/``, :func:`drc_core.book.paths.results_for`) a notebook this session has
+    not run yet is read from the committed results it stands for."""
     path = Path(results_dir) / f"{name}.json"
+    committed = committed_counterpart(results_dir)
+    if not path.is_file() and committed is not None and (committed / f"{name}.json").is_file():
+        path = committed / f"{name}.json"
     if not path.is_file():
         raise DrcError(f"{path} not found: run notebook {name} of this profile first")
     return json.loads(path.read_text())

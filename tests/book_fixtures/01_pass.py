@@ -10,8 +10,10 @@ label = "default"
 
 # %%
 import json
+import os
 from pathlib import Path
 
 Path(results_dir).mkdir(parents=True, exist_ok=True)
-Path(results_dir, "01_pass.json").write_text(json.dumps({"profile": profile, "n_windows": n_windows}))
+Path(results_dir, "01_pass.json").write_text(json.dumps({"profile": profile, "n_windows": n_windows,
+                                                        "run": os.environ.get("DRC_BOOK_RUN")}))
 print(f"profile={profile} n_windows={n_windows} label={label}")
