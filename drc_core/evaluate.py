@@ -216,12 +216,12 @@ def depth_gain_by_step(metrics: pd.DataFrame, shallow: int = 1, deep: int = 8) -
     ``step``, ``loops``, ``loss``), per evaluated step the loss at ``shallow`` and ``deep`` loops and the gain
     ``loss(shallow) - loss(deep)`` in nats. Steps that lack either depth are left out."""
     if "kind" not in metrics.columns or not {"step", "loops", "loss"} <= set(metrics.columns):
-        raise ValueError("metrics needs kind/step/loops/loss columns: pass metrics.jsonl read with pandas.read_json")
+        raise DrcError("metrics needs kind/step/loops/loss columns: pass metrics.jsonl read with pandas.read_json")
     evals = metrics[metrics.kind == "eval"]
     wide = evals.pivot_table(index="step", columns="loops", values="loss", aggfunc="last")
     missing = [d for d in (shallow, deep) if d not in wide.columns]
     if missing:
-        raise ValueError(f"no validation rows at {missing} loops; the run evaluated {sorted(wide.columns.tolist())}")
+        raise DrcError(f"no validation rows at {missing} loops; the run evaluated {sorted(wide.columns.tolist())}")
     out = pd.DataFrame({f"loss_{shallow}": wide[shallow], f"loss_{deep}": wide[deep]}).dropna()
     out["gain"] = out[f"loss_{shallow}"] - out[f"loss_{deep}"]
     return out.reset_index()

@@ -89,25 +89,25 @@ class ModelConfig:
         if self.mlp_hidden is not None:
             need("mlp_hidden", 1)
         if self.d_model % self.n_heads != 0:
-            raise ValueError(
+            raise DrcError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
                 f"choose n_heads in {_valid_heads(self.d_model)}"
             )
         if (self.d_model // self.n_heads) % 2 != 0:
-            raise ValueError(
+            raise DrcError(
                 f"head_dim = d_model/n_heads = {self.d_model // self.n_heads} is odd but RoPE needs an even "
                 f"head_dim; choose n_heads in {_valid_heads(self.d_model)}"
             )
         for name, allowed in (("norm", _NORMS), ("injection", _INJECTIONS), ("init_state", _INIT_STATES)):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; use one of {allowed}")
+                raise DrcError(f"{name}={getattr(self, name)!r} is not supported; use one of {allowed}")
 
         need_float("rope_base", self.rope_base, 0.0, lo_open=True)
         need_float("norm_eps", self.norm_eps, 0.0, lo_open=True)
         need_float("init_state_scale", self.init_state_scale, 0.0)
         need_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
         if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings={self.tie_embeddings!r} is invalid; use true or false")
+            raise DrcError(f"tie_embeddings={self.tie_embeddings!r} is invalid; use true or false")
 
     @property
     def head_dim(self) -> int:
@@ -376,7 +376,7 @@ class DepthRecurrentLM(nn.Module):
 
     def _rope(self, seq_len: int) -> tuple[Tensor, Tensor]:
         if seq_len > self.cfg.max_seq_len:
-            raise ValueError(
+            raise DrcError(
                 f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}; "
                 "use shorter inputs or a config with a larger max_seq_len"
             )
@@ -467,7 +467,7 @@ class DepthRecurrentLM(nn.Module):
         if n_grad_loops is not None and (
             isinstance(n_grad_loops, bool) or not isinstance(n_grad_loops, int) or n_grad_loops < 1
         ):
-            raise ValueError(f"n_grad_loops={n_grad_loops!r} is invalid; use an integer >= 1 or None")
+            raise DrcError(f"n_grad_loops={n_grad_loops!r} is invalid; use an integer >= 1 or None")
         e = self.embed(idx)
         s = self.initial_state(e, generator) if state is None else state
         n_free = 0 if n_grad_loops is None else max(n_loops - n_grad_loops, 0)
@@ -537,7 +537,7 @@ class DepthRecurrentLM(nn.Module):
         path = Path(path_dir)
         config_path = path / CONFIG_FILE
         if not config_path.is_file():
-            raise ValueError(f"{config_path} not found; pass a directory written by DepthRecurrentLM.save")
+            raise DrcError(f"{config_path} not found; pass a directory written by DepthRecurrentLM.save")
         model = cls(ModelConfig.from_dict(json.loads(config_path.read_text()), str(config_path)))
         load_state(model, path, map_location=map_location)
         return model.to(map_location)
@@ -566,7 +566,7 @@ def check_token_ids(model: RecurrentModel, ids: object, what: str = "windows", *
 
 def _kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
     if (frozen_kv is None) != (frozen is None):
-        raise ValueError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
+        raise DrcError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
     return None if frozen_kv is None or frozen is None else frozen_kv.hook(j, frozen)
 
 
@@ -577,7 +577,7 @@ def _shape(t: Tensor | torch.Size) -> str:
 def load_state(model: DepthRecurrentLM, path: str | Path, map_location: str | torch.device = "cpu") -> None:
     """Load a checkpoint (a directory from :meth:`DepthRecurrentLM.save`, or its ``model.safetensors``).
 
-    Everything is checked before anything is copied; the first problem raises a one-line ``ValueError``:
+    Everything is checked before anything is copied; the first problem raises a one-line ``DrcError``:
     a missing/unexpected tensor or a shape mismatch names the tensor (and, when the checkpoint's config.json
     is there, the config fields that differ); a config field that differs without changing any shape
     (e.g. rope_base, injection scale) is named too. ``dropout`` and ``max_seq_len`` may differ.
@@ -585,7 +585,7 @@ def load_state(model: DepthRecurrentLM, path: str | Path, map_location: str | to
     path = Path(path)
     weights = path / WEIGHTS_FILE if path.is_dir() else path
     if not weights.is_file():
-        raise ValueError(f"checkpoint {weights} not found; pass a directory written by DepthRecurrentLM.save")
+        raise DrcError(f"checkpoint {weights} not found; pass a directory written by DepthRecurrentLM.save")
     config_path = weights.parent / CONFIG_FILE
     diffs: list[str] = []
     if config_path.is_file():
@@ -605,18 +605,18 @@ def load_state(model: DepthRecurrentLM, path: str | Path, map_location: str | to
     expected = model.checkpoint_state()
     for key in expected:
         if key not in ckpt:
-            raise ValueError(f"checkpoint is missing tensor {key} that the model expects{hint}")
+            raise DrcError(f"checkpoint is missing tensor {key} that the model expects{hint}")
     for key in ckpt:
         if key not in expected:
-            raise ValueError(f"checkpoint has unexpected tensor {key} that the model does not have{hint}")
+            raise DrcError(f"checkpoint has unexpected tensor {key} that the model does not have{hint}")
     for key, want in expected.items():
         if ckpt[key].shape != want.shape:
-            raise ValueError(
+            raise DrcError(
                 f"checkpoint tensor {key} has shape {_shape(ckpt[key].shape)} but the model expects "
                 f"{_shape(want.shape)}{hint}"
             )
     if diffs:
-        raise ValueError(
+        raise DrcError(
             f"checkpoint config.json has {diffs[0]}; build the model from the checkpoint's config.json "
             "(DepthRecurrentLM.load) or fix that field"
         )
@@ -663,7 +663,7 @@ def iterate(
     """
     need_loops("max_loops", max_loops)
     if readout not in _READOUTS:
-        raise ValueError(f"readout={readout!r} is not supported; use one of {_READOUTS}")
+        raise DrcError(f"readout={readout!r} is not supported; use one of {_READOUTS}")
     e = model.embed(idx)
     s = model.initial_state(e, generator) if state is None else state
     halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from drc_core.errors import DrcError
+
 SCHEMES = ("poisson-lognormal", "fixed", "uniform")
 
 
@@ -53,33 +55,33 @@ class RecurrenceConfig:
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
-            raise ValueError(f"scheme={self.scheme!r} is not supported; use one of {SCHEMES}")
+            raise DrcError(f"scheme={self.scheme!r} is not supported; use one of {SCHEMES}")
         if self.scheme == "poisson-lognormal":
             if not _is_number(self.mean) or self.mean <= 1:
-                raise ValueError(
+                raise DrcError(
                     f"mean={self.mean!r} is invalid for scheme 'poisson-lognormal'; it must be > 1 "
                     "(r = Poisson(rate) + 1 >= 1), or use scheme='fixed' for one loop"
                 )
             if not _is_number(self.sigma) or self.sigma < 0:
-                raise ValueError(f"sigma={self.sigma!r} is invalid; it must be a number >= 0")
+                raise DrcError(f"sigma={self.sigma!r} is invalid; it must be a number >= 0")
         fixed_ok = _is_number(self.mean) and self.mean >= 1 and self.mean == int(self.mean)
         if self.scheme == "fixed" and not fixed_ok:
-            raise ValueError(f"mean={self.mean!r} is invalid for scheme 'fixed'; it must be an integer >= 1")
+            raise DrcError(f"mean={self.mean!r} is invalid for scheme 'fixed'; it must be an integer >= 1")
         uniform_ok = _is_int(self.low) and _is_int(self.high) and 1 <= self.low <= self.high
         if self.scheme == "uniform" and not uniform_ok:
-            raise ValueError(
+            raise DrcError(
                 f"low={self.low!r}, high={self.high!r} are invalid for scheme 'uniform'; "
                 "they must be integers with 1 <= low <= high"
             )
         if self.max_loops is not None and not (_is_int(self.max_loops) and self.max_loops >= 1):
-            raise ValueError(f"max_loops={self.max_loops!r} is invalid; use an integer >= 1 or None")
+            raise DrcError(f"max_loops={self.max_loops!r} is invalid; use an integer >= 1 or None")
         k = self.backprop_loops
         if k is not None and not (_is_int(k) and k >= 1):
-            raise ValueError(
+            raise DrcError(
                 f"backprop_loops={k!r} is invalid; use an integer >= 1, or None for full backprop"
             )
         if not (_is_int(self.seed) and self.seed >= 0):
-            raise ValueError(f"seed={self.seed!r} is invalid; it must be an integer >= 0")
+            raise DrcError(f"seed={self.seed!r} is invalid; it must be an integer >= 0")
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -109,7 +111,7 @@ class RecurrenceSampler:
     def sample(self, step: int) -> int:
         """The loop count r >= 1 for ``step``: a pure function of (cfg.seed, step)."""
         if not (_is_int(step) and step >= 0):
-            raise ValueError(f"step={step!r} is invalid; it must be an integer >= 0")
+            raise DrcError(f"step={step!r} is invalid; it must be an integer >= 0")
         c = self.cfg
         if c.scheme == "fixed":
             r = int(c.mean)

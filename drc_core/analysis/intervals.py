@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from drc_core.errors import need_int, need_level
+from drc_core.errors import DrcError, need_int, need_level
 
 __all__ = ["bootstrap_ci", "percentile_interval"]
 
@@ -45,11 +45,11 @@ def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 100
     """
     x = np.asarray(values, dtype=float)
     if x.ndim not in (1, 2) or x.shape[0] == 0:
-        raise ValueError(f"values must be a non-empty (n,) or (n, k) array; got shape {x.shape}")
+        raise DrcError(f"values must be a non-empty (n,) or (n, k) array; got shape {x.shape}")
     x = x.reshape(x.shape[0], -1)
     n, k = x.shape
     if stat not in ("mean", "median"):
-        raise ValueError(f"stat={stat!r} is not supported; use 'mean' or 'median'")
+        raise DrcError(f"stat={stat!r} is not supported; use 'mean' or 'median'")
     n_boot = need_int("n_boot", n_boot, 1)
     level = need_level(level)
     if clusters is None:
@@ -57,7 +57,7 @@ def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 100
     else:
         c = np.asarray(clusters).reshape(-1)
         if c.size != n:
-            raise ValueError(f"clusters has {c.size} entries but values has {n} rows; pass one cluster per row")
+            raise DrcError(f"clusters has {c.size} entries but values has {n} rows; pass one cluster per row")
         _, codes = np.unique(c, return_inverse=True)
         n_c = int(codes.max()) + 1
     rng = np.random.default_rng(seed)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from drc_core.errors import DrcError
 from drc_core.model import RecurrentModel, iterate
 
 __all__ = ["LoopStats", "iterate_stats", "loop_stats", "state_change"]
@@ -87,12 +88,12 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
     """The :class:`LoopStats` of loop ``loop`` from its log-probs (B, T, V) and state (B, T, d), given the
     previous loop's stats ``prev`` (None at the first loop)."""
     if log_probs.dim() != 3 or state.dim() != 3 or log_probs.shape[:2] != state.shape[:2]:
-        raise ValueError(
+        raise DrcError(
             f"log_probs must be (B, T, V) and state (B, T, d) with the same (B, T); got log_probs "
             f"{tuple(log_probs.shape)} and state {tuple(state.shape)}"
         )
     if prev is not None and (prev.log_probs.shape != log_probs.shape or prev.state.shape != state.shape):
-        raise ValueError(
+        raise DrcError(
             f"loop {loop}'s log_probs {tuple(log_probs.shape)} / state {tuple(state.shape)} do not match the "
             f"previous loop's {tuple(prev.log_probs.shape)} / {tuple(prev.state.shape)}"
         )

@@ -46,7 +46,7 @@ import torch
 from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import iterate_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
-from drc_core.errors import need_eps, need_float, need_int
+from drc_core.errors import DrcError, need_eps, need_float, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.model import RecurrentModel, check_token_ids, logits_at
 
@@ -126,7 +126,7 @@ def measure_windows(
         if docs.shape == (n,):
             docs = docs[:, None].expand(n, t_len)
         elif docs.shape != (n, t_len):
-            raise ValueError(f"doc_ids must be (N,) or (N, T) = ({n},) or ({n}, {t_len}); got {tuple(docs.shape)}")
+            raise DrcError(f"doc_ids must be (N,) or (N, T) = ({n},) or ({n}, {t_len}); got {tuple(docs.shape)}")
 
     stat_names = ("kl_prev", "kl_final", "state_delta", "entropy", "ce")
     floats: dict[str, list[np.ndarray]] = {k: [] for k in stat_names}
@@ -219,7 +219,7 @@ def load_frame(path: str | Path) -> pd.DataFrame:
     """Read a frame written by :func:`save_frame`."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{p} not found; pass a parquet file written by save_frame")
+        raise DrcError(f"{p} not found; pass a parquet file written by save_frame")
     return pd.read_parquet(p)
 
 
@@ -229,10 +229,10 @@ def load_frame(path: str | Path) -> pd.DataFrame:
 
 def _check_frame(df: pd.DataFrame, needed: Sequence[str]) -> None:
     if not isinstance(df, pd.DataFrame) or len(df) == 0:
-        raise ValueError("expected a non-empty measurement frame from measure_windows")
+        raise DrcError("expected a non-empty measurement frame from measure_windows")
     missing = [c for c in needed if c not in df.columns]
     if missing:
-        raise ValueError(f"the frame lacks column {missing[0]!r}; pass a frame from measure_windows")
+        raise DrcError(f"the frame lacks column {missing[0]!r}; pass a frame from measure_windows")
 
 
 def _cluster_column(df: pd.DataFrame) -> str:
@@ -249,13 +249,13 @@ def _token_matrix(df: pd.DataFrame, columns: Sequence[str]) -> tuple[pd.DataFram
     _check_frame(df, ("window", "pos", "loop", *columns))
     loops = df["loop"].to_numpy(np.int64)
     if loops.min() < 1:
-        raise ValueError(f"the frame has loop {int(loops.min())}; loops are 1-based")
+        raise DrcError(f"the frame has loop {int(loops.min())}; loops are 1-based")
     n_loops = int(loops.max())
     key = df["window"].to_numpy(np.int64) * (int(df["pos"].max()) + 1) + df["pos"].to_numpy(np.int64)
     uniq, first, tok = np.unique(key, return_index=True, return_inverse=True)
     cell = tok * n_loops + loops - 1
     if len(np.unique(cell)) != len(df):
-        raise ValueError("the frame has repeated (window, pos, loop) rows; pass one row per token and loop")
+        raise DrcError("the frame has repeated (window, pos, loop) rows; pass one row per token and loop")
     cluster = _cluster_column(df)
     tokens = df.iloc[first][list(dict.fromkeys(["window", "pos", cluster]))].reset_index(drop=True)
     mats = {}
@@ -318,9 +318,9 @@ def convergence_depth(df: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFram
     eps = need_eps(eps)
     tokens, mats, n_loops = _token_matrix(df, ("kl_prev",))
     if n_loops < 2:
-        raise ValueError("the frame has only loop 1; convergence depth needs loops 1..L with L >= 2")
+        raise DrcError("the frame has only loop 1; convergence depth needs loops 1..L with L >= 2")
     if not mats["_present"][:, 1:].all():
-        raise ValueError(f"the frame lacks loops for some tokens; every token needs loops 2..{n_loops}")
+        raise DrcError(f"the frame lacks loops for some tokens; every token needs loops 2..{n_loops}")
     depth = depth_from_successive_kl(mats["kl_prev"][:, 1:], eps)  # loops 2..L
     out = tokens.copy()
     out["depth"] = depth.astype(np.int16)
@@ -366,7 +366,7 @@ def kl_concentration(df: pd.DataFrame, loops: Sequence[int], shares: Sequence[fl
     for loop in loops:
         kl = np.sort(df.loc[df.loop == loop, "kl_prev"].dropna().to_numpy(float))[::-1]
         if kl.size == 0:
-            raise ValueError(f"no successive KL at loop {loop}: the frame has loops 2..{int(df.loop.max())}")
+            raise DrcError(f"no successive KL at loop {loop}: the frame has loops 2..{int(df.loop.max())}")
         total = kl.sum()
         row = {"loop": int(loop), "n_tokens": kl.size, "mean": kl.mean(), "median": float(np.median(kl)),
                "p99": float(np.quantile(kl, 0.99))}
@@ -385,7 +385,7 @@ def eps_sensitivity(df: pd.DataFrame, eps_grid: Sequence[float] = (1e-2, 1e-3, 1
     columns of :func:`depth_summary` with ``eps`` first."""
     grid = [need_eps(e) for e in eps_grid]
     if not grid:
-        raise ValueError("eps_grid is empty; pass at least one eps > 0")
+        raise DrcError("eps_grid is empty; pass at least one eps > 0")
     parts = []
     for eps in grid:
         part = depth_summary(convergence_depth(df, eps), train_mean_depth, n_boot=n_boot, seed=seed, level=level)

@@ -60,7 +60,7 @@ import numpy as np
 import pandas as pd
 
 from drc_core.analysis.intervals import bootstrap_ci, percentile_interval
-from drc_core.errors import need_int, need_level
+from drc_core.errors import DrcError, need_int, need_level
 
 
 class TokenClass(StrEnum):
@@ -274,13 +274,13 @@ def classify_sequence(tokenizer, ids, features: VocabFeatures | None = None) -> 
     """
     arr = np.asarray(ids)
     if arr.ndim not in (1, 2):
-        raise ValueError(f"ids must be 1-D or 2-D, got shape {arr.shape}")
+        raise DrcError(f"ids must be 1-D or 2-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"ids must be integers, got dtype {arr.dtype}")
+        raise DrcError(f"ids must be integers, got dtype {arr.dtype}")
     f = features if features is not None else vocab_features(tokenizer)
     flat = arr.reshape(-1).astype(np.int64)
     if flat.size and (flat.min() < 0 or flat.max() >= len(f.base)):
-        raise ValueError(f"ids must lie in 0..{len(f.base) - 1} (the tokenizer's vocabulary), "
+        raise DrcError(f"ids must lie in 0..{len(f.base) - 1} (the tokenizer's vocabulary), "
                          f"got {flat.min()}..{flat.max()}")
     codes = _classify_flat(f, flat, row_len=arr.shape[-1] if arr.ndim == 2 else max(flat.size, 1))
     names = _NAMES[codes]
@@ -386,11 +386,11 @@ def class_depth_summary(classes: Sequence[str], depths, doc_ids=None, n_boot: in
     cls = np.asarray(classes).reshape(-1).astype(str)
     d = np.asarray(depths, dtype=float).reshape(-1)
     if cls.size != d.size:
-        raise ValueError(f"classes and depths differ in length ({cls.size} vs {d.size}): pass one class per depth")
+        raise DrcError(f"classes and depths differ in length ({cls.size} vs {d.size}): pass one class per depth")
     if cls.size == 0:
-        raise ValueError("no tokens: classes and depths are empty")
+        raise DrcError("no tokens: classes and depths are empty")
     if not np.isfinite(d).all():
-        raise ValueError(f"depths has {int((~np.isfinite(d)).sum())} non-finite values: drop or cap them first")
+        raise DrcError(f"depths has {int((~np.isfinite(d)).sum())} non-finite values: drop or cap them first")
     n_boot = need_int("n_boot", n_boot, 1)
     level = need_level(level)
 
@@ -407,7 +407,7 @@ def class_depth_summary(classes: Sequence[str], depths, doc_ids=None, n_boot: in
     else:
         docs = np.asarray(doc_ids).reshape(-1)
         if docs.size != d.size:
-            raise ValueError(f"doc_ids and depths differ in length ({docs.size} vs {d.size}): pass one doc id "
+            raise DrcError(f"doc_ids and depths differ in length ({docs.size} vs {d.size}): pass one doc id "
                              "per token")
         by_class = np.full((d.size, k), np.nan)  # column c: the depths of class c's tokens, NaN elsewhere
         by_class[np.arange(d.size), cls_code] = d

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+from drc_core.errors import DrcError
 from drc_core.model import DepthRecurrentLM
 
 __all__ = ["Log", "interleaved", "matmul_flops_per_token", "median", "rotations", "spread", "train_flops_per_token"]
@@ -49,7 +50,7 @@ def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, 
         return prelude + loops * (core + coda + head)
     if path == "skip_states":
         return prelude + loops * core + coda + head
-    raise ValueError(f"path={path!r} is not supported; use 'forward', 'skip_log_probs' or 'skip_states'")
+    raise DrcError(f"path={path!r} is not supported; use 'forward', 'skip_log_probs' or 'skip_states'")
 
 
 def train_flops_per_token(model: DepthRecurrentLM, n: int, k: int | None, seq_len: int) -> int:

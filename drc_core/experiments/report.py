@@ -23,6 +23,7 @@ from scipy import stats as _stats
 
 from drc_core.analysis.measure import convergence_depth, depth_summary, measure_windows, per_loop_summary
 from drc_core.analysis.tokens import class_depth_summary, classify_sequence
+from drc_core.errors import DrcError
 from drc_core.halting.rules import KLThreshold
 from drc_core.halting.sweep import RuleSpec, matching_depth, summarize, sweep
 from drc_core.model import DepthRecurrentLM
@@ -80,7 +81,7 @@ def across_seeds(per_seed: Sequence[Mapping[str, object]], level: float = 0.95) 
     One row per key: ``n``, ``mean``, ``std``, ``lo``, ``hi`` (``mean ± t_{n-1} * std / sqrt(n)``; NaN for
     one seed) and ``values`` (the per-seed values, for the table)."""
     if not per_seed:
-        raise ValueError("per_seed is empty; pass one dict of headline numbers per seed")
+        raise DrcError("per_seed is empty; pass one dict of headline numbers per seed")
     keys = [k for k, v in per_seed[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
     rows = []
     for k in keys:
@@ -97,7 +98,7 @@ def plateau_depth(loss_by_loops: Mapping[int, float], tol: float = 0.005) -> int
     """The smallest depth whose loss is within ``tol`` nats of the best loss at that depth or any deeper one
     measured: where more loops stop paying. ``loss_by_loops`` maps depth -> loss."""
     if not loss_by_loops:
-        raise ValueError("loss_by_loops is empty; pass {depth: validation loss}")
+        raise DrcError("loss_by_loops is empty; pass {depth: validation loss}")
     depths = sorted(loss_by_loops)
     for i, d in enumerate(depths):
         if loss_by_loops[d] <= min(loss_by_loops[e] for e in depths[i:]) + tol:
@@ -162,7 +163,7 @@ def _verdict(key: str, ours: Mapping[str, object]) -> tuple[str, bool]:
     if key == "ce_curve":
         c1, c8, c32 = (float(g(k)) for k in ("ce_1", "ce_8", "ce_max"))
         return f"{c1:.3f} → {c8:.3f} → {c32:.3f}", c1 > c8 and abs(c32 - c8) < 0.01
-    raise ValueError(f"unknown claim key {key!r}; the claims are {[c.key for c in PAPER]}")
+    raise DrcError(f"unknown claim key {key!r}; the claims are {[c.key for c in PAPER]}")
 
 
 def reproduction_table(ours: Mapping[str, object], seeds: pd.DataFrame | None = None,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from drc_core.errors import DrcError
 from drc_core.halting.rules import HaltingRule, Oracle
 from drc_core.halting.skipping import LoopCaches, Tokens, block_step, check_state, empty_caches, run_loops
 from drc_core.model import DepthRecurrentLM, check_token_ids
@@ -67,24 +68,24 @@ class GenerationResult:
 
 def _check(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, rule: object,
            temperature: object) -> None:
-    """One-line ValueErrors naming the bad argument and the fix."""
+    """One-line DrcErrors naming the bad argument and the fix."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+        raise DrcError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
     check_token_ids(model, prompt_ids, "prompt_ids", targets=False)
     total, limit = prompt_ids.shape[1] + max_new_tokens, model.cfg.max_seq_len
     if total > limit:
-        raise ValueError(
+        raise DrcError(
             f"prompt length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds "
             f"max_seq_len={limit}; shorten the prompt or generate at most {limit - prompt_ids.shape[1]} tokens"
         )
     if not isinstance(rule, HaltingRule):
-        raise ValueError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
+        raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
     if isinstance(rule, Oracle):
-        raise ValueError("Oracle replays exit loops found offline for a fixed batch and cannot decide for new "
+        raise DrcError("Oracle replays exit loops found offline for a fixed batch and cannot decide for new "
                          "tokens; pass a deployable rule (e.g. KLThreshold)")
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not (
             math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature={temperature!r} is invalid; use 0 (greedy) or a finite number > 0")
+        raise DrcError(f"temperature={temperature!r} is invalid; use 0 (greedy) or a finite number > 0")
 
 
 def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor) -> None:

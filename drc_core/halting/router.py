@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from drc_core.analysis.loops import LoopStats, iterate_stats
 from drc_core.analysis.measure import DEFAULT_EPS, depth_from_successive_kl
-from drc_core.errors import need_float, need_int
+from drc_core.errors import DrcError, need_float, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches
 from drc_core.halting.rules import HaltingRule
 from drc_core.model import RecurrentModel, check_token_ids
@@ -96,12 +96,12 @@ class FeatureSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.state, bool) or not isinstance(self.readout_stats, bool):
-            raise ValueError("FeatureSpec: state and readout_stats must be true or false")
+            raise DrcError("FeatureSpec: state and readout_stats must be true or false")
         if self.loop not in _LOOP_FEATURES:
-            raise ValueError(f"FeatureSpec: loop={self.loop!r} is not supported; use one of {_LOOP_FEATURES}")
+            raise DrcError(f"FeatureSpec: loop={self.loop!r} is not supported; use one of {_LOOP_FEATURES}")
         need_int("max_loops", self.max_loops, 1, "FeatureSpec")
         if not (self.state or self.readout_stats or self.loop != "none"):
-            raise ValueError("FeatureSpec selects no features; enable state, readout_stats or a loop feature")
+            raise DrcError("FeatureSpec selects no features; enable state, readout_stats or a loop feature")
 
     def dim(self, d_model: int) -> int:
         """The number of features for a model with state size ``d_model``."""
@@ -117,7 +117,7 @@ class FeatureSpec:
         known = {"state", "loop", "readout_stats", "max_loops"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"FeatureSpec: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
+            raise DrcError(f"FeatureSpec: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
         return cls(**data)  # type: ignore[arg-type]
 
 
@@ -241,7 +241,7 @@ def harvest(
     else:
         keep = sorted({need_int("loops[i]", lp, 1, owner) for lp in loops})
         if not keep or keep[-1] > max_loops:
-            raise ValueError(f"{owner}: loops={list(loops)!r} is invalid; pass loops within 1..{max_loops}")
+            raise DrcError(f"{owner}: loops={list(loops)!r} is invalid; pass loops within 1..{max_loops}")
     if positions is not None:
         positions = min(need_int("positions", positions, 1, owner), t_len)
     pos_idx = torch.stack([
@@ -320,7 +320,7 @@ class Router(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """Logits (...,) of features (..., d_in)."""
         if x.shape[-1] != self.d_in:
-            raise ValueError(f"{type(self).__name__}: got {x.shape[-1]} features but the router reads {self.d_in}")
+            raise DrcError(f"{type(self).__name__}: got {x.shape[-1]} features but the router reads {self.d_in}")
         z = (x.to(self.mean.dtype) - self.mean) / self.std
         return self.net(z).squeeze(-1)
 
@@ -436,11 +436,11 @@ def train_router(
     """
     owner = "train_router"
     if not isinstance(router, Router):
-        raise ValueError(f"{owner}: router={router!r} is not a Router; pass LinearRouter(d) or MLPRouter(d)")
+        raise DrcError(f"{owner}: router={router!r} is not a Router; pass LinearRouter(d) or MLPRouter(d)")
     if not isinstance(data, RouterData) or len(data) == 0:
-        raise ValueError(f"{owner}: data is empty; harvest some windows first (harvest(model, windows, ...))")
+        raise DrcError(f"{owner}: data is empty; harvest some windows first (harvest(model, windows, ...))")
     if data.n_features != router.d_in:
-        raise ValueError(f"{owner}: data has {data.n_features} features but the router reads {router.d_in}")
+        raise DrcError(f"{owner}: data has {data.n_features} features but the router reads {router.d_in}")
     epochs = need_int("epochs", epochs, 1, owner)
     lr = need_float("lr", lr, 0.0, lo_open=True, owner=owner)
     weight_decay = need_float("weight_decay", weight_decay, 0.0, owner=owner)
@@ -448,7 +448,7 @@ def train_router(
     val_fraction = need_float("val_fraction", val_fraction, 0.0, 1.0, hi_open=True, owner=owner)
     patience = need_int("patience", patience, 1, owner)
     if len(data) < 2 and val_fraction > 0:
-        raise ValueError(f"{owner}: data has 1 row; pass more rows or val_fraction=0")
+        raise DrcError(f"{owner}: data has 1 row; pass more rows or val_fraction=0")
 
     rng = np.random.default_rng(seed)
     val_mask = torch.from_numpy(_val_rows(data, val_fraction, rng))
@@ -458,7 +458,7 @@ def train_router(
     n_neg = len(y_tr) - n_pos
     if n_pos == 0 or n_neg == 0:
         which = "converged" if n_neg == 0 else "not converged"
-        raise ValueError(
+        raise DrcError(
             f"{owner}: every training label is {which!r}; use another eps or more loops so both classes occur"
         )
     _reset(router, seed)
@@ -538,7 +538,7 @@ def router_metrics(router: Router, data: RouterData, tau: float = 0.5) -> dict[s
     chance levels ``chance_balanced_accuracy`` = ``chance_auc`` = 0.5.
     """
     if not isinstance(data, RouterData) or len(data) == 0:
-        raise ValueError("router_metrics: data is empty; pass harvested rows (harvest(model, windows, ...))")
+        raise DrcError("router_metrics: data is empty; pass harvested rows (harvest(model, windows, ...))")
     tau = need_float("tau", tau, 0.0, 1.0, lo_open=True, hi_open=True, owner="router_metrics")
     device = router.mean.device
     was_training = router.training
@@ -583,9 +583,9 @@ class RouterRule(HaltingRule):
 
     def _validate(self, owner: str) -> None:
         if not isinstance(self.router, Router):
-            raise ValueError(f"{owner}: router={self.router!r} is not a Router; pass a trained LinearRouter/MLPRouter")
+            raise DrcError(f"{owner}: router={self.router!r} is not a Router; pass a trained LinearRouter/MLPRouter")
         if self.router.spec is None:
-            raise ValueError(f"{owner}: the router has no feature spec; train it with train_router or load_router")
+            raise DrcError(f"{owner}: the router has no feature spec; train it with train_router or load_router")
         self.tau = need_float("tau", self.tau, 0.0, 1.0, lo_open=True, hi_open=True, owner=owner)
 
     def logits(self, stats: LoopStats) -> Tensor:
@@ -615,7 +615,7 @@ class RouterRule(HaltingRule):
 def save_router(router: Router, path_dir: str | Path) -> Path:
     """Write ``router.safetensors`` (weights, mean, std) and ``router.json`` (kind, sizes, spec, info)."""
     if not isinstance(router, Router):
-        raise ValueError(f"save_router: router={router!r} is not a Router")
+        raise DrcError(f"save_router: router={router!r} is not a Router")
     path = Path(path_dir)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()},
@@ -630,14 +630,14 @@ def load_router(path_dir: str | Path, map_location: str | torch.device = "cpu") 
     path = Path(path_dir)
     cfg_path, w_path = path / ROUTER_CONFIG_FILE, path / ROUTER_WEIGHTS_FILE
     if not cfg_path.is_file() or not w_path.is_file():
-        raise ValueError(f"{path} lacks {ROUTER_CONFIG_FILE} or {ROUTER_WEIGHTS_FILE}; pass a save_router directory")
+        raise DrcError(f"{path} lacks {ROUTER_CONFIG_FILE} or {ROUTER_WEIGHTS_FILE}; pass a save_router directory")
     cfg = json.loads(cfg_path.read_text())
     kind = cfg.get("kind")
     if kind not in _KINDS:
-        raise ValueError(f"{cfg_path}: kind={kind!r} is not supported; use one of {tuple(_KINDS)}")
+        raise DrcError(f"{cfg_path}: kind={kind!r} is not supported; use one of {tuple(_KINDS)}")
     missing = [k for k in ("d_in", *(("hidden",) if kind == "mlp" else ())) if k not in cfg]
     if missing:
-        raise ValueError(f"{cfg_path} lacks {missing[0]!r}; pass a directory written by save_router")
+        raise DrcError(f"{cfg_path} lacks {missing[0]!r}; pass a directory written by save_router")
     router = LinearRouter(cfg["d_in"]) if kind == "linear" else MLPRouter(cfg["d_in"], cfg["hidden"])
     router.load_state_dict(load_file(str(w_path)), strict=True)
     router.spec = None if cfg.get("spec") is None else FeatureSpec.from_dict(cfg["spec"])

@@ -88,14 +88,14 @@ class HaltingRule:
         need_int("min_loops", self.min_loops, 1, owner)
         need_int("max_loops", self.max_loops, 1, owner)
         if self.min_loops > self.max_loops:
-            raise ValueError(
+            raise DrcError(
                 f"{owner}: min_loops={self.min_loops} > max_loops={self.max_loops} is invalid; "
                 "it must be 1 <= min_loops <= max_loops"
             )
         self._validate(owner)
 
     def _validate(self, owner: str) -> None:
-        """Check the rule's own parameters (raise a one-line ValueError)."""
+        """Check the rule's own parameters (raise a one-line DrcError)."""
 
     def criterion(self, stats: LoopStats) -> Tensor:
         """(B, T) bool: the rule's own halting test, before the min/max loop forcing."""
@@ -275,11 +275,11 @@ class Oracle(HaltingRule):
         e = self.exit_loops
         if not isinstance(e, Tensor) or e.dim() != 2 or e.dtype.is_floating_point or e.dtype == torch.bool:
             shown = tuple(e.shape) if isinstance(e, Tensor) else type(e).__name__
-            raise ValueError(f"{owner}: exit_loops must be a (B, T) integer tensor; got {shown}")
+            raise DrcError(f"{owner}: exit_loops must be a (B, T) integer tensor; got {shown}")
         if e.numel() and int(e.min()) < 1:
-            raise ValueError(f"{owner}: exit_loops has loop {int(e.min())}; every exit loop must be >= 1")
+            raise DrcError(f"{owner}: exit_loops has loop {int(e.min())}; every exit loop must be >= 1")
         if e.numel() and int(e.max()) > self.max_loops:
-            raise ValueError(
+            raise DrcError(
                 f"{owner}: exit_loops reaches loop {int(e.max())} but max_loops={self.max_loops}; "
                 f"pass max_loops >= {int(e.max())}"
             )
@@ -288,7 +288,7 @@ class Oracle(HaltingRule):
 
     def criterion(self, stats: LoopStats) -> Tensor:
         if tuple(self.exit_loops.shape) != tuple(stats.shape):
-            raise ValueError(
+            raise DrcError(
                 f"Oracle: exit_loops has shape {tuple(self.exit_loops.shape)} but the batch is "
                 f"{tuple(stats.shape)}; compute the oracle on the same batch"
             )
@@ -338,17 +338,17 @@ class _RuleHalt:
 
     def __init__(self, rule: HaltingRule, readout: str) -> None:
         if not isinstance(rule, HaltingRule):
-            raise ValueError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
+            raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
         if readout not in ("logits", "log_probs"):
-            raise ValueError(f"readout={readout!r} is not supported; use 'logits' or 'log_probs'")
+            raise DrcError(f"readout={readout!r} is not supported; use 'logits' or 'log_probs'")
         self.rule, self.readout = rule, readout
         self.stats: LoopStats | None = None
 
     def __call__(self, out: LoopOutput) -> Tensor:
         if out.out is None:
-            raise ValueError("the halting rule needs the readout; call iterate with readout='logits'/'log_probs'")
+            raise DrcError("the halting rule needs the readout; call iterate with readout='logits'/'log_probs'")
         if out.out.shape[:2] != out.state.shape[:2]:
-            raise ValueError("the halting rule needs every position read out; call iterate with positions=None")
+            raise DrcError("the halting rule needs every position read out; call iterate with positions=None")
         logp = out.out if self.readout == "log_probs" else F.log_softmax(out.out.float(), dim=-1)
         self.stats = loop_stats(self.stats, out.loop, logp, out.state)
         return self.rule.decide(self.stats)
@@ -438,7 +438,7 @@ def offline_exits(stats: Iterable[LoopStats], rules: Sequence[HaltingRule]) -> l
     rules = list(rules)
     for rule in rules:
         if not isinstance(rule, HaltingRule):
-            raise ValueError(f"rules must be HaltingRule instances; got {rule!r}")
+            raise DrcError(f"rules must be HaltingRule instances; got {rule!r}")
     exits: list[Tensor] | None = None
     last_loop = 0
     for s in stats:
@@ -451,10 +451,10 @@ def offline_exits(stats: Iterable[LoopStats], rules: Sequence[HaltingRule]) -> l
         if all(bool((ex > 0).all()) for ex in exits):
             break
     if exits is None:
-        raise ValueError("offline_exits got no loop stats; pass the stats of loops 1..max_loops")
+        raise DrcError("offline_exits got no loop stats; pass the stats of loops 1..max_loops")
     for rule, ex in zip(rules, exits, strict=True):
         if bool((ex == 0).any()):
-            raise ValueError(
+            raise DrcError(
                 f"rule {rule} left tokens running after the last loop given ({last_loop}); "
                 f"pass stats up to its max_loops={rule.max_loops}"
             )
@@ -526,14 +526,14 @@ def oracle_exit(
     if isinstance(log_probs_per_loop, Tensor):
         stacked = log_probs_per_loop
         if stacked.dim() != 4:
-            raise ValueError(
+            raise DrcError(
                 f"oracle_exit: stacked log_probs_per_loop must be (L, B, T, V); got {tuple(stacked.shape)}"
             )
         n_loops = stacked.shape[0]
         if reference_loop is None:
             reference_loop = n_loops
         if reference_loop > n_loops:
-            raise ValueError(
+            raise DrcError(
                 f"oracle_exit: reference_loop={reference_loop} is invalid; it must be in [1, {n_loops}] "
                 f"(the number of loops given)"
             )
@@ -542,30 +542,30 @@ def oracle_exit(
         loops: Iterable[Tensor] = stacked[:reference_loop]
     else:
         if reference is None:
-            raise ValueError(
+            raise DrcError(
                 "oracle_exit: with an iterable of per-loop log-probs, pass reference= (the reference "
                 "loop's log-probs, B x T x V)"
             )
         loops = log_probs_per_loop
     reference = reference.float()
     if reference.dim() != 3:
-        raise ValueError(f"oracle_exit: reference must be (B, T, V); got {tuple(reference.shape)}")
+        raise DrcError(f"oracle_exit: reference must be (B, T, V); got {tuple(reference.shape)}")
     p_ref = reference.exp()
     kls = []
     for loop, logp in enumerate(loops, start=1):
         if reference_loop is not None and loop > reference_loop:
             break
         if logp.shape != reference.shape:
-            raise ValueError(
+            raise DrcError(
                 f"oracle_exit: loop {loop}'s log-probs have shape {tuple(logp.shape)} but the reference has "
                 f"{tuple(reference.shape)}"
             )
         kls.append(kl_successive(reference, logp.float().to(reference.device), p_ref))  # (B, T) per loop
     last = len(kls)
     if last == 0:
-        raise ValueError("oracle_exit got no loops; pass the log-probs of loops 1..reference_loop")
+        raise DrcError("oracle_exit got no loops; pass the log-probs of loops 1..reference_loop")
     if reference_loop is not None and last < reference_loop:
-        raise ValueError(f"oracle_exit: reference_loop={reference_loop} but only {last} loops were given")
+        raise DrcError(f"oracle_exit: reference_loop={reference_loop} but only {last} loops were given")
     exit_loop, reached = first_within(torch.stack(kls), eps)
     exit_loop.clamp_(min=min_loops)
     return OracleResult(

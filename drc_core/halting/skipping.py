@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.analysis.loops import LoopStats, loop_stats, state_change
+from drc_core.errors import DrcError
 from drc_core.halting.rules import AdaptiveResult, HaltingRule
 from drc_core.model import Block, DepthRecurrentLM
 
@@ -336,10 +337,10 @@ def _exit_readout(model: DepthRecurrentLM, s: Tensor, x: Tensor, toks: Tokens, l
 
 
 def check_state(state: Tensor | None, shape: tuple[int, int, int], what: str = "(B, T, d_model)") -> None:
-    """A one-line ValueError unless ``state`` is None or a tensor of ``shape`` (``what`` names its axes)."""
+    """A one-line DrcError unless ``state`` is None or a tensor of ``shape`` (``what`` names its axes)."""
     if state is not None and (not isinstance(state, Tensor) or tuple(state.shape) != shape):
         shown = tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__
-        raise ValueError(
+        raise DrcError(
             f"state has shape {shown} but must be {what} = {shape}; "
             "pass s_0 for every position, or state=None to draw it"
         )
@@ -366,9 +367,9 @@ def skip_forward(
     ``torch.no_grad()``; put the model in eval mode first if it has dropout. Cost: see the module docstring.
     """
     if not isinstance(rule, HaltingRule):
-        raise ValueError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
+        raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
     if idx.dim() != 2:
-        raise ValueError(f"idx must be (B, T) token ids; got shape {tuple(idx.shape)}")
+        raise DrcError(f"idx must be (B, T) token ids; got shape {tuple(idx.shape)}")
     B, T = idx.shape
     check_state(state, (B, T, model.cfg.d_model))
     e = model.embed(idx)

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import iterate_stats
-from drc_core.errors import need_int
+from drc_core.errors import DrcError, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.halting.rules import (
     AdaptiveResult,
@@ -145,18 +145,18 @@ def sweep(
     the freezing matters (notebook 4 does).
     """
     if mode not in ("online", "offline"):
-        raise ValueError(f"mode={mode!r} is invalid; pass 'online' (run each rule) or 'offline' (replay)")
+        raise DrcError(f"mode={mode!r} is invalid; pass 'online' (run each rule) or 'offline' (replay)")
     windows = check_token_ids(model, windows)
     reference_loops = need_int("reference_loops", reference_loops, 1)
     batch_size = need_int("batch_size", batch_size, 1)
     rules = list(rules)
     for spec in rules:
         if not isinstance(spec, RuleSpec) or not isinstance(spec.rule, HaltingRule):
-            raise ValueError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
+            raise DrcError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
     deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
     uniform = sorted(set(range(1, deepest + 1) if uniform_loops is None else uniform_loops))
     if not uniform or uniform[0] < 1:
-        raise ValueError(f"uniform_loops={uniform!r} is invalid; pass loop counts >= 1")
+        raise DrcError(f"uniform_loops={uniform!r} is invalid; pass loop counts >= 1")
     rows: list[dict[str, object]] = []
     n_batches = (len(windows) + batch_size - 1) // batch_size
     bar = tqdm(total=n_batches * (1 + len(rules)), desc=f"sweep ({mode})", disable=not progress)
@@ -225,7 +225,7 @@ def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:
     :func:`drc_core.analysis.measure.val_windows_with_docs`): each window's most common document."""
     docs = np.asarray(doc_ids)
     if docs.ndim != 2:
-        raise ValueError(f"doc_ids must be (N, T) per-position document ids; got shape {docs.shape}")
+        raise DrcError(f"doc_ids must be (N, T) per-position document ids; got shape {docs.shape}")
     out = np.empty(len(docs), dtype=np.int64)
     for i, row in enumerate(docs):
         vals, counts = np.unique(row, return_counts=True)
@@ -245,11 +245,11 @@ def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None
     """
     needed = {"family", "param", "rule", "window", "avg_depth", *QUALITIES}
     if missing := needed - set(frame.columns):
-        raise ValueError(f"the frame lacks columns {sorted(missing)}; pass the output of sweep()")
+        raise DrcError(f"the frame lacks columns {sorted(missing)}; pass the output of sweep()")
     if windows is not None:
         frame = frame[frame.window.isin(np.asarray(windows))]
         if frame.empty:
-            raise ValueError("no rows left for the given windows; pass window ids that the sweep covered")
+            raise DrcError("no rows left for the given windows; pass window ids that the sweep covered")
     out = []
     for (family, param, rule), g in frame.groupby(["family", "param", "rule"], sort=False):
         g = g.sort_values("window")
@@ -265,7 +265,7 @@ def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None
 
 def _need_quality(quality: str) -> str:
     if quality not in QUALITIES:
-        raise ValueError(f"quality={quality!r} is not supported; use one of {QUALITIES}")
+        raise DrcError(f"quality={quality!r} is not supported; use one of {QUALITIES}")
     return quality
 
 
@@ -280,7 +280,7 @@ def matching_depth(summary: pd.DataFrame, family: str, target: float, *, quality
     quality = _need_quality(quality)
     g = summary[summary.family == family].sort_values("avg_depth")
     if g.empty:
-        raise ValueError(f"family {family!r} is not in the summary; it has {sorted(summary.family.unique())}")
+        raise DrcError(f"family {family!r} is not in the summary; it has {sorted(summary.family.unique())}")
     depth, q = g.avg_depth.to_numpy(float), g[quality].to_numpy(float)
     ok = np.flatnonzero(q <= target)
     if not len(ok):
@@ -328,7 +328,7 @@ def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: f
         return Calibration(family, quality, target, nan, nan, nan, nan, nan, nan, nan, False)
     h = heldout[(heldout.family == family) & (heldout.param == m["param"])]
     if len(h) != 1:
-        raise ValueError(f"the held-out summary has no single row for {family} param={m['param']:g}")
+        raise DrcError(f"the held-out summary has no single row for {family} param={m['param']:g}")
     r = h.iloc[0]
     return Calibration(family, quality, target, m["param"], m["grid"], m["quality"], float(r.avg_depth),
                        float(r[quality]), float(r[f"{quality}_lo"]), float(r[f"{quality}_hi"]),
