@@ -58,10 +58,12 @@ from drc_core.book import viz
 from drc_core.book.workspace import load_results, open_model, provide_run, save_results
 from drc_core.data.sampler import Corpus
 from drc_core.evaluate import loss_by_depth
+from drc_core.experiments.handoff import Convergence, Halting, TokenTypes, Training
 from drc_core.experiments.report import (
     across_seeds,
     explain,
     headline_numbers,
+    ours_from,
     plateau_depth,
     reproduction_table,
     runs_table,
@@ -69,8 +71,7 @@ from drc_core.experiments.report import (
 from drc_core.model import DepthRecurrentLM
 
 t0 = time.time()
-r1, r2, r3, r4 = (load_results(results_dir, n) for n in
-                  ("01_training", "02_convergence", "03_token_types", "04_halting_and_routers"))
+handed = [c.from_results(load_results(results_dir, c.NOTEBOOK)) for c in (Training, Convergence, TokenTypes, Halting)]
 model, cfg, _ = open_model(work_dir)
 corpus = Corpus.open(corpus_dir)
 tokenizer = corpus.tokenizer()
@@ -85,32 +86,11 @@ def run(mean: float, s: int):
 
 # %% [markdown]
 # ## Our numbers on the reference model
-# Gathered from notebooks 1-4 (same windows, same ε, same definitions).
+# Gathered from notebooks 1-4 (same windows, same ε, same definitions) through their typed records
+# (`drc_core.experiments.handoff`).
 
 # %%
-match = {m["family"]: m for m in r4["matching"]}
-kl_by = r2["kl_by_loop"]
-kl16 = str(min(16, max_loops))
-last = max(int(k) for k in r2["kl_final_by_loop"])
-ce = r2["ce_by_loop"]
-ours = {
-    "kl_2": kl_by["2"]["value"], "kl_16": kl_by[kl16]["value"],
-    "median_depth": r2["median_depth"]["value"], "frac_updating": r2["frac_updating"]["value"],
-    "class_order": r3["order_shallow_to_deep"],
-    "kl_rule_depth": match["kl"]["ce_depth_interp"],
-    "router_depth": match.get("router_linear", {}).get("ce_depth_interp"),
-    "uniform_depth": match["uniform"]["ce_depth_interp"], "oracle_depth": match["oracle"]["ce_depth_interp"],
-    "ce_1": ce["1"]["value"], "ce_8": ce[str(r4["reference_loops"])]["value"], "ce_max": ce[str(max_loops)]["value"],
-    "kl_end_same_parity": r2["kl_final_by_loop"][str(last - 1)],
-    "kl_end_other_parity": r2["kl_final_by_loop"][str(last)],
-}
-ours = {k: (float("nan") if v is None else v) for k, v in ours.items()}
-intervals = {
-    "kl_2": (kl_by["2"]["lo"], kl_by["2"]["hi"]), "kl_16": (kl_by[kl16]["lo"], kl_by[kl16]["hi"]),
-    "median_depth": (r2["median_depth"]["lo"], r2["median_depth"]["hi"]),
-    "frac_updating": (r2["frac_updating"]["lo"], r2["frac_updating"]["hi"]),
-}
-scale = f"{r1['n_params'] / 1e6:.1f}M-parameter, {r1['train_tokens'] / 1e6:.0f}M-token"
+ours, intervals, scale = ours_from(*handed, max_loops=max_loops)
 pd.Series({k: v for k, v in ours.items() if k != "class_order"}).map(lambda v: f"{v:.4g}")
 
 # %% [markdown]

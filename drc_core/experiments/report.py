@@ -24,6 +24,7 @@ from scipy import stats as _stats
 from drc_core.analysis.measure import convergence_depth, depth_summary, measure_windows, per_loop_summary
 from drc_core.analysis.tokens import class_depth_summary, classify_sequence
 from drc_core.errors import DrcError
+from drc_core.experiments.handoff import Convergence, Halting, TokenTypes, Training
 from drc_core.halting.rules import KLThreshold
 from drc_core.halting.sweep import RuleSpec, matching_depth, summarize, sweep
 from drc_core.model import DepthRecurrentLM
@@ -35,6 +36,7 @@ __all__ = [
     "across_seeds",
     "runs_table",
     "headline_numbers",
+    "ours_from",
     "plateau_depth",
     "reproduction_table",
 ]
@@ -257,3 +259,34 @@ def runs_table(root: str | Path) -> pd.DataFrame:
             row[f"bpb@8 {src}"] = float(g.bits_per_byte.iloc[0])
         rows.append(row)
     return pd.DataFrame(rows).set_index("run")
+
+
+def ours_from(training: Training, convergence: Convergence, token_types: TokenTypes, halting: Halting,
+              max_loops: int) -> tuple[dict[str, object], dict[str, tuple[float, float]], str]:
+    """The reference model's numbers for :func:`reproduction_table` from what notebooks 01-04 established:
+    ``(ours, intervals, scale)``. ``ours``: successive KL at loops 2 and min(16, ``max_loops``), median
+    convergence depth, the share still updating at the training-mean depth, the token-class order, the matching
+    depths of the KL rule, the linear router, uniform depth and the oracle (NaN where absent), CE at 1 loop, at
+    the reference depth and at ``max_loops``, and KL(p_L || p_l) at l = L-2 (``kl_end_same_parity``, same
+    parity as L) and l = L-1 (``kl_end_other_parity``), which tell a 2-cycle from slow convergence; ``intervals``:
+    the bootstrap intervals of the first four; ``scale``: parameters and training tokens."""
+    kl_by, ce = convergence.kl_by_loop, convergence.ce_by_loop
+    kl16 = min(16, max_loops)
+    last = max(convergence.kl_final_by_loop)
+    ours: dict[str, object] = {
+        "kl_2": kl_by[2].value, "kl_16": kl_by[kl16].value,
+        "median_depth": convergence.median_depth.value, "frac_updating": convergence.frac_updating.value,
+        "class_order": token_types.order_shallow_to_deep,
+        "kl_rule_depth": halting.depth("kl"),
+        "router_depth": halting.depth("router_linear"),
+        "uniform_depth": halting.depth("uniform"), "oracle_depth": halting.depth("oracle"),
+        "ce_1": ce[1].value, "ce_8": ce[halting.reference_loops].value, "ce_max": ce[max_loops].value,
+        "kl_end_same_parity": convergence.kl_final_by_loop[last - 1],
+        "kl_end_other_parity": convergence.kl_final_by_loop[last],
+    }
+    intervals = {
+        "kl_2": (kl_by[2].lo, kl_by[2].hi), "kl_16": (kl_by[kl16].lo, kl_by[kl16].hi),
+        "median_depth": (convergence.median_depth.lo, convergence.median_depth.hi),
+        "frac_updating": (convergence.frac_updating.lo, convergence.frac_updating.hi),
+    }
+    return ours, intervals, training.scale

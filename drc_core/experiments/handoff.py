@@ -1,0 +1,125 @@
+"""The numbers one notebook hands to a later one, as typed records: the only way notebook 06 reads 01-04.
+
+Each notebook writes its results as JSON (``drc_core.book.workspace.save_results``, integer keys become
+strings). A class here names the fields a later notebook reads from one of those files and parses them
+(:meth:`from_results`); a missing field is a one-line :class:`~drc_core.errors.DrcError` that names the
+notebook to re-run. ``tests/test_handoff.py`` checks that every field is among the keys the producing
+notebook writes (by reading its source) and that the reference book's results parse, so a renamed key fails
+a fast test rather than the book run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from drc_core.errors import DrcError
+
+__all__ = ["HANDOFFS", "Convergence", "Halting", "Interval", "TokenTypes", "Training"]
+
+
+def _num(x: Any) -> float:
+    """A JSON number; null (how save_results writes NaN) is NaN."""
+    return math.nan if x is None else float(x)
+
+
+def _need(results: Mapping[str, Any], cls: type) -> None:
+    missing = [f.name for f in fields(cls) if f.name not in results]
+    if missing:
+        raise DrcError(f"the results of {cls.NOTEBOOK} lack {', '.join(missing)}: re-run notebook {cls.NOTEBOOK} "
+                       "of this profile")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with its bootstrap interval (``{"value", "lo", "hi"}`` in the JSON; null is NaN)."""
+
+    value: float
+    lo: float
+    hi: float
+
+    @classmethod
+    def of(cls, d: Mapping[str, Any]) -> Interval:
+        return cls(value=_num(d["value"]), lo=_num(d["lo"]), hi=_num(d["hi"]))
+
+
+@dataclass(frozen=True)
+class Training:
+    """From 01_training: the model's size and training tokens."""
+
+    NOTEBOOK: ClassVar[str] = "01_training"
+    n_params: int
+    train_tokens: int
+
+    @classmethod
+    def from_results(cls, r: Mapping[str, Any]) -> Training:
+        _need(r, cls)
+        return cls(n_params=int(r["n_params"]), train_tokens=int(r["train_tokens"]))
+
+    @property
+    def scale(self) -> str:
+        """e.g. ``1.4M-parameter, 12M-token``."""
+        return f"{self.n_params / 1e6:.1f}M-parameter, {self.train_tokens / 1e6:.0f}M-token"
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """From 02_convergence, per loop l: ``kl_by_loop`` (mean KL(p_l || p_{l-1}), l >= 2), ``kl_final_by_loop``
+    (mean KL(p_L || p_l), l < L), ``ce_by_loop``; and the depth summaries at the profile's eps."""
+
+    NOTEBOOK: ClassVar[str] = "02_convergence"
+    kl_by_loop: dict[int, Interval]
+    kl_final_by_loop: dict[int, float]
+    ce_by_loop: dict[int, Interval]
+    median_depth: Interval
+    frac_updating: Interval
+
+    @classmethod
+    def from_results(cls, r: Mapping[str, Any]) -> Convergence:
+        _need(r, cls)
+        return cls(
+            kl_by_loop={int(k): Interval.of(v) for k, v in r["kl_by_loop"].items()},
+            kl_final_by_loop={int(k): _num(v) for k, v in r["kl_final_by_loop"].items()},
+            ce_by_loop={int(k): Interval.of(v) for k, v in r["ce_by_loop"].items()},
+            median_depth=Interval.of(r["median_depth"]),
+            frac_updating=Interval.of(r["frac_updating"]),
+        )
+
+
+@dataclass(frozen=True)
+class TokenTypes:
+    """From 03_token_types: the token classes from shallowest to deepest mean convergence depth."""
+
+    NOTEBOOK: ClassVar[str] = "03_token_types"
+    order_shallow_to_deep: list[str]
+
+    @classmethod
+    def from_results(cls, r: Mapping[str, Any]) -> TokenTypes:
+        _need(r, cls)
+        return cls(order_shallow_to_deep=[str(c) for c in r["order_shallow_to_deep"]])
+
+
+@dataclass(frozen=True)
+class Halting:
+    """From 04_halting_and_routers: the reference depth and, per rule family, the (interpolated) average depth
+    at which it matches uniform depth ``reference_loops``'s CE (NaN where it never does; absent families are
+    None)."""
+
+    NOTEBOOK: ClassVar[str] = "04_halting_and_routers"
+    reference_loops: int
+    matching: dict[str, float]
+
+    @classmethod
+    def from_results(cls, r: Mapping[str, Any]) -> Halting:
+        _need(r, cls)
+        return cls(reference_loops=int(r["reference_loops"]),
+                   matching={str(m["family"]): _num(m["ce_depth_interp"]) for m in r["matching"]})
+
+    def depth(self, family: str) -> float:
+        """The family's matching depth, NaN when the family is not in the table."""
+        return self.matching.get(family, math.nan)
+
+
+HANDOFFS = (Training, Convergence, TokenTypes, Halting)

@@ -1,0 +1,67 @@
+"""The typed records between notebooks: every field is a key its producing notebook writes, the reference book's
+results parse, and notebook 06's numbers come out of them unchanged."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import math
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from drc_core.errors import DrcError
+from drc_core.experiments.handoff import HANDOFFS, Convergence, Halting, TokenTypes, Training
+from drc_core.experiments.report import ours_from
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "papermill_runs" / "reference" / "results"
+
+
+def _written_keys(notebook: str) -> set[str]:
+    """The string keys of the ``results = {...}`` dict a notebook source saves."""
+    tree = ast.parse((ROOT / "book" / f"{notebook}.py").read_text())
+    keys: set[str] = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "results" for t in node.targets)
+                and isinstance(node.value, ast.Dict)):
+            keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    assert keys, f"book/{notebook}.py has no results = {{...}} literal"
+    return keys
+
+
+@pytest.mark.parametrize("cls", HANDOFFS, ids=lambda c: c.NOTEBOOK)
+def test_every_field_is_written_by_its_notebook(cls):
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert fields <= _written_keys(cls.NOTEBOOK)
+
+
+@pytest.mark.parametrize("cls", HANDOFFS, ids=lambda c: c.NOTEBOOK)
+def test_reference_results_parse(cls):
+    record = cls.from_results(json.loads((RESULTS / f"{cls.NOTEBOOK}.json").read_text()))
+    assert isinstance(record, cls)
+
+
+def test_a_missing_key_names_the_notebook():
+    with pytest.raises(DrcError, match="02_convergence lack kl_by_loop.*re-run notebook 02_convergence"):
+        Convergence.from_results({"kl_final_by_loop": {}, "ce_by_loop": {}, "median_depth": {},
+                                  "frac_updating": {}})
+
+
+def test_notebook_06_numbers_come_out_unchanged():
+    """ours_from on the reference results of 01-04 gives what the reference 06 recorded."""
+    records = [c.from_results(json.loads((RESULTS / f"{c.NOTEBOOK}.json").read_text()))
+               for c in (Training, Convergence, TokenTypes, Halting)]
+    profiles = tomllib.loads((ROOT / "book" / "profiles.toml").read_text())
+    max_loops = profiles["profiles"]["reference"]["parameters"]["max_loops"]
+    ours, intervals, scale = ours_from(*records, max_loops=max_loops)
+    saved = json.loads((RESULTS / "06_reproduction.json").read_text())
+    assert set(ours) == set(saved["ours"]) and scale == saved["scale"]
+    for key, value in saved["ours"].items():
+        if isinstance(value, list):
+            assert ours[key] == value
+        else:
+            assert (math.isnan(ours[key]) and value is None) or ours[key] == value, key
+    assert {k: list(v) for k, v in intervals.items()} == saved["intervals"]
