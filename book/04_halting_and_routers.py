@@ -49,8 +49,6 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 # %%
 import time
 
-import pandas as pd
-
 from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import viz
 from drc_core.book.workspace import open_model, save_results
@@ -64,7 +62,17 @@ from drc_core.halting.router import (
     split_windows,
     train_router,
 )
-from drc_core.halting.sweep import RuleSpec, calibrate, default_rules, matching_depth, summarize, sweep, window_clusters
+from drc_core.halting.sweep import (
+    RuleSpec,
+    calibration_table,
+    default_rules,
+    matching_table,
+    online_vs_offline,
+    summarize,
+    sweep,
+    uniform_ce,
+    window_clusters,
+)
 
 t0 = time.time()
 model, cfg, _ = open_model(work_dir)
@@ -114,9 +122,9 @@ print(f"{len(specs)} rules + uniform depths + oracle on {len(windows)} windows i
 # +0.06 nats, which hides the 1- and 2-loop points); the intervals over documents are in the tables below.
 
 # %%
-uni_ref = held[(held.family == "uniform") & (held.param == reference)].iloc[0]
+ce_uniform_ref = uniform_ce(held, reference)
 plot = held[held.avg_depth <= rule_max_loops + 0.5].drop(columns="rule").rename(columns={"family": "rule"})
-excess = plot.assign(quality=plot.ce - float(uni_ref.ce))[["rule", "param", "avg_depth", "quality"]]
+excess = plot.assign(quality=plot.ce - ce_uniform_ref)[["rule", "param", "avg_depth", "quality"]]
 fig = viz.quality_vs_depth(excess, reference=ce_tolerance, reference_label=f"+{ce_tolerance:g} nats",
                            quality_label=f"CE − CE(uniform {reference}) (nats, same windows)")
 fig.update_yaxes(range=[-0.01, 0.06])
@@ -133,17 +141,7 @@ viz.quality_vs_depth(plot.rename(columns={"kl_ref": "quality", "kl_ref_lo": "qua
 # interpolation along the family's curve.
 
 # %%
-ce_target = float(uni_ref.ce) + ce_tolerance
-rows = []
-for fam in held.family.unique():
-    m_ce = matching_depth(held, fam, ce_target, quality="ce")
-    m_kl = matching_depth(held, fam, kl_target, quality="kl_ref")
-    rows.append({"family": fam, "ce_depth": m_ce["grid"], "ce_depth_interp": m_ce["interpolated"],
-                 "ce_param": m_ce["param"], "kl_depth": m_kl["grid"], "kl_depth_interp": m_kl["interpolated"],
-                 "kl_param": m_kl["param"]})
-match = pd.DataFrame(rows).set_index("family")
-match["cut_vs_8_ce"] = 1 - match.ce_depth_interp / reference
-match["cut_vs_8_kl"] = 1 - match.kl_depth_interp / reference
+match = matching_table(held, reference, ce_tolerance, kl_target)
 match.round(3)
 
 # %% [markdown]
@@ -151,15 +149,7 @@ match.round(3)
 # The threshold is chosen on the calibration half for each target and checked on the held-out half.
 
 # %%
-cal = []
-for fam in ["kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence",
-            "router_linear", "router_mlp"]:
-    for quality, target in (("ce", ce_target), ("kl_ref", kl_target)):
-        cal_target = target if quality == "kl_ref" else float(
-            calib[(calib.family == "uniform") & (calib.param == reference)].ce.iloc[0]) + ce_tolerance
-        c = calibrate(calib, held, fam, cal_target, quality=quality, heldout_target=target)
-        cal.append({**vars(c), "heldout_target": target})
-cal = pd.DataFrame(cal)
+cal = calibration_table(calib, held, reference, ce_tolerance, kl_target)
 cal[["family", "quality", "param", "calib_depth", "heldout_depth", "heldout_quality", "heldout_target",
      "holds"]].round(4)
 
@@ -170,29 +160,15 @@ cal[["family", "quality", "param", "calib_depth", "heldout_depth", "heldout_qual
 # `drc_core.model.iterate`).
 
 # %%
-by_param = {(sp.family, float(sp.param)): sp for sp in specs}
-check = [by_param[(fam, float(match.loc[fam, "ce_param"]))] for fam in match.index
-         if (fam, float(match.loc[fam, "ce_param"])) in by_param]
 sub = held_idx[:online_windows]
-on = summarize(sweep(model, windows[sub], check, reference_loops=reference, oracle_eps=(), mode="online"), n_boot=200,
-               seed=seed)
-off = summarize(frame[frame.window.isin(sub)].assign(window=lambda d: d.window.map({w: i for i, w in enumerate(sub)})),
-                n_boot=200, seed=seed)
-online = on[on.family != "uniform"].merge(off, on=["family", "param"], suffixes=("_online", "_offline"))
-online["depth_diff"] = online.avg_depth_online - online.avg_depth_offline
-online["ce_diff"] = online.ce_online - online.ce_offline
+online = online_vs_offline(model, windows, frame, specs, match, sub, reference, seed=seed)
 online[["family", "param", "avg_depth_offline", "avg_depth_online", "depth_diff", "ce_offline", "ce_online",
         "ce_diff"]].round(4)
 
 # %%
-def point(fam: str, param: float) -> dict:
-    r = held[(held.family == fam) & (held.param == param)]
-    return {} if r.empty else {k: float(r[k].iloc[0]) for k in ("avg_depth", "ce", "kl_ref")}
-
-
 results = {
     "profile": profile, "reference_loops": reference, "rule_max_loops": rule_max_loops,
-    "ce_tolerance": ce_tolerance, "kl_target": kl_target, "ce_uniform_ref": float(uni_ref.ce),
+    "ce_tolerance": ce_tolerance, "kl_target": kl_target, "ce_uniform_ref": ce_uniform_ref,
     "matching": match.reset_index().to_dict("records"),
     "calibration": cal.to_dict("records"),
     "held_out_points": held[["family", "param", "avg_depth", "ce", "kl_ref"]].to_dict("records"),

@@ -11,15 +11,20 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.analysis.loops import iterate_stats
+from drc_core.errors import DrcError
 from drc_core.evaluate import EVAL_STATE_SEED, kl_successive, loss_by_depth
 from drc_core.halting.rules import KLThreshold, Never, Uniform, first_within, masked_forward, offline_exits
 from drc_core.halting.sweep import (
     RuleSpec,
     calibrate,
+    calibration_table,
     default_rules,
     matching_depth,
+    matching_table,
+    online_vs_offline,
     summarize,
     sweep,
+    uniform_ce,
     window_clusters,
 )
 
@@ -162,7 +167,8 @@ def test_window_clusters_and_summary_restriction(frame):
 def test_default_rules_and_bad_inputs(model, windows):
     specs = default_rules(max_loops=12)
     fams = {s.family for s in specs}
-    assert fams == {"kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence"}
+    assert fams == {"kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence", "minp_kl",
+                    "acceleration"}
     assert all(s.rule.max_loops == 12 for s in specs)
     with pytest.raises(ValueError, match="windows must be a non-empty"):
         sweep(model, windows[:0], specs)
@@ -206,3 +212,30 @@ def test_offline_equals_online_for_one_token_windows(model):
     np.testing.assert_allclose(off[["avg_depth", "ce", "kl_ref"]], on[["avg_depth", "ce", "kl_ref"]], rtol=1e-5,
                                atol=1e-6)
     assert on.avg_depth.nunique() > 1
+
+
+def test_notebook_tables(model, windows, frame):
+    """matching_table, calibration_table and online_vs_offline: what notebook 4 shows, from the library."""
+    s = summarize(frame, n_boot=50)
+    ce4 = uniform_ce(s, 4)
+    assert ce4 == float(s[(s.family == "uniform") & (s.param == 4)].ce.iloc[0])
+    match = matching_table(s, 4, 0.01, 1e-3)
+    assert set(match.index) == set(s.family)
+    for fam in match.index:
+        m = matching_depth(s, fam, ce4 + 0.01)
+        got = match.loc[fam, "ce_depth"]
+        assert got == m["grid"] or (math.isnan(m["grid"]) and math.isnan(got))
+    assert match.loc["uniform", "ce_depth"] <= 4
+    assert match.loc["uniform", "cut_vs_8_ce"] == pytest.approx(1 - match.loc["uniform", "ce_depth_interp"] / 4)
+    calib, held = summarize(frame, windows=[0, 1, 2], n_boot=50), summarize(frame, windows=[3, 4, 5], n_boot=50)
+    cal = calibration_table(calib, held, 4, 0.01, 1e-3, families=["kl"])
+    assert list(cal.quality) == ["ce", "kl_ref"] and (cal.family == "kl").all()
+    want = calibrate(calib, held, "kl", uniform_ce(calib, 4) + 0.01, heldout_target=uniform_ce(held, 4) + 0.01)
+    assert cal.iloc[0].param == want.param and cal.iloc[0].heldout_target == uniform_ce(held, 4) + 0.01
+    specs = [RuleSpec("kl", t, KLThreshold(t, max_loops=8)) for t in (1e-1, 1e-2, 1e-3, 1e-5)]
+    online = online_vs_offline(model, windows, frame, specs, match, [1, 4], 4, seed=0, n_boot=20)
+    assert list(online.family) == ["kl"]
+    row = online.iloc[0]
+    assert row.depth_diff == pytest.approx(row.avg_depth_online - row.avg_depth_offline)
+    with pytest.raises(DrcError, match="no uniform"):
+        uniform_ce(s, 99)

@@ -39,12 +39,14 @@ from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError, need_int
 from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.halting.rules import (
+    Acceleration,
     AdaptiveResult,
     ArgmaxPatience,
     Cosine,
     EntropyDelta,
     HaltingRule,
     KLThreshold,
+    MinPKL,
     SoftmaxConfidence,
     StateDelta,
     first_within,
@@ -54,14 +56,19 @@ from drc_core.halting.rules import (
 from drc_core.model import RecurrentModel, check_token_ids, logits_at
 
 __all__ = [
+    "CALIBRATED_FAMILIES",
     "QUALITIES",
     "Calibration",
     "RuleSpec",
     "calibrate",
+    "calibration_table",
     "default_rules",
     "matching_depth",
+    "matching_table",
+    "online_vs_offline",
     "summarize",
     "sweep",
+    "uniform_ce",
     "window_clusters",
 ]
 
@@ -83,7 +90,8 @@ def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
 
     Grids (chosen to span "halts almost at once" to "runs to ``max_loops``" on the reference model):
     KL and entropy change 1e-1..1e-5 (half-decades), relative state change 3e-1..1e-4, cosine 0.9..0.99999,
-    argmax patience 1..6 loops, top probability 0.3..0.99.
+    argmax patience 1..6 loops, top probability 0.3..0.99, min-p KL 1e-1..1e-6 (Huginn's default is 1e-5), the
+    two-loop acceleration 3e-1..3e-4.
     """
     kw = {"min_loops": min_loops, "max_loops": max_loops}
     half_decades = [1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5]
@@ -93,6 +101,8 @@ def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
     specs += [RuleSpec("cosine", t, Cosine(t, **kw)) for t in [0.9, 0.99, 0.999, 0.9999, 0.99999]]
     specs += [RuleSpec("argmax_patience", n, ArgmaxPatience(n, **kw)) for n in [1, 2, 3, 4, 6]]
     specs += [RuleSpec("confidence", t, SoftmaxConfidence(t, **kw)) for t in [0.3, 0.5, 0.7, 0.9, 0.95, 0.99]]
+    specs += [RuleSpec("minp_kl", t, MinPKL(t, **kw)) for t in [*half_decades, 3e-6, 1e-6]]
+    specs += [RuleSpec("acceleration", t, Acceleration(t, **kw)) for t in [3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4]]
     return specs
 
 
@@ -333,3 +343,76 @@ def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: f
     return Calibration(family, quality, target, m["param"], m["grid"], m["quality"], float(r.avg_depth),
                        float(r[quality]), float(r[f"{quality}_lo"]), float(r[f"{quality}_hi"]),
                        bool(r[quality] <= (target if heldout_target is None else heldout_target)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The tables of notebook 4
+
+CALIBRATED_FAMILIES = ("kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence",
+                       "router_linear", "router_mlp")
+
+
+def uniform_ce(summary: pd.DataFrame, reference: int) -> float:
+    """The CE of uniform depth ``reference`` in a :func:`summarize` table."""
+    row = summary[(summary.family == "uniform") & (summary.param == reference)]
+    if row.empty:
+        raise DrcError(f"the summary has no uniform({reference}) row: sweep with uniform_loops reaching {reference}")
+    return float(row.ce.iloc[0])
+
+
+def matching_table(summary: pd.DataFrame, reference: int, ce_tolerance: float, kl_target: float) -> pd.DataFrame:
+    """Per family (the index), the shallowest point matching uniform depth ``reference``: ``ce_depth``,
+    ``ce_depth_interp`` and ``ce_param`` for CE <= CE(uniform reference) + ``ce_tolerance``, ``kl_depth``,
+    ``kl_depth_interp`` and ``kl_param`` for mean KL to the reference <= ``kl_target`` (:func:`matching_depth`),
+    and the cut in loops against ``reference``: ``cut_vs_8_ce`` and ``cut_vs_8_kl`` (1 - interpolated / reference)."""
+    ce_target = uniform_ce(summary, reference) + ce_tolerance
+    rows = []
+    for fam in summary.family.unique():
+        m_ce = matching_depth(summary, fam, ce_target, quality="ce")
+        m_kl = matching_depth(summary, fam, kl_target, quality="kl_ref")
+        rows.append({"family": fam, "ce_depth": m_ce["grid"], "ce_depth_interp": m_ce["interpolated"],
+                     "ce_param": m_ce["param"], "kl_depth": m_kl["grid"], "kl_depth_interp": m_kl["interpolated"],
+                     "kl_param": m_kl["param"]})
+    match = pd.DataFrame(rows).set_index("family")
+    match["cut_vs_8_ce"] = 1 - match.ce_depth_interp / reference
+    match["cut_vs_8_kl"] = 1 - match.kl_depth_interp / reference
+    return match
+
+
+def calibration_table(calib: pd.DataFrame, heldout: pd.DataFrame, reference: int, ce_tolerance: float,
+                      kl_target: float, families: Sequence[str] = CALIBRATED_FAMILIES) -> pd.DataFrame:
+    """:func:`calibrate` for each family and both qualities, one row each (the fields of :class:`Calibration`
+    and ``heldout_target``). The CE target is relative: CE(uniform ``reference``) + ``ce_tolerance`` on the
+    calibration split to choose, on the held-out split to check; the KL target is ``kl_target`` on both."""
+    ce_heldout = uniform_ce(heldout, reference) + ce_tolerance
+    ce_calib = uniform_ce(calib, reference) + ce_tolerance
+    rows = []
+    for fam in families:
+        for quality, target in (("ce", ce_heldout), ("kl_ref", kl_target)):
+            chosen_at = target if quality == "kl_ref" else ce_calib
+            c = calibrate(calib, heldout, fam, chosen_at, quality=quality, heldout_target=target)
+            rows.append({**vars(c), "heldout_target": target})
+    return pd.DataFrame(rows)
+
+
+def online_vs_offline(model: RecurrentModel, windows: torch.Tensor, frame: pd.DataFrame, specs: Sequence[RuleSpec],
+                      match: pd.DataFrame, subset: Sequence[int] | np.ndarray, reference: int, *, seed: int = 0,
+                      n_boot: int = 200) -> pd.DataFrame:
+    """Each family's CE-matched point (``match.ce_param`` of :func:`matching_table`) run online -- true per-token
+    halting, :func:`sweep` in ``mode="online"`` -- on the windows ``subset``, beside its offline replay in
+    ``frame`` (the offline :func:`sweep` of all ``windows``) on the same windows: per family and param,
+    ``avg_depth`` / ``ce`` / ``kl_ref`` with suffixes ``_online`` and ``_offline``, ``depth_diff`` and ``ce_diff``
+    (online minus offline)."""
+    by_param = {(sp.family, float(sp.param)): sp for sp in specs}
+    check = [by_param[(fam, float(match.loc[fam, "ce_param"]))] for fam in match.index
+             if (fam, float(match.loc[fam, "ce_param"])) in by_param]
+    sub = np.asarray(subset)
+    on = summarize(sweep(model, windows[sub], check, reference_loops=reference, oracle_eps=(), mode="online"),
+                   n_boot=n_boot, seed=seed)
+    renumber = {w: i for i, w in enumerate(sub)}
+    off = summarize(frame[frame.window.isin(sub)].assign(window=lambda d: d.window.map(renumber)), n_boot=n_boot,
+                    seed=seed)
+    online = on[on.family != "uniform"].merge(off, on=["family", "param"], suffixes=("_online", "_offline"))
+    online["depth_diff"] = online.avg_depth_online - online.avg_depth_offline
+    online["ce_diff"] = online.ce_online - online.ce_offline
+    return online
