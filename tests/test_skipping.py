@@ -10,11 +10,13 @@ from drc_core.analysis.loops import iterate_stats
 from drc_core.halting.generate import generate
 from drc_core.halting.router import LinearRouter, RouterRule, harvest, train_router
 from drc_core.halting.rules import (
+    Acceleration,
     ArgmaxPatience,
     Cosine,
     EntropyDelta,
     HaltingRule,
     KLThreshold,
+    MinPKL,
     Never,
     Oracle,
     SoftmaxConfidence,
@@ -63,7 +65,8 @@ def _split(values: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def rules(model, idx) -> dict[str, HaltingRule]:
     """One rule of every family, thresholds set from the loop-3 statistics of a uniform run."""
-    st = list(iterate_stats(model, idx, L, generator=_gen()))[2]
+    stats = list(iterate_stats(model, idx, L, generator=_gen()))
+    st, st4 = stats[2], stats[3]
     exits = torch.randint(1, L + 1, (B, T), generator=torch.Generator().manual_seed(5))
     windows = torch.randint(0, V, (8, T + 1), generator=torch.Generator().manual_seed(7))
     data = harvest(model, windows, L, _split(st.kl))  # labels of both kinds
@@ -76,6 +79,8 @@ def rules(model, idx) -> dict[str, HaltingRule]:
         "cosine": Cosine(_split(st.cosine), max_loops=L),
         "argmax_patience": ArgmaxPatience(1, max_loops=L),
         "confidence": SoftmaxConfidence(_split(st.top_prob), max_loops=L),
+        "minp_kl": MinPKL(_split(st.minp_kl), max_loops=L),
+        "acceleration": Acceleration(_split(torch.maximum(st4.accel, st4.accel_prev)), max_loops=L),
         "uniform": Uniform(3),
         "never": Never(max_loops=L),
         "oracle": Oracle(exit_loops=exits, max_loops=L),
@@ -84,7 +89,7 @@ def rules(model, idx) -> dict[str, HaltingRule]:
 
 
 @pytest.mark.parametrize("family", ["kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence",
-                                    "uniform", "never", "oracle", "router"])
+                                    "minp_kl", "acceleration", "uniform", "never", "oracle", "router"])
 def test_skip_forward_equals_the_masked_reference(model, idx, rules, family):
     rule = rules[family]
     ref = masked_forward(model, idx, rule, generator=_gen())
@@ -93,11 +98,11 @@ def test_skip_forward_equals_the_masked_reference(model, idx, rules, family):
     torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(got.state, ref.state, atol=ATOL, rtol=RTOL)
     assert got.avg_depth == ref.avg_depth and got.rule == ref.rule
-    if family in ("kl", "state_delta", "entropy_delta", "cosine", "confidence", "oracle"):
+    if family in ("kl", "state_delta", "entropy_delta", "cosine", "confidence", "minp_kl", "acceleration", "oracle"):
         assert len(ref.exit_loop.unique()) >= 2, "the rule must halt tokens at different loops to test anything"
 
 
-@pytest.mark.parametrize("family", ["kl", "state_delta", "argmax_patience", "uniform"])
+@pytest.mark.parametrize("family", ["kl", "state_delta", "argmax_patience", "acceleration", "uniform"])
 def test_generate_equals_skip_forward_on_the_generated_sequence(model, idx, rules, family):
     rule = rules[family]
     prompt, n = idx[:, :5], 7

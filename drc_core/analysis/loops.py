@@ -18,7 +18,7 @@ from torch import Tensor
 from drc_core.errors import DrcError
 from drc_core.model import RecurrentModel, iterate
 
-__all__ = ["LoopStats", "iterate_stats", "loop_stats", "state_change"]
+__all__ = ["MIN_P", "LoopStats", "iterate_stats", "loop_stats", "minp_log_probs", "state_change", "trajectory_step"]
 
 
 
@@ -36,7 +36,13 @@ class LoopStats:
     - ``cosine`` = cos(s_l, s_{l-1});
     - ``argmax`` = argmax_v p_l(v) (long), ``argmax_run`` = the length of the current run of loops with this
       same argmax (1 at the first loop and after every change; long);
-    - ``top_prob`` = max_v p_l(v).
+    - ``top_prob`` = max_v p_l(v);
+    - ``minp_kl`` = KL(q_{l-1} || q_l) of the min-p filtered outputs q (Huginn's ``minp-kl`` exit criterion: every
+      probability below 0.1 * max_v p(v) is replaced by 1/V, then renormalised; note the direction, previous ||
+      current, as Huginn computes it), +inf at the first loop;
+    - ``state_step`` = s_l - s_{l-1} (B, T, d) (zeros at the first loop), ``accel`` = ||Δs_l - Δs_{l-1}|| /
+      ||s_l|| with Δs_l = ``state_step`` (the second-order "acceleration" of the latent trajectory, +inf at
+      loops 1 and 2) and ``accel_prev`` the previous loop's ``accel`` (+inf through loop 3).
 
     Build it with :func:`loop_stats`, which keeps no reference to the previous loop's stats, so a loop-by-
     loop caller holds at most two loops' (B, T, V) tensors at once.
@@ -53,6 +59,10 @@ class LoopStats:
     argmax: Tensor
     argmax_run: Tensor
     top_prob: Tensor
+    minp_kl: Tensor
+    state_step: Tensor
+    accel: Tensor
+    accel_prev: Tensor
 
     @property
     def shape(self) -> torch.Size:
@@ -84,6 +94,33 @@ def state_change(state: Tensor, prev_state: Tensor) -> tuple[Tensor, Tensor]:
     return state_delta, F.cosine_similarity(s, s_prev, dim=-1)
 
 
+MIN_P = 0.1  # Huginn's min-p filter: probabilities below MIN_P * max are replaced by 1/V
+
+
+def minp_log_probs(log_probs: Tensor) -> Tensor:
+    """Huginn's min-p filtered log-distribution of log-probs (..., V): p below ``MIN_P * max p`` -> 1/V,
+    renormalised."""
+    v = log_probs.shape[-1]
+    top = log_probs.amax(dim=-1, keepdim=True)
+    q = torch.where(log_probs < top + math.log(MIN_P), torch.full_like(log_probs, 1.0 / v), log_probs.exp())
+    return q.log() - q.sum(dim=-1, keepdim=True).log()
+
+
+def trajectory_step(state: Tensor, prev: LoopStats | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(state_step, accel, accel_prev)`` of ``state`` (..., d) after ``prev`` (see :class:`LoopStats`); the
+    second-order statistics need no readout."""
+    s = state.float()
+    shape = s.shape[:-1]
+    inf = torch.full(shape, math.inf, device=s.device)
+    if prev is None:
+        return torch.zeros_like(s), inf, inf
+    step = s - prev.state.float()
+    if prev.loop < 2:  # no previous step yet
+        return step, inf, inf
+    accel = (step - prev.state_step).norm(dim=-1) / s.norm(dim=-1).clamp_min(torch.finfo(s.dtype).tiny)
+    return step, accel, prev.accel
+
+
 def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tensor) -> LoopStats:
     """The :class:`LoopStats` of loop ``loop`` from its log-probs (B, T, V) and state (B, T, d), given the
     previous loop's stats ``prev`` (None at the first loop)."""
@@ -103,13 +140,16 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
     top_logp, argmax = log_probs.max(dim=-1)
     if prev is None:
         inf = torch.full(entropy.shape, math.inf, device=entropy.device)
-        kl, state_delta, entropy_delta, cosine = inf, inf, inf, -inf
+        kl, state_delta, entropy_delta, cosine, minp_kl = inf, inf, inf, -inf, inf
         argmax_run = torch.ones_like(argmax)
     else:
         kl = _dot(p, log_probs - prev.log_probs)  # = kl_successive(log_probs, prev.log_probs)
         state_delta, cosine = state_change(state, prev.state)
         entropy_delta = (entropy - prev.entropy).abs()
         argmax_run = torch.where(argmax == prev.argmax, prev.argmax_run + 1, torch.ones_like(argmax))
+        q_prev, q = minp_log_probs(prev.log_probs), minp_log_probs(log_probs)
+        minp_kl = _dot(q_prev.exp(), q_prev - q)
+    state_step, accel, accel_prev = trajectory_step(state, prev)
     return LoopStats(
         loop=loop,
         log_probs=log_probs,
@@ -122,6 +162,10 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
         argmax=argmax,
         argmax_run=argmax_run,
         top_prob=top_logp.exp(),
+        minp_kl=minp_kl,
+        state_step=state_step,
+        accel=accel,
+        accel_prev=accel_prev,
     )
 
 

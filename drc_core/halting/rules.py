@@ -33,18 +33,21 @@ from drc_core.evaluate import kl_successive
 from drc_core.model import HaltFn, LoopOutput, RecurrentModel, iterate
 
 __all__ = [
+    "Acceleration",
     "AdaptiveResult",
     "ArgmaxPatience",
     "Cosine",
     "EntropyDelta",
     "HaltingRule",
     "KLThreshold",
+    "MinPKL",
     "Never",
     "Oracle",
     "OracleResult",
     "RULE_FAMILIES",
     "SoftmaxConfidence",
     "StateDelta",
+    "huginn_presets",
     "Uniform",
     "first_within",
     "halt_fn",
@@ -304,6 +307,34 @@ class Oracle(HaltingRule):
         return "oracle" if self.eps is None else f"oracle(kl<={fmt_number(self.eps)})"
 
 
+@dataclass
+class MinPKL(_BelowThreshold):
+    """Halt once the min-p filtered KL(q_{l-1} || q_l) < ``tau`` (Huginn's ``minp-kl`` criterion; see
+    :class:`~drc_core.analysis.loops.LoopStats`)."""
+
+    _stat, _label = "minp_kl", "minp-kl"
+
+
+@dataclass
+class Acceleration(HaltingRule):
+    """Halt once the relative second difference of the latent trajectory, ||Δs_l - Δs_{l-1}|| / ||s_l||, has been
+    below ``tau`` at two consecutive loops (l-1 and l): the "acceleration" exit of two-scale latent dynamics
+    (arXiv 2509.23314). Needs no readout; the earliest possible halt is loop 4."""
+
+    tau: float
+    needs_log_probs = False
+
+    def _validate(self, owner: str) -> None:
+        self.tau = need_float("tau", self.tau, 0.0, math.inf, owner=owner)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return (stats.accel < self.tau) & (stats.accel_prev < self.tau)
+
+    @property
+    def name(self) -> str:
+        return f"accel<{fmt_number(self.tau)}x2"
+
+
 RULE_FAMILIES: dict[str, type[HaltingRule]] = {
     "kl": KLThreshold,
     "state_delta": StateDelta,
@@ -311,16 +342,38 @@ RULE_FAMILIES: dict[str, type[HaltingRule]] = {
     "cosine": Cosine,
     "argmax_patience": ArgmaxPatience,
     "confidence": SoftmaxConfidence,
+    "minp_kl": MinPKL,
+    "acceleration": Acceleration,
     "uniform": Uniform,
     "never": Never,
 }  # the short names, as the sweeps' family column spells them
 
 
+def huginn_presets(max_loops: int = 32, min_loops: int = 1) -> dict[str, HaltingRule]:
+    """Huginn's exit criteria at its documented default thresholds (``exit_threshold="auto"`` of
+    ``generate_with_adaptive_compute``, and the 5e-4 KL its paper uses), as rules on this model:
+    kl 1e-3 and 5e-4, minp-kl 1e-5, latent-diff 0.03 (:class:`StateDelta`), entropy-diff 1e-3, cosine
+    (1 - cos < 1e-3, i.e. :class:`Cosine` 0.999) and argmax-stability 5 (the argmax unchanged for 5 loops). Huginn
+    computes KL as KL(p_{l-1} || p_l); :class:`KLThreshold` is the paper's KL(p_l || p_{l-1}) (equal to first
+    order near the fixed point)."""
+    kw = {"min_loops": min_loops, "max_loops": max_loops}
+    return {
+        "huginn kl 1e-3": KLThreshold(1e-3, **kw),
+        "huginn kl 5e-4 (paper)": KLThreshold(5e-4, **kw),
+        "huginn minp-kl 1e-5": MinPKL(1e-5, **kw),
+        "huginn latent-diff 0.03": StateDelta(0.03, **kw),
+        "huginn entropy-diff 1e-3": EntropyDelta(1e-3, **kw),
+        "huginn cosine 1e-3": Cosine(1 - 1e-3, **kw),
+        "huginn argmax-stability 5": ArgmaxPatience(5, **kw),
+    }
+
+
 def make_rule(name: str, *args: float, **kwargs: int) -> HaltingRule:
     """A halting rule by its short name: ``make_rule("kl", 1e-3, max_loops=16)`` is ``KLThreshold(1e-3,
     max_loops=16)``. Names: ``kl``, ``state_delta``, ``entropy_delta``, ``cosine``, ``argmax_patience``,
-    ``confidence`` (threshold first), ``uniform`` (the depth), ``never`` (no parameter). The oracle is not
-    here: it needs the deepest outputs of the very batch it halts (:func:`oracle_exit`)."""
+    ``confidence``, ``minp_kl``, ``acceleration`` (threshold first), ``uniform`` (the depth), ``never`` (no
+    parameter). The oracle is not here: it needs the deepest outputs of the very batch it halts
+    (:func:`oracle_exit`)."""
     if name not in RULE_FAMILIES:
         raise DrcError(f"unknown halting rule {name!r}: choose from {', '.join(RULE_FAMILIES)}")
     try:

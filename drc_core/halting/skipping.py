@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.analysis.loops import LoopStats, loop_stats, state_change
+from drc_core.analysis.loops import LoopStats, loop_stats, state_change, trajectory_step
 from drc_core.errors import DrcError
 from drc_core.halting.rules import AdaptiveResult, HaltingRule
 from drc_core.model import Block, DepthRecurrentLM
@@ -192,10 +192,12 @@ class _Stats:
             "log_probs": torch.zeros(*shape, vocab if needs_log_probs else 0, device=dev),
             "kl": nan(), "state_delta": nan(), "entropy": nan(), "entropy_delta": nan(), "cosine": nan(),
             "argmax": torch.full(shape, -1, dtype=torch.long, device=dev),
-            "argmax_run": torch.zeros(shape, dtype=torch.long, device=dev), "top_prob": nan(),
+            "argmax_run": torch.zeros(shape, dtype=torch.long, device=dev), "top_prob": nan(), "minp_kl": nan(),
+            "state_step": torch.zeros(*shape, state.shape[-1], device=dev), "accel": nan(), "accel_prev": nan(),
         }
         self.prev: LoopStats | None = None  # compact (1, N) stats of the previous loop's active tokens
         self.prev_state: Tensor | None = None
+        self.prev_traj: _Trajectory | None = None  # state-only rules: the trajectory fields of the last loop
 
     def update(self, loop: int, rows: Tensor, cols: Tensor, state: Tensor, log_probs: Tensor | None,
                full_state: Tensor) -> LoopStats:
@@ -217,6 +219,11 @@ class _Stats:
             self.prev_state = state
             self.full["state_delta"][rows, cols] = delta
             self.full["cosine"][rows, cols] = cosine
+            step, accel, accel_prev = trajectory_step(state, self.prev_traj)  # type: ignore[arg-type]
+            self.prev_traj = _Trajectory(loop, state, step, accel)
+            self.full["state_step"][rows, cols] = step
+            self.full["accel"][rows, cols] = accel
+            self.full["accel_prev"][rows, cols] = accel_prev
         return LoopStats(loop=loop, state=full_state, **{k: v for k, v in self.full.items()})
 
     def keep(self, keep: Tensor) -> None:
@@ -226,6 +233,19 @@ class _Stats:
                                   **{k: getattr(self.prev, k)[:, keep] for k in _STAT_FIELDS})
         if self.prev_state is not None:
             self.prev_state = self.prev_state[keep]
+        if self.prev_traj is not None:
+            t = self.prev_traj
+            self.prev_traj = _Trajectory(t.loop, t.state[keep], t.state_step[keep], t.accel[keep])
+
+
+@dataclass
+class _Trajectory:
+    """What :func:`~drc_core.analysis.loops.trajectory_step` reads of the previous loop, for state-only rules."""
+
+    loop: int
+    state: Tensor
+    state_step: Tensor
+    accel: Tensor
 
 
 # ----------------------------------------------------------------------------------------------------------
