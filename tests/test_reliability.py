@@ -348,6 +348,32 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.fixture()
+def read_only_fs(tmp_path):
+    """A read-only tmpfs: writes fail with EROFS even for root (skipped with the reason where mounting is not
+    allowed)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,ro", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({proc.stderr.strip() or 'not root'})")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cli", [DATA, TRAIN, EVAL])
+def test_read_only_output_is_one_line(site, read_only_fs, cli):
+    out = read_only_fs / "out"
+    args = {DATA: prepare_args(out), TRAIN: train_args(site, out=out),
+            EVAL: eval_args(site, "--json", str(read_only_fs / "eval.json"))}[cli]
+    before = digest([site.corpus, site.run])
+    proc = run_cli(cli, args)
+    assert_one_error_line(proc, 2, ("read-only", "choose a writable directory"))
+    assert digest([site.corpus, site.run]) == before
+
+
 @pytest.mark.slow
 def test_prepare_onto_a_full_disk(small_fs):
     proc = run_cli(DATA, prepare_args(small_fs / "c"))
