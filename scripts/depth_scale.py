@@ -53,12 +53,13 @@ def common(steps: int = STEPS_X1, lr: float = 2e-3) -> list[str]:
 # name -> overrides of the cpu preset; in the order they are run (most informative first)
 RUNS: dict[str, list[str]] = {
     "d256-m8": width(256) + common(),
-    "d256-m16": width(256) + common() + ["recurrence.mean=16", "recurrence.max_loops=64"],
-    "d128-m8": width(128) + common(),
-    "d384-m8": width(384) + common(),
-    "d256-m8-x2": width(256) + common(2 * STEPS_X1),
+    "d256-m8-k8": width(256) + common() + ["recurrence.backprop_loops=8"],
     "d256-m16-k8": width(256) + common() + ["recurrence.mean=16", "recurrence.max_loops=64",
                                             "recurrence.backprop_loops=8"],
+    "d256-m16": width(256) + common() + ["recurrence.mean=16", "recurrence.max_loops=64"],
+    "d384-m8": width(384) + common(),
+    "d128-m8": width(128) + common(),
+    "d256-m8-x2": width(256) + common(2 * STEPS_X1),
     "d192-m8": width(192) + common(),
     "d256-m12": width(256) + common() + ["recurrence.mean=12", "recurrence.max_loops=48"],
     "d256-m8-x4": width(256) + common(4 * STEPS_X1),
@@ -78,12 +79,11 @@ def train(name: str) -> Path:
 
 def evaluate(name: str, out: Path) -> dict:
     from drc_core.data.sampler import Corpus, eval_windows
-    from drc_core.evaluate import loss_by_depth
-    from drc_core.measure import mean_successive_kl
-    from drc_core.model import DepthRecurrentLM
+    from drc_core.evaluate import loss_by_depth, mean_successive_kl
+    from drc_core.rundir import open_run
 
     cfg = json.loads((out / "config.json").read_text())
-    model = DepthRecurrentLM.load(out / "final")
+    model = open_run(out).load_model()
     corpus = Corpus.open(DATA)
     seq = cfg["seq_len"]
     mean = cfg["recurrence"]["mean"]
