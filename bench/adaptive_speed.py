@@ -34,7 +34,15 @@ from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
-from drc_core.experiments.speed import TARGET_MEASURE, TARGET_RATIO, SpeedConfig, SpeedReport, run_speed
+from drc_core.experiments.speed import (
+    TARGET_MEASURE,
+    TARGET_RATIO,
+    SpeedConfig,
+    SpeedReport,
+    measurement_pass,
+    run_speed,
+    skip_overhead,
+)
 from drc_core.model import DepthRecurrentLM
 from drc_core.rundir import open_run
 
@@ -139,12 +147,9 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
                 verdict += " (quality NOT matched)"
             out.append(f"  {x.setting:12s} {x.rule:22s} proxy {r}/{x.avg_loops:.2f} = {x.proxy_speedup:.2f}x, "
                        f"wall-clock {x.wallclock_speedup:.2f}x, ratio {x.wall_over_proxy:.2f} -> {verdict}")
-    over = b[(b.family == "uniform") & ~b.baseline]
-    if len(over):
-        out.append(f"  (skip_forward with Uniform({r}) runs at {over.wallclock_speedup.iloc[0]:.2f}x the dense "
-                   f"forward: the fixed cost of gathering/scattering active tokens, before any halting)")
-    mw = ms[ms["pass"] == "measure_windows (kl_to_final=True)"].iloc[0]
-    ro = ms[ms["pass"].str.startswith("readout every loop")].iloc[0]
+    out.append(f"  (skip_forward with Uniform({r}) runs at {skip_overhead(b):.2f}x the dense "
+               f"forward: the fixed cost of gathering/scattering active tokens, before any halting)")
+    mw, ro = measurement_pass(ms, "measure_kl_final"), measurement_pass(ms, "readout")
     met = "MET" if mw.x_forward <= TARGET_MEASURE else "NOT met"
     out.append(f"measurement pass (kl_to_final=True) = {mw.x_forward:.2f}x one depth-{mw.loops} forward "
                f"(issue target as worded: <= {TARGET_MEASURE}x -> {met}); = {mw.x_readout_pass:.2f}x the bare "

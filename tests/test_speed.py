@@ -21,11 +21,16 @@ from drc_core.errors import DrcError, run_cli
 from drc_core.evaluate import loss_by_depth
 from drc_core.experiments.cost import matmul_flops_per_token
 from drc_core.experiments.speed import (
+    TARGET_RATIO,
     SpeedConfig,
     matched_rules,
     measurement_cost,
+    measurement_pass,
+    measurement_summary,
     run_speed,
+    skip_overhead,
     speedup_table,
+    targets_met,
     time_batched,
     time_generation,
 )
@@ -262,3 +267,28 @@ def test_bench_end_to_end(capsys, tmp_path, corpus, tiny_model_factory):
     data = json.loads(out.read_text())
     assert data["windows"] == 4 and {"batched", "generation", "measurement", "matched", "table"} <= set(data)
     assert {row["setting"] for row in data["table"]} == {"batched eval", "generation"}
+
+
+def test_summaries_of_the_frames(report, cfg):
+    """What notebook 5 and the benchmark read from the frames, by pass kind and rule, not by label strings."""
+    ms = report.measurement
+    assert measurement_pass(ms, "forward").x_forward == 1
+    assert measurement_pass(ms, "readout").x_readout_pass == 1
+    full = ms[ms["pass"] == "measure_windows (kl_to_final=True)"].iloc[0]
+    assert measurement_summary(ms) == {"measurement_x_forward": full.x_forward,
+                                       "measurement_x_readout_pass": full.x_readout_pass,
+                                       "readout_pass_x_forward": measurement_pass(ms, "readout").x_forward}
+    with pytest.raises(DrcError, match="not a measurement pass"):
+        measurement_pass(ms, "backward")
+    b = report.batched
+    assert skip_overhead(b) == b.set_index("rule").loc[f"uniform={cfg.reference_loops} via skip_forward",
+                                                       "wallclock_speedup"]
+    met = targets_met(b, report.generation)
+    assert set(met) == {f"{s}: {r}" for s, f, r in zip(pd.concat([b, report.generation]).setting,
+                                                       pd.concat([b, report.generation]).family,
+                                                       pd.concat([b, report.generation]).rule, strict=True)
+                        if f != "uniform"}
+    for key, ok in met.items():
+        setting, rule = key.split(": ", 1)
+        frame = b if setting == "batched eval" else report.generation
+        assert ok == bool(frame.set_index("rule").loc[rule, "wall_over_proxy"] >= TARGET_RATIO)

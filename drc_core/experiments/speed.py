@@ -75,8 +75,12 @@ __all__ = [
     "SpeedReport",
     "matched_rules",
     "measurement_cost",
+    "measurement_pass",
+    "measurement_summary",
     "run_speed",
+    "skip_overhead",
     "speedup_table",
+    "targets_met",
     "time_batched",
     "time_generation",
 ]
@@ -430,11 +434,12 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
     def measure(kl_to_final: bool) -> Callable[[Tensor, list], object]:
         return lambda w, b: measure_windows(model, w, L, batch_size=bs, seed=cfg.seed, kl_to_final=kl_to_final)
 
+    names = _pass_names(L)
     passes: dict[str, Callable[[Tensor, list], object]] = {
-        f"forward, depth {L}": forward,
-        f"readout every loop, {L} loops": readout,
-        "measure_windows (kl_to_final=False)": measure(False),
-        "measure_windows (kl_to_final=True)": measure(True),
+        names["forward"]: forward,
+        names["readout"]: readout,
+        names["measure"]: measure(False),
+        names["measure_kl_final"]: measure(True),
     }
     with torch.inference_mode():
         model.eval()
@@ -443,11 +448,52 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
         times = interleaved({k: (lambda fn=fn: fn(windows, batches)) for k, fn in passes.items()}, cfg.rounds,
                              log, "measurement")
     med = {k: median(v) for k, v in times.items()}
-    fwd, ro = med[f"forward, depth {L}"], med[f"readout every loop, {L} loops"]
+    fwd, ro = med[names["forward"]], med[names["readout"]]
     rows = [{"pass": k, "loops": L, "windows": len(windows), "seconds": med[k], "spread": spread(times[k]),
              "x_forward": med[k] / fwd, "x_readout_pass": med[k] / ro,
              "target_as_worded": med[k] / fwd <= TARGET_MEASURE} for k in passes]
     return pd.DataFrame(rows)
+
+
+def _pass_names(loops: int) -> dict[str, str]:
+    """The ``pass`` labels of :func:`measurement_cost`'s rows at ``loops`` loops."""
+    return {"forward": f"forward, depth {loops}", "readout": f"readout every loop, {loops} loops",
+            "measure": "measure_windows (kl_to_final=False)", "measure_kl_final": "measure_windows (kl_to_final=True)"}
+
+
+def measurement_pass(measurement: pd.DataFrame, kind: str) -> pd.Series:
+    """The row of one pass of a :func:`measurement_cost` frame: ``kind`` is "forward", "readout" (every loop),
+    "measure" or "measure_kl_final" (:func:`~drc_core.analysis.measure.measure_windows` without / with the
+    deepest-output KL, what notebook 2 runs)."""
+    names = _pass_names(int(measurement.loops.iloc[0]))
+    if kind not in names:
+        raise DrcError(f"kind={kind!r} is not a measurement pass; use one of {', '.join(names)}")
+    return measurement[measurement["pass"] == names[kind]].iloc[0]
+
+
+def measurement_summary(measurement: pd.DataFrame) -> dict[str, float]:
+    """The measurement pass (with the deepest-output KL) against one forward and against the bare every-loop
+    readout pass, and that readout pass against one forward."""
+    full, floor = measurement_pass(measurement, "measure_kl_final"), measurement_pass(measurement, "readout")
+    return {"measurement_x_forward": float(full.x_forward), "measurement_x_readout_pass": float(full.x_readout_pass),
+            "readout_pass_x_forward": float(floor.x_forward)}
+
+
+def skip_overhead(batched: pd.DataFrame) -> float:
+    """The wall-clock speedup of ``skip_forward`` with ``Uniform(r)`` over the dense forward (:func:`time_batched`):
+    the fixed cost of the skipping machinery at equal depth (< 1 is a slowdown)."""
+    row = batched[(batched.family == "uniform") & ~batched.baseline]
+    if row.empty:
+        raise DrcError("the batched frame has no skip_forward Uniform(r) row: pass the frame of time_batched")
+    return float(row.wallclock_speedup.iloc[0])
+
+
+def targets_met(*frames: pd.DataFrame) -> dict[str, bool]:
+    """Per matched rule of :func:`time_batched` / :func:`time_generation` frames (``"<setting>: <rule>"``):
+    whether its wall-clock speedup reaches ``TARGET_RATIO`` x its FLOP proxy."""
+    rules = pd.concat(frames)
+    rules = rules[rules.family != "uniform"]
+    return {f"{r.setting}: {r.rule}": bool(r.wall_over_proxy >= TARGET_RATIO) for r in rules.itertuples()}
 
 
 # ----------------------------------------------------------------------------------------------------------
