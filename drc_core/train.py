@@ -28,6 +28,7 @@ import pickle
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -340,6 +341,13 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
 # -------------------------------------------------------------------------------------------------- CLI
 
 
+def preset_for(name: str, overrides: Sequence[str], corpus: Corpus) -> TrainConfig:
+    """The preset ``name`` with ``--set`` ``overrides``, its vocabulary taken from ``corpus``: the corpus knows its
+    vocabulary, so a preset never needs ``model.vocab_size`` set by hand. An explicit ``model.vocab_size`` override
+    still wins (and a mismatch with the corpus stays an error in :func:`train`)."""
+    return apply_overrides(preset(name), [f"model.vocab_size={corpus.vocab_size}", *overrides])
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m drc_core.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")
@@ -354,10 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = apply_overrides(preset(args.preset), args.overrides)
     if not Path(args.data).is_dir():
         raise DrcError(f"data dir '{args.data}' does not exist: run `python -m drc_core.data prepare --out "
                        f"{args.data}` first")
+    cfg = preset_for(args.preset, args.overrides, Corpus.open(args.data))
     summary = train(cfg, args.data, args.out, resume=args.resume, progress=not args.quiet)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in summary.items()}, default=float))

@@ -24,13 +24,14 @@ import numpy as np
 import pandas as pd
 
 from drc_core.book.paths import committed_counterpart
-from drc_core.config import TrainConfig, apply_overrides, preset
+from drc_core.config import TrainConfig
 from drc_core.data.prepare import PrepareConfig, prepare
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec
 from drc_core.errors import DrcError
 from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
 from drc_core.rundir import FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
+from drc_core.train import preset_for, train
 
 __all__ = [
     "ensure_corpus",
@@ -67,8 +68,6 @@ def _check_tokenizer(checkpoint: Path, corpus: Corpus) -> None:
 def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *, progress: bool = True) -> Path:
     """Train ``cfg`` into ``out`` (resuming a partial run; a finished run with the same config is reused) and
     return ``out``. A finished run made with another config is an error: nothing is overwritten."""
-    from drc_core.train import train  # torch.distributed set-up is only needed here
-
     out = Path(out)
     run = open_run(out) if out.is_dir() else None
     if run is not None and run.weights == out / FINAL_DIR:
@@ -98,7 +97,7 @@ def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, ove
         _check_tokenizer(src, corpus)
         info = {"kind": "checkpoint", "path": str(src)}
     else:
-        cfg = apply_overrides(preset(preset_name), list(overrides))
+        cfg = preset_for(preset_name, list(overrides), corpus)
         run = open_run(train_or_reuse(cfg, corpus.path, work / "train", progress=progress))
         info = {"kind": "trained", "path": str(run.path), "preset": preset_name, "overrides": list(overrides)}
     assert run is not None and run.weights is not None
@@ -124,7 +123,7 @@ def provide_run(run_dir: str | Path, corpus_dir: str | Path, *, preset_name: str
     run = open_run(run_dir) if Path(run_dir).is_dir() else None
     if run is not None and run.weights == run.path and run.train_config_path is not None:
         return run.path, run.train_config()
-    cfg = apply_overrides(preset(preset_name), list(overrides))
+    cfg = preset_for(preset_name, list(overrides), Corpus.open(corpus_dir))
     return train_or_reuse(cfg, corpus_dir, run_dir, progress=progress) / FINAL_DIR, cfg
 
 
