@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,3 +36,17 @@ def tiny_model_factory() -> Callable[..., DepthRecurrentLM]:
         return m
 
     return make
+
+
+@pytest.fixture(scope="session")
+def local_corpus(tmp_path_factory) -> Path:
+    """A small prepared corpus (12 local text documents, BPE vocab 300, seq_len 32) for CLI and config tests."""
+    from drc_core.data import PrepareConfig, SourceSpec, prepare
+
+    src = tmp_path_factory.mktemp("texts")
+    for i in range(12):
+        (src / f"doc{i}.txt").write_text(" ".join(f"w{(i * 13 + j * 7) % 90}" for j in range(600)) + ".")
+    out = tmp_path_factory.mktemp("corpus") / "corpus"
+    prepare(PrepareConfig(source=SourceSpec("local", paths=(str(src),)), out=str(out), vocab_size=300, seq_len=32),
+            progress=False)
+    return out

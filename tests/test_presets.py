@@ -4,41 +4,26 @@ corpus stays an error."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
-
-from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.data.sampler import Corpus
 from drc_core.errors import run_cli
 from drc_core.train import main, preset_for
 
 
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    src = tmp_path_factory.mktemp("texts")
-    for i in range(12):
-        (src / f"doc{i}.txt").write_text(" ".join(f"w{(i * 13 + j * 7) % 90}" for j in range(600)) + ".")
-    out = tmp_path_factory.mktemp("corpus") / "corpus"
-    prepare(PrepareConfig(source=SourceSpec("local", paths=(str(src),)), out=str(out), vocab_size=300, seq_len=32),
-            progress=False)
-    return out
-
-
-def test_preset_takes_the_corpus_vocabulary(corpus_dir):
-    corpus = Corpus.open(corpus_dir)
+def test_preset_takes_the_corpus_vocabulary(local_corpus):
+    corpus = Corpus.open(local_corpus)
     assert corpus.vocab_size == 300
     assert preset_for("tiny", [], corpus).model.vocab_size == 300
     assert preset_for("tiny", ["model.vocab_size=512"], corpus).model.vocab_size == 512  # explicit wins
 
 
-def test_training_a_preset_on_any_corpus(corpus_dir, tmp_path, capsys):
+def test_training_a_preset_on_any_corpus(local_corpus, tmp_path, capsys):
     steps = ["--set", "max_steps=2", "--set", "eval_every=2", "--set", "ckpt_every=2", "--set", "eval_windows=2"]
     out = tmp_path / "run"
-    assert run_cli(main, ["--preset", "tiny", "--data", str(corpus_dir), "--out", str(out), "--quiet", *steps]) == 0
+    assert run_cli(main, ["--preset", "tiny", "--data", str(local_corpus), "--out", str(out), "--quiet", *steps]) == 0
     assert json.loads((out / "final" / "config.json").read_text())["vocab_size"] == 300
     capsys.readouterr()
-    rc = run_cli(main, ["--preset", "tiny", "--data", str(corpus_dir), "--out", str(tmp_path / "other"), "--quiet",
+    rc = run_cli(main, ["--preset", "tiny", "--data", str(local_corpus), "--out", str(tmp_path / "other"), "--quiet",
                         "--set", "model.vocab_size=512", *steps])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "vocab 300" in err[0] and "512" in err[0]

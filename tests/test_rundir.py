@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from drc_core.config import apply_overrides, preset
-from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
 from drc_core.evaluate import main as evaluate_main
 from drc_core.model import DepthRecurrentLM
@@ -70,17 +69,6 @@ def test_missing_pieces_are_one_line_errors(layouts, tmp_path):
         open_run(tmp_path / "nope")
 
 
-@pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    src = tmp_path_factory.mktemp("texts")
-    for i in range(6):
-        (src / f"doc{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 50}" for j in range(300)) + ".")
-    out = tmp_path_factory.mktemp("corpus") / "corpus"
-    prepare(PrepareConfig(source=SourceSpec("local", paths=(str(src),)), out=str(out), vocab_size=300, seq_len=16),
-            progress=False)
-    return out
-
-
 def _one_error_line(capsys, rc: int) -> str:
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -88,14 +76,14 @@ def _one_error_line(capsys, rc: int) -> str:
     return err[0]
 
 
-def test_evaluate_on_bare_weights_refuses_to_guess_seq_len(layouts, capsys, corpus_dir):
-    line = _one_error_line(capsys, run_cli(evaluate_main, ["--run", str(layouts["bare"]), "--data", str(corpus_dir)]))
+def test_evaluate_on_bare_weights_refuses_to_guess_seq_len(layouts, capsys, local_corpus):
+    line = _one_error_line(capsys, run_cli(evaluate_main, ["--run", str(layouts["bare"]), "--data", str(local_corpus)]))
     assert "no training config" in line
 
 
-def test_evaluate_on_a_damaged_checkpoint_is_one_line(layouts, capsys, tmp_path, corpus_dir):
+def test_evaluate_on_a_damaged_checkpoint_is_one_line(layouts, capsys, tmp_path, local_corpus):
     broken = tmp_path / "broken"
     shutil.copytree(layouts["shipped"], broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    line = _one_error_line(capsys, run_cli(evaluate_main, ["--run", str(broken), "--data", str(corpus_dir)]))
+    line = _one_error_line(capsys, run_cli(evaluate_main, ["--run", str(broken), "--data", str(local_corpus)]))
     assert "cannot load the model" in line
