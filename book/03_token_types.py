@@ -62,8 +62,9 @@ viz.class_depth_bars(by_class)
 # %% [markdown]
 # ## The per-token depth explorer
 # Each token of a validation passage coloured by its successive KL at loop *l* (drag the slider; press
-# play). In JupyterLab, `viz.DepthExplorer(frame, tokenizer).widget` gives the live version: a loop slider,
-# a metric toggle (KL, state change, entropy, converged / still updating) and a per-token trajectory.
+# play). In JupyterLab, `viz.DepthExplorer(frame, tokenizer).widget` gives the live version: a text box to
+# trace any text of your own, a loop slider, a metric toggle (KL, state change, entropy, converged / still
+# updating), the passage as clickable tokens and the selected token's trajectory.
 
 # %%
 viz.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tokens=explorer_tokens)
@@ -77,17 +78,25 @@ from IPython.display import HTML, display  # noqa: E402
 
 from drc_core.book.workspace import open_model  # noqa: E402
 
-_, cfg, _ = open_model(work_dir)
-HTML(viz.token_strip_html(frame, explorer_window, int(cfg.recurrence.mean), tokenizer, eps=eps, mode="converged",
-                          max_tokens=explorer_tokens))
+model, cfg, _ = open_model(work_dir)
+HTML(viz.token_strip_html(frame, explorer_window, int(cfg.recurrence.mean), tokenizer, eps=eps,
+                          mode="converged", max_tokens=explorer_tokens))
 
 # %%
 if live_explorer:  # live in JupyterLab; the static book has the slider figure above
-    explorer = viz.DepthExplorer(frame, tokenizer, window=explorer_window, eps=eps)
+    import drc_core
+
+    def trace_text(text: str):
+        """Any text through the studied model: its token x loop frame (drc_core.trace)."""
+        return drc_core.trace(model, text, int(frame.loop.max()), tokenizer=tokenizer).frame
+
+    explorer = viz.DepthExplorer(frame, tokenizer, window=explorer_window, eps=eps, tracer=trace_text)
     display(explorer.widget)
+    # explorer.show_text("Any sentence of your own.") traces it from code, as the text box does
 else:
-    print("The live explorer (loop slider, metric toggle, per-token trajectory) needs a running kernel: open "
-          "book/03_token_types.py in JupyterLab, where live_explorer = True.")
+    print("The live explorer (your own text, loop slider, metric toggle, clickable tokens, per-token "
+          "trajectory) needs a running kernel: open book/03_token_types.py in JupyterLab "
+          "(live_explorer = True).")
 
 # %%
 order = by_class["class"].tolist()

@@ -5,8 +5,10 @@ The browser test starts its own JupyterLab (127.0.0.1, a free port, no token) on
 test's tmp dir: ``book/03_token_types.py`` (a byte copy of the source), ``jupytext.toml``, and the smoke profile's
 work dir (notebooks 01 and 02, run here by the book runner) where the notebook's parameters look for it. It opens
 the source by its URL (so JupyterLab's default viewer decides how), runs all cells in headless Chromium driven by
-Selenium, moves the loop slider, switches the metric, picks a token, and checks that the passage and the
-trajectory figure changed and that the browser console has no errors. Screenshots: ``<tmp>/screens/*.png``.
+Selenium, moves the loop slider, switches the metric, types a sentence into the explorer's text box, clicks a token
+of the passage, and checks that the passage and the trajectory figure changed, that nothing in the explorer scrolls
+sideways and that the browser console has no errors; then it saves, reloads the page and checks that the explorer
+comes back with the typed sentence and the clicked token. Screenshots: ``<tmp>/screens/*.png``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from drc_core.book.paths import ROOT_ENV, RUN_ENV
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "book").glob("[0-9][0-9]_*.py"))
 NOTEBOOK = "book/03_token_types.py"
+SENTENCE = "The Congress shall have power to lay and collect taxes."
 
 
 def repo_config():
@@ -243,15 +246,30 @@ def browser():
 
 # JavaScript run in the page: the open notebook panel, and the live explorer's passage and trajectory figure
 _PANEL = "const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
-_EXPLORER = ("const ex = [...document.querySelectorAll('.jp-Notebook .widget-vbox')].find("
-             "v => v.querySelector('.widget-slider') && v.querySelector('.widget-toggle-buttons'));")
-PASSAGE_JS = _EXPLORER + "const h = ex && ex.querySelector('.widget-html-content'); return h ? h.innerHTML : null;"
+_EXPLORER = "const ex = document.querySelector('.jp-Notebook .drc-depth-explorer');"
+# the passage: the header (loop, legend) and each token button's text and colour
+PASSAGE_JS = _EXPLORER + """
+const h = ex && ex.querySelector('.drc-explorer-header .widget-html-content');
+const toks = ex ? [...ex.querySelectorAll('.drc-token')] : [];
+if (!h || !toks.length) return null;
+return JSON.stringify({header: h.innerHTML,
+                       tokens: toks.map(b => [b.textContent.replace(/\u00a0/g, ' '), b.style.backgroundColor])});
+"""
 FIGURE_JS = _EXPLORER + """
 const p = ex && ex.querySelector('.widget-output .js-plotly-plot');
 if (!p || !p.data || !p.querySelector('.main-svg')) return null;
 return JSON.stringify({title: p.layout.title && p.layout.title.text, shapes: p.layout.shapes,
                        y: p.data.map(t => Array.from(t.y || []))});
 """
+# elements of the explorer's output (up to the output area) that scroll sideways
+OVERFLOW_JS = _EXPLORER + """
+const out = [];
+for (let e = ex; e; e = e.parentElement) { if (e.classList.contains('jp-OutputArea-output')) { out.push(e); break; } }
+return [ex, ...ex.querySelectorAll('*'), ...out].filter(e => e.scrollWidth > e.clientWidth + 1
+  && ['auto', 'scroll'].includes(getComputedStyle(e).overflowX)).map(e => e.className || e.tagName);
+"""
+WIDGET_ERRORS_JS = """return [...document.querySelectorAll('.jp-Notebook .jp-OutputArea-output')]
+  .map(o => o.textContent).filter(s => s.includes('Error displaying widget'));"""
 RUN_STATE_JS = _PANEL + """
 const cells = w.content.widgets.filter(c => c.model.type === 'code');
 return {status: w.sessionContext.session && w.sessionContext.session.kernel
@@ -266,7 +284,6 @@ return {status: w.sessionContext.session && w.sessionContext.session.kernel
 def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: Path, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import Select
 
     t0 = time.monotonic()
     shots = tmp_path / "screens"
@@ -305,9 +322,14 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
     explorer = d.execute_script(_EXPLORER + "return ex;")
     d.execute_script("arguments[0].scrollIntoView({block: 'center'});", explorer)
     shot("03_explorer")
+    assert d.execute_script(OVERFLOW_JS) == []  # no sideways scroll bar in the explorer's output
 
-    # the loop slider (keyboard on its handle, as a user would after clicking it)
+    # the loop slider spans the output: at least 12 px per loop (the issue's was 124 px for 32 loops)
+    track = explorer.find_element(By.CSS_SELECTOR, ".widget-slider .noUi-target")
     handle = explorer.find_element(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
+    n_loops = int(float(handle.get_attribute("aria-valuemax"))) - int(float(handle.get_attribute("aria-valuemin")))
+    assert track.size["width"] >= 12 * n_loops, (track.size, n_loops)
+    # (keyboard on its handle, as a user would after clicking it)
     loop0 = int(float(handle.get_attribute("aria-valuenow")))
     handle.click()
     for _ in range(3):
@@ -320,6 +342,7 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
     figure1 = wait_for(lambda: (f := d.execute_script(FIGURE_JS)) and [sh.get("x0") for sh in json.loads(f)["shapes"]]
                        == [loop1] and f, 20, "the trajectory's loop marker to follow the slider")
     assert passage1 != passage0 and figure1 != figure0
+    assert json.loads(passage1)["tokens"] != json.loads(passage0)["tokens"]  # recoloured
     shot("04_slider_moved")
 
     # the metric toggle
@@ -330,18 +353,45 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
     assert "mod-active" in button.get_attribute("class")
     shot("05_metric_state_change")
 
-    # a token
-    choice = Select(explorer.find_element(By.CSS_SELECTOR, ".widget-dropdown select"))
-    last = choice.options[-1].text  # "<pos>: '<text>'"
-    choice.select_by_index(len(choice.options) - 1)
-    pos = int(last.split(":")[0])
+    # a sentence of one's own, typed into the text box: traced and shown in the same explorer
+    box = explorer.find_element(By.CSS_SELECTOR, ".widget-text input")
+    box.click()
+    box.send_keys(SENTENCE + Keys.ENTER)
+    typed = wait_for(lambda: (p := d.execute_script(PASSAGE_JS)) and "".join(
+        tok for tok, _ in json.loads(p)["tokens"]) == SENTENCE and p, 60, "the typed sentence as the passage")
+    assert "loop 2 of" in json.loads(typed)["header"]  # a new passage starts at loop 2
+    shot("06_typed_sentence")
+
+    # a token, by clicking it in the passage
+    tokens = explorer.find_elements(By.CSS_SELECTOR, ".drc-token")
+    pos = len(tokens) - 1
+    tokens[pos].click()
     figure2 = wait_for(lambda: (f := d.execute_script(FIGURE_JS))
                        and (json.loads(f)["title"] or "").startswith(f"pos {pos} ") and f, 20,
-                       f"the trajectory of token {last}")
-    assert figure2 != figure1 and json.loads(figure2)["title"] != json.loads(figure1)["title"]
-    shot("06_token_picked")
+                       f"the trajectory of the clicked token {tokens[pos].text!r}")
+    assert json.loads(figure2)["title"] != json.loads(figure1)["title"]
+    shot("07_token_clicked")
 
     # 4. a clean browser console
+    errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == [], errors
+
+    # the widget state survives a browser reload: save, reload, the same passage and trajectory come back
+    d.execute_script("window.jupyterapp.commands.execute('docmanager:save');")
+    wait_for(lambda: d.execute_script(_PANEL + "return !w.context.model.dirty;"), 30, "the save")
+    d.refresh()
+    wait_for(lambda: d.execute_script(
+        _PANEL + "return w && w.context && w.context.path === arguments[0] && w.context.isReady;", NOTEBOOK),
+        120, f"{NOTEBOOK} to open again after the reload")
+    after = wait_for(lambda: d.execute_script(WIDGET_ERRORS_JS) or d.execute_script(PASSAGE_JS), 60,
+                     "the explorer after the reload")
+    assert not isinstance(after, list), after  # "Error displaying widget: model not found"
+    assert json.loads(after)["tokens"] == json.loads(d.execute_script(PASSAGE_JS))["tokens"]
+    assert "".join(tok for tok, _ in json.loads(after)["tokens"]) == SENTENCE
+    figure3 = wait_for(lambda: d.execute_script(FIGURE_JS), 60, "the trajectory after the reload")
+    assert json.loads(figure3)["title"] == json.loads(figure2)["title"]
+    d.execute_script("arguments[0].scrollIntoView({block: 'center'});", d.execute_script(_EXPLORER + "return ex;"))
+    shot("08_after_reload")
     errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == [], errors
 

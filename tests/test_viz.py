@@ -247,32 +247,106 @@ def test_token_strip_html_converged_mode_matches_convergence_depth(frame, tok):
         assert out.count(f"background:{viz.UPDATING_COLOR};") == 20 - n_green
 
 
+def span_colors(strip_html: str) -> list[str]:
+    """The background colour of every token span of a token_strip_html passage, in order."""
+    return re.findall(r'<span title="[^"]*" style="background:([^;]+);', strip_html)
+
+
 def test_depth_explorer_headless(frame, tok):
     ex = viz.DepthExplorer(frame, tok, window=2, eps=EPS, max_tokens=16)
     assert ex.slider.min == 1 and ex.slider.max == L and ex.slider.value == 2
-    assert ex.text.value == viz.token_strip_html(frame, 2, 2, tok, eps=EPS, max_tokens=16)
-    before = ex.text.value
+    assert ex.slider.layout.width == "auto"  # stretched to the output: wide enough to hit every loop
+    assert len(ex.token_buttons) == 16
+
+    def shown_colors() -> list[str]:
+        return [b.style.button_color for b in ex.token_buttons]
+
+    # the passage is the token buttons, coloured as token_strip_html colours its spans; the header is its first line
+    strip = viz.token_strip_html(frame, 2, 2, tok, eps=EPS, max_tokens=16)
+    assert shown_colors() == span_colors(strip) and "loop 2 of 6" in ex.text.value and ex.text.value in strip
     ex.slider.value = 5
-    assert ex.text.value != before
-    assert ex.text.value == viz.token_strip_html(frame, 2, 5, tok, eps=EPS, max_tokens=16)
+    assert shown_colors() == span_colors(viz.token_strip_html(frame, 2, 5, tok, eps=EPS, max_tokens=16))
+    assert shown_colors() != span_colors(strip)
     ex.metric.value = "state"
-    assert ex.text.value == viz.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="state", max_tokens=16)
+    assert shown_colors() == span_colors(viz.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="state",
+                                                              max_tokens=16))
     ex.metric.value = "converged"
-    assert ex.text.value == viz.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="converged", max_tokens=16)
+    assert shown_colors() == span_colors(viz.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="converged",
+                                                              max_tokens=16))
+    texts = token_texts(tok, frame[(frame.window == 2) & (frame.loop == 1)].token.to_numpy()[:16])
+    assert [b.description for b in ex.token_buttons] == [t.replace("\n", "↵").replace(" ", "\u00a0") or "\u00a0"
+                                                         for t in texts]
+    assert "depth" in ex.token_buttons[3].tooltip and "KL" in ex.token_buttons[3].tooltip
     kl = token_rows(frame, 2, "kl_prev")
     sd = token_rows(frame, 2, "state_delta")
-    ex.token.value = 7
+    ex.token_buttons[7].click()  # clicking a token selects it
+    assert ex.token.value == 7 and ex.token_buttons[7].layout.border and not ex.token_buttons[6].layout.border
     traj = ex.trajectory
     assert list(traj.data[0].x) == list(range(1, L + 1))
-    np.testing.assert_allclose(traj.data[0].y, kl[7], equal_nan=True)
+    np.testing.assert_allclose(traj.data[0].y, np.maximum(kl[7], viz.LOG_FLOOR), equal_nan=True)
     state = [t for t in traj.data if t.name.startswith("state")][0]
-    np.testing.assert_allclose(state.y, sd[7], equal_nan=True)
+    np.testing.assert_allclose(state.y, np.maximum(sd[7], viz.LOG_FLOOR), equal_nan=True)
     assert traj.layout.yaxis.type == "log"
     assert traj.layout.shapes[0].x0 == 5  # the current loop
     ex.slider.value = 3
     assert ex.trajectory.layout.shapes[0].x0 == 3
-    assert len(ex.token.options) == 16 and ex.token.options[7][1] == 7
-    assert ex.widget.children[1] is ex.text
+    ex.token.value = 2  # also settable from code
+    assert ex.trajectory.layout.title.text.startswith("pos 2 ")
+    assert ex.widget.children[2] is ex.text and ex.widget.children[3] is ex.tokens
+
+
+def test_explorer_kl_floor_on_log_axes(frame, tok):
+    """Slightly negative KL (float noise) and zeros are drawn at the stated floor, the figure shows the floor,
+    and hover keeps the measured value."""
+    noisy = frame.copy()
+    sel = (noisy.window == 0) & (noisy.pos == 0)
+    noisy.loc[sel & (noisy.loop == 3), "kl_prev"] = -1.5e-7
+    noisy.loc[sel & (noisy.loop == 4), "kl_prev"] = 0.0
+    ex = viz.DepthExplorer(noisy, tok, window=0, eps=EPS, max_tokens=4)
+    kl = ex.trajectory.data[0]
+    assert kl.y[2] == viz.LOG_FLOOR and kl.y[3] == viz.LOG_FLOOR and math.isnan(kl.y[0])
+    assert kl.customdata[2] == pytest.approx(-1.5e-7)
+    floor = [t for t in ex.trajectory.data if t.name.startswith("floor")]
+    assert len(floor) == 1 and list(floor[0].y) == [viz.LOG_FLOOR] * 2 and "values below" in floor[0].name
+    assert f"values below {viz.LOG_FLOOR:g} drawn at" in ex.text.value
+
+
+def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
+    """A text box and show_text(): the text goes through drc_core.trace and replaces the passage in the same
+    explorer (slider range, one button per token, trajectory); a bad text says why and keeps the passage."""
+    import drc_core
+
+    model = tiny_model_factory(tok.get_vocab_size(), core_scale=1.0)
+    calls = []
+
+    def tracer(text: str) -> pd.DataFrame:
+        calls.append(text)
+        return drc_core.trace(model, text, 8, tokenizer=tok).frame
+
+    with pytest.raises(DrcError, match="needs tracer"):
+        viz.DepthExplorer(frame, tok, text="x")
+    ex = viz.DepthExplorer(frame, tok, window=1, eps=EPS, max_tokens=32, tracer=tracer)
+    assert ex.widget.children[0].children == (ex.input, ex.trace_button)
+    sentence = "The dog ran up the tree."
+    ex.input.value = sentence  # what pressing Enter in the text box does
+    want = drc_core.trace(model, sentence, 8, tokenizer=tok)
+    assert calls == [sentence] and ex.passage.window == 0
+    assert [b.description.replace("\u00a0", " ") for b in ex.token_buttons] == want.tokens
+    assert ex.slider.max == 8 and ex.slider.value == 2 and ex.token.value == 0
+    depth = want.convergence_depth(EPS)
+    assert ex.passage.depth.tolist() == depth["depth"].tolist()
+    ex.token_buttons[-1].click()
+    np.testing.assert_allclose(ex.trajectory.data[0].y, np.maximum(want.matrix("kl_prev")[-1], viz.LOG_FLOOR),
+                               equal_nan=True)
+    ex.show_text("The cat sat.")  # the function argument, and the button
+    assert calls[-1] == "The cat sat." and ex.input.value == "The cat sat." and len(calls) == 2
+    ex.trace_button.click()
+    assert len(calls) == 3
+    before = ex.passage
+    ex.show_text("   ")
+    assert ex.passage is before and "type a text" in ex.status.value
+    ex2 = viz.DepthExplorer(frame, tok, eps=EPS, tracer=tracer, text="a mat")
+    assert calls[-1] == "a mat" and "".join(ex2.passage.texts) == "a mat"
 
 
 @pytest.mark.parametrize(("call", "message"), [

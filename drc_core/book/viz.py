@@ -516,7 +516,9 @@ def _fmt(v: float) -> str:
     return f"{v:.2g}" if np.isfinite(v) else "n/a"
 
 
-def _strip_html(p: _Passage, loop: int, mode: _Mode) -> str:
+def _strip_parts(p: _Passage, loop: int, mode: _Mode) -> tuple[str, list[str], list[str]]:
+    """The passage at ``loop`` in ``mode``: the header line (window, loop, colour legend) as HTML, and per token
+    its background colour and its hover text (values at that loop, depth, status)."""
     j = p.loop_index(loop)
     kl, sd, ent = p.values["kl_prev"][:, j], p.values["state_delta"][:, j], p.values["entropy"][:, j]
     conv = p.converged_at(int(loop))
@@ -529,18 +531,30 @@ def _strip_html(p: _Passage, loop: int, mode: _Mode) -> str:
         v, lo, hi, scale = _color_range(p, mode)
         colors = _css_colors(v[:, j], lo, hi, scale)
         ends = f"{10**lo:.0e} … {10**hi:.0e}" if mode.log else f"{lo:.2f} … {hi:.2f}"
-        legend = (f"colour: {html.escape(mode.label)} ({mode.unit}), {ends}"
-                  + (f", yellow = ε = {p.eps:g}" if mode.key == "kl" else "") + "; grey: undefined at this loop")
-    spans = []
+        low, high = _css_colors(np.array([lo, hi]), lo, hi, scale)
+        legend = (f"colour: {html.escape(mode.label)} ({mode.unit}), "
+                  f"<span style='background:{low};color:{_ink(low)}'>&nbsp;low&nbsp;</span>"
+                  f"<span style='background:{high};color:{_ink(high)}'>&nbsp;high&nbsp;</span> {ends}"
+                  + (f", yellow = ε = {p.eps:g}" if mode.key == "kl" else "")
+                  + (f"; values below {LOG_FLOOR:g} drawn at {LOG_FLOOR:g}" if mode.log else "")
+                  + "; grey: undefined at this loop")
+    titles = []
     for i, text in enumerate(p.texts):
         status = "converged" if conv[i] else "still updating"
-        title = (f"pos {int(p.pos[i])} {text!r}: KL {_fmt(kl[i])} nats, state change {_fmt(sd[i])}, "
-                 f"entropy {_fmt(ent[i])} nats, depth {int(p.depth[i])}, {status}")
-        body = html.escape(text.replace("\r", "␍").replace("\t", "⇥")).replace("\n", "↵<br>")
-        spans.append(f"<span title=\"{html.escape(title, quote=True)}\" style=\"background:{colors[i]};"
-                     f"color:{_ink(colors[i])};border-radius:2px;padding:0 1px\">{body}</span>")
+        titles.append(f"pos {int(p.pos[i])} {text!r}: KL {_fmt(kl[i])} nats, state change {_fmt(sd[i])}, "
+                      f"entropy {_fmt(ent[i])} nats, depth {int(p.depth[i])}, {status}")
     header = (f"<div style='font-size:90%;margin-bottom:4px'>window {p.window}, loop {int(loop)} of "
               f"{int(p.loops[-1])}: {legend}</div>")
+    return header, colors, titles
+
+
+def _strip_html(p: _Passage, loop: int, mode: _Mode) -> str:
+    header, colors, titles = _strip_parts(p, loop, mode)
+    spans = []
+    for text, color, title in zip(p.texts, colors, titles, strict=True):
+        body = html.escape(text.replace("\r", "␍").replace("\t", "⇥")).replace("\n", "↵<br>")
+        spans.append(f"<span title=\"{html.escape(title, quote=True)}\" style=\"background:{color};"
+                     f"color:{_ink(color)};border-radius:2px;padding:0 1px\">{body}</span>")
     return (f"<div class='drc-token-strip'>{header}<div style='font-family:monospace;white-space:pre-wrap;"
             f"line-height:1.7'>{''.join(spans)}</div></div>")
 
@@ -630,78 +644,206 @@ def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float 
 class DepthExplorer:
     """The live per-token depth explorer (JupyterLab): ``explorer.widget`` is an ipywidgets ``VBox`` with
 
-    - ``slider`` (``IntSlider`` over the frame's loops) and ``metric`` (``ToggleButtons``: ``"kl"``,
-      ``"state"``, ``"entropy"``, ``"converged"``), which redraw ``text`` (an ``HTML`` widget holding
-      :func:`token_strip_html` of the window at that loop and mode);
-    - ``token`` (a ``Dropdown`` of positions labelled with the token text), which redraws ``trajectory``: a
-      ``go.Figure`` (KL(p_l ‖ p_{l−1}), KL(p_L ‖ p_l) when measured and the state change against the loop,
-      log scale, the ε line and the current loop) rendered into ``output`` (an ``ipywidgets.Output``) when an
-      IPython kernel is running.
+    - ``input`` (a ``Text`` box) and ``trace_button``, present when a ``tracer`` is given: any text typed there
+      (Enter or the button) is traced through the model by ``tracer(text)`` (a function returning that text's
+      token x loop frame, window 0, e.g. ``lambda s: drc_core.trace(model, s, 32, tokenizer=tok).frame``) and
+      shown in this same explorer; :meth:`show_text` does the same from code, and ``text=`` does it at once;
+    - ``slider`` (``IntSlider`` over the passage's loops, the full width of the output, one step per loop) and
+      ``metric`` (``ToggleButtons``: ``"kl"``, ``"state"``, ``"entropy"``, ``"converged"``), which redraw
+      ``text`` (an ``HTML`` header: window, loop and colour legend) and recolour ``token_buttons``;
+    - ``tokens``: the passage itself, one ``Button`` per token (``token_buttons``) coloured as
+      :func:`token_strip_html` colours its spans, with that token's values as tooltip; clicking one selects it;
+    - ``token`` (a ``BoundedIntText`` of the selected position, also settable), which redraws ``trajectory``: a
+      ``go.Figure`` (KL(p_l ‖ p_{l−1}), KL(p_L ‖ p_l) when measured and the state change against the loop, log
+      scale, values below :data:`LOG_FLOOR` drawn at that floor (a dotted line marks it), the ε line and the
+      current loop) rendered into ``output`` (an ``ipywidgets.Output``) when an IPython kernel is running.
 
     Everything updates through ``.observe`` callbacks, so setting ``explorer.slider.value = 5`` (or
-    ``metric.value`` / ``token.value``) from code updates ``text`` / ``trajectory`` at once.
+    ``metric.value`` / ``token.value``) from code updates the passage and ``trajectory`` at once.
     """
 
     def __init__(self, frame: pd.DataFrame, tokenizer, window: int = 0, eps: float = DEFAULT_EPS,
-                 max_tokens: int = 96) -> None:
+                 max_tokens: int = 96, *, tracer=None, text: str | None = None) -> None:
         import ipywidgets as widgets
 
+        self._widgets = widgets
+        self.tokenizer, self.eps, self.max_tokens, self.tracer = tokenizer, eps, max_tokens, tracer
+        if text is not None and tracer is None:
+            raise DrcError("text= needs tracer=: a function from a text to its token x loop frame")
+        # "auto" in the explorer's column stretches a row to the output's width (100% plus margins overflowed)
+        def full() -> object:
+            return widgets.Layout(width="auto")
+
         self.passage = _passage(frame, window, tokenizer, eps, max_tokens)
-        p = self.passage
-        first = int(p.loops[1]) if len(p.loops) > 1 else int(p.loops[0])
-        self.slider = widgets.IntSlider(value=first, min=int(p.loops[0]), max=int(p.loops[-1]), step=1,
-                                        description="loop", continuous_update=True)
+        self.slider = widgets.IntSlider(value=1, min=1, max=2, step=1, description="loop", continuous_update=True,
+                                        layout=full(), style={"description_width": "initial"})
         self.metric = widgets.ToggleButtons(
             options=[("KL", "kl"), ("state change", "state"), ("entropy", "entropy"),
                      ("converged?", "converged")], value="kl", description="colour")
-        self.text = widgets.HTML()
-        self.token = widgets.Dropdown(options=[(f"{int(q)}: {t!r}", int(q)) for q, t in zip(p.pos, p.texts,
-                                                                                          strict=True)],
-                                      value=int(p.pos[0]), description="token")
-        self.output = widgets.Output()
+        self.text = widgets.HTML(layout=full())
+        self.text.add_class("drc-explorer-header")
+        self.tokens = widgets.Box(layout=widgets.Layout(display="flex", flex_flow="row wrap", width="100%",
+                                                        align_items="center"))
+        self.tokens.add_class("drc-explorer-tokens")
+        self.token_buttons: list = []
+        self._quiet = False  # True while the explorer sets its own widgets (their observers then do nothing)
+        self.token = widgets.BoundedIntText(value=0, min=0, max=0, description="token", layout={"width": "180px"})
+        self.selected = widgets.HTML()
+        self.output = widgets.Output(layout=full())
         self.trajectory = go.Figure()
-        self.widget = widgets.VBox([widgets.HBox([self.slider, self.metric]), self.text, self.token, self.output])
+        rows = []
+        if tracer is not None:
+            self.input = widgets.Text(placeholder="type any text and press Enter (or 'trace') to trace it",
+                                      description="text", continuous_update=False, layout=widgets.Layout(
+                                          width="auto", flex="1 1 auto"))
+            self.trace_button = widgets.Button(description="trace", button_style="primary",
+                                               tooltip="trace this text through the model")
+            self.status = widgets.HTML()
+            self.input.observe(self._on_input, names="value")
+            self.trace_button.on_click(lambda _b: self.show_text(self.input.value))
+            rows.append(widgets.HBox([self.input, self.trace_button], layout=full()))
+            rows.append(self.status)
+        rows += [self.slider, self.metric, self.text, self.tokens, widgets.HBox([self.token, self.selected]),
+                 self.output]
+        self.widget = widgets.VBox(rows, layout=full())
+        self.widget.add_class("drc-depth-explorer")
         self.slider.observe(self._on_loop, names="value")
         self.metric.observe(self._on_metric, names="value")
         self.token.observe(self._on_token, names="value")
+        self._show(self.passage)
+        if text is not None:
+            self.show_text(text)
+
+    # the passage ---------------------------------------------------------------------------------------
+    def show_text(self, text: str) -> None:
+        """Trace ``text`` with the explorer's ``tracer`` and show it (all its tokens, up to ``max_tokens``) in
+        place of the current passage. An empty text or a failing trace leaves the passage and says why in
+        ``status``."""
+        if self.tracer is None:
+            raise DrcError("this explorer has no tracer: pass tracer= (a function from a text to its frame)")
+        if not str(text).strip():
+            self.status.value = "<span style='color:#b00'>type a text first</span>"
+            return
+        self.status.value = "tracing …"
+        try:
+            frame = self.tracer(str(text))
+            passage = _passage(frame, 0, self.tokenizer, self.eps, self.max_tokens)
+        except DrcError as exc:
+            self.status.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
+            return
+        self._quiet = True
+        try:
+            self.input.value = text
+        finally:
+            self._quiet = False
+        self.status.value = (f"traced {len(passage.pos)} token(s) of your text through "
+                             f"{int(passage.loops[-1])} loops")
+        self._show(passage)
+
+    def _show(self, passage: _Passage) -> None:
+        """Make ``passage`` the explorer's: slider range, one button per token, first token selected, redraw."""
+        widgets = self._widgets
+        self.passage = p = passage
+        first = int(p.loops[1]) if len(p.loops) > 1 else int(p.loops[0])
+        self._quiet = True
+        try:
+            self.slider.max = max(int(p.loops[-1]), self.slider.min)
+            self.slider.min = int(p.loops[0])
+            self.slider.max = int(p.loops[-1])
+            self.slider.value = first
+            self.token.max = max(int(p.pos[-1]), self.token.min)
+            self.token.min = int(p.pos[0])
+            self.token.max = int(p.pos[-1])
+            self.token.value = int(p.pos[0])
+        finally:
+            self._quiet = False
+        buttons, children = [], []
+        for q, text in zip(p.pos, p.texts, strict=True):
+            label = _visible(text).replace(" ", "\u00a0") or "\u00a0"
+            b = widgets.Button(description=label, layout=widgets.Layout(width="auto", height="26px", margin="1px",
+                                                                         padding="0 3px"),
+                               style={"font_family": "monospace"})
+            b.add_class("drc-token")
+            b.on_click(lambda _b, q=int(q): setattr(self.token, "value", q))
+            buttons.append(b)
+            children.append(b)
+            if "\n" in text:  # a line break in the passage: the next token starts a new row
+                children.append(widgets.Box(layout=widgets.Layout(width="100%", height="0px")))
+        self.token_buttons = buttons
+        self.tokens.children = children
         self.update_text()
         self.update_trajectory()
 
     # callbacks (the widgets' observers) ----------------------------------------------------------------
+    def _on_input(self, change) -> None:
+        if not self._quiet and change["new"].strip():
+            self.show_text(change["new"])
+
     def _on_loop(self, _change) -> None:
+        if self._quiet:
+            return
         self.update_text()
         self._mark_loop()
         self._render()
 
     def _on_metric(self, _change) -> None:
-        self.update_text()
+        if not self._quiet:
+            self.update_text()
 
     def _on_token(self, _change) -> None:
-        self.update_trajectory()
+        if not self._quiet:
+            self.update_trajectory()
 
     # updates, also callable directly ------------------------------------------------------------------
     def update_text(self) -> None:
-        """Redraw the coloured passage for the slider's loop and the selected metric."""
-        self.text.value = _strip_html(self.passage, int(self.slider.value), _mode(self.metric.value))
+        """Redraw the header and recolour the passage's tokens for the slider's loop and the selected metric."""
+        header, colors, titles = _strip_parts(self.passage, int(self.slider.value), _mode(self.metric.value))
+        self.text.value = header
+        for b, color, title in zip(self.token_buttons, colors, titles, strict=True):
+            b.style.button_color = color
+            b.style.text_color = _ink(color)
+            b.tooltip = title
 
-    def update_trajectory(self) -> None:
-        """Rebuild the selected token's trajectory figure and render it."""
+    def _token_index(self) -> int:
         p = self.passage
         i = int(np.searchsorted(p.pos, int(self.token.value)))
+        if i >= len(p.pos) or int(p.pos[i]) != int(self.token.value):
+            raise DrcError(f"token={self.token.value} is not a position of the passage ({int(p.pos[0])}.."
+                           f"{int(p.pos[-1])})")
+        return i
+
+    def update_trajectory(self) -> None:
+        """Rebuild the selected token's trajectory figure, mark its button, and render it."""
+        p = self.passage
+        i = self._token_index()
+        for k, b in enumerate(self.token_buttons):
+            b.layout.border = "2px solid #000" if k == i else ""
+            b.style.font_weight = "bold" if k == i else ""
         fig = go.Figure()
         series = [("kl_prev", "KL(p_l ‖ p_{l−1}) (nats)", "solid"), ("kl_final", "KL(p_L ‖ p_l) (nats)", "dash"),
                   ("state_delta", "state change (relative)", "solid")]
         for k, (col, name, dash) in enumerate(series):
             if col in p.values and (col != "kl_final" or np.isfinite(p.values[col][i]).any()):
-                fig.add_trace(go.Scatter(x=p.loops, y=p.values[col][i], mode="lines+markers", name=name,
-                                         line={"color": _PALETTE[k], "dash": dash}, marker={"size": 5}))
-        fig.add_trace(go.Scatter(x=[p.loops[0], p.loops[-1]], y=[p.eps, p.eps], mode="lines", name=f"ε = {p.eps:g}",
+                y = p.values[col][i]
+                with np.errstate(invalid="ignore"):
+                    shown = np.where(np.isfinite(y), np.maximum(y, LOG_FLOOR), np.nan)  # float noise < 0 included
+                fig.add_trace(go.Scatter(x=p.loops, y=shown, mode="lines+markers", name=name, customdata=y,
+                                         line={"color": _PALETTE[k], "dash": dash}, marker={"size": 5},
+                                         hovertemplate="loop %{x}: %{customdata:.3g}<extra>" + html.escape(name)
+                                                       + "</extra>"))
+        x_ends = [p.loops[0], p.loops[-1]]
+        fig.add_trace(go.Scatter(x=x_ends, y=[p.eps, p.eps], mode="lines", name=f"ε = {p.eps:g}",
                                  line={"color": "grey", "dash": "dot"}))
+        fig.add_trace(go.Scatter(x=x_ends, y=[LOG_FLOOR, LOG_FLOOR], mode="lines",
+                                 name=f"floor {LOG_FLOOR:g}: values below drawn here",
+                                 line={"color": "#999", "dash": "dashdot", "width": 1}))
         status = f"converged at depth {p.depth[i]}" if p.settled[i] else "never settled"
         fig.update_yaxes(type="log", exponentformat="power", title_text="value (log scale)")
         fig.update_xaxes(title_text="loop l")
-        _style(fig, f"pos {int(p.pos[i])} {p.texts[i]!r}: {status}", height=320,
-               legend={"orientation": "h", "y": -0.3})
+        _style(fig, f"pos {int(p.pos[i])} {p.texts[i]!r}: {status}", height=340,
+               legend={"orientation": "h", "y": -0.3}, autosize=True)
+        self.selected.value = (f"selected: <b>{html.escape(repr(p.texts[i]))}</b> (pos {int(p.pos[i])}), "
+                               f"{status}; click a token to select it")
         self.trajectory = fig
         self._mark_loop()
         self._render()
@@ -718,5 +860,6 @@ class DepthExplorer:
             return
         with self.output:
             clear_output(wait=True)
-            display({"application/vnd.plotly.v1+json": json.loads(self.trajectory.to_json()),
+            display({"application/vnd.plotly.v1+json": {**json.loads(self.trajectory.to_json()),
+                                                         "config": {"responsive": True}},
                      "text/plain": f"trajectory of token {int(self.token.value)}"}, raw=True)
