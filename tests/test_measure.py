@@ -1,4 +1,3 @@
-import json
 import math
 
 import numpy as np
@@ -206,8 +205,7 @@ def test_val_windows_with_docs(tmp_path):
         "tok_end": [50, 7, 20, 40],
     })
     docs.to_parquet(tmp_path / "docs.parquet")
-    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": V}))
-    corpus = Corpus.open(tmp_path)
+    corpus = Corpus(tmp_path, {"dtype": "uint16", "vocab_size": V})  # a hand-made split: not a full corpus to open
     w, doc = val_windows_with_docs(corpus, 8, 3, spread=False)
     assert w.shape == (3, 9) and doc.shape == (3, 8)
     flat = doc.reshape(-1).tolist()
