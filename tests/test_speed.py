@@ -244,6 +244,9 @@ def test_bench_script_exits_2_on_bad_input(tmp_path):
 def test_bench_bad_corpus_and_vocab_mismatch(capsys, tmp_path, corpus, tiny_model_factory):
     run = tiny_model_factory(V).save(tmp_path / "run")
     line = _one_error_line(capsys, run_cli(_bench().main, ["--run", str(run), "--data", str(tmp_path / "none")]))
+    assert "does not exist" in line
+    (tmp_path / "empty").mkdir()
+    line = _one_error_line(capsys, run_cli(_bench().main, ["--run", str(run), "--data", str(tmp_path / "empty")]))
     assert "not a prepared corpus" in line
     line = _one_error_line(capsys, run_cli(_bench().main, ["--run", str(run), "--data", str(corpus)]))
     assert "vocabulary 300" in line and f"has {V}" in line
