@@ -34,23 +34,22 @@ n_windows = 64
 seed = 0
 eps = 1e-3  # convergence label of the routers (as in 02)
 rule_max_loops = 16  # every rule's max_loops
-ce_tolerance = 0.005  # "matches uniform depth-8 quality": CE at most CE(uniform 8) plus this, in nats
+ce_tolerance = (
+    0.005  # "matches uniform depth-8 quality": CE at most CE(uniform 8) plus this, in nats
+)
 kl_target = 0.01  # the KL quality target: mean KL(p_8 || p_exit) at most this
 router_positions = 64  # harvested positions per window (all loops 1..L-1 of each)
-online_windows = 16  # held-out windows for the online (true per-token halting) check of the matched points
+online_windows = (
+    16  # held-out windows for the online (true per-token halting) check of the matched points
+)
 
-# %%
-# the parameters' paths are relative to the repository root; resolve them from any working directory
-from drc_core.book.paths import at_root, results_for
-
-work_dir, corpus_dir = at_root(work_dir, corpus_dir)
-results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-
-# %%
+# %% tags=["hide-input"]
+# imports; the parameters' paths resolved against the repository root (any working directory)
 import time
 
 from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import viz
+from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
 from drc_core.halting.router import (
@@ -74,14 +73,21 @@ from drc_core.halting.sweep import (
     window_clusters,
 )
 
+work_dir, corpus_dir = at_root(work_dir, corpus_dir)
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+
+# %%
 t0 = time.time()
 model, cfg, _ = open_model(work_dir)
 corpus = Corpus.open(corpus_dir)
 windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
 reference = int(round(cfg.recurrence.mean))
 calib_idx, held_idx = split_windows(len(windows), 0.5, seed=seed)
-print(f"{len(windows)} windows: {len(calib_idx)} for router training / calibration, {len(held_idx)} held out; "
-      f"reference depth {reference}")
+print(
+    f"{len(windows)} windows: {len(calib_idx)} for router training / calibration, "
+    f"{len(held_idx)} held out; "
+    f"reference depth {reference}"
+)
 
 # %% [markdown]
 # ## Learned routers
@@ -99,19 +105,29 @@ for kind, make, kw in [
     router = make(data.n_features)
     log = train_router(router, data, seed=seed)
     routers[kind] = router
-    print(kind, f"{len(data):,} rows, {data.positive_rate:.1%} positive,",
-          {k: round(v, 3) for k, v in router_metrics(router, data).items()})
+    print(
+        kind,
+        f"{len(data):,} rows, {data.positive_rate:.1%} positive,",
+        {k: round(v, 3) for k, v in router_metrics(router, data).items()},
+    )
 
 # %%
 specs = default_rules(rule_max_loops)
 for kind, router in routers.items():
-    specs += [RuleSpec(f"router_{kind}", tau, RouterRule(router=router, tau=tau, max_loops=rule_max_loops))
-              for tau in (0.3, 0.5, 0.7, 0.9, 0.97, 0.99)]
+    specs += [
+        RuleSpec(
+            f"router_{kind}", tau, RouterRule(router=router, tau=tau, max_loops=rule_max_loops)
+        )
+        for tau in (0.3, 0.5, 0.7, 0.9, 0.97, 0.99)
+    ]
 frame = sweep(model, windows, specs, reference_loops=reference, mode="offline")
 clusters = window_clusters(docs)
 held = summarize(frame, windows=held_idx, clusters=clusters, seed=seed)
 calib = summarize(frame, windows=calib_idx, clusters=clusters, seed=seed)
-print(f"{len(specs)} rules + uniform depths + oracle on {len(windows)} windows in {time.time() - t0:.0f} s")
+print(
+    f"{len(specs)} rules + uniform depths + oracle on {len(windows)} windows "
+    f"in {time.time() - t0:.0f} s"
+)
 
 # %% [markdown]
 # ## Quality versus average depth (held-out windows)
@@ -123,16 +139,30 @@ print(f"{len(specs)} rules + uniform depths + oracle on {len(windows)} windows i
 
 # %%
 ce_uniform_ref = uniform_ce(held, reference)
-plot = held[held.avg_depth <= rule_max_loops + 0.5].drop(columns="rule").rename(columns={"family": "rule"})
+plot = (
+    held[held.avg_depth <= rule_max_loops + 0.5]
+    .drop(columns="rule")
+    .rename(columns={"family": "rule"})
+)
 excess = plot.assign(quality=plot.ce - ce_uniform_ref)[["rule", "param", "avg_depth", "quality"]]
-fig = viz.quality_vs_depth(excess, reference=ce_tolerance, reference_label=f"+{ce_tolerance:g} nats",
-                           quality_label=f"CE − CE(uniform {reference}) (nats, same windows)")
+fig = viz.quality_vs_depth(
+    excess,
+    reference=ce_tolerance,
+    reference_label=f"+{ce_tolerance:g} nats",
+    quality_label=f"CE − CE(uniform {reference}) (nats, same windows)",
+)
 fig.update_yaxes(range=[-0.01, 0.06])
 
 # %%
-viz.quality_vs_depth(plot.rename(columns={"kl_ref": "quality", "kl_ref_lo": "quality_lo", "kl_ref_hi": "quality_hi"}),
-                     reference=kl_target, quality_label=f"mean KL(p_{reference} ‖ p_exit) (nats)", log_y=True,
-                     reference_label=f"target {kl_target:g}")
+viz.quality_vs_depth(
+    plot.rename(
+        columns={"kl_ref": "quality", "kl_ref_lo": "quality_lo", "kl_ref_hi": "quality_hi"}
+    ),
+    reference=kl_target,
+    quality_label=f"mean KL(p_{reference} ‖ p_exit) (nats)",
+    log_y=True,
+    reference_label=f"target {kl_target:g}",
+)
 
 # %% [markdown]
 # ## Lowest average depth that matches uniform depth-8 quality
@@ -150,8 +180,18 @@ match.round(3)
 
 # %%
 cal = calibration_table(calib, held, reference, ce_tolerance, kl_target)
-cal[["family", "quality", "param", "calib_depth", "heldout_depth", "heldout_quality", "heldout_target",
-     "holds"]].round(4)
+cal[
+    [
+        "family",
+        "quality",
+        "param",
+        "calib_depth",
+        "heldout_depth",
+        "heldout_quality",
+        "heldout_target",
+        "holds",
+    ]
+].round(4)
 
 # %% [markdown]
 # ## Offline replay versus true per-token halting
@@ -162,24 +202,45 @@ cal[["family", "quality", "param", "calib_depth", "heldout_depth", "heldout_qual
 # %%
 sub = held_idx[:online_windows]
 online = online_vs_offline(model, windows, frame, specs, match, sub, reference, seed=seed)
-online[["family", "param", "avg_depth_offline", "avg_depth_online", "depth_diff", "ce_offline", "ce_online",
-        "ce_diff"]].round(4)
+online[
+    [
+        "family",
+        "param",
+        "avg_depth_offline",
+        "avg_depth_online",
+        "depth_diff",
+        "ce_offline",
+        "ce_online",
+        "ce_diff",
+    ]
+].round(4)
 
 # %%
 results = {
-    "profile": profile, "reference_loops": reference, "rule_max_loops": rule_max_loops,
-    "ce_tolerance": ce_tolerance, "kl_target": kl_target, "ce_uniform_ref": ce_uniform_ref,
+    "profile": profile,
+    "reference_loops": reference,
+    "rule_max_loops": rule_max_loops,
+    "ce_tolerance": ce_tolerance,
+    "kl_target": kl_target,
+    "ce_uniform_ref": ce_uniform_ref,
     "matching": match.reset_index().to_dict("records"),
     "calibration": cal.to_dict("records"),
     "held_out_points": held[["family", "param", "avg_depth", "ce", "kl_ref"]].to_dict("records"),
-    "n_windows": {"calibration": len(calib_idx), "held_out": len(held_idx), "online_check": len(sub)},
-    "online_check": online[["family", "param", "avg_depth_offline", "avg_depth_online", "ce_offline",
-                            "ce_online"]].to_dict("records"),
+    "n_windows": {
+        "calibration": len(calib_idx),
+        "held_out": len(held_idx),
+        "online_check": len(sub),
+    },
+    "online_check": online[
+        ["family", "param", "avg_depth_offline", "avg_depth_online", "ce_offline", "ce_online"]
+    ].to_dict("records"),
     "notebook_seconds": time.time() - t0,
 }
 save_results(results_dir, "04_halting_and_routers", results)
 for fam in ("uniform", "kl", "router_linear", "router_mlp", "oracle"):
     if fam in match.index:
         r = match.loc[fam]
-        print(f"{fam:14s} matches CE(uniform {reference}) at {r.ce_depth_interp:.2f} loops "
-              f"({r.cut_vs_8_ce:+.0%} vs {reference}); KL<={kl_target:g} at {r.kl_depth_interp:.2f}")
+        print(
+            f"{fam:14s} matches CE(uniform {reference}) at {r.ce_depth_interp:.2f} loops "
+            f"({r.cut_vs_8_ce:+.0%} vs {reference}); KL<={kl_target:g} at {r.kl_depth_interp:.2f}"
+        )
