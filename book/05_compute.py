@@ -59,14 +59,8 @@ max_loops = 32  # depth of the measurement pass (as in notebook 2)
 measure_windows = 8  # windows for the measurement-pass comparison
 threads = 0  # torch threads; 0 keeps torch's default
 
-# %%
-# the parameters' paths are relative to the repository root; resolve them from any working directory
-from drc_core.book.paths import at_root, results_for
-
-work_dir, corpus_dir = at_root(work_dir, corpus_dir)
-results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-
-# %%
+# %% tags=["hide-input"]
+# imports; the parameters' paths resolved against the repository root (any working directory)
 import time
 
 import pandas as pd
@@ -74,6 +68,7 @@ import torch
 
 from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import viz
+from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
 from drc_core.experiments.cost import matmul_flops_per_token
@@ -90,6 +85,10 @@ from drc_core.experiments.speed import (
     time_generation,
 )
 
+work_dir, corpus_dir = at_root(work_dir, corpus_dir)
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+
+# %%
 t0 = time.time()
 if threads:
     torch.set_num_threads(threads)
@@ -98,12 +97,23 @@ corpus = Corpus.open(corpus_dir)
 windows, _ = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
 reference = int(round(cfg.recurrence.mean))
 prompt_len = min(prompt_len, cfg.seq_len, model.cfg.max_seq_len - new_tokens)
-speed = SpeedConfig(reference_loops=reference, rule_max_loops=rule_max_loops, families=tuple(families),
-                    ce_tolerance=ce_tolerance, rounds=rounds, new_tokens=new_tokens,
-                    prompt_len=prompt_len, measure_loops=max_loops, measure_windows=measure_windows)
+speed = SpeedConfig(
+    reference_loops=reference,
+    rule_max_loops=rule_max_loops,
+    families=tuple(families),
+    ce_tolerance=ce_tolerance,
+    rounds=rounds,
+    new_tokens=new_tokens,
+    prompt_len=prompt_len,
+    measure_loops=max_loops,
+    measure_windows=measure_windows,
+)
 c = model.cfg
-print(f"{len(windows)} windows x {cfg.seq_len} tokens; uniform depth r = {reference}; d={c.d_model}, "
-      f"P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; {torch.get_num_threads()} torch threads")
+print(
+    f"{len(windows)} windows x {cfg.seq_len} tokens; uniform depth r = {reference}; d={c.d_model}, "
+    f"P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; "
+    f"{torch.get_num_threads()} torch threads"
+)
 
 # %% [markdown]
 # ### The cost model on this model
@@ -113,11 +123,19 @@ print(f"{len(windows)} windows x {cfg.seq_len} tokens; uniform depth r = {refere
 # %%
 base = matmul_flops_per_token(model, reference, cfg.seq_len, "forward")
 depths = sorted({1.0, reference / 4, reference / 2, float(reference)})
-pd.DataFrame([{"avg loops a": a, "FLOP proxy r/a": reference / a,
-               "matmul speed-up, rule on states": base / matmul_flops_per_token(model, a, cfg.seq_len, "skip_states"),
-               "matmul speed-up, rule on log-probs": base / matmul_flops_per_token(model, a, cfg.seq_len,
-                                                                                    "skip_log_probs")}
-              for a in depths]).round(2)
+pd.DataFrame(
+    [
+        {
+            "avg loops a": a,
+            "FLOP proxy r/a": reference / a,
+            "matmul speed-up, rule on states": base
+            / matmul_flops_per_token(model, a, cfg.seq_len, "skip_states"),
+            "matmul speed-up, rule on log-probs": base
+            / matmul_flops_per_token(model, a, cfg.seq_len, "skip_log_probs"),
+        }
+        for a in depths
+    ]
+).round(2)
 
 # %% [markdown]
 # ## Matched quality
@@ -128,8 +146,19 @@ pd.DataFrame([{"avg loops a": a, "FLOP proxy r/a": reference / a,
 
 # %%
 matched = matched_rules(model, windows, speed)
-matched.table[["family", "rule", "avg_loops_offline", "ce_offline", "avg_loops", "ce", "ce_target",
-               "within_tolerance", "note"]].round(4)
+matched.table[
+    [
+        "family",
+        "rule",
+        "avg_loops_offline",
+        "ce_offline",
+        "avg_loops",
+        "ce",
+        "ce_target",
+        "within_tolerance",
+        "note",
+    ]
+].round(4)
 
 # %% [markdown]
 # ## Batched evaluation
@@ -138,8 +167,21 @@ matched.table[["family", "rule", "avg_loops_offline", "ce_offline", "avg_loops",
 
 # %%
 batched = time_batched(model, windows, matched.specs, speed)
-batched[["rule", "path", "avg_loops", "ce", "ce_gap", "seconds", "spread", "proxy_speedup", "flop_speedup",
-         "wallclock_speedup", "wall_over_proxy"]].round(3)
+batched[
+    [
+        "rule",
+        "path",
+        "avg_loops",
+        "ce",
+        "ce_gap",
+        "seconds",
+        "spread",
+        "proxy_speedup",
+        "flop_speedup",
+        "wallclock_speedup",
+        "wall_over_proxy",
+    ]
+].round(3)
 
 # %% [markdown]
 # ## Generation
@@ -152,8 +194,20 @@ batched[["rule", "path", "avg_loops", "ce", "ce_gap", "seconds", "spread", "prox
 # %%
 prompt = windows[:1, :prompt_len]
 generation = time_generation(model, prompt, matched.specs, speed)
-generation[["rule", "avg_loops", "first_divergence", "same_tokens", "ms_per_token", "prompt_ms", "proxy_speedup",
-            "flop_speedup", "wallclock_speedup", "wall_over_proxy"]].round(3)
+generation[
+    [
+        "rule",
+        "avg_loops",
+        "first_divergence",
+        "same_tokens",
+        "ms_per_token",
+        "prompt_ms",
+        "proxy_speedup",
+        "flop_speedup",
+        "wallclock_speedup",
+        "wall_over_proxy",
+    ]
+].round(3)
 
 # %% [markdown]
 # ## FLOP proxy versus wall-clock
@@ -181,23 +235,41 @@ measurement[["pass", "seconds", "spread", "x_forward", "x_readout_pass"]].round(
 
 # %%
 results = {
-    "profile": profile, "reference_loops": reference, "rule_max_loops": rule_max_loops,
-    "ce_tolerance": ce_tolerance, "n_windows": len(windows), "seq_len": cfg.seq_len, "rounds": rounds,
-    "threads": torch.get_num_threads(), "target_wall_over_proxy": TARGET_RATIO,
+    "profile": profile,
+    "reference_loops": reference,
+    "rule_max_loops": rule_max_loops,
+    "ce_tolerance": ce_tolerance,
+    "n_windows": len(windows),
+    "seq_len": cfg.seq_len,
+    "rounds": rounds,
+    "threads": torch.get_num_threads(),
+    "target_wall_over_proxy": TARGET_RATIO,
     "matched": matched.table.to_dict("records"),
-    "batched": batched.to_dict("records"), "generation": generation.to_dict("records"),
-    "measurement": measurement.to_dict("records"), "table": table.to_dict("records"),
-    "skip_overhead_at_equal_depth": skip_overhead(batched), "target_met": targets_met(batched, generation),
+    "batched": batched.to_dict("records"),
+    "generation": generation.to_dict("records"),
+    "measurement": measurement.to_dict("records"),
+    "table": table.to_dict("records"),
+    "skip_overhead_at_equal_depth": skip_overhead(batched),
+    "target_met": targets_met(batched, generation),
     **measurement_summary(measurement),
     "notebook_seconds": time.time() - t0,
 }
 save_results(results_dir, "05_compute", results)
 for r in table.itertuples():
-    if f"{r.setting}: {r.rule}" in results["target_met"]:  # the matched rules (not skip_forward at uniform depth)
-        print(f"{r.setting:12s} {r.rule:22s} proxy {r.proxy_speedup:.2f}x  wall-clock {r.wallclock_speedup:.2f}x  "
-              f"ratio {r.wall_over_proxy:.2f} ({'meets' if r.wall_over_proxy >= TARGET_RATIO else 'misses'} "
-              f"the {TARGET_RATIO} target)")
-print(f"skip_forward at equal depth: {results['skip_overhead_at_equal_depth']:.2f}x the dense forward; measurement "
-      f"pass {results['measurement_x_forward']:.2f}x one depth-{max_loops} forward, "
-      f"{results['measurement_x_readout_pass']:.2f}x the every-loop readout pass "
-      f"(which alone is {results['readout_pass_x_forward']:.2f}x)")
+    if (
+        f"{r.setting}: {r.rule}" in results["target_met"]
+    ):  # the matched rules (not skip_forward at uniform depth)
+        print(
+            f"{r.setting:12s} {r.rule:22s} proxy {r.proxy_speedup:.2f}x  "
+            f"wall-clock {r.wallclock_speedup:.2f}x  "
+            f"ratio {r.wall_over_proxy:.2f} "
+            f"({'meets' if r.wall_over_proxy >= TARGET_RATIO else 'misses'} "
+            f"the {TARGET_RATIO} target)"
+        )
+print(
+    f"skip_forward at equal depth: {results['skip_overhead_at_equal_depth']:.2f}x the dense "
+    f"forward; measurement "
+    f"pass {results['measurement_x_forward']:.2f}x one depth-{max_loops} forward, "
+    f"{results['measurement_x_readout_pass']:.2f}x the every-loop readout pass "
+    f"(which alone is {results['readout_pass_x_forward']:.2f}x)"
+)
