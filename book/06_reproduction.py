@@ -39,14 +39,8 @@ plateau_tol = 0.005  # nats: a depth "stops improving" once deeper loops gain le
 seed = 0
 levers_dir = "data/levers"  # shipped depth-lever runs (scripts/depth_levers.sh); empty: skip
 
-# %%
-# the parameters' paths are relative to the repository root; resolve them from any working directory
-from drc_core.book.paths import at_root, results_for
-
-work_dir, corpus_dir, runs_dir, levers_dir = at_root(work_dir, corpus_dir, runs_dir, levers_dir)
-results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-
-# %%
+# %% tags=["hide-input"]
+# imports; the parameters' paths resolved against the repository root (any working directory)
 import time
 from pathlib import Path
 
@@ -55,6 +49,7 @@ from IPython.display import display
 
 from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import viz
+from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import load_results, open_model, provide_run, save_results
 from drc_core.data.sampler import Corpus
 from drc_core.evaluate import loss_by_depth
@@ -70,19 +65,32 @@ from drc_core.experiments.report import (
 )
 from drc_core.model import DepthRecurrentLM
 
+work_dir, corpus_dir, runs_dir, levers_dir = at_root(work_dir, corpus_dir, runs_dir, levers_dir)
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+
+# %%
 t0 = time.time()
-handed = [c.from_results(load_results(results_dir, c.NOTEBOOK)) for c in (Training, Convergence, TokenTypes, Halting)]
+handed = [
+    c.from_results(load_results(results_dir, c.NOTEBOOK))
+    for c in (Training, Convergence, TokenTypes, Halting)
+]
 model, cfg, _ = open_model(work_dir)
 corpus = Corpus.open(corpus_dir)
 tokenizer = corpus.tokenizer()
 
 
 def run(mean: float, s: int):
-    """The side experiment at training-mean depth ``mean`` and seed ``s`` (shipped, or trained here)."""
+    """The side experiment at training-mean depth ``mean`` and seed ``s`` (shipped, or trained
+    here)."""
     name = f"{run_prefix}-mean{mean:g}-seed{s}"
-    weights, run_cfg = provide_run(Path(runs_dir) / name, corpus_dir, preset_name=run_preset,
-                                   overrides=[*run_overrides, f"seed={s}", f"recurrence.mean={mean:g}"])
+    weights, run_cfg = provide_run(
+        Path(runs_dir) / name,
+        corpus_dir,
+        preset_name=run_preset,
+        overrides=[*run_overrides, f"seed={s}", f"recurrence.mean={mean:g}"],
+    )
     return name, DepthRecurrentLM.load(weights).eval(), run_cfg
+
 
 # %% [markdown]
 # ## Our numbers on the reference model
@@ -103,9 +111,18 @@ per_seed, names = [], []
 for s in seeds:
     name, m, run_cfg = run(seed_mean_depth, s)
     windows, docs = val_windows_with_docs(corpus, run_cfg.seq_len, n_windows)
-    h = headline_numbers(m, windows, tokenizer, doc_ids=docs, max_loops=max_loops,
-                         reference_loops=int(seed_mean_depth), eps=eps, ce_tolerance=ce_tolerance,
-                         rule_max_loops=rule_max_loops, seed=seed)
+    h = headline_numbers(
+        m,
+        windows,
+        tokenizer,
+        doc_ids=docs,
+        max_loops=max_loops,
+        reference_loops=int(seed_mean_depth),
+        eps=eps,
+        ce_tolerance=ce_tolerance,
+        rule_max_loops=rule_max_loops,
+        seed=seed,
+    )
     per_seed.append(h)
     names.append(name)
 seed_table = pd.DataFrame(per_seed, index=names)
@@ -136,10 +153,22 @@ for mean in mean_depths:
     name, m, run_cfg = run(mean, seeds[0])
     windows, _ = val_windows_with_docs(corpus, run_cfg.seq_len, n_windows)
     loss = loss_by_depth(m, windows, loops)
-    curves.append(pd.DataFrame({"loops": loops, "loss": [loss[lp] for lp in loops], "series": f"mean {mean:g}"}))
-    plateaus.append({"train_mean_depth": mean, "plateau_depth": plateau_depth(loss, plateau_tol),
-                     "ce_1": loss[1], "ce_at_mean": loss[int(round(mean))], "ce_max": loss[max_loops],
-                     "best_depth": min(loss, key=loss.get), "best_ce": min(loss.values())})
+    curves.append(
+        pd.DataFrame(
+            {"loops": loops, "loss": [loss[lp] for lp in loops], "series": f"mean {mean:g}"}
+        )
+    )
+    plateaus.append(
+        {
+            "train_mean_depth": mean,
+            "plateau_depth": plateau_depth(loss, plateau_tol),
+            "ce_1": loss[1],
+            "ce_at_mean": loss[int(round(mean))],
+            "ce_max": loss[max_loops],
+            "best_depth": min(loss, key=loss.get),
+            "best_ce": min(loss.values()),
+        }
+    )
 viz.loss_vs_depth(pd.concat(curves))
 
 # %%
@@ -159,14 +188,24 @@ levers.round(4) if len(levers) else "no lever runs shipped"
 
 # %%
 results = {
-    "profile": profile, "ours": ours, "intervals": intervals, "scale": scale,
+    "profile": profile,
+    "ours": ours,
+    "intervals": intervals,
+    "scale": scale,
     "table": table.to_dict("records"),
-    "seeds": {"runs": names, "per_seed": per_seed, "summary": seed_stats.drop(columns="values").to_dict("index")},
+    "seeds": {
+        "runs": names,
+        "per_seed": per_seed,
+        "summary": seed_stats.drop(columns="values").to_dict("index"),
+    },
     "plateau": plateau.reset_index().to_dict("records"),
     "levers": levers.reset_index().to_dict("records") if len(levers) else [],
-    "agree": int((table.verdict == "agree").sum()), "claims": len(table),
+    "agree": int((table.verdict == "agree").sum()),
+    "claims": len(table),
     "notebook_seconds": time.time() - t0,
 }
 save_results(results_dir, "06_reproduction", results)
-print(f"{results['agree']} of {results['claims']} claims agree; plateau depths:",
-      {int(p["train_mean_depth"]): p["plateau_depth"] for p in plateaus})
+print(
+    f"{results['agree']} of {results['claims']} claims agree; plateau depths:",
+    {int(p["train_mean_depth"]): p["plateau_depth"] for p in plateaus},
+)
