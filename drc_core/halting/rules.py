@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -80,11 +81,18 @@ class HaltingRule:
     compute-skipping paths (:mod:`drc_core.halting.skipping`, :mod:`drc_core.halting.generate`) skip the per-loop
     readout and pass stats whose output-based fields are placeholders (see
     :func:`drc_core.halting.skipping.skip_forward`).
+
+    :attr:`reads` names the :class:`LoopStats` fields :meth:`criterion` reads, for a rule whose decision for a
+    token depends only on that token's own statistics (every rule here but :class:`Oracle`); the skipping
+    paths then compute only those statistics, only for the active tokens, and decide on them in their compact
+    (1, N) layout. ``None`` (the default, e.g. a router or a rule of your own) means "any field, in the (B, T)
+    layout": the skipping paths then compute every statistic.
     """
 
     min_loops: int = 1
     max_loops: int = 32
     needs_log_probs = True  # a class attribute, not a dataclass field
+    reads: ClassVar[frozenset[str] | None] = None  # a class attribute too (see above)
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -143,6 +151,10 @@ class _BelowThreshold(HaltingRule):
         return getattr(stats, self._stat) < self.tau
 
     @property
+    def reads(self) -> frozenset[str]:  # type: ignore[override]
+        return frozenset({self._stat})
+
+    @property
     def name(self) -> str:
         return f"{self._label}<{fmt_number(self.tau)}"
 
@@ -175,6 +187,7 @@ class Cosine(HaltingRule):
 
     tau: float
     needs_log_probs = False
+    reads = frozenset({"cosine"})
 
     def _validate(self, owner: str) -> None:
         self.tau = need_float("tau", self.tau, -1.0, 1.0, owner=owner)
@@ -193,6 +206,7 @@ class ArgmaxPatience(HaltingRule):
     (``argmax_run >= n + 1``); the earliest possible halt is loop n + 1."""
 
     n: int
+    reads = frozenset({"argmax_run"})
 
     def _validate(self, owner: str) -> None:
         need_int("n", self.n, 1, owner)
@@ -210,6 +224,7 @@ class SoftmaxConfidence(HaltingRule):
     """Halt once the top probability max_v p_l(v) >= ``tau`` (``tau`` in (0, 1])."""
 
     tau: float
+    reads = frozenset({"top_prob"})
 
     def _validate(self, owner: str) -> None:
         self.tau = need_float("tau", self.tau, 0.0, 1.0, lo_open=True, owner=owner)
@@ -230,6 +245,7 @@ class Uniform(HaltingRule):
     min_loops: int = field(default=1, init=False)
     max_loops: int = field(default=1, init=False)
     needs_log_probs = False
+    reads = frozenset(())
 
     def __post_init__(self) -> None:
         need_int("k", self.k, 1, type(self).__name__)
@@ -252,6 +268,7 @@ class Never(HaltingRule):
     """No token halts before ``max_loops`` (so every token runs the full depth)."""
 
     needs_log_probs = False
+    reads = frozenset(())
 
     def criterion(self, stats: LoopStats) -> Tensor:
         return torch.zeros(stats.shape, dtype=torch.bool, device=stats.state.device)
@@ -323,6 +340,7 @@ class Acceleration(HaltingRule):
 
     tau: float
     needs_log_probs = False
+    reads = frozenset({"accel", "accel_prev"})
 
     def _validate(self, owner: str) -> None:
         self.tau = need_float("tau", self.tau, 0.0, math.inf, owner=owner)
