@@ -63,7 +63,7 @@ from drc_core.experiments.report import (
     reproduction_table,
     runs_table,
 )
-from drc_core.model import DepthRecurrentLM
+from drc_core.rundir import open_run
 
 work_dir, corpus_dir, runs_dir, levers_dir = at_root(work_dir, corpus_dir, runs_dir, levers_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
@@ -89,7 +89,7 @@ def run(mean: float, s: int):
         preset_name=run_preset,
         overrides=[*run_overrides, f"seed={s}", f"recurrence.mean={mean:g}"],
     )
-    return name, DepthRecurrentLM.load(weights).eval(), run_cfg
+    return name, open_run(weights).load_model(), run_cfg
 
 
 # %% [markdown]
