@@ -56,10 +56,10 @@ from drc_core.evaluate import loss_by_depth
 from drc_core.experiments.handoff import Convergence, Halting, TokenTypes, Training
 from drc_core.experiments.report import (
     across_seeds,
+    depth_curve,
     explain,
     headline_numbers,
     ours_from,
-    plateau_depth,
     reproduction_table,
     runs_table,
 )
@@ -152,23 +152,9 @@ loops = list(range(1, max_loops + 1))
 for mean in mean_depths:
     name, m, run_cfg = run(mean, seeds[0])
     windows, _ = val_windows_with_docs(corpus, run_cfg.seq_len, n_windows)
-    loss = loss_by_depth(m, windows, loops)
-    curves.append(
-        pd.DataFrame(
-            {"loops": loops, "loss": [loss[lp] for lp in loops], "series": f"mean {mean:g}"}
-        )
-    )
-    plateaus.append(
-        {
-            "train_mean_depth": mean,
-            "plateau_depth": plateau_depth(loss, plateau_tol),
-            "ce_1": loss[1],
-            "ce_at_mean": loss[int(round(mean))],
-            "ce_max": loss[max_loops],
-            "best_depth": min(loss, key=loss.get),
-            "best_ce": min(loss.values()),
-        }
-    )
+    curve, row = depth_curve(loss_by_depth(m, windows, loops), mean, plateau_tol)
+    curves.append(curve)
+    plateaus.append(row)
 viz.loss_vs_depth(pd.concat(curves))
 
 # %%

@@ -105,3 +105,14 @@ def test_class_order_verdict_leaves_out_special_tokens() -> None:
     assert ok and text == "whitespace < function < content"
     _, ok = _verdict("class_order", {"class_order": ["special", "whitespace", "content", "continuation"]})
     assert not ok
+
+
+def test_depth_curve_and_its_plateau_row():
+    from drc_core.experiments.report import depth_curve
+
+    loss = {1: 4.0, 2: 3.5, 3: 3.3, 4: 3.301, 5: 3.302, 6: 3.299}
+    curve, row = depth_curve(loss, 4, tol=0.005)
+    assert curve.loops.tolist() == [1, 2, 3, 4, 5, 6] and curve.loss.tolist() == list(loss.values())
+    assert (curve.series == "mean 4").all()
+    assert row == {"train_mean_depth": 4, "plateau_depth": 3, "ce_1": 4.0, "ce_at_mean": 3.301, "ce_max": 3.299,
+                   "best_depth": 6, "best_ce": 3.299}

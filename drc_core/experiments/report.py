@@ -34,6 +34,7 @@ __all__ = [
     "PAPER",
     "Claim",
     "across_seeds",
+    "depth_curve",
     "runs_table",
     "headline_numbers",
     "ours_from",
@@ -106,6 +107,22 @@ def plateau_depth(loss_by_loops: Mapping[int, float], tol: float = 0.005) -> int
         if loss_by_loops[d] <= min(loss_by_loops[e] for e in depths[i:]) + tol:
             return int(d)
     return int(depths[-1])  # unreachable: the last depth always qualifies
+
+
+def depth_curve(loss_by_loops: Mapping[int, float], train_mean_depth: float,
+                tol: float = 0.005) -> tuple[pd.DataFrame, dict[str, float]]:
+    """A run's validation loss against depth (``loss_by_loops``: depth -> loss, every depth 1..L) as a curve
+    (``loops``, ``loss``, ``series`` = "mean M") and its summary row: ``train_mean_depth``, ``plateau_depth``
+    (:func:`plateau_depth` at ``tol``), ``ce_1``, ``ce_at_mean`` (at the rounded training-mean depth), ``ce_max``
+    (at L), ``best_depth`` and ``best_ce``."""
+    loops = sorted(loss_by_loops)
+    curve = pd.DataFrame({"loops": loops, "loss": [loss_by_loops[lp] for lp in loops],
+                          "series": f"mean {train_mean_depth:g}"})
+    row = {"train_mean_depth": train_mean_depth, "plateau_depth": plateau_depth(loss_by_loops, tol),
+           "ce_1": loss_by_loops[1], "ce_at_mean": loss_by_loops[int(round(train_mean_depth))],
+           "ce_max": loss_by_loops[loops[-1]], "best_depth": min(loss_by_loops, key=loss_by_loops.get),
+           "best_ce": min(loss_by_loops.values())}
+    return curve, row
 
 
 @dataclass(frozen=True)
