@@ -45,6 +45,9 @@ def tokenizer_hash(tok: Tokenizer) -> str:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The byte-level BPE tokenizer (``tokenizers.Tokenizer``) in ``path``: a ``tokenizer.json`` file, or a directory
+    holding one (a prepared corpus, or a shipped model copy like ``data/reference``). A missing file is a one-line
+    :class:`DrcError`; ``tok.encode(text).ids`` gives the token ids, ``tok.decode(ids)`` the text."""
     p = Path(path)
     if p.is_dir():
         p = p / "tokenizer.json"
