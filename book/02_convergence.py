@@ -27,14 +27,8 @@ max_loops = 32
 seed = 0
 eps = 1e-3  # convergence threshold on KL(p_l || p_{l-1}), see the sensitivity table
 
-# %%
-# the parameters' paths are relative to the repository root; resolve them from any working directory
-from drc_core.book.paths import at_root, results_for
-
-work_dir, corpus_dir = at_root(work_dir, corpus_dir)
-results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-
-# %%
+# %% tags=["hide-input"]
+# imports; the parameters' paths resolved against the repository root (any working directory)
 import time
 from pathlib import Path
 
@@ -49,9 +43,14 @@ from drc_core.analysis.measure import (
     val_windows_with_docs,
 )
 from drc_core.book import viz
+from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
 
+work_dir, corpus_dir = at_root(work_dir, corpus_dir)
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+
+# %%
 t0 = time.time()
 model, cfg, _ = open_model(work_dir)
 corpus = Corpus.open(corpus_dir)
@@ -59,8 +58,10 @@ windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
 frame = measure_windows(model, windows, max_loops, doc_ids=docs)
 save_frame(frame, Path(work_dir) / "frame.parquet")
 train_mean = cfg.recurrence.mean
-print(f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len(frame):,} rows "
-      f"in {time.time() - t0:.0f} s; {frame['doc'].nunique()} documents")
+print(
+    f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len(frame):,} rows "
+    f"in {time.time() - t0:.0f} s; {frame['doc'].nunique()} documents"
+)
 
 # %% [markdown]
 # ## Successive-output KL and state change per loop
@@ -71,12 +72,15 @@ print(f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len
 summary = per_loop_summary(frame, seed=seed)
 fig = viz.per_loop_figure(summary)
 Path(results_dir).mkdir(parents=True, exist_ok=True)
-fig.write_json(Path(results_dir) / "02_convergence_per_loop.figure.json")  # the README's figure (drc_core.book figure)
+fig.write_json(
+    Path(results_dir) / "02_convergence_per_loop.figure.json"
+)  # the README's figure (drc_core.book figure)
 fig
 
 # %%
-summary.set_index("loop")[["kl_prev", "kl_prev_ci_low", "kl_prev_ci_high", "state_delta", "ce"]].map(
-    lambda v: f"{v:.3g}")
+summary.set_index("loop")[
+    ["kl_prev", "kl_prev_ci_low", "kl_prev_ci_high", "state_delta", "ce"]
+].map(lambda v: f"{v:.3g}")
 
 # %% [markdown]
 # ## What the mean KL is made of
@@ -86,7 +90,9 @@ summary.set_index("loop")[["kl_prev", "kl_prev_ci_low", "kl_prev_ci_high", "stat
 # the deepest output alternating between loops is a 2-cycle), not a slow decay of every token.
 
 # %%
-concentration = kl_concentration(frame, sorted({lp for lp in (2, 4, 8, 12, 16, 24, max_loops) if 2 <= lp <= max_loops}))
+concentration = kl_concentration(
+    frame, sorted({lp for lp in (2, 4, 8, 12, 16, 24, max_loops) if 2 <= lp <= max_loops})
+)
 concentration.set_index("loop").map(lambda v: f"{v:.3g}")
 
 # %% [markdown]
@@ -94,7 +100,9 @@ concentration.set_index("loop").map(lambda v: f"{v:.3g}")
 # The mean next-token cross-entropy at uniform depth l is the mean `ce` of loop l.
 
 # %%
-ce_table = summary.rename(columns={"loop": "loops", "ce": "loss", "ce_ci_low": "lo", "ce_ci_high": "hi"})
+ce_table = summary.rename(
+    columns={"loop": "loops", "ce": "loss", "ce_ci_low": "lo", "ce_ci_high": "hi"}
+)
 viz.loss_vs_depth(ce_table[["loops", "loss", "lo", "hi"]])
 
 # %% [markdown]
@@ -119,6 +127,7 @@ headline
 sens = eps_sensitivity(frame, (1e-2, 1e-3, 1e-4, 1e-5), train_mean, seed=seed)
 sens.pivot(index="stat", columns="eps", values="value").round(3)
 
+
 # %%
 def at(loop: int) -> dict:
     row = summary.set_index("loop").loc[loop]
@@ -132,20 +141,35 @@ def stat(name: str) -> dict:
 
 s = summary.set_index("loop")
 results = {
-    "profile": profile, "eps": eps, "train_mean_depth": train_mean, "n_tokens": int(headline.n_tokens.iloc[0]),
+    "profile": profile,
+    "eps": eps,
+    "train_mean_depth": train_mean,
+    "n_tokens": int(headline.n_tokens.iloc[0]),
     "n_docs": int(headline.n_clusters.iloc[0]),
     "kl_by_loop": {int(lp): at(lp) for lp in s.index if lp >= 2},
     "state_delta_by_loop": {int(lp): float(s.loc[lp, "state_delta"]) for lp in s.index if lp >= 2},
     "kl_final_by_loop": {int(lp): float(s.loc[lp, "kl_final"]) for lp in s.index if lp < max_loops},
-    "ce_by_loop": {int(lp): {"value": s.loc[lp, "ce"], "lo": s.loc[lp, "ce_ci_low"], "hi": s.loc[lp, "ce_ci_high"]}
-                   for lp in s.index},
-    "median_depth": stat("median_depth"), "mean_depth": stat("mean_depth"),
-    "frac_updating": stat("frac_updating"), "frac_unconverged": stat("frac_unconverged"),
+    "ce_by_loop": {
+        int(lp): {
+            "value": s.loc[lp, "ce"],
+            "lo": s.loc[lp, "ce_ci_low"],
+            "hi": s.loc[lp, "ce_ci_high"],
+        }
+        for lp in s.index
+    },
+    "median_depth": stat("median_depth"),
+    "mean_depth": stat("mean_depth"),
+    "frac_updating": stat("frac_updating"),
+    "frac_unconverged": stat("frac_unconverged"),
     "kl_concentration": concentration.set_index("loop").to_dict("index"),
-    "eps_sensitivity": {f"{e:g}": dict(zip(g.stat, g.value, strict=True)) for e, g in sens.groupby("eps")},
+    "eps_sensitivity": {
+        f"{e:g}": dict(zip(g.stat, g.value, strict=True)) for e, g in sens.groupby("eps")
+    },
     "notebook_seconds": time.time() - t0,
 }
 save_results(results_dir, "02_convergence", results)
-print(f"KL loop 2 {at(2)['value']:.3g}, loop 16 {at(min(16, max_loops))['value']:.3g}; "
-      f"median depth {stat('median_depth')['value']:.0f}; "
-      f"{stat('frac_updating')['value']:.1%} still updating at loop {train_mean:g}")
+print(
+    f"KL loop 2 {at(2)['value']:.3g}, loop 16 {at(min(16, max_loops))['value']:.3g}; "
+    f"median depth {stat('median_depth')['value']:.0f}; "
+    f"{stat('frac_updating')['value']:.1%} still updating at loop {train_mean:g}"
+)

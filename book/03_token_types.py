@@ -25,16 +25,11 @@ seed = 0
 eps = 1e-3
 explorer_window = 0
 explorer_tokens = 96
-live_explorer = True  # the ipywidgets explorer; the profiles turn it off for papermill runs (no kernel in the book)
+# the ipywidgets explorer; the profiles turn it off for papermill runs (a book page has no kernel)
+live_explorer = True
 
-# %%
-# the parameters' paths are relative to the repository root; resolve them from any working directory
-from drc_core.book.paths import at_root, results_for
-
-work_dir, corpus_dir = at_root(work_dir, corpus_dir)
-results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-
-# %%
+# %% tags=["hide-input"]
+# imports; the parameters' paths resolved against the repository root (any working directory)
 import time
 from pathlib import Path
 
@@ -43,9 +38,14 @@ import numpy as np
 from drc_core.analysis.measure import convergence_depth, load_frame
 from drc_core.analysis.tokens import class_depth_summary, classify_sequence
 from drc_core.book import viz
+from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
 
+work_dir, corpus_dir = at_root(work_dir, corpus_dir)
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+
+# %%
 t0 = time.time()
 frame = load_frame(Path(work_dir) / "frame.parquet")
 tokenizer = Corpus.open(corpus_dir).tokenizer()
@@ -53,7 +53,9 @@ depths = convergence_depth(frame, eps)
 first = frame[frame.loop == 1].sort_values(["window", "pos"])
 ids = first.pivot(index="window", columns="pos", values="token").to_numpy()
 classes = np.asarray(classify_sequence(tokenizer, ids)).reshape(-1)
-by_class = class_depth_summary(classes, depths.depth.to_numpy(float), depths["doc"].to_numpy(), seed=seed)
+by_class = class_depth_summary(
+    classes, depths.depth.to_numpy(float), depths["doc"].to_numpy(), seed=seed
+)
 by_class
 
 # %%
@@ -79,8 +81,17 @@ from IPython.display import HTML, display  # noqa: E402
 from drc_core.book.workspace import open_model  # noqa: E402
 
 model, cfg, _ = open_model(work_dir)
-HTML(viz.token_strip_html(frame, explorer_window, int(cfg.recurrence.mean), tokenizer, eps=eps,
-                          mode="converged", max_tokens=explorer_tokens))
+HTML(
+    viz.token_strip_html(
+        frame,
+        explorer_window,
+        int(cfg.recurrence.mean),
+        tokenizer,
+        eps=eps,
+        mode="converged",
+        max_tokens=explorer_tokens,
+    )
+)
 
 # %%
 if live_explorer:  # live in JupyterLab; the static book has the slider figure above
@@ -90,21 +101,33 @@ if live_explorer:  # live in JupyterLab; the static book has the slider figure a
         """Any text through the studied model: its token x loop frame (drc_core.trace)."""
         return drc_core.trace(model, text, int(frame.loop.max()), tokenizer=tokenizer).frame
 
-    explorer = viz.DepthExplorer(frame, tokenizer, window=explorer_window, eps=eps, tracer=trace_text)
+    explorer = viz.DepthExplorer(
+        frame, tokenizer, window=explorer_window, eps=eps, tracer=trace_text
+    )
     display(explorer.widget)
     # explorer.show_text("Any sentence of your own.") traces it from code, as the text box does
 else:
-    print("The live explorer (your own text, loop slider, metric toggle, clickable tokens, per-token "
-          "trajectory) needs a running kernel: open book/03_token_types.py in JupyterLab "
-          "(live_explorer = True).")
+    print(
+        "The live explorer (your own text, loop slider, metric toggle, clickable tokens, per-token "
+        "trajectory) needs a running kernel: open book/03_token_types.py in JupyterLab "
+        "(live_explorer = True)."
+    )
 
 # %%
 order = by_class["class"].tolist()
 results = {
-    "profile": profile, "eps": eps, "order_shallow_to_deep": order,
-    "by_class": {r["class"]: {"mean_depth": r["mean_depth"], "lo": r["ci_low"], "hi": r["ci_high"],
-                             "share": r["share"]}
-                 for r in by_class.to_dict("records")},
+    "profile": profile,
+    "eps": eps,
+    "order_shallow_to_deep": order,
+    "by_class": {
+        r["class"]: {
+            "mean_depth": r["mean_depth"],
+            "lo": r["ci_low"],
+            "hi": r["ci_high"],
+            "share": r["share"],
+        }
+        for r in by_class.to_dict("records")
+    },
     "notebook_seconds": time.time() - t0,
 }
 save_results(results_dir, "03_token_types", results)

