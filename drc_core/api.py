@@ -30,10 +30,10 @@ from drc_core.book.viz import DepthExplorer
 from drc_core.config import TrainConfig
 from drc_core.data.tokenizer import load_tokenizer
 from drc_core.errors import DrcError, need_int
-from drc_core.evaluate import EVAL_STATE_SEED
 from drc_core.halting.generate import generate as generate_ids
 from drc_core.halting.rules import HaltingRule, make_rule
 from drc_core.model import DepthRecurrentLM, RecurrentModel
+from drc_core.passes import EVAL_STATE_SEED
 from drc_core.rundir import RunDir, open_run
 
 __all__ = ["Generation", "Model", "Trace", "generate", "load", "trace"]

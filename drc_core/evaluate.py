@@ -1,5 +1,5 @@
-"""Validation loss and mean successive KL at uniform depths, from one ``iterate`` pass per batch; the
-evaluation context (eval mode, no grad, a seeded initial state) every measurement pass uses.
+"""Validation loss and mean successive KL at uniform depths, from one ``iterate`` pass per batch of
+:func:`drc_core.passes.eval_batches`; per-source bits per byte; the depth gain during training.
 
 ``python -m drc_core.evaluate --run DIR --data DIR`` prints and saves them for a trained run."""
 
@@ -9,9 +9,6 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,59 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.data.sampler import Corpus, eval_windows
-from drc_core.errors import DrcError, need_int, need_loops, run_cli
+from drc_core.errors import DrcError, need_loops, run_cli
 from drc_core.model import RecurrentModel, iterate
+from drc_core.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.rundir import open_run
-
-EVAL_STATE_SEED = 1234  # the initial latent state of every evaluation pass, so evaluations are comparable
-
-
-@contextmanager
-def evaluation(model: RecurrentModel, seed: int = EVAL_STATE_SEED) -> Iterator[torch.Generator]:
-    """Eval mode and no grad for a measurement pass; yields the generator of its initial latent states.
-
-    The generator is seeded with ``seed`` (so the global RNG, and therefore training, is not disturbed) and
-    lives on the model's device; the model's train/eval mode is restored afterwards, also on error.
-    """
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            yield torch.Generator(device=device).manual_seed(seed)
-    finally:
-        model.train(was_training)
-
-
-@dataclass
-class Batch:
-    """One batch of an evaluation pass: ``x`` (B, T) inputs and ``y`` (B, T) targets on the model's device,
-    ``start`` the index of its first window, and ``generator``, positioned to draw this batch's initial state."""
-
-    start: int
-    x: torch.Tensor
-    y: torch.Tensor
-    generator: torch.Generator
-
-    def initial_state(self, model: RecurrentModel) -> torch.Tensor:
-        """Draw this batch's s_0 as :func:`drc_core.model.iterate` would (embed, then ``initial_state``)."""
-        return model.initial_state(model.embed(self.x), self.generator)
-
-
-def eval_batches(model: RecurrentModel, windows: torch.Tensor, batch_size: int = 16,
-                 seed: int = EVAL_STATE_SEED) -> Iterator[Batch]:
-    """The (N, T+1) ``windows`` in batches of ``batch_size``, inside :func:`evaluation` (eval mode, no grad).
-
-    Every pass draws the initial state of batch k as the k-th draw of one generator seeded with ``seed``, so
-    two passes over the same windows with the same ``batch_size`` and ``seed`` start from the same states
-    (and the mean CE of a measurement frame at loop l is :func:`loss_by_depth` at l). A caller that replays
-    a batch's draw (``generator.get_state`` / ``set_state``) must leave the generator where one draw left it.
-    """
-    batch_size = need_int("batch_size", batch_size, 1)
-    with evaluation(model, seed) as gen:
-        for start in range(0, len(windows), batch_size):
-            w = windows[start : start + batch_size].to(gen.device)
-            yield Batch(start=start, x=w[:, :-1], y=w[:, 1:], generator=gen)
 
 
 def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
@@ -95,12 +43,6 @@ def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int
                 totals[out.loop] += float(ce)
         count += batch.y.numel()
     return {n: totals[n] / count for n in wanted}
-
-
-def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor, p_new: torch.Tensor | None = None) -> torch.Tensor:
-    """KL(p_new || p_old) over the last axis, from log-probabilities; shape = input shape minus the last.
-    ``p_new`` (= ``logp_new.exp()``) may be passed when the same p_new is compared with many outputs."""
-    return ((logp_new.exp() if p_new is None else p_new) * (logp_new - logp_old)).sum(-1)
 
 
 def mean_successive_kl(model: RecurrentModel, windows: torch.Tensor, max_loops: int = 32,

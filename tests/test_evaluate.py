@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.data import Corpus, PrepareConfig, SourceSpec, prepare
-from drc_core.evaluate import evaluation, loss_by_depth, loss_by_source, unigram_loss
+from drc_core.evaluate import loss_by_depth, loss_by_source, unigram_loss
 from drc_core.model import DepthRecurrentLM, ModelConfig
+from drc_core.passes import evaluation
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.analysis.loops import iterate_stats, loop_stats
-from drc_core.evaluate import kl_successive
 from drc_core.halting.rules import (
     ArgmaxPatience,
     Cosine,
@@ -23,6 +22,7 @@ from drc_core.halting.rules import (
     oracle_exit,
 )
 from drc_core.model import DepthRecurrentLM, ModelConfig, iterate
+from drc_core.passes import kl_successive
 
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic statistics: token (b, t) "moves" until loop CONV[b, t] and is constant afterwards.

@@ -15,7 +15,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("drc_core.errors",)),
     ("data", ("drc_core.data",)),
     ("model/training", ("drc_core.model", "drc_core.recurrence", "drc_core.precision", "drc_core.config",
-                        "drc_core.rundir", "drc_core.evaluate", "drc_core.train")),
+                        "drc_core.rundir", "drc_core.passes", "drc_core.evaluate", "drc_core.train")),
     ("analysis", ("drc_core.analysis",)),
     ("halting", ("drc_core.halting",)),
     ("experiments", ("drc_core.experiments",)),

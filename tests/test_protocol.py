@@ -15,11 +15,12 @@ from torch import Tensor, nn
 import drc_core
 from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import convergence_depth, measure_windows
-from drc_core.evaluate import EVAL_STATE_SEED, loss_by_depth, mean_successive_kl
+from drc_core.evaluate import loss_by_depth, mean_successive_kl
 from drc_core.halting.router import harvest
 from drc_core.halting.rules import KLThreshold, Never, Uniform, masked_forward, offline_exits
 from drc_core.halting.sweep import default_rules, sweep
 from drc_core.model import DepthRecurrentLM, FrozenKV, ModelConfig, RecurrentModel, iterate
+from drc_core.passes import EVAL_STATE_SEED
 
 V, T, L = 48, 12, 6
 

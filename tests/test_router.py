@@ -4,7 +4,6 @@ import torch
 
 from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import convergence_depth, measure_windows
-from drc_core.evaluate import EVAL_STATE_SEED
 from drc_core.halting.router import (
     FeatureSpec,
     LinearRouter,
@@ -21,6 +20,7 @@ from drc_core.halting.router import (
 from drc_core.halting.router import _auc as auc
 from drc_core.halting.rules import masked_forward, offline_exits
 from drc_core.model import DepthRecurrentLM, iterate
+from drc_core.passes import EVAL_STATE_SEED
 
 V, T, N, L = 64, 16, 32, 12
 EPS = 1e-2  # with core weights x2 this spreads convergence depths over 2..12 and ~70% of rows are converged

@@ -60,13 +60,13 @@ from torch import Tensor
 
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_float, need_int
-from drc_core.evaluate import EVAL_STATE_SEED, eval_batches
 from drc_core.experiments.cost import Log, interleaved, matmul_flops_per_token, median, spread
 from drc_core.halting.generate import generate
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec, default_rules, matching_depth, summarize, sweep
 from drc_core.model import DepthRecurrentLM, check_token_ids, iterate
+from drc_core.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = [
     "TARGET_RATIO",

@@ -30,8 +30,8 @@ from torch import Tensor
 
 from drc_core.analysis.loops import LoopStats, loop_stats
 from drc_core.errors import DrcError, fmt_number, need_float, need_int
-from drc_core.evaluate import kl_successive
 from drc_core.model import HaltFn, LoopOutput, RecurrentModel, iterate
+from drc_core.passes import kl_successive
 
 __all__ = [
     "Acceleration",

@@ -37,7 +37,6 @@ from tqdm.auto import tqdm
 from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError, need_int
-from drc_core.evaluate import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.halting.rules import (
     Acceleration,
     AdaptiveResult,
@@ -54,6 +53,7 @@ from drc_core.halting.rules import (
     offline_exits,
 )
 from drc_core.model import RecurrentModel, check_token_ids, logits_at
+from drc_core.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 __all__ = [
     "CALIBRATED_FAMILIES",
