@@ -22,7 +22,7 @@ from typing import TypeVar
 from drc_core.errors import DrcError
 from drc_core.model import DepthRecurrentLM
 
-__all__ = ["Log", "interleaved", "matmul_flops_per_token", "median", "rotations", "spread", "train_flops_per_token"]
+__all__ = ["CLOCKS", "Log", "interleaved", "matmul_flops_per_token", "median", "rotations", "spread", "train_flops_per_token"]
 
 Log = Callable[[str], None] | None
 T = TypeVar("T")
@@ -70,16 +70,27 @@ def rotations(items: Sequence[T], rounds: int) -> Iterator[tuple[int, list[T]]]:
         yield rnd, items[shift:] + items[:shift]
 
 
-def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one call per round, the order rotating from round to round."""
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str,
+                clock: str = "wall") -> dict[str, list[float]]:
+    """Seconds per call of each variant, one call per round, the order rotating from round to round.
+
+    ``clock``: "wall" (``time.perf_counter``, the default) or "cpu" (``time.process_time``: this process's CPU
+    seconds, all threads summed; with one torch thread on a machine shared with other jobs it is the wall-clock
+    time the work would take alone, without the time spent waiting for a core)."""
+    if clock not in CLOCKS:
+        raise DrcError(f"clock={clock!r} is not supported; use one of {', '.join(CLOCKS)}")
+    tick = CLOCKS[clock]
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     for rnd, order in rotations(names, rounds):
         for name in order:
             gc.collect()
-            t0 = time.perf_counter()
+            t0 = tick()
             variants[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(tick() - t0)
         if log:
             log(f"{what} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
     return times

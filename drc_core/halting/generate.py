@@ -32,11 +32,21 @@ import torch
 from torch import Tensor
 
 from drc_core.errors import DrcError
-from drc_core.halting.rules import HaltingRule, Oracle
-from drc_core.halting.skipping import LoopCaches, Tokens, block_step, check_state, empty_caches, run_loops
+from drc_core.halting.rules import HaltingRule, Oracle, Uniform
+from drc_core.halting.skipping import (
+    Attn,
+    LoopCaches,
+    Tokens,
+    Work,
+    block_step,
+    check_state,
+    coda,
+    empty_caches,
+    run_loops,
+)
 from drc_core.model import DepthRecurrentLM, check_token_ids
 
-__all__ = ["GenerationResult", "generate"]
+__all__ = ["GenerationResult", "generate", "generate_fixed"]
 
 
 @dataclass
@@ -48,7 +58,7 @@ class GenerationResult:
     logits chose token t + 1 at t >= T0 - 1; the last generated token is never processed). ``avg_depth``: the
     mean exit loop over all processed positions; ``new_avg_depth``: over the n positions T0-1 .. T0+n-2 whose
     outputs chose the new tokens. ``initial_state`` (B, T0 + n, d): the s_0 used (the last position's is
-    unused). ``rule``: ``str(rule)``.
+    unused). ``rule``: ``str(rule)``. ``work``: the :class:`~drc_core.halting.skipping.Work` done.
     """
 
     tokens: Tensor
@@ -59,6 +69,7 @@ class GenerationResult:
     initial_state: Tensor
     prompt_len: int
     rule: str
+    work: Work | None = None
 
     @property
     def new_tokens(self) -> Tensor:
@@ -88,15 +99,23 @@ def _check(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, 
         raise DrcError(f"temperature={temperature!r} is invalid; use 0 (greedy) or a finite number > 0")
 
 
-def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor) -> None:
+def _layout(model: DepthRecurrentLM, batch: int, window: tuple[int, int], total: int, device: torch.device) -> Attn:
+    """The dense :class:`~drc_core.halting.skipping.Attn` of every row's positions [t0, t1) over caches of
+    ``total`` positions."""
+    return Attn(Tokens.window(batch, *window, device), batch, total, model.cfg.n_heads,
+                (model.rope_cos, model.rope_sin), window)
+
+
+def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor,
+             work: Work | None = None) -> None:
     """:meth:`DepthRecurrentLM.embed <drc_core.model.DepthRecurrentLM.embed>` on positions [t0, t1) of every
     row, the prelude attending over cached keys/values (:func:`~drc_core.halting.skipping.block_step`); write e
     there."""
-    toks = Tokens.window(tokens.shape[0], *window, tokens.device)
-    x = model.token_embedding(toks.gather(tokens))
+    attn = _layout(model, tokens.shape[0], window, tokens.shape[1], tokens.device)
+    x = model.token_embedding(attn.toks.gather(tokens))
     for block, slab in zip(model.prelude, kv, strict=True):
-        x = block_step(block, x, toks, slab, model.rope_cos, model.rope_sin)
-    e[toks.rows, toks.pos] = x
+        x = block_step(block, x, attn, slab, model.rope_cos, model.rope_sin, work=work)
+    e[:, window[0] : window[1]] = x.view(tokens.shape[0], window[1] - window[0], -1)
 
 
 def _choose(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
@@ -117,6 +136,7 @@ def generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     state: Tensor | None = None,
+    fused: bool = False,
 ) -> GenerationResult:
     """Generate ``max_new_tokens`` tokens after ``prompt_ids`` (B, T0), halting every token by ``rule``.
 
@@ -127,6 +147,8 @@ def generate(
     shape, before any sampling -- so a run is reproducible from the generator's seed, and the batched path
     with ``state=result.initial_state[:, :T]`` reproduces it. Runs under ``torch.no_grad()``; put the model in
     eval mode first if it has dropout. :class:`~drc_core.halting.rules.Oracle` is rejected (not deployable).
+    ``fused``: the readout statistics through the compiled kernel (see
+    :func:`~drc_core.halting.skipping.skip_forward`).
     """
     _check(model, prompt_ids, max_new_tokens, rule, temperature)
     B, T0 = prompt_ids.shape
@@ -146,9 +168,10 @@ def generate(
                         coda=empty_caches(model, len(model.coda), (loops, B, total), e), per_loop=True)
     exits, outs = [], []
     window = (0, T0)
+    work = Work()
     while True:
-        _prelude(model, tokens, window, pre_kv, e)
-        res = run_loops(model, rule, s, e, window, caches)
+        _prelude(model, tokens, window, pre_kv, e, work)
+        res = run_loops(model, rule, s, e, window, caches, work=work, fused=fused)
         exits.append(res.exit_loop)
         outs.append(res.logits)
         t = window[1]
@@ -160,5 +183,46 @@ def generate(
     return GenerationResult(
         tokens=tokens, exit_loop=exit_loop, logits=logits, avg_depth=float(exit_loop.float().mean()),
         new_avg_depth=float(exit_loop[:, T0 - 1 :].float().mean()), initial_state=state, prompt_len=T0,
-        rule=str(rule),
+        rule=str(rule), work=work,
     )
+
+
+@torch.no_grad()
+def generate_fixed(model: DepthRecurrentLM, prompt_ids: Tensor, max_new_tokens: int, loops: int, *,
+                   state: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """Greedy KV-cached decoding at a fixed depth with no halting machinery at all: the dense reference that
+    :func:`generate` with ``Uniform(loops)`` is measured against (same tokens, same logits to float tolerance).
+
+    Per new token: the prelude, ``loops`` loops of the core over per-loop key/value caches (a token at loop l
+    attends to every earlier token's loop-l keys/values), the coda over one cache (only the last loop's coda
+    keys/values are ever read) and the head; no statistics, no decisions, no exit bookkeeping. Returns the
+    tokens (B, T0 + max_new_tokens). ``state``/``generator``: the initial states, as in :func:`generate`.
+    """
+    _check(model, prompt_ids, max_new_tokens, Uniform(loops), 0.0)
+    B, T0 = prompt_ids.shape
+    total, d = T0 + max_new_tokens, model.cfg.d_model
+    check_state(state, (B, total, d), "(B, T0 + max_new_tokens, d_model)")
+    device = model.rope_cos.device
+    tokens = torch.zeros(B, total, dtype=torch.long, device=device)
+    tokens[:, :T0] = prompt_ids.to(device)
+    e = torch.zeros(B, total, d, dtype=model.tok_emb.weight.dtype, device=device)
+    s = (model.initial_state(e, generator) if state is None else state).to(device=device, dtype=e.dtype)
+    pre_kv = empty_caches(model, len(model.prelude), (B, total), e)
+    core_kv = empty_caches(model, len(model.core), (loops, B, total), e)
+    coda_kv = empty_caches(model, len(model.coda), (B, total), e)
+    cos, sin = model.rope_cos, model.rope_sin
+    window = (0, T0)
+    while True:
+        t0, t1 = window
+        _prelude(model, tokens, window, pre_kv, e)
+        attn = _layout(model, B, window, total, device)
+        x, inj = s[:, t0:t1].reshape(-1, d), e[:, t0:t1].reshape(-1, d)
+        for loop in range(loops):
+            x = model.inject(x, inj)
+            for block, (k, v) in zip(model.core, core_kv, strict=True):
+                x = block_step(block, x, attn, (k[loop], v[loop]), cos, sin)
+        logits = model.head(coda(model, x, attn, coda_kv)).view(B, t1 - t0, -1)
+        tokens[:, t1] = logits[:, -1].argmax(dim=-1)
+        if t1 == total - 1:
+            return tokens
+        window = (t1, t1 + 1)

@@ -1,4 +1,4 @@
-"""Per-token halting that really skips the halted tokens' compute (the "realized speedup" of issue C).
+"""Per-token halting that really skips the halted tokens' compute (the "realized speedup" of issues C and I).
 
 :func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.rules.masked_forward`
 computes (to float tolerance, with the same exit loops), but at loop l it runs the core only on the tokens
@@ -7,39 +7,52 @@ halts at loop e keeps s_e, and at every later loop offers, in every core and cod
 computed at loop e; an active token at loop l therefore attends to each earlier token's loop-min(l, e)
 keys/values, and a token's logits are its readout at its exit loop.
 
-How. Tokens are handled as a flat list (N,) of (row, position) pairs in row-major order. Per block there is a
-key/value cache (B, H, T, hd) that always holds every token's last computed keys/values: a loop computes
-q/k/v, attention output and MLP only for the N active tokens (matmuls on (N, d)), writes their k/v into the
-cache and lets their queries attend over the cache. For attention the queries are padded per row to the
-largest active count M of any row that has one, with an explicit boolean mask (key position <= query
-position; padding queries see key 0 only and are dropped), over the cached keys cropped to the last active
-position + 1.
+How. The active tokens are kept *compacted* across loops: a flat list (N,) of (row, position) pairs in
+row-major order with their states x (N, d) and injections (N, d), gathered once and shrunk (one index per
+tensor) only at a loop where some token halts; a halting token's state, exit loop and logits are written out
+once, when it halts. Per block there is a key/value cache (B, H, T, hd) that always holds every token's last
+computed keys/values: a loop computes q/k/v, attention output and MLP only for the N active tokens (matmuls on
+(N, d)), writes their k/v into the cache (``index_copy_`` at precomputed offsets) and lets their queries
+attend over the cache. The attention layout (:class:`Attn`) is computed once per active set: while every
+position of the window is active (every loop of ``Uniform``, and the loops before the first halt) the queries
+are the plain (B, H, W, hd) view and attention is the dense causal kernel (no padding, no mask, no index);
+after the first halt the queries are padded per row to the largest active count M of any row that has one,
+with an explicit boolean mask (key position <= query position; padding queries see key 0 only and are
+dropped), over the cached keys cropped to the last active position + 1. Host syncs: one per loop (which
+tokens halted), plus the index of the new active set at a loop where some halted.
 
-Readout. A rule with ``needs_log_probs`` (KL, entropy, argmax, confidence, routers) needs every active
-token's log-probs at every loop, so the coda and the head run on the N active tokens per loop. A rule
-without (:class:`~drc_core.halting.rules.StateDelta`, :class:`~drc_core.halting.rules.Cosine`,
-:class:`~drc_core.halting.rules.Uniform`, :class:`~drc_core.halting.rules.Never`,
-:class:`~drc_core.halting.rules.Oracle`)
-sees stats computed from states only, and a token is read out once, at its exit loop: the coda then runs on
-the tokens of its row that are still active at that loop and lie at or before the last exiting position
-(their coda keys/values at that loop are what the exiting token sees), the last coda block's queries,
-attention and MLP and the head only on the exiting tokens.
+Readout: only what the rule reads. A rule declares the :class:`~drc_core.analysis.loops.LoopStats` fields
+its criterion reads (:attr:`HaltingRule.reads <drc_core.halting.rules.HaltingRule.reads>`); only those are
+computed, only for the active tokens, and the rule decides on them in the compact (1, N) layout (no (B, T)
+buffers). A rule with ``needs_log_probs`` (KL, entropy, argmax, confidence, min-p KL) needs every active
+token's output at every loop, so the coda runs on the N active tokens and the head writes their logits into
+a preallocated (N, V) buffer (the loop's one vocabulary-sized buffer; two alternate, this loop's and the
+previous one's). The statistics then read that buffer in row chunks of :data:`CHUNK` tokens (L2-resident):
+softmax, the log-normaliser ``lse = max - log(p_max)`` and, only if read, KL(p_l || p_{l-1}) =
+sum p (z_l - z_{l-1}) - lse_l + lse_{l-1} (the previous loop's logits z and normaliser reused, no log-softmax
+materialised), entropy ``lse - sum p z``, top probability ``p_max`` and argmax. With ``fused=True`` the
+softmax, normaliser, KL and entropy are one compiled kernel instead (:func:`fused_stats_kernel`: one pass
+over z and the previous z per row). Only the min-p KL (and a rule with ``reads=None``) materialises log-probs.
+A rule that reads states only (state change, cosine, acceleration, uniform) runs no readout per loop: a token
+is read out once, at its exit loop (the coda runs on the tokens of its row that are still active at that loop
+and lie at or before the last exiting position, their coda keys/values being what the exiting token sees; the
+last coda block's queries, attention and MLP and the head only on the exiting tokens). A rule with
+``reads=None`` (routers, rules of your own) gets every statistic in the (B, T) layout, as before.
+
+Work actually done is counted (:class:`Work`: token passes through the core, full blocks, key/value-only
+projections, the head and the vocabulary-sized statistics); :func:`drc_core.experiments.cost.honest_flops`
+turns it into the honest FLOP count.
 
 Cost model (matmul FLOPs per token, ``block`` and ``head = 2 d V`` as in
-:meth:`~drc_core.model.DepthRecurrentLM.flops_per_token`, ``a`` the average exit loop, ``n_l`` the fraction of
-tokens active at loop l, so ``sum_l n_l = a``)::
+:meth:`~drc_core.model.DepthRecurrentLM.flops_per_token`, ``a`` the average exit loop)::
 
     uniform depth r (forward)             (P + C) * block + r * core + head              core = R * block + adapter
-    skip_forward, rule with log-probs     P * block + a * (core + C * block + head)      + a * (log-softmax + stats) * V
-    skip_forward, rule without            P * block + a * core + C' + head               C' <= sum_l n_l' * C * block
+    skip_forward, rule with log-probs     P * block + a * (core + C * block + head)      + a * (softmax + stats) * V
+    skip_forward, rule without            P * block + a * core + C' + head               C' <= coda context
 
-where ``C'`` is the coda context: with one coda block only the k/v projection (2 d^2 of the block) of the
-context tokens each exit loop, exactly one block for the exiting token. The FLOP proxy ``r / a`` counts only
-the core, so it is what a rule without log-probs can realise; a rule with log-probs pays a head (2 d V,
-with V = 4096, d = 128 about 2.6 blocks) and a V-sized log-softmax per token per loop, so on a small-d,
-large-V model its wall-clock speedup is far below the proxy. Attention is over the cached keys (T per query
-at most), as in the dense model. Fixed costs per loop: index/gather/scatter of (N, d) tensors, a few small
-syncs (the counts), and the padded attention mask (B, M, T).
+The FLOP proxy ``r / a`` counts only the core, so it is what a rule without log-probs can realise; a rule
+with log-probs pays the coda, a head (2 d V: with V = 4096, d = 128 about one core loop) and a V-sized softmax
+per token per loop.
 """
 
 from __future__ import annotations
@@ -51,22 +64,40 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.analysis.loops import LoopStats, loop_stats, state_change, trajectory_step
+from drc_core.analysis.loops import LoopStats, minp_log_probs, state_change, trajectory_step
 from drc_core.errors import DrcError
 from drc_core.halting.rules import AdaptiveResult, HaltingRule
 from drc_core.model import Block, DepthRecurrentLM
 
 __all__ = [
-    "KVSlab", "LoopCaches", "LoopResult", "Tokens", "attend_cached", "block_step", "check_state", "coda_readout",
-    "empty_caches", "run_loops", "skip_forward",
+    "CHUNK", "Attn", "KVSlab", "LoopCaches", "LoopResult", "SkipResult", "Tokens", "Work", "attend_cached",
+    "block_step", "check_state", "coda_readout", "empty_caches", "run_loops", "skip_forward", "stat_fields",
 ]
 
 KVSlab = tuple[Tensor, Tensor]  # (K, V), each (B, H, T, hd): one block's cached keys/values at one loop
-_STAT_FIELDS = tuple(f.name for f in fields(LoopStats) if f.name != "loop")
+CHUNK = 128  # rows of the fused head + statistics pass (128 x 4096 floats = 2 MB: stays in L2)
+_STAT_FIELDS = tuple(f.name for f in fields(LoopStats) if f.name not in ("loop", "state"))
+_OUTPUT_FIELDS = frozenset({"log_probs", "kl", "entropy", "entropy_delta", "argmax", "argmax_run", "top_prob",
+                            "minp_kl"})
+_NEEDS = {"entropy_delta": {"entropy"}, "argmax_run": {"argmax"}, "minp_kl": {"log_probs"},
+          "accel_prev": {"accel"}, "accel": {"state_step"}}
+
+
+def stat_fields(rule: HaltingRule) -> frozenset[str]:
+    """The :class:`LoopStats` fields the skipping paths compute for ``rule``: what it reads
+    (:attr:`HaltingRule.reads`) and what those need from the previous loop (every field where it reads None)."""
+    if rule.reads is None:
+        return frozenset(_STAT_FIELDS)
+    need = set(rule.reads)
+    while True:
+        more = set().union(*(_NEEDS.get(f, set()) for f in need)) - need
+        if not more:
+            return frozenset(need)
+        need |= more
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Flat tokens and cached attention
+# Flat tokens, the attention layout and cached attention
 
 
 @dataclass
@@ -99,64 +130,154 @@ class Tokens:
         return x[self.rows, self.pos]
 
 
+class Attn:
+    """How the N flat tokens ``toks`` write keys/values into and attend over caches (B, H, T, hd), computed once
+    per active set and reused by every block of every loop until the set changes.
+
+    ``dense`` (``window`` (t0, t1) given and every row's positions t0..t1-1 present): queries are a view,
+    cache writes a slice copy, attention the dense causal kernel. Otherwise the queries are padded per row (see
+    the module docstring) with the padding, the mask and the cache offsets precomputed here.
+    """
+
+    def __init__(self, toks: Tokens, batch: int, seq_len: int, heads: int, rope: tuple[Tensor, Tensor],
+                 window: tuple[int, int] | None = None) -> None:
+        self.toks, self.batch, self.seq_len, self.heads, self.rope = toks, batch, seq_len, heads, rope
+        self.cos, self.sin = rope[0][toks.pos], rope[1][toks.pos]
+        n = len(toks)
+        self.dense = window is not None and n == batch * (window[1] - window[0])
+        if self.dense:
+            assert window is not None
+            self.t0, self.t1 = window
+            return
+        dev = toks.rows.device
+        counts = torch.bincount(toks.rows, minlength=batch)
+        present = counts > 0
+        compact_row = (torch.cumsum(present, 0) - 1)[toks.rows]
+        slot = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[toks.rows]
+        self.n_rows, self.width = int(present.sum()), int(counts.max())
+        self.t_k = int(toks.pos.max()) + 1
+        self.used = present.nonzero().squeeze(1) if self.n_rows < batch else None
+        self.q_index = compact_row * self.width + slot  # (N,) into the padded (rows * M) queries
+        pos_pad = torch.zeros(self.n_rows * self.width, dtype=torch.long, device=dev)
+        pos_pad[self.q_index] = toks.pos
+        seen = torch.arange(self.t_k, device=dev) <= pos_pad.view(self.n_rows, self.width, 1)
+        self.mask = torch.zeros(seen.shape, device=dev).masked_fill_(~seen, -math.inf)[:, None]  # additive, once
+        # offsets of (row, head, pos) in a (B * H * T, hd) view of a cache, (N * H,) in (token, head) order
+        h = torch.arange(heads, device=dev)
+        self.kv_index = ((toks.rows[:, None] * heads + h) * seq_len + toks.pos[:, None]).reshape(-1)
+
+    def write(self, kv: KVSlab, k: Tensor, v: Tensor) -> None:
+        """Write the tokens' keys/values k, v (N, H, hd) into the cache."""
+        for cache, new in zip(kv, (k, v), strict=True):
+            new = new.to(cache.dtype)
+            if self.dense:
+                cache[:, :, self.t0 : self.t1] = new.view(self.batch, -1, *new.shape[1:]).transpose(1, 2)
+            else:
+                cache.view(-1, cache.shape[-1]).index_copy_(0, self.kv_index, new.reshape(-1, new.shape[-1]))
+
+    def attend(self, q: Tensor, kv: KVSlab) -> Tensor:
+        """Causal attention of the tokens' queries q (N, H, hd) over their rows' cached keys/values -> (N, H * hd)."""
+        n, heads, hd = q.shape
+        if self.dense:
+            t0, t1 = self.t0, self.t1
+            qd = q.view(self.batch, t1 - t0, heads, hd).transpose(1, 2)
+            k, v = kv[0][:, :, :t1].to(q.dtype), kv[1][:, :, :t1].to(q.dtype)
+            if t0 == 0:
+                y = F.scaled_dot_product_attention(qd, k, v, is_causal=True)
+            elif t1 - t0 == 1:
+                y = F.scaled_dot_product_attention(qd, k, v)
+            else:
+                mask = torch.arange(t1, device=q.device) <= torch.arange(t0, t1, device=q.device)[:, None]
+                y = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask)
+            return y.transpose(1, 2).reshape(n, heads * hd)
+        k, v = kv[0][:, :, : self.t_k], kv[1][:, :, : self.t_k]
+        if self.used is not None:
+            k, v = k.index_select(0, self.used), v.index_select(0, self.used)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        q_pad = q.new_zeros(self.n_rows * self.width, heads, hd).index_copy_(0, self.q_index, q)
+        y = F.scaled_dot_product_attention(q_pad.view(self.n_rows, self.width, heads, hd).transpose(1, 2), k, v,
+                                           attn_mask=self.mask.to(q.dtype))
+        return y.transpose(1, 2).reshape(-1, heads * hd).index_select(0, self.q_index)
+
+    def select(self, keep: Tensor) -> Attn:
+        """The layout of the kept tokens (``keep`` (N,) bool or an index)."""
+        return Attn(self.toks.select(keep), self.batch, self.seq_len, self.heads, self.rope)
+
+
+def _attn(toks: Tokens, kv: KVSlab, rope: tuple[Tensor, Tensor]) -> Attn:
+    """The (not dense) :class:`Attn` of ``toks`` over caches shaped like ``kv`` (B, H, T, hd)."""
+    B, H, T, _ = kv[0].shape
+    return Attn(toks, B, T, H, rope)
+
+
 def attend_cached(q: Tensor, toks: Tokens, kv: KVSlab) -> Tensor:
     """Causal attention of queries q (N, H, hd) at ``toks`` over their rows' cached k/v: -> (N, H * hd).
 
     The query at position p sees the keys at positions 0..p of its row in ``kv`` (B, H, T, hd).
     """
-    n, heads, hd = q.shape
-    counts = torch.bincount(toks.rows, minlength=kv[0].shape[0])
-    present = counts > 0
-    compact_row = (torch.cumsum(present, 0) - 1)[toks.rows]
-    slot = torch.arange(n, device=q.device) - (torch.cumsum(counts, 0) - counts)[toks.rows]
-    n_rows, width, t_k = int(present.sum()), int(counts.max()), int(toks.pos.max()) + 1
-    k, v = kv[0][:, :, :t_k], kv[1][:, :, :t_k]
-    if n_rows < kv[0].shape[0]:
-        used = present.nonzero().squeeze(1)
-        k, v = k.index_select(0, used), v.index_select(0, used)
-    q_pad = q.new_zeros(n_rows, width, heads, hd)
-    q_pad[compact_row, slot] = q
-    pos_pad = torch.zeros(n_rows, width, dtype=torch.long, device=q.device)
-    pos_pad[compact_row, slot] = toks.pos
-    mask = torch.arange(t_k, device=q.device) <= pos_pad[..., None]  # (rows, M, t_k)
-    y = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None])
-    return y.transpose(1, 2)[compact_row, slot].reshape(n, heads * hd)
+    hd = q.shape[-1]
+    T = kv[0].shape[2]
+    dummy = torch.zeros(T, hd // 2, device=q.device)
+    return _attn(toks, kv, (dummy, dummy)).attend(q, kv)
 
 
-def block_step(block: Block, x: Tensor, toks: Tokens, kv: KVSlab, cos: Tensor, sin: Tensor,
-               query: Tensor | None = None) -> Tensor:
-    """One transformer block on the flat tokens ``x`` (N, d) at ``toks``, attending over the cache ``kv``:
-    :meth:`Block.qkv <drc_core.model.Block.qkv>` and :meth:`Block.finish <drc_core.model.Block.finish>`, the
-    code of ``Block.forward``, around :func:`attend_cached` instead of dense causal attention.
+def block_step(block: Block, x: Tensor, toks: Tokens | Attn, kv: KVSlab, cos: Tensor, sin: Tensor,
+               query: Tensor | None = None, *, work: Work | None = None) -> Tensor:
+    """One transformer block on the flat tokens ``x`` (N, d) at ``toks`` (or their :class:`Attn` layout),
+    attending over the cache ``kv``: :meth:`Block.qkv <drc_core.model.Block.qkv>` and
+    :meth:`Block.finish <drc_core.model.Block.finish>`, the code of ``Block.forward``, around cached attention
+    instead of dense causal attention.
 
     The tokens' keys/values are written into ``kv`` first (in place), so they see themselves and every other
     token's cached keys/values. ``query`` (N,) bool: only those tokens get the attention output and the MLP
-    (all tokens still write their k/v); returns (N', d) for the N' selected tokens.
+    (all tokens still write their k/v); returns (N', d) for the N' selected tokens. ``cos``/``sin``: the full
+    RoPE tables (max_seq_len, hd/2).
     """
-    q, k, v = (t[0].transpose(0, 1) for t in block.qkv(x[None], cos[toks.pos], sin[toks.pos]))  # (N, H, hd)
-    kv[0][toks.rows, :, toks.pos] = k
-    kv[1][toks.rows, :, toks.pos] = v
+    attn = toks if isinstance(toks, Attn) else _attn(toks, kv, (cos, sin))
+    q, k, v = (t[0].transpose(0, 1) for t in block.qkv(x[None], attn.cos, attn.sin))  # (N, H, hd)
+    attn.write(kv, k, v)
+    n = x.shape[0]
     if query is not None:
-        x, q, toks = x[query], q[query], toks.select(query)
-        if len(toks) == 0:
-            return x
-    return block.finish(x, attend_cached(q, toks, kv))
+        sel = query.nonzero().squeeze(1)
+        if work is not None:
+            work.qkv += n - sel.numel()
+            work.blocks += sel.numel()
+        if sel.numel() == 0:
+            return x[:0]
+        if sel.numel() < n:
+            x, q, attn = x.index_select(0, sel), q.index_select(0, sel), attn.select(sel)
+    elif work is not None:
+        work.blocks += n
+    return block.finish(x, attn.attend(q, kv))
 
 
-def coda_readout(model: DepthRecurrentLM, x: Tensor, toks: Tokens, coda_kv: list[KVSlab],
-                 query: Tensor | None = None) -> Tensor:
+def coda(model: DepthRecurrentLM, x: Tensor, attn: Attn, coda_kv: list[KVSlab], query: Tensor | None = None, *,
+         work: Work | None = None) -> Tensor:
+    """The coda blocks on the flat states ``x`` (N, d) laid out by ``attn``: every token writes its coda
+    keys/values; only the ``query`` tokens (default all) run the last block's attention and MLP -> (N', d)."""
+    last = len(model.coda) - 1
+    cos, sin = model.rope_cos, model.rope_sin
+    for j, (block, kv) in enumerate(zip(model.coda, coda_kv, strict=True)):
+        x = block_step(block, x, attn, kv, cos, sin, query=query if j == last else None, work=work)
+    if last < 0 and query is not None:
+        x = x[query]
+    return x
+
+
+def coda_readout(model: DepthRecurrentLM, x: Tensor, toks: Tokens | Attn, coda_kv: list[KVSlab],
+                 query: Tensor | None = None, *, work: Work | None = None) -> Tensor:
     """Coda + norm + head of the flat states ``x`` (N, d) at ``toks`` -> logits (N', V) of the ``query`` tokens.
 
     Every token in ``toks`` writes its coda keys/values (the context that later tokens see); only the
     ``query`` tokens (default all) run the last coda block's attention and MLP and the head.
     """
-    cos, sin = model.rope_cos, model.rope_sin
-    last = len(model.coda) - 1
-    for j, (block, kv) in enumerate(zip(model.coda, coda_kv, strict=True)):
-        x = block_step(block, x, toks, kv, cos, sin, query=query if j == last else None)
-    if last < 0 and query is not None:
-        x = x[query]
-    return model.head(x)
+    attn = toks
+    if isinstance(toks, Tokens) and coda_kv:
+        attn = _attn(toks, coda_kv[0], (model.rope_cos, model.rope_sin))
+    y = coda(model, x, attn, coda_kv, query, work=work)  # type: ignore[arg-type]
+    if work is not None:
+        work.head += y.shape[0]
+    return model.head(y)
 
 
 def empty_caches(model: DepthRecurrentLM, n_blocks: int, shape: tuple[int, ...], like: Tensor) -> list[KVSlab]:
@@ -168,84 +289,248 @@ def empty_caches(model: DepthRecurrentLM, n_blocks: int, shape: tuple[int, ...],
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Statistics for the rule, active tokens only
+# Work done (for the honest FLOP count)
 
 
-class _Stats:
-    """The rule's :class:`LoopStats` in the (B, W) layout of the positions being processed.
+@dataclass
+class Work:
+    """Token passes a skipping run actually computed: ``core`` (token-loops through the whole core, adapter
+    included), ``blocks`` (full block applications outside the core: prelude, coda), ``qkv`` (tokens that only
+    projected their coda keys/values as context), ``head`` (readouts through the final norm and the head) and
+    ``vocab_stats`` (token-loops of vocabulary-sized statistics: softmax and what the rule reads), and
+    ``tokens`` (the tokens processed). :func:`drc_core.experiments.cost.honest_flops` prices them."""
 
-    Statistics are computed only for the active tokens (compact, (1, N)) and scattered into (B, W) buffers,
-    so a halted token's entries keep its exit-loop values (its decisions are ignored anyway); ``state`` is
-    the (B, W, d) state (halted tokens frozen). Without ``needs_log_probs`` the output-based fields are
-    placeholders: ``log_probs`` (B, W, 0), ``kl``/``entropy``/``entropy_delta``/``top_prob`` NaN, ``argmax``
-    -1 and ``argmax_run`` 0.
-    """
+    core: int = 0
+    blocks: int = 0
+    qkv: int = 0
+    head: int = 0
+    vocab_stats: int = 0
+    tokens: int = 0
 
-    def __init__(self, needs_log_probs: bool, shape: tuple[int, int], vocab: int, state: Tensor) -> None:
-        self.needs = needs_log_probs
-        dev = state.device
+    def add(self, other: Work) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
-        def nan() -> Tensor:
-            return torch.full(shape, math.nan, device=dev)
 
-        self.full: dict[str, Tensor] = {
-            "log_probs": torch.zeros(*shape, vocab if needs_log_probs else 0, device=dev),
-            "kl": nan(), "state_delta": nan(), "entropy": nan(), "entropy_delta": nan(), "cosine": nan(),
-            "argmax": torch.full(shape, -1, dtype=torch.long, device=dev),
-            "argmax_run": torch.zeros(shape, dtype=torch.long, device=dev), "top_prob": nan(), "minp_kl": nan(),
-            "state_step": torch.zeros(*shape, state.shape[-1], device=dev), "accel": nan(), "accel_prev": nan(),
-        }
-        self.prev: LoopStats | None = None  # compact (1, N) stats of the previous loop's active tokens
-        self.prev_state: Tensor | None = None
-        self.prev_traj: _Trajectory | None = None  # state-only rules: the trajectory fields of the last loop
+# ----------------------------------------------------------------------------------------------------------
+# Statistics for the rule: active tokens only, only what it reads
 
-    def update(self, loop: int, rows: Tensor, cols: Tensor, state: Tensor, log_probs: Tensor | None,
-               full_state: Tensor) -> LoopStats:
-        """This loop's stats; ``rows``/``cols`` index the (B, W) layout, ``state`` (N, d) and ``log_probs``
-        (N, V) are the active tokens' (the same tokens as the previous call, minus those that halted)."""
-        if self.needs:
-            assert log_probs is not None
-            compact = loop_stats(self.prev, loop, log_probs[None], state[None])
-            self.prev = compact
-            for name in _STAT_FIELDS:
-                if name != "state":
-                    self.full[name][rows, cols] = getattr(compact, name)[0]
+
+def _vecdot(a: Tensor, b: Tensor) -> Tensor:
+    return torch.linalg.vecdot(a, b, dim=-1)
+
+
+def _fused_stats(z: Tensor, zp: Tensor | None, index: Tensor | None, lse_prev: Tensor | None, kl: bool,
+                 entropy: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """(lse, top_prob, kl, entropy) of logits z (N, V) against the previous loop's ``zp[index]`` and its
+    normaliser: the whole readout statistic as one expression, which ``torch.compile`` turns into one fused
+    loop over each row (read z and zp once, no (N, V) temporary)."""
+    m = z.amax(-1, keepdim=True)
+    e = torch.exp(z - m)
+    s = e.sum(-1, keepdim=True)
+    lse = m + s.log()
+    k = h = None
+    if kl:
+        assert zp is not None and lse_prev is not None
+        prev = zp if index is None else zp[index]
+        k = ((e * (z - prev)).sum(-1, keepdim=True) / s - lse).squeeze(-1) + lse_prev
+    if entropy:
+        h = (lse - (e * z).sum(-1, keepdim=True) / s).squeeze(-1)
+    return lse.squeeze(-1), (1.0 / s).squeeze(-1), k, h
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def fused_stats_kernel() -> object:
+    """:func:`_fused_stats` compiled (dynamic shapes), built once per process (the first call compiles,
+    ~20 s on a CPU, then the kernel is cached on disk by inductor)."""
+    if "stats" not in _COMPILED:
+        _COMPILED["stats"] = torch.compile(_fused_stats, dynamic=True)
+    return _COMPILED["stats"]
+
+
+class _Tracker:
+    """Compact (active tokens only) statistics of one loop against the previous, only the fields in ``need``.
+
+    The output statistics come from the logits z (N, V) of :meth:`logits_buffer` (two preallocated buffers that
+    alternate: this loop's and the previous loop's), computed chunk by chunk (:meth:`readout`); per-token
+    values of the previous loop (normaliser, entropy, argmax and its run, state, step) are kept compact and
+    shrunk with :meth:`keep`; the previous loop's logits are read through an index (no copy)."""
+
+    def __init__(self, need: frozenset[str], n: int, vocab: int, like: Tensor, readout: bool,
+                 fused: bool = False) -> None:
+        self.need, self.fused = need, fused
+        self.readout_each_loop = readout
+        self.bufs = [like.new_empty(n, vocab, dtype=torch.float32) for _ in range(2 if readout else 0)]
+        self.cur = 0
+        self.prev: dict[str, Tensor] = {}
+        self.prev_index: Tensor | None = None  # rows of the previous logits buffer for the current tokens
+        self.loop = 0
+
+    def logits_buffer(self, n: int) -> Tensor:
+        return self.bufs[self.cur][:n]
+
+    def readout(self, model: DepthRecurrentLM, y: Tensor, loop: int) -> dict[str, Tensor]:
+        """Head + statistics of the coda outputs ``y`` (N, d): fills :meth:`logits_buffer` and returns the
+        output fields in ``need`` (N,) (``log_probs`` (N, V))."""
+        n, need = y.shape[0], self.need
+        z = self.logits_buffer(n)
+        first = self.loop == 0
+        zp = None if first else self.bufs[1 - self.cur]
+        idx = self.prev_index
+        want_p = bool(need & {"kl", "entropy", "entropy_delta", "top_prob"})
+        out = {k: y.new_empty(n, dtype=torch.float32) for k in ("lse", "kl", "entropy", "top_prob") if want_p}
+        arg = y.new_empty(n, dtype=torch.long) if "argmax" in need else None
+        hn = model.norm(y)
+        if not torch.is_autocast_enabled(y.device.type) and model.lm_head.bias is None and hn.dtype == z.dtype:
+            torch.mm(hn, model.lm_head.weight.t(), out=z)  # into the preallocated buffer: no (N, V) allocation
         else:
-            if self.prev_state is None:
-                delta = torch.full((state.shape[0],), math.inf, device=state.device)
-                cosine = -delta
+            z.copy_(model.lm_head(hn))
+        scratch = None
+        if want_p and self.fused:
+            lse, top, kl, ent = fused_stats_kernel()(  # type: ignore[operator]
+                z, zp, idx, self.prev.get("lse"), "kl" in need and zp is not None, "entropy" in need)
+            out.update(lse=lse, top_prob=top)
+            if kl is not None:
+                out["kl"] = kl
+            if ent is not None:
+                out["entropy"] = ent
+            want_p = False  # done; the chunk loop below only computes the argmax, if read
+            computed = True
+        else:
+            computed = False
+        for i in range(0, n, CHUNK):
+            j = min(i + CHUNK, n)
+            zc = z[i:j]
+            if arg is not None:
+                arg[i:j] = zc.argmax(dim=-1)
+            if not want_p:
+                continue
+            p = torch.softmax(zc, dim=-1)
+            p_max = p.amax(dim=-1)
+            lse = zc.amax(dim=-1) - p_max.log()
+            out["lse"][i:j], out["top_prob"][i:j] = lse, p_max
+            if "entropy" in need:
+                out["entropy"][i:j] = lse - _vecdot(p, zc)
+            if "kl" in need and zp is not None:
+                zpc = zp[i:j] if idx is None else zp.index_select(0, idx[i:j])
+                scratch = torch.sub(zc, zpc, out=scratch[: j - i] if scratch is not None else None)
+                out["kl"][i:j] = _vecdot(p, scratch) - (lse - self.prev["lse"][i:j])
+        res: dict[str, Tensor] = {}
+        inf = torch.full((n,), math.inf, device=y.device)
+        if want_p or computed:
+            res["lse"] = out["lse"]
+            if "kl" in need:
+                res["kl"] = inf if first else out["kl"]
+            if "top_prob" in need:
+                res["top_prob"] = out["top_prob"]
+            if "entropy" in need:
+                res["entropy"] = out["entropy"]
+                if "entropy_delta" in need:
+                    res["entropy_delta"] = inf if first else (out["entropy"] - self.prev["entropy"]).abs()
+        if arg is not None:
+            res["argmax"] = arg
+            if "argmax_run" in need:
+                res["argmax_run"] = (torch.ones_like(arg) if first else
+                                     torch.where(arg == self.prev["argmax"], self.prev["argmax_run"] + 1, 1))
+        if "log_probs" in need:
+            lp = torch.log_softmax(z, dim=-1)
+            res["log_probs"] = lp
+            if "minp_kl" in need:
+                if first:
+                    res["minp_kl"] = inf
+                else:
+                    q_prev, q = minp_log_probs(self.prev["log_probs"]), minp_log_probs(lp)
+                    res["minp_kl"] = _vecdot(q_prev.exp(), q_prev - q)
+        return res
+
+    def states(self, x: Tensor, loop: int) -> dict[str, Tensor]:
+        """The state fields in ``need`` of the active tokens' new states ``x`` (N, d)."""
+        need, res = self.need, {}
+        first = self.loop == 0
+        if need & {"state_delta", "cosine"}:
+            if first:
+                inf = torch.full((x.shape[0],), math.inf, device=x.device)
+                res["state_delta"], res["cosine"] = inf, -inf
             else:
-                delta, cosine = state_change(state, self.prev_state)
-            self.prev_state = state
-            self.full["state_delta"][rows, cols] = delta
-            self.full["cosine"][rows, cols] = cosine
-            step, accel, accel_prev = trajectory_step(state, self.prev_traj)  # type: ignore[arg-type]
-            self.prev_traj = _Trajectory(loop, state, step, accel)
-            self.full["state_step"][rows, cols] = step
-            self.full["accel"][rows, cols] = accel
-            self.full["accel_prev"][rows, cols] = accel_prev
-        return LoopStats(loop=loop, state=full_state, **{k: v for k, v in self.full.items()})
+                res["state_delta"], res["cosine"] = state_change(x, self.prev["state"])
+        if "state_step" in need:
+            prev = None if first else _Trajectory(loop - 1, self.prev["state"], self.prev["state_step"],
+                                                  self.prev["accel"])
+            res["state_step"], res["accel"], res["accel_prev"] = trajectory_step(x, prev)  # type: ignore[arg-type]
+        return res
+
+    def done(self, loop: int, x: Tensor, res: dict[str, Tensor]) -> None:
+        """Remember this loop's values for the next loop."""
+        self.prev = {k: v for k, v in res.items() if k in ("lse", "entropy", "argmax", "argmax_run", "log_probs",
+                                                            "state_step", "accel")}
+        if self.need & {"state_delta", "cosine", "state_step"}:
+            self.prev["state"] = x
+        if self.readout_each_loop:
+            self.cur = 1 - self.cur
+        self.prev_index = None
+        self.loop = loop
 
     def keep(self, keep: Tensor) -> None:
-        """Keep only the active tokens that did not halt (``keep`` (N,) bool) for the next loop."""
-        if self.prev is not None:
-            self.prev = LoopStats(loop=self.prev.loop,
-                                  **{k: getattr(self.prev, k)[:, keep] for k in _STAT_FIELDS})
-        if self.prev_state is not None:
-            self.prev_state = self.prev_state[keep]
-        if self.prev_traj is not None:
-            t = self.prev_traj
-            self.prev_traj = _Trajectory(t.loop, t.state[keep], t.state_step[keep], t.accel[keep])
+        """Keep only the tokens ``keep`` (an index into the current tokens) for the next loop."""
+        self.prev = {k: v.index_select(0, keep) for k, v in self.prev.items()}
+        self.prev_index = keep
 
 
 @dataclass
 class _Trajectory:
-    """What :func:`~drc_core.analysis.loops.trajectory_step` reads of the previous loop, for state-only rules."""
+    """What :func:`~drc_core.analysis.loops.trajectory_step` reads of the previous loop."""
 
     loop: int
     state: Tensor
     state_step: Tensor
     accel: Tensor
+
+
+def _compact_stats(loop: int, x: Tensor, res: dict[str, Tensor]) -> LoopStats:
+    """The (1, N) :class:`LoopStats` of the computed fields ``res``; the others are placeholders (NaN, argmax -1,
+    run 0, empty log-probs and steps) that a rule declaring its ``reads`` never looks at."""
+    n = x.shape[0]
+    nan = torch.full((1, n), math.nan, device=x.device)
+    filled: dict[str, Tensor] = {}
+    for name in _STAT_FIELDS:
+        if name in res:
+            filled[name] = res[name][None]
+        elif name in ("log_probs", "state_step"):
+            filled[name] = x.new_empty(1, n, 0)
+        elif name == "argmax":
+            filled[name] = torch.full((1, n), -1, dtype=torch.long, device=x.device)
+        elif name == "argmax_run":
+            filled[name] = torch.zeros((1, n), dtype=torch.long, device=x.device)
+        else:
+            filled[name] = nan
+    return LoopStats(loop=loop, state=x[None], **filled)
+
+
+class _FullLayout:
+    """For a rule with ``reads=None``: every statistic scattered into (B, W) buffers, so a halted token keeps its
+    exit-loop values (its decisions are ignored anyway); ``state`` is the (B, W, d) state, halted tokens frozen."""
+
+    def __init__(self, shape: tuple[int, int], vocab: int, like: Tensor) -> None:
+        dev = like.device
+
+        def nan() -> Tensor:
+            return torch.full(shape, math.nan, device=dev)
+
+        self.full: dict[str, Tensor] = {
+            "log_probs": torch.zeros(*shape, vocab, device=dev),
+            "kl": nan(), "state_delta": nan(), "entropy": nan(), "entropy_delta": nan(), "cosine": nan(),
+            "argmax": torch.full(shape, -1, dtype=torch.long, device=dev),
+            "argmax_run": torch.zeros(shape, dtype=torch.long, device=dev), "top_prob": nan(), "minp_kl": nan(),
+            "state_step": torch.zeros(*shape, like.shape[-1], device=dev), "accel": nan(), "accel_prev": nan(),
+        }
+
+    def stats(self, loop: int, lin: Tensor, res: dict[str, Tensor], state: Tensor) -> LoopStats:
+        for name, buf in self.full.items():
+            if name in res:
+                buf.view(-1, *buf.shape[2:])[lin] = res[name].to(buf.dtype)
+        return LoopStats(loop=loop, state=state, **self.full)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -291,65 +576,102 @@ class LoopResult:
 
 
 def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, window: tuple[int, int],
-              caches: LoopCaches) -> LoopResult:
+              caches: LoopCaches, *, work: Work | None = None, fused: bool = False) -> LoopResult:
     """Run loops 1..``rule.max_loops`` with per-token halting on the tokens at positions [t0, t1) of every
     row, computing only the active ones; earlier positions must be complete (their caches filled).
 
     ``s`` (B, T, d) holds s_0 at the processed positions and is updated in place (a halted token keeps its
     exit state); ``e`` (B, T, d) is the prelude output. Stops as soon as every processed token has halted.
+    ``work``, if given, is incremented by the work done (:class:`Work`). ``fused``: the readout statistics
+    through the compiled kernel (:func:`fused_stats_kernel`) instead of the eager chunked pass.
     """
     t0, t1 = window
-    B, width = s.shape[0], t1 - t0
-    device = s.device
-    halted = torch.zeros(B, width, dtype=torch.bool, device=device)
-    exit_loop = torch.zeros(B, width, dtype=torch.long, device=device)
-    logits = torch.zeros(B, width, model.cfg.vocab_size, dtype=s.dtype, device=device)
-    stats = _Stats(rule.needs_log_probs, (B, width), model.cfg.vocab_size, s)
-    cos, sin = model.rope_cos, model.rope_sin
+    B, width, d = s.shape[0], t1 - t0, s.shape[-1]
+    V = model.cfg.vocab_size
+    exit_loop = torch.zeros(B, width, dtype=torch.long, device=s.device)
+    logits = s.new_empty(B, width, V)
+    flat_exit, flat_logits = exit_loop.view(-1), logits.view(-1, V)
+    need = stat_fields(rule)
+    per_loop = rule.needs_log_probs
+    toks = Tokens.window(B, t0, t1, s.device)
+    lin = torch.arange(B * width, device=s.device)  # the active tokens' index into the (B, W) window
+    x = s[:, t0:t1].reshape(-1, d)
+    inj = e[:, t0:t1].reshape(-1, d)
+    core_kv, coda_kv = caches.slabs(1)
+    attn = Attn(toks, B, core_kv[0][0].shape[-2], model.cfg.n_heads, (model.rope_cos, model.rope_sin), window)
+    tracker = _Tracker(need, len(toks), V, s, per_loop, fused)
+    full = _FullLayout((B, width), V, s) if rule.reads is None else None
+    w = work if work is not None else Work()
     for loop in range(1, rule.max_loops + 1):
-        active = ~halted
-        toks = Tokens.of(active)
-        if len(toks) == 0:
-            break
-        local = toks.pos
-        toks = Tokens(toks.rows, local + t0)
         core_kv, coda_kv = caches.slabs(loop)
-        x = model.inject(toks.gather(s), toks.gather(e))
+        n = x.shape[0]
+        x = model.inject(x, inj)
         for block, kv in zip(model.core, core_kv, strict=True):
-            x = block_step(block, x, toks, kv, cos, sin)
-        s[toks.rows, toks.pos] = x
-        if rule.needs_log_probs:
-            out = coda_readout(model, x, toks, coda_kv)
-            st = stats.update(loop, toks.rows, local, x, F.log_softmax(out.float(), dim=-1), s[:, t0:t1])
-            now = rule.decide(st) & active
-            exiting = now[toks.rows, local]
-            logits[toks.rows[exiting], local[exiting]] = out[exiting]
+            x = block_step(block, x, attn, kv, model.rope_cos, model.rope_sin)
+        w.core += n
+        res = tracker.states(x, loop)
+        if per_loop:
+            y = coda(model, x, attn, coda_kv, work=w)
+            res.update(tracker.readout(model, y, loop))
+            w.head += n
+            w.vocab_stats += n
+        if full is not None:
+            s.view(-1, d)[_window_to_seq(lin, width, s.shape[1], t0)] = x
+            now = rule.decide(full.stats(loop, lin, res, s[:, t0:t1])).view(-1)[lin]
         else:
-            st = stats.update(loop, toks.rows, local, x, None, s[:, t0:t1])
-            now = rule.decide(st) & active
-            _exit_readout(model, s, x, toks, local, now, coda_kv, logits, full_context=caches.per_loop)
-        now_flat = now[toks.rows, local]
-        caches.exited(toks.select(now_flat), loop)
-        stats.keep(~now_flat)
-        exit_loop.masked_fill_(now, loop)
-        halted |= now
+            now = rule.decide(_compact_stats(loop, x, res))[0]
+        gone = now.nonzero().squeeze(1)
+        n_gone = gone.numel()
+        if n_gone:
+            if per_loop:
+                flat_logits.index_copy_(0, lin[gone], tracker.logits_buffer(n).index_select(0, gone).to(logits.dtype))
+            else:
+                _exit_readout(model, x, attn, now, gone, coda_kv, flat_logits, lin, w, full_context=caches.per_loop)
+            flat_exit.index_fill_(0, lin[gone], loop)
+            s.view(-1, d).index_copy_(0, _window_to_seq(lin[gone], width, s.shape[1], t0), x.index_select(0, gone))
+            caches.exited(attn.toks.select(gone), loop)
+        elif not per_loop and caches.per_loop and len(model.coda) and loop >= rule.min_loops:
+            # generation: later tokens that exit at this loop read these coda keys/values (none exits before
+            # min_loops, so those loops' coda slabs are never read and not written)
+            _exit_readout(model, x, attn, now, gone, coda_kv, flat_logits, lin, w, full_context=True)
+        tracker.done(loop, x, res)
+        if n_gone == n:
+            break
+        if n_gone:
+            keep = (~now).nonzero().squeeze(1)
+            x, inj, lin = x.index_select(0, keep), inj.index_select(0, keep), lin.index_select(0, keep)
+            attn = attn.select(keep)
+            tracker.keep(keep)
+    w.tokens += B * width
     return LoopResult(exit_loop=exit_loop, logits=logits)
 
 
-def _exit_readout(model: DepthRecurrentLM, s: Tensor, x: Tensor, toks: Tokens, local: Tensor, now: Tensor,
-                  coda_kv: list[KVSlab], logits: Tensor, *, full_context: bool) -> None:
-    """Read out the tokens that exit now (``now`` (B, W)); the coda context is the active tokens of their rows
-    at or before the last exiting position (every active token with ``full_context``)."""
-    exiting = now[toks.rows, local]
-    if not full_context:
-        if not bool(exiting.any()):
-            return
-        last = torch.where(now, torch.arange(now.shape[1], device=now.device), -1).amax(dim=1)
-        in_context = local <= last[toks.rows]
-        x, toks, local, exiting = x[in_context], toks.select(in_context), local[in_context], exiting[in_context]
-    out = coda_readout(model, x, toks, coda_kv, query=exiting)
-    if out.shape[0]:
-        logits[toks.rows[exiting], local[exiting]] = out
+def _window_to_seq(lin: Tensor, width: int, seq_len: int, t0: int) -> Tensor:
+    """Flat (B, W) window indices -> flat (B, T) sequence indices."""
+    if width == seq_len:
+        return lin
+    return (lin // width) * seq_len + lin % width + t0
+
+
+def _exit_readout(model: DepthRecurrentLM, x: Tensor, attn: Attn, now: Tensor, gone: Tensor,
+                  coda_kv: list[KVSlab], flat_logits: Tensor, lin: Tensor, work: Work, *, full_context: bool) -> None:
+    """Read out the tokens that exit now (``now`` (N,) bool, ``gone`` their index) for a rule without a per-loop
+    readout. The coda context is the active tokens of their rows at or before the last exiting position
+    (every active token with ``full_context``: generation, whose later tokens read these coda keys/values)."""
+    if gone.numel() == now.numel():  # everyone exits: the whole layout, every token a query
+        y = coda(model, x, attn, coda_kv, work=work)
+    else:
+        toks = attn.toks
+        if not full_context:
+            last = torch.full((attn.batch,), -1, dtype=torch.long, device=x.device)
+            last.scatter_reduce_(0, toks.rows[gone], toks.pos[gone], reduce="amax")
+            ctx = (toks.pos <= last[toks.rows]).nonzero().squeeze(1)
+            if ctx.numel() < now.numel():
+                x, now, attn = x.index_select(0, ctx), now.index_select(0, ctx), attn.select(ctx)
+        y = coda(model, x, attn, coda_kv, query=now, work=work)
+    if y.shape[0]:
+        work.head += y.shape[0]
+        flat_logits.index_copy_(0, lin[gone], model.head(y).to(flat_logits.dtype))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -366,6 +688,13 @@ def check_state(state: Tensor | None, shape: tuple[int, int, int], what: str = "
         )
 
 
+@dataclass
+class SkipResult(AdaptiveResult):
+    """:class:`~drc_core.halting.rules.AdaptiveResult` plus the :class:`Work` the skipping run did."""
+
+    work: Work | None = None
+
+
 @torch.no_grad()
 def skip_forward(
     model: DepthRecurrentLM,
@@ -374,17 +703,22 @@ def skip_forward(
     *,
     generator: torch.Generator | None = None,
     state: Tensor | None = None,
-) -> AdaptiveResult:
+    fused: bool = False,
+) -> SkipResult:
     """:func:`drc_core.halting.rules.masked_forward`, computing only the active tokens at every loop.
 
-    Same arguments, same :class:`~drc_core.halting.rules.AdaptiveResult`, same semantics (halted tokens frozen,
-    offering their exit-loop keys/values in every core and coda block; logits from the exit loop), equal to
-    it to float tolerance with the same exit loops (a decision can only differ where a statistic lies within
-    rounding of the threshold). The rule gets :class:`~drc_core.analysis.loops.LoopStats` over (B, T) whose active
-    entries equal the reference's; a halted token's entries are stale (its decisions are ignored); a rule
-    whose ``needs_log_probs`` is False gets placeholder output fields (``log_probs`` (B, T, 0), NaN KL /
-    entropy / top probability, argmax -1). Stops early once every token has halted. Runs under
-    ``torch.no_grad()``; put the model in eval mode first if it has dropout. Cost: see the module docstring.
+    Same arguments, same :class:`~drc_core.halting.rules.AdaptiveResult` (a :class:`SkipResult`, which also
+    carries the :class:`Work` done), same semantics (halted tokens frozen, offering their exit-loop keys/values
+    in every core and coda block; logits from the exit loop), equal to it to float tolerance with the same
+    exit loops (a decision can only differ where a statistic lies within rounding of the threshold). A rule
+    that declares :attr:`~drc_core.halting.rules.HaltingRule.reads` decides on the active tokens' statistics in
+    a (1, N) layout, with only the fields it reads computed (the others are placeholders); a rule with
+    ``reads=None`` gets :class:`~drc_core.analysis.loops.LoopStats` over (B, T) whose active entries equal the
+    reference's (a halted token's are stale; its decisions are ignored). Stops early once every token has
+    halted. ``fused=True`` computes the readout statistics of a rule with log-probs with one compiled kernel
+    (``torch.compile``, needs a C++ compiler on a CPU; the first call compiles). Runs under
+    ``torch.no_grad()`` (and under the caller's autocast, if any); put the model in eval mode first if it has
+    dropout. Cost: see the module docstring.
     """
     if not isinstance(rule, HaltingRule):
         raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
@@ -393,10 +727,10 @@ def skip_forward(
     B, T = idx.shape
     check_state(state, (B, T, model.cfg.d_model))
     e = model.embed(idx)
-    s = (model.initial_state(e, generator) if state is None else state).clone()
+    s = (model.initial_state(e, generator) if state is None else state).to(e.dtype).clone()
     caches = LoopCaches(core=empty_caches(model, len(model.core), (B, T), e),
                         coda=empty_caches(model, len(model.coda), (B, T), e), per_loop=False)
-    res = run_loops(model, rule, s, e, (0, T), caches)
-    return AdaptiveResult(exit_loop=res.exit_loop, logits=res.logits, avg_depth=float(res.exit_loop.float().mean()),
-                          state=s, rule=str(rule))
-
+    work = Work(blocks=B * T * len(model.prelude))
+    res = run_loops(model, rule, s, e, (0, T), caches, work=work, fused=fused)
+    return SkipResult(exit_loop=res.exit_loop, logits=res.logits, avg_depth=float(res.exit_loop.float().mean()),
+                      state=s, rule=str(rule), work=work)
