@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drc_core.analysis.loops import iterate_stats
-from drc_core.halting.generate import generate
+from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.router import LinearRouter, RouterRule, harvest, train_router
 from drc_core.halting.rules import (
     Acceleration,
@@ -24,7 +24,7 @@ from drc_core.halting.rules import (
     Uniform,
     masked_forward,
 )
-from drc_core.halting.skipping import Tokens, block_step, empty_caches, skip_forward
+from drc_core.halting.skipping import Attn, Tokens, block_step, empty_caches, skip_forward, stat_fields
 from drc_core.model import Block, DepthRecurrentLM, ModelConfig
 
 V, B, T, L = 64, 3, 14, 6
@@ -149,3 +149,74 @@ def test_the_skipping_paths_follow_a_change_to_block(model, idx, rules, monkeypa
     gen = generate(model, idx[:, :4], 3, rule, generator=_gen())
     again = skip_forward(model, gen.tokens[:, :-1], rule, state=gen.initial_state[:, :-1])
     torch.testing.assert_close(again.logits, gen.logits, atol=ATOL, rtol=RTOL)
+
+
+class _KLAnyLayout(KLThreshold):
+    """The KL rule without declared reads: the skipping path gives it every statistic in the (B, T) layout."""
+
+    reads = None
+
+
+def test_compact_decisions_equal_the_full_layout(model, idx, rules):
+    rule = rules["kl"]
+    full = _KLAnyLayout(rule.tau, max_loops=rule.max_loops)
+    assert full.reads is None and rule.reads == frozenset({"kl"})
+    a = skip_forward(model, idx, rule, generator=_gen())
+    b = skip_forward(model, idx, full, generator=_gen())
+    assert torch.equal(a.exit_loop, b.exit_loop)
+    torch.testing.assert_close(a.logits, b.logits, atol=ATOL, rtol=RTOL)
+
+
+def test_stat_fields_are_what_the_rule_reads_and_their_inputs(rules):
+    assert stat_fields(rules["kl"]) == {"kl"}
+    assert stat_fields(rules["entropy_delta"]) == {"entropy_delta", "entropy"}
+    assert stat_fields(rules["argmax_patience"]) == {"argmax_run", "argmax"}
+    assert stat_fields(rules["acceleration"]) == {"accel", "accel_prev", "state_step"}
+    assert stat_fields(rules["uniform"]) == set()
+    assert "log_probs" in stat_fields(rules["minp_kl"]) and "kl" in stat_fields(rules["router"])
+
+
+def test_work_counts_what_was_computed(model, idx, rules):
+    n = B * T
+    u = skip_forward(model, idx, Uniform(4), generator=_gen()).work
+    assert (u.core, u.blocks, u.qkv, u.head, u.vocab_stats, u.tokens) == (4 * n, n + 2 * n, 0, n, 0, n)
+    res = skip_forward(model, idx, rules["kl"], generator=_gen())
+    k = res.work
+    loops = int(res.exit_loop.sum())
+    assert k.core == loops and k.head == loops and k.vocab_stats == loops and k.blocks == n + 2 * loops
+    res = skip_forward(model, idx, rules["state_delta"], generator=_gen())
+    w = res.work
+    assert w.core == int(res.exit_loop.sum()) and w.head == n and w.vocab_stats == 0
+    assert w.blocks >= n + n and w.blocks + w.qkv <= n + 2 * w.core  # coda context at most every active token
+
+
+def test_fused_kernel_equals_the_masked_reference(model, idx, rules):
+    for family in ("kl", "entropy_delta"):
+        rule = rules[family]
+        ref = masked_forward(model, idx, rule, generator=_gen())
+        got = skip_forward(model, idx, rule, generator=_gen(), fused=True)
+        assert torch.equal(got.exit_loop, ref.exit_loop), family
+        torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=RTOL)
+
+
+def test_generate_fixed_is_the_dense_decoder(model, idx, rules):
+    prompt, n = idx[:, :5], 6
+    res = generate(model, prompt, n, Uniform(4), generator=_gen())
+    dense = generate_fixed(model, prompt, n, 4, state=res.initial_state)
+    assert torch.equal(dense, res.tokens)
+    assert res.work.core == 4 * B * (5 + n - 1)  # every processed position, four loops
+
+
+def test_dense_layout_equals_the_padded_one(model):
+    """The dense fast path (every position active) and the general padded path give the same block output."""
+    block = model.core[0]
+    x = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(2))
+    rope = (model.rope_cos, model.rope_sin)
+    toks = Tokens.window(B, 0, T, x.device)
+    with torch.no_grad():
+        (kv1,) = empty_caches(model, 1, (B, T), x)
+        (kv2,) = empty_caches(model, 1, (B, T), x)
+        dense = block_step(block, toks.gather(x), Attn(toks, B, T, 2, rope, (0, T)), kv1, *rope)
+        padded = block_step(block, toks.gather(x), Attn(toks, B, T, 2, rope), kv2, *rope)
+    torch.testing.assert_close(dense, padded, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv1[0], kv2[0])

@@ -19,7 +19,7 @@ import torch
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
 from drc_core.evaluate import loss_by_depth
-from drc_core.experiments.cost import matmul_flops_per_token
+from drc_core.experiments.cost import VOCAB_STAT_FLOPS, matmul_flops_per_token
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
@@ -79,7 +79,7 @@ def test_frames_have_the_expected_columns(report, cfg):
     assert set(report.batched.setting) == {"batched eval"} and set(report.generation.setting) == {"generation"}
     # baseline, Uniform(r) through skip_forward, one row per matched rule
     assert len(report.batched) == 2 + len(report.matched.specs)
-    assert len(report.generation) == 1 + len(report.matched.specs)
+    assert len(report.generation) == 2 + len(report.matched.specs)  # dense decoder, Uniform(r) via generate
     assert {"pass", "loops", "seconds", "x_forward", "x_readout_pass", "target_as_worded"} <= set(
         report.measurement.columns)
     assert len(report.measurement) == 4 and set(report.measurement.loops) == {cfg.measure_loops}
@@ -136,7 +136,11 @@ def test_rules_keep_their_needs_log_probs_path(report):
 def test_generation_rows(report, cfg):
     g = report.generation
     base = g[g.baseline].iloc[0]
-    assert base.rule == f"uniform={cfg.reference_loops}" and base.same_tokens == 1
+    assert base.rule == f"uniform={cfg.reference_loops} dense decode" and base.same_tokens == 1
+    assert base.path == "dense decode" and base.wallclock_speedup == 1
+    uniform = g[(g.family == "uniform") & ~g.baseline].iloc[0]  # generate with Uniform(r): the dense decoder's tokens
+    assert uniform.same_tokens == 1 and uniform.avg_loops == cfg.reference_loops
+    assert uniform.honest_flops == pytest.approx(base.honest_flops, rel=1e-9)
     assert base.first_divergence == cfg.new_tokens
     assert ((g.first_divergence >= 0) & (g.first_divergence <= cfg.new_tokens)).all()
     assert (g.same_tokens[g.first_divergence < cfg.new_tokens] < 1).all()
@@ -150,8 +154,8 @@ def test_functions_take_plain_rules(model, windows, cfg):
     b = time_batched(model, windows[:4], rules, cfg)
     assert list(b.family[2:]) == ["KLThreshold", "StateDelta"] and b.param.iloc[2:].isna().all()
     g = time_generation(model, windows[:2, :5], rules[1:], cfg)
-    assert len(g) == 2 and g.ms_per_token.gt(0).all()
-    assert speedup_table(b, g).setting.tolist() == ["batched eval"] * 3 + ["generation"]
+    assert len(g) == 3 and g.ms_per_token.gt(0).all()
+    assert speedup_table(b, g).setting.tolist() == ["batched eval"] * 3 + ["generation"] * 2
 
 
 def test_measurement_cost_ratios(model, windows, cfg):
@@ -295,3 +299,58 @@ def test_summaries_of_the_frames(report, cfg):
         setting, rule = key.split(": ", 1)
         frame = b if setting == "batched eval" else report.generation
         assert ok == bool(frame.set_index("rule").loc[rule, "wall_over_proxy"] >= TARGET_RATIO)
+
+
+def test_honest_flops_columns(report, model):
+    b = report.batched.set_index("rule")
+    r = report.config.reference_loops
+    # the skipping path at uniform depth does exactly the forward's work; a rule reading log-probs pays a readout
+    # per loop, a rule on states does not
+    assert b.loc[f"uniform={r} via skip_forward", "honest_flops"] == pytest.approx(b.loc[f"uniform={r}",
+                                                                                          "honest_flops"])
+    for row in report.batched[~report.batched.baseline].itertuples():
+        assert row.wall_over_honest == pytest.approx(row.wallclock_speedup / row.honest_speedup)
+    T = 16
+    kl = report.batched[report.batched.family == "kl"].iloc[0]  # coda + head + statistics at every active loop
+    want = matmul_flops_per_token(model, kl.avg_loops, T, "skip_log_probs") + \
+        VOCAB_STAT_FLOPS * V * kl.avg_loops
+    assert kl.honest_flops == pytest.approx(want, rel=1e-9) and kl.honest_speedup < kl.proxy_speedup
+    sd = report.batched[report.batched.family == "state_delta"].iloc[0]  # one readout, plus the coda context
+    assert sd.honest_flops >= matmul_flops_per_token(model, sd.avg_loops, T, "skip_states") * (1 - 1e-9)
+
+
+def test_issue_targets_rows(report):
+    t = report.targets
+    assert {"setting", "rule", "target", "value", "threshold", "met"} <= set(t.columns)
+    assert (t.met == [v <= th if "<=" in tg else (v > th if "> 1" in tg else v >= th)
+                      for v, th, tg in zip(t.value, t.threshold, t.target, strict=True)]).all()
+    targets = set(t.target)
+    assert {"time / dense time at equal depth <= 1.05", "wall / honest FLOPs >= 0.9", "wall / proxy >= 0.9",
+            "wall-clock speedup >= 1.5", "faster than uniform depth (wall-clock speedup > 1)"} <= targets
+    assert set(t.setting) == {"batched eval", "generation, batch 1"}
+
+
+def test_presets_profile_and_more_rows(model, windows):
+    cfg = SpeedConfig(reference_loops=4, rule_max_loops=8, batch_size=4, rounds=1, new_tokens=3, prompt_len=6,
+                      measure_loops=4, measure_windows=1, presets=True, profile=True, more_gen_rows=(2,),
+                      families=("kl", "acceleration"))
+    rep = run_speed(model, windows, cfg)
+    huginn = rep.batched[rep.batched.family == "huginn"]
+    assert len(huginn) >= 6 and huginn.ce.notna().all() and (huginn.avg_loops <= 8).all()
+    assert "huginn" not in set(rep.targets.rule.map(lambda r: "huginn" if r in set(huginn.rule) else r))
+    assert sorted(set(rep.generation.rows)) == [1, 2]
+    assert (rep.generation.groupby("rows").baseline.sum() == 1).all()
+    kinds = rep.profile_kinds
+    assert set(kinds.variant) == {"uniform=4", "uniform=4 via skip_forward", *map(str, (s.rule for s in
+                                                                                            rep.matched.specs))}
+    for _, g in kinds.groupby("variant"):
+        assert g[g.kind != "total"].ms.sum() == pytest.approx(g[g.kind == "total"].ms.iloc[0], rel=1e-6)
+    assert len(rep.profile_ops) > 0 and rep.profile_ops.calls.gt(0).all()
+    json.dumps(rep.to_dict(), default=str)
+
+
+def test_bad_clock_and_rows_are_one_line():
+    with pytest.raises(DrcError, match="clock"):
+        SpeedConfig(clock="sundial")
+    with pytest.raises(DrcError, match="more_gen_rows"):
+        SpeedConfig(more_gen_rows=(0,))

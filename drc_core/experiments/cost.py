@@ -22,7 +22,8 @@ from typing import TypeVar
 from drc_core.errors import DrcError
 from drc_core.model import DepthRecurrentLM
 
-__all__ = ["CLOCKS", "Log", "interleaved", "matmul_flops_per_token", "median", "rotations", "spread", "train_flops_per_token"]
+__all__ = ["CLOCKS", "VOCAB_STAT_FLOPS", "Log", "honest_flops", "interleaved", "matmul_flops_per_token", "median",
+           "rotations", "spread", "train_flops_per_token"]
 
 Log = Callable[[str], None] | None
 T = TypeVar("T")
@@ -51,6 +52,26 @@ def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, 
     if path == "skip_states":
         return prelude + loops * core + coda + head
     raise DrcError(f"path={path!r} is not supported; use 'forward', 'skip_log_probs' or 'skip_states'")
+
+
+VOCAB_STAT_FLOPS = 8  # per vocabulary entry and token-loop of a per-loop readout: softmax (max, subtract, exp, sum)
+# and the statistic's dot product (subtract, multiply, add), counted so that a readout's elementwise work is not free
+
+
+def honest_flops(model: DepthRecurrentLM, work: object, seq_len: int) -> float:
+    """Total FLOPs of the work a skipping run really did (``work``: a :class:`drc_core.halting.skipping.Work`):
+    ``core`` token-loops at ``R * block + adapter``, full ``blocks`` (prelude, coda) at ``block``, ``qkv``-only
+    coda context projections at ``6 d^2``, ``head`` readouts at ``2 d V`` and ``vocab_stats`` token-loops of
+    vocabulary-sized statistics at ``VOCAB_STAT_FLOPS * V``; ``block`` as in
+    :meth:`~drc_core.model.DepthRecurrentLM.flops_per_token` (attention over ``seq_len`` keys). Divide by
+    ``work.tokens`` for FLOPs per token; for ``Uniform(r)`` that is exactly ``flops_per_token(r, seq_len)``."""
+    c = model.cfg
+    d = c.d_model
+    block = 2 * (4 * d * d + 3 * d * c.hidden_dim) + 4 * seq_len * d
+    adapter = 2 * 2 * d * d if c.injection == "concat" else 0
+    w = work
+    return float(w.core * (c.n_core * block + adapter) + w.blocks * block + w.qkv * 6 * d * d  # type: ignore
+                 + w.head * 2 * d * c.vocab_size + w.vocab_stats * VOCAB_STAT_FLOPS * c.vocab_size)  # type: ignore
 
 
 def train_flops_per_token(model: DepthRecurrentLM, n: int, k: int | None, seq_len: int) -> int:

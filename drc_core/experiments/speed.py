@@ -60,15 +60,18 @@ from torch import Tensor
 
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_float, need_int
-from drc_core.experiments.cost import Log, interleaved, matmul_flops_per_token, median, spread
-from drc_core.halting.generate import generate
-from drc_core.halting.rules import HaltingRule, Uniform
+from drc_core.experiments.cost import CLOCKS, Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
+from drc_core.halting.generate import generate, generate_fixed
+from drc_core.halting.rules import HaltingRule, Uniform, huginn_presets
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec, default_rules, matching_depth, summarize, sweep
 from drc_core.model import DepthRecurrentLM, check_token_ids, iterate
 from drc_core.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = [
+    "TARGET_HONEST",
+    "TARGET_KL_BATCHED",
+    "TARGET_OVERHEAD",
     "TARGET_RATIO",
     "Matched",
     "SpeedConfig",
@@ -77,6 +80,9 @@ __all__ = [
     "measurement_cost",
     "measurement_pass",
     "measurement_summary",
+    "issue_targets",
+    "preset_specs",
+    "profile_batched",
     "run_speed",
     "skip_overhead",
     "speedup_table",
@@ -105,6 +111,11 @@ class SpeedConfig:
     tokens after the first ``prompt_len`` tokens of ``gen_rows`` windows. ``measure_loops`` and
     ``measure_windows``: the measurement pass compared (on the first ``measure_windows`` windows).
     ``max_online_tries``: stricter grid points tried when the offline-matched one misses the target online.
+    ``fused``: rules with log-probs compute their readout statistics with the compiled kernel
+    (:func:`drc_core.halting.skipping.fused_stats_kernel`; needs a C++ compiler). ``clock``: "wall" or "cpu"
+    (:func:`drc_core.experiments.cost.interleaved`). ``more_gen_rows``: further batch sizes for generation
+    (e.g. (8,)). ``presets``: also time Huginn's presets in batched evaluation. ``profile``: also profile one
+    batch (:func:`profile_batched`).
     """
 
     reference_loops: int = 8
@@ -120,13 +131,22 @@ class SpeedConfig:
     measure_loops: int = 32
     measure_windows: int = 8
     max_online_tries: int = 3
+    fused: bool = False
+    clock: str = "wall"
+    more_gen_rows: tuple[int, ...] = ()
+    presets: bool = False
+    profile: bool = False
 
     def __post_init__(self) -> None:
         minimum = {"reference_loops": 1, "rule_max_loops": 1, "batch_size": 1, "rounds": 1, "new_tokens": 2,
                    "prompt_len": 1, "gen_rows": 1, "measure_loops": 2, "measure_windows": 1, "max_online_tries": 1}
         for name, lo in minimum.items():
             need_int(name, getattr(self, name), lo)
+        for rows in self.more_gen_rows:
+            need_int("more_gen_rows", rows, 1)
         need_float("ce_tolerance", self.ce_tolerance, 0.0)
+        if self.clock not in CLOCKS:
+            raise DrcError(f"clock={self.clock!r} is invalid: use one of {', '.join(CLOCKS)}")
         known = _families()
         if not self.families or any(f not in known for f in self.families):
             raise DrcError(f"families={list(self.families)!r} is invalid: choose from {', '.join(known)}")
@@ -171,12 +191,12 @@ class Matched:
 
 
 def _online(model: DepthRecurrentLM, batches: list[tuple[Tensor, Tensor, Tensor]], rule: HaltingRule,
-            ) -> tuple[float, float]:
+            fused: bool = False) -> tuple[float, float]:
     """(average exit loop, mean CE) of ``skip_forward`` with ``rule`` over the batches."""
     loops = ce = 0.0
     n = 0
     for x, y, s0 in batches:
-        res = skip_forward(model, x, rule, state=s0)
+        res = skip_forward(model, x, rule, state=s0, fused=fused)
         loops += float(res.exit_loop.double().sum())
         ce += _ce_sum(res.logits, y)
         n += x.numel()
@@ -223,7 +243,7 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
             tries = 0
             for _, point in points.head(cfg.max_online_tries).iterrows():
                 spec = by_param[(fam, float(point.param))]
-                loops, ce = _online(model, batches, spec.rule)
+                loops, ce = _online(model, batches, spec.rule, cfg.fused)
                 tries += 1
                 ok = ce <= target
                 if log:
@@ -265,6 +285,9 @@ def _speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, fl
     row["flop_speedup"] = base_flops / flops
     row["wallclock_speedup"] = base_seconds / row["seconds"]
     row["wall_over_proxy"] = row["wallclock_speedup"] / row["proxy_speedup"]
+    if "honest_flops" in row:
+        row["honest_speedup"] = base_flops / row["honest_flops"]
+        row["wall_over_honest"] = row["wallclock_speedup"] / row["honest_speedup"]
     return row
 
 
@@ -278,7 +301,9 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     (mean next-token CE of exactly the timed outputs), ``ce_uniform``, ``ce_gap``, ``within_tolerance``,
     ``seconds`` (median over rounds for all windows), ``spread``, ``tokens_per_s``, ``proxy_speedup`` (r /
     avg_loops), ``flop_speedup`` (:func:`~drc_core.experiments.cost.matmul_flops_per_token` ratio),
-    ``wallclock_speedup`` and ``wall_over_proxy`` (the issue's target: >= 0.9).
+    ``wallclock_speedup`` and ``wall_over_proxy`` (issue C's target: >= 0.9), ``honest_flops`` (per token:
+    :func:`~drc_core.experiments.cost.honest_flops` of the work the run really did; the forward's
+    ``flops_per_token(r, T)``), ``honest_speedup`` and ``wall_over_honest`` (issue I's target: >= 0.9).
     """
     cfg = cfg or SpeedConfig()
     windows = _on_device(model, windows)
@@ -289,27 +314,31 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
         ({"family": "uniform", "param": float(r), "rule": f"uniform={r}", "path": "forward", "baseline": True,
           "needs_log_probs": False}, lambda x, s: model(x, r, state=s)),
         ({"family": "uniform", "param": float(r), "rule": f"uniform={r} via skip_forward", "path": "skip_states",
-          "baseline": False, "needs_log_probs": False}, lambda x, s: skip_forward(model, x, Uniform(r), state=s)),
+          "baseline": False, "needs_log_probs": False},
+         lambda x, s: skip_forward(model, x, Uniform(r), state=s, fused=cfg.fused)),
     ]
     for spec in specs:
         variants.append(({"family": spec.family, "param": float(spec.param), "rule": str(spec.rule),
                           "path": _skip_path(spec.rule), "baseline": False,
                           "needs_log_probs": spec.rule.needs_log_probs},
-                         lambda x, s, rule=spec.rule: skip_forward(model, x, rule, state=s)))
+                         lambda x, s, rule=spec.rule: skip_forward(model, x, rule, state=s, fused=cfg.fused)))
     with torch.inference_mode():
         model.eval()
         batches = _batches(model, windows, cfg)
         n_tok = sum(x.numel() for x, _, _ in batches)
         rows = []
         for info, fn in variants:  # untimed pass: warm-up and the quality of exactly what is timed
-            loops = ce = 0.0
+            loops = ce = flops = 0.0
             for x, y, s0 in batches:
                 out = fn(x, s0)
                 logits = out if isinstance(out, Tensor) else out.logits
                 loops += r * x.numel() if isinstance(out, Tensor) else float(out.exit_loop.double().sum())
+                flops += (model.flops_per_token(r, t_len) * x.numel() if isinstance(out, Tensor)
+                          else honest_flops(model, out.work, t_len))
                 ce += _ce_sum(logits, y)
                 del out, logits
-            rows.append({"setting": "batched eval", **info, "avg_loops": loops / n_tok, "ce": ce / n_tok})
+            rows.append({"setting": "batched eval", **info, "avg_loops": loops / n_tok, "ce": ce / n_tok,
+                         "honest_flops": flops / n_tok})
 
         def run(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[], None]:
             def go() -> None:
@@ -317,7 +346,8 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
                     fn(x, s0)
             return go
 
-        times = interleaved({info["rule"]: run(fn) for info, fn in variants}, cfg.rounds, log, "batched eval")
+        times = interleaved({info["rule"]: run(fn) for info, fn in variants}, cfg.rounds, log, "batched eval",
+                            cfg.clock)
     base = rows[0]
     base_s = median(times[base["rule"]])
     base_flops = matmul_flops_per_token(model, r, t_len, "forward")
@@ -347,14 +377,17 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
                     cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
     """Time per new token of greedy :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` against each rule.
 
-    Same prompt (B, T0), same ``new_tokens`` n, same initial states. Time per new token = (median time of n
-    new tokens - median time of 1) / (n - 1): the decode steps alone (should noise make that <= 0, the median
-    time of n tokens / n). One row per variant; columns as in :func:`time_batched` (``setting``
-    "generation", ``path`` "generate"), with ``avg_loops`` the mean exit loop of the n positions whose outputs
-    chose the new tokens, ``ms_per_token``, ``prompt_ms`` (the prompt pass plus the first token),
-    ``same_tokens`` (fraction of new tokens equal to the uniform run's, position by position),
-    ``first_divergence`` (index of the first new token that differs; n if none; mean over rows) and no CE.
-    ``flop_speedup`` uses a context of T0 + n tokens.
+    Same prompt (B, T0), same ``new_tokens`` n, same initial states. The baseline (``path`` "dense decode") is
+    :func:`~drc_core.halting.generate.generate_fixed` at depth r, the KV-cached decoder with no halting machinery;
+    then ``generate`` with ``Uniform(r)`` (the machinery's own overhead at equal depth) and with each rule. Time
+    per new token = (median time of n new tokens - median time of 1) / (n - 1): the decode steps alone (should
+    noise make that <= 0, the median time of n tokens / n). One row per variant; columns as in
+    :func:`time_batched` (``setting`` "generation", ``path`` "generate"), with ``avg_loops`` the mean exit loop
+    of the n positions whose outputs chose the new tokens, ``ms_per_token``, ``tokens_per_s`` (B new tokens per
+    step), ``rows`` (B), ``prompt_ms`` (the prompt pass plus the first token), ``same_tokens`` (fraction of new
+    tokens equal to the dense decoder's, position by position), ``first_divergence`` (index of the first new
+    token that differs; n if none; mean over rows) and no CE. ``honest_flops`` is per new token (the work of n
+    new tokens minus that of 1, over n - 1, per row); ``flop_speedup`` uses a context of T0 + n tokens.
     """
     cfg = cfg or SpeedConfig()
     prompt = _on_device(model, prompt, "prompt", targets=False)
@@ -364,37 +397,48 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
         raise DrcError(f"prompt length {t0} + new_tokens {n} exceeds max_seq_len={model.cfg.max_seq_len}: "
                        "shorten the prompt or generate fewer tokens")
     specs = [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]
+    dense = f"uniform={r} dense decode"
     with torch.inference_mode():
         model.eval()
         gen = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
         s0 = model.initial_state(torch.zeros(B, t0 + n, model.cfg.d_model, device=prompt.device), gen)
-        rows, variants = [], {}
-        uniform_tokens = None
-        for i, spec in enumerate(specs):  # untimed: warm-up, exit loops and tokens
-            res = generate(model, prompt, n, spec.rule, state=s0)
-            generate(model, prompt, 1, spec.rule, state=s0[:, : t0 + 1])
-            if uniform_tokens is None:
-                uniform_tokens = res.new_tokens
+        dense_tokens = generate_fixed(model, prompt, n, r, state=s0)[:, t0:]
+        generate_fixed(model, prompt, 1, r, state=s0[:, : t0 + 1])
+        rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": dense,
+                 "path": "dense decode", "baseline": True, "needs_log_probs": False, "avg_loops": float(r),
+                 "same_tokens": 1.0, "first_divergence": float(n),
+                 "honest_flops": float(model.flops_per_token(r, t0 + n))}]
+        variants = {f"{dense} [n]": lambda: generate_fixed(model, prompt, n, r, state=s0),
+                    f"{dense} [1]": lambda: generate_fixed(model, prompt, 1, r, state=s0[:, : t0 + 1])}
+        for spec in specs:  # untimed: warm-up, exit loops and tokens
+            res = generate(model, prompt, n, spec.rule, state=s0, fused=cfg.fused)
+            one = generate(model, prompt, 1, spec.rule, state=s0[:, : t0 + 1], fused=cfg.fused)
+            work = honest_flops(model, res.work, t0 + n) - honest_flops(model, one.work, t0 + n)
             rows.append({"setting": "generation", "family": spec.family, "param": float(spec.param),
-                         "rule": str(spec.rule), "path": "generate", "baseline": i == 0,
+                         "rule": str(spec.rule), "path": "generate", "baseline": False,
                          "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": res.new_avg_depth,
-                         "same_tokens": float((res.new_tokens == uniform_tokens).double().mean()),
-                         "first_divergence": _first_divergence(res.new_tokens, uniform_tokens)})
+                         "same_tokens": float((res.new_tokens == dense_tokens).double().mean()),
+                         "first_divergence": _first_divergence(res.new_tokens, dense_tokens),
+                         "honest_flops": work / (B * (n - 1))})
             name = str(spec.rule)
-            variants[f"{name} [n]"] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0)
-            variants[f"{name} [1]"] = lambda rule=spec.rule: generate(model, prompt, 1, rule, state=s0[:, : t0 + 1])
-        times = interleaved(variants, cfg.rounds, log, "generation")
+            variants[f"{name} [n]"] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
+                                                                      fused=cfg.fused)
+            variants[f"{name} [1]"] = lambda rule=spec.rule: generate(model, prompt, 1, rule, state=s0[:, : t0 + 1],
+                                                                      fused=cfg.fused)
+        times = interleaved(variants, cfg.rounds, log, "generation", cfg.clock)
     for row in rows:
         full, first = times[f"{row['rule']} [n]"], times[f"{row['rule']} [1]"]
         decode = (median(full) - median(first)) / (n - 1)
         row["seconds"] = decode if decode > 0 else median(full) / n  # timer noise above the decode time: amortize
         row["ms_per_token"] = 1e3 * row["seconds"]
+        row["tokens_per_s"] = B / row["seconds"]
+        row["rows"] = B
         row["prompt_ms"] = 1e3 * median(first)
         row["spread"] = spread(full)
     base = rows[0]
-    base_flops = matmul_flops_per_token(model, r, t0 + n, "skip_states")
-    for row, spec in zip(rows, specs, strict=True):
-        path = _skip_path(spec.rule)
+    base_flops = matmul_flops_per_token(model, r, t0 + n, "forward")
+    for row, spec in zip(rows, [None, *specs], strict=True):
+        path = "forward" if spec is None else _skip_path(spec.rule)
         _speed_columns(row, base["seconds"], r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t0 + n,
                                                                                     path))
     return pd.DataFrame(rows)
@@ -496,6 +540,107 @@ def targets_met(*frames: pd.DataFrame) -> dict[str, bool]:
     return {f"{r.setting}: {r.rule}": bool(r.wall_over_proxy >= TARGET_RATIO) for r in rules.itertuples()}
 
 
+TARGET_OVERHEAD = 1.05  # issue I: the skipping path at equal depth <= 1.05 x the dense forward / decoder
+TARGET_HONEST = 0.9  # issue I: wall-clock speedup >= 0.9 x the honest-FLOP speedup, every rule
+TARGET_KL_BATCHED = 1.5  # issue I: the KL rule >= 1.5 x faster than uniform depth r in batched evaluation
+
+
+def issue_targets(*frames: pd.DataFrame) -> pd.DataFrame:
+    """Issue I's targets, one row per (frame, rule, target) of :func:`time_batched` / :func:`time_generation`
+    frames: ``setting`` (generation labelled with its batch size), ``rule``, ``target``, ``value``, ``threshold``,
+    ``met``. Targets: the skipping path at equal depth (``Uniform(r)`` row) takes <= 1.05 x the dense time;
+    every rule is faster than uniform depth r (wall-clock speedup > 1) and reaches >= 0.9 x its honest-FLOP
+    speedup; the state-change rule >= 0.9 x its FLOP proxy; the KL rule >= 1.5 x in batched evaluation."""
+    rows = []
+
+    def add(setting: str, rule: str, target: str, value: float, threshold: float, met: bool) -> None:
+        rows.append({"setting": setting, "rule": rule, "target": target, "value": float(value),
+                     "threshold": threshold, "met": bool(met)})
+
+    for frame in frames:
+        for r in frame[~frame.baseline].itertuples():
+            setting = r.setting if r.setting != "generation" else f"generation, batch {int(r.rows)}"
+            if r.family == "uniform":
+                add(setting, r.rule, "time / dense time at equal depth <= 1.05", 1 / r.wallclock_speedup,
+                    TARGET_OVERHEAD, 1 / r.wallclock_speedup <= TARGET_OVERHEAD)
+                continue
+            add(setting, r.rule, "faster than uniform depth (wall-clock speedup > 1)", r.wallclock_speedup, 1.0,
+                r.wallclock_speedup > 1)
+            add(setting, r.rule, "wall / honest FLOPs >= 0.9", r.wall_over_honest, TARGET_HONEST,
+                r.wall_over_honest >= TARGET_HONEST)
+            if r.family == "state_delta":
+                add(setting, r.rule, "wall / proxy >= 0.9", r.wall_over_proxy, TARGET_RATIO,
+                    r.wall_over_proxy >= TARGET_RATIO)
+            if r.family == "kl" and r.setting == "batched eval":
+                add(setting, r.rule, "wall-clock speedup >= 1.5", r.wallclock_speedup, TARGET_KL_BATCHED,
+                    r.wallclock_speedup >= TARGET_KL_BATCHED)
+    return pd.DataFrame(rows)
+
+
+def preset_specs(cfg: SpeedConfig, taken: Sequence[RuleSpec] = ()) -> list[RuleSpec]:
+    """Huginn's exit criteria at its default thresholds (:func:`drc_core.halting.rules.huginn_presets`, at
+    ``rule_max_loops``) as :class:`RuleSpec` (family "huginn", param NaN), leaving out any that is already one of
+    ``taken`` (same rule name)."""
+    names = {str(t.rule) for t in taken}
+    return [RuleSpec("huginn", math.nan, rule) for rule in huginn_presets(cfg.rule_max_loops).values()
+            if str(rule) not in names]
+
+
+_OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
+             ("attention", ("aten::_scaled_dot_product",)),
+             ("readout statistics", ("aten::_softmax", "aten::_log_softmax", "aten::amax", "aten::argmax",
+                                     "aten::linalg_vecdot", "CompiledFxGraph", "aten::exp", "aten::log")),
+             ("gather / scatter", ("aten::index", "aten::_index_put", "aten::index_copy", "aten::index_select",
+                                   "aten::nonzero", "aten::scatter", "aten::masked_fill", "aten::bincount")))
+
+
+def _op_kind(name: str) -> str:
+    for kind, prefixes in _OP_KINDS:
+        if any(p in name for p in prefixes):
+            return kind
+    return "other (norms, RoPE, MLP activation, adds, copies)"
+
+
+def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                    cfg: SpeedConfig | None = None, *, top: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where the time goes: ``torch.profiler`` over one batch (the first ``batch_size`` windows) of the dense
+    forward at depth r, ``skip_forward`` with ``Uniform(r)`` and with each rule (one untimed warm-up call each).
+
+    Returns ``(kinds, ops)``: ``kinds`` one row per (variant, kind of op: matmul, attention, readout statistics,
+    gather/scatter, other) with ``ms`` (self CPU time) and ``share``, plus a ``total`` row; ``ops`` the ``top``
+    ops of each variant by self CPU time (``op``, ``ms``, ``calls``, ``share``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = cfg or SpeedConfig()
+    windows = _on_device(model, windows)
+    r = cfg.reference_loops
+    x, _, s0 = _batches(model, windows[: cfg.batch_size], cfg)[0]
+    variants: dict[str, Callable[[], object]] = {
+        f"uniform={r}": lambda: model(x, r, state=s0),
+        f"uniform={r} via skip_forward": lambda: skip_forward(model, x, Uniform(r), state=s0, fused=cfg.fused)}
+    for spec in _specs(rules, r):
+        variants[str(spec.rule)] = lambda rule=spec.rule: skip_forward(model, x, rule, state=s0, fused=cfg.fused)
+    kinds, ops = [], []
+    with torch.inference_mode():
+        model.eval()
+        for name, fn in variants.items():
+            fn()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+            total = sum(e.self_cpu_time_total for e in events) / 1e3
+            by_kind: dict[str, float] = {}
+            for e in events:
+                by_kind[_op_kind(e.key)] = by_kind.get(_op_kind(e.key), 0.0) + e.self_cpu_time_total / 1e3
+            for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+                kinds.append({"variant": name, "kind": kind, "ms": ms, "share": ms / total})
+            kinds.append({"variant": name, "kind": "total", "ms": total, "share": 1.0})
+            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+                ops.append({"variant": name, "op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count,
+                            "share": e.self_cpu_time_total / 1e3 / total})
+    return pd.DataFrame(kinds), pd.DataFrame(ops)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Everything, and the table for the figure
 
@@ -511,13 +656,19 @@ def speedup_table(*frames: pd.DataFrame) -> pd.DataFrame:
 
 @dataclass
 class SpeedReport:
-    """What :func:`run_speed` returns: the config, the matching (:class:`Matched`) and the three frames."""
+    """What :func:`run_speed` returns: the config, the matching (:class:`Matched`), the batched frame (matched
+    rules, then Huginn's presets if asked), the generation frame (one block of rows per batch size), the
+    measurement pass, issue I's targets (:func:`issue_targets`) and, if asked, the profile
+    (:func:`profile_batched`: ``profile_kinds``, ``profile_ops``)."""
 
     config: SpeedConfig
     matched: Matched
     batched: pd.DataFrame
     generation: pd.DataFrame
     measurement: pd.DataFrame
+    targets: pd.DataFrame | None = None
+    profile_kinds: pd.DataFrame | None = None
+    profile_ops: pd.DataFrame | None = None
 
     def table(self) -> pd.DataFrame:
         """:func:`speedup_table` of the batched and generation frames."""
@@ -525,24 +676,36 @@ class SpeedReport:
 
     def to_dict(self) -> dict:
         """JSON-ready content (frames as lists of records)."""
-        return {"config": asdict(self.config), "matched": self.matched.table.to_dict("records"),
-                "batched": self.batched.to_dict("records"), "generation": self.generation.to_dict("records"),
-                "measurement": self.measurement.to_dict("records"), "table": self.table().to_dict("records")}
+        out = {"config": asdict(self.config), "matched": self.matched.table.to_dict("records"),
+               "batched": self.batched.to_dict("records"), "generation": self.generation.to_dict("records"),
+               "measurement": self.measurement.to_dict("records"), "table": self.table().to_dict("records")}
+        for name in ("targets", "profile_kinds", "profile_ops"):
+            frame = getattr(self, name)
+            if frame is not None:
+                out[name] = frame.to_dict("records")
+        return out
 
 
 def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
               log: Log = None) -> SpeedReport:
-    """:func:`matched_rules`, then :func:`time_batched` and :func:`time_generation` (prompt: the first
-    ``prompt_len`` tokens of the first ``gen_rows`` windows) with the matched rules, then
-    :func:`measurement_cost`."""
+    """:func:`matched_rules`, then :func:`time_batched` with the matched rules (and Huginn's presets,
+    :func:`preset_specs`, with ``presets``), :func:`time_generation` with the matched rules for ``gen_rows`` and
+    each of ``more_gen_rows`` prompts (the first ``prompt_len`` tokens of the first windows), then
+    :func:`measurement_cost`, :func:`issue_targets` and, with ``profile``, :func:`profile_batched`."""
     cfg = cfg or SpeedConfig()
     windows = _on_device(model, windows)
-    if cfg.prompt_len > windows.shape[1] or cfg.gen_rows > len(windows):
-        raise DrcError(f"prompt_len={cfg.prompt_len} / gen_rows={cfg.gen_rows} exceed the windows "
+    most = max((cfg.gen_rows, *cfg.more_gen_rows))
+    if cfg.prompt_len > windows.shape[1] or most > len(windows):
+        raise DrcError(f"prompt_len={cfg.prompt_len} / gen_rows={most} exceed the windows "
                        f"({len(windows)} of {windows.shape[1]} tokens): lower them")
     matched = matched_rules(model, windows, cfg, log=log)
-    batched = time_batched(model, windows, matched.specs, cfg, log=log)
-    prompt = windows[: cfg.gen_rows, : cfg.prompt_len]
-    generation = time_generation(model, prompt, matched.specs, cfg, log=log)
+    extra = preset_specs(cfg, matched.specs) if cfg.presets else []
+    batched = time_batched(model, windows, [*matched.specs, *extra], cfg, log=log)
+    generation = pd.concat([time_generation(model, windows[:rows, : cfg.prompt_len], matched.specs, cfg, log=log)
+                            for rows in dict.fromkeys((cfg.gen_rows, *cfg.more_gen_rows))], ignore_index=True)
     measurement = measurement_cost(model, windows, cfg, log=log)
-    return SpeedReport(cfg, matched, batched, generation, measurement)
+    targets = issue_targets(batched[batched.family != "huginn"], generation)
+    kinds = ops = None
+    if cfg.profile:
+        kinds, ops = profile_batched(model, windows, matched.specs, cfg)
+    return SpeedReport(cfg, matched, batched, generation, measurement, targets, kinds, ops)
