@@ -376,13 +376,30 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
     errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == [], errors
 
-    # the widget state survives a browser reload: save, reload, the same passage and trajectory come back
+    # the widget state survives a browser reload, with the source also open in a text editor tab (the issue's
+    # "Error displaying widget: model not found" case): save, open the editor, back to the notebook, reload; the
+    # same passage and trajectory come back
     d.execute_script("window.jupyterapp.commands.execute('docmanager:save');")
     wait_for(lambda: d.execute_script(_PANEL + "return !w.context.model.dirty;"), 30, "the save")
+    d.execute_script("window.jupyterapp.commands.execute('docmanager:open', {path: arguments[0], factory: 'Editor'});",
+                     NOTEBOOK)
+    wait_for(lambda: d.execute_script(_PANEL + "return w && w.node.classList.contains('jp-FileEditor') || "
+                                      "(w && w.content && w.content.node.classList.contains('jp-FileEditor'));"),
+             30, "the source in an editor tab")
+    d.execute_script("window.jupyterapp.commands.execute('docmanager:open', {path: arguments[0], "
+                     "factory: 'Jupytext Notebook'});", NOTEBOOK)
+    notebook_ready = _PANEL + ("return w && w.node.classList.contains('jp-NotebookPanel') && w.context.path === "
+                               "arguments[0] && w.context.isReady;")
+    wait_for(lambda: d.execute_script(notebook_ready, NOTEBOOK), 30, "the notebook tab again")
+    tabs = d.execute_script("return [...window.jupyterapp.shell.widgets('main')].map(w => w.node.className);")
+    assert len(tabs) == 2 and any("jp-NotebookPanel" in c for c in tabs), tabs
+    shot("08_editor_tab_open")
+    # the trajectory is still drawn (JupyterLab's plotly renderer once left it 0 px high after a tab switch)
+    height = d.execute_script(_EXPLORER + "const p = ex && ex.querySelector('.widget-output .js-plotly-plot');"
+                                          "return p ? p.getBoundingClientRect().height : 0;")
+    assert height > 200, height
     d.refresh()
-    wait_for(lambda: d.execute_script(
-        _PANEL + "return w && w.context && w.context.path === arguments[0] && w.context.isReady;", NOTEBOOK),
-        120, f"{NOTEBOOK} to open again after the reload")
+    wait_for(lambda: d.execute_script(notebook_ready, NOTEBOOK), 120, f"{NOTEBOOK} to open again after the reload")
     after = wait_for(lambda: d.execute_script(WIDGET_ERRORS_JS) or d.execute_script(PASSAGE_JS), 60,
                      "the explorer after the reload")
     assert not isinstance(after, list), after  # "Error displaying widget: model not found"
@@ -391,7 +408,7 @@ def test_live_explorer_in_a_real_jupyterlab(jupyterlab: str, browser, lab_site: 
     figure3 = wait_for(lambda: d.execute_script(FIGURE_JS), 60, "the trajectory after the reload")
     assert json.loads(figure3)["title"] == json.loads(figure2)["title"]
     d.execute_script("arguments[0].scrollIntoView({block: 'center'});", d.execute_script(_EXPLORER + "return ex;"))
-    shot("08_after_reload")
+    shot("09_after_reload")
     errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
     assert errors == [], errors
 

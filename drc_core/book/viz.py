@@ -74,6 +74,7 @@ _PALETTE = pcolors.qualitative.Plotly
 _KL_SCALE = ("#1a9850", "#ffffbf", "#d73027")  # low (converged) -> eps -> high (still changing)
 _SEQ_SCALE = "YlOrRd"
 _LINE_CHARS = 72  # characters per row of the passage layout
+_TRAJECTORY_HEIGHT = 340  # px, the live explorer's trajectory figure
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -703,8 +704,12 @@ class DepthExplorer:
             self.trace_button.on_click(lambda _b: self.show_text(self.input.value))
             rows.append(widgets.HBox([self.input, self.trace_button], layout=full()))
             rows.append(self.status)
+        # JupyterLab's plotly renderer leaves the trajectory's output 0 px high after its tab was hidden (another
+        # tab in front, then back): a fixed height for the figure's box keeps it drawn
+        self._css = widgets.HTML(f"<style>.drc-depth-explorer .widget-output .jp-RenderedPlotly "
+                                 f"{{height: {_TRAJECTORY_HEIGHT}px;}}</style>", layout={"height": "0px"})
         rows += [self.slider, self.metric, self.text, self.tokens, widgets.HBox([self.token, self.selected]),
-                 self.output]
+                 self.output, self._css]
         self.widget = widgets.VBox(rows, layout=full())
         self.widget.add_class("drc-depth-explorer")
         self.slider.observe(self._on_loop, names="value")
@@ -840,7 +845,7 @@ class DepthExplorer:
         status = f"converged at depth {p.depth[i]}" if p.settled[i] else "never settled"
         fig.update_yaxes(type="log", exponentformat="power", title_text="value (log scale)")
         fig.update_xaxes(title_text="loop l")
-        _style(fig, f"pos {int(p.pos[i])} {p.texts[i]!r}: {status}", height=340,
+        _style(fig, f"pos {int(p.pos[i])} {p.texts[i]!r}: {status}", height=_TRAJECTORY_HEIGHT,
                legend={"orientation": "h", "y": -0.3}, autosize=True)
         self.selected.value = (f"selected: <b>{html.escape(repr(p.texts[i]))}</b> (pos {int(p.pos[i])}), "
                                f"{status}; click a token to select it")
