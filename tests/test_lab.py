@@ -7,8 +7,11 @@ work dir (notebooks 01 and 02, run here by the book runner) where the notebook's
 the source by its URL (so JupyterLab's default viewer decides how), runs all cells in headless Chromium driven by
 Selenium, moves the loop slider, switches the metric, types a sentence into the explorer's text box, clicks a token
 of the passage, and checks that the passage and the trajectory figure changed, that nothing in the explorer scrolls
-sideways and that the browser console has no errors; then it saves, reloads the page and checks that the explorer
-comes back with the typed sentence and the clicked token. Screenshots: ``<tmp>/screens/*.png``.
+sideways and that the browser console has no errors; then it saves, opens the source in a text editor tab too,
+returns to the notebook (the trajectory must still be drawn), reloads the page and checks that the explorer comes
+back with the typed sentence and the clicked token. The kernel resolves the notebook's paths against
+``$DRC_BOOK_ROOT`` (this site) and, not being run by the book runner, writes its results under ``runs/lab/``: the
+site's copy of the committed results file must keep its bytes. Screenshots: ``<tmp>/screens/*.png``.
 """
 
 from __future__ import annotations
