@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,12 +40,17 @@ from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
     SpeedReport,
+    anderson_configs,
+    anderson_table,
     measurement_pass,
     run_speed,
     skip_overhead,
 )
 from drc_core.model import DepthRecurrentLM
 from drc_core.rundir import open_run
+
+ALL_FAMILIES = ("kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence", "minp_kl",
+                "acceleration")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,14 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="uniform depth r to match and beat (default: the run's training-mean depth, else 8)")
     ap.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (default 3)")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--families", default="kl,state_delta",
+    ap.add_argument("--families", default=",".join(ALL_FAMILIES),
                     help="comma-separated rule families of drc_core.halting.sweep.default_rules "
-                         "(default kl,state_delta)")
+                         "(default: every training-free family)")
     ap.add_argument("--rule-max-loops", type=int, default=16, help="every rule's max_loops (default 16)")
     ap.add_argument("--ce-tolerance", type=float, default=0.005, help="matched quality: CE <= CE(uniform r) + this")
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per timed call")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt: the first tokens of the first windows")
     ap.add_argument("--gen-rows", type=int, default=1, help="prompts decoded together (batch rows)")
+    ap.add_argument("--more-gen-rows", default="8", help="further generation batch sizes, comma-separated ('' none)")
+    ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
+                    help="readout statistics through the compiled kernel (auto: where a C++ compiler exists)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall (perf_counter) or cpu (process time: robust to other jobs with --threads 1)")
+    ap.add_argument("--no-presets", action="store_true", help="do not time Huginn's presets")
+    ap.add_argument("--no-profile", action="store_true", help="do not profile one batch")
+    ap.add_argument("--anderson-windows", type=int, default=8,
+                    help="windows for the Anderson-acceleration table (0: skip it)")
     ap.add_argument("--measure-windows", type=int, default=8, help="windows for the measurement-pass comparison")
     ap.add_argument("--measure-loops", type=int, default=32, help="loops of the measurement pass (default 32)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
@@ -121,16 +136,23 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
              f"{x.wall_over_proxy:.2f}"] for _, x in b.iterrows()]
     out.append(_fmt_table(rows, ["variant", "path", "avg loops", "CE", "dCE", "s", "spread", "proxy",
                                  "matmul", "wall", "wall/proxy"]))
+    out.append("\n  honest FLOPs (the work each run really did: core + readouts performed + vocabulary-sized "
+               "statistics):")
+    rows = [[x.family, x.rule, f"{x.avg_loops:.2f}", f"{x.ce_gap:+.4f}", f"{x.proxy_speedup:.2f}x",
+             f"{x.honest_flops / 1e6:.2f} M", f"{x.honest_speedup:.2f}x", f"{x.wallclock_speedup:.2f}x",
+             f"{x.wall_over_proxy:.2f}", f"{x.wall_over_honest:.2f}"] for _, x in b.iterrows()]
+    out.append(_fmt_table(rows, ["family", "variant", "avg loops", "dCE", "proxy", "honest FLOPs/token", "honest",
+                                 "wall", "wall/proxy", "wall/honest"]))
 
     g = rep.generation
     out.append(f"\ngeneration: {cfg.gen_rows} row(s), prompt {cfg.prompt_len} tokens, {cfg.new_tokens} greedy new "
                f"tokens; ms per new token = (t(n) - t(1)) / (n - 1), medians over {cfg.rounds} rounds")
-    rows = [[x.rule, f"{x.avg_loops:.3f}", f"{x.first_divergence:.0f}", f"{x.same_tokens:.0%}",
-             f"{x.ms_per_token:.2f}", f"{x.prompt_ms:.1f}",
-             f"{x.spread:.0%}", f"{x.proxy_speedup:.2f}x", f"{x.flop_speedup:.2f}x", f"{x.wallclock_speedup:.2f}x",
-             f"{x.wall_over_proxy:.2f}"] for _, x in g.iterrows()]
-    out.append(_fmt_table(rows, ["variant", "avg loops", "1st diff", "same tok", "ms/token", "prompt ms", "spread",
-                                 "proxy", "matmul", "wall", "wall/proxy"]))
+    rows = [[int(x.rows), x.rule, f"{x.avg_loops:.3f}", f"{x.first_divergence:.0f}", f"{x.same_tokens:.0%}",
+             f"{x.ms_per_token:.2f}", f"{x.tokens_per_s:.0f}", f"{x.prompt_ms:.1f}",
+             f"{x.spread:.0%}", f"{x.proxy_speedup:.2f}x", f"{x.honest_speedup:.2f}x", f"{x.wallclock_speedup:.2f}x",
+             f"{x.wall_over_proxy:.2f}", f"{x.wall_over_honest:.2f}"] for _, x in g.iterrows()]
+    out.append(_fmt_table(rows, ["batch", "variant", "avg loops", "1st diff", "same tok", "ms/step", "tokens/s",
+                                 "prompt ms", "spread", "proxy", "honest", "wall", "wall/proxy", "wall/honest"]))
 
     ms = rep.measurement
     out.append(f"\nmeasurement pass: {ms.windows.iloc[0]} windows, {ms.loops.iloc[0]} loops, medians over "
@@ -139,6 +161,18 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
             for _, x in ms.iterrows()]
     out.append(_fmt_table(rows, ["pass", "s", "spread", "x forward", "x readout pass"]))
 
+    if rep.targets is not None:
+        out.append("\nissue I targets (matched quality):")
+        rows = [[x.setting, x.rule, x.target, f"{x.value:.3f}", f"{x.threshold:g}", "MET" if x.met else "NOT met"]
+                for _, x in rep.targets.iterrows()]
+        out.append(_fmt_table(rows, ["setting", "rule", "target", "value", "threshold", "verdict"]))
+    if rep.profile_kinds is not None:
+        out.append("\nprofile of one batch (torch.profiler, self CPU ms by kind of op):")
+        pk = rep.profile_kinds.pivot_table(index="variant", columns="kind", values="ms", sort=False)
+        kinds = [k for k in pk.columns if k != "total"] + ["total"]
+        rows = [[v, *(f"{pk.loc[v, k]:.0f}" if k in pk.columns and pk.loc[v, k] == pk.loc[v, k] else "-"
+                     for k in kinds)] for v in pk.index]
+        out.append(_fmt_table(rows, ["variant", *kinds]))
     out.append(f"\nverdicts (target: wall-clock speedup >= {TARGET_RATIO} x FLOP proxy at matched quality):")
     for frame in (b, g):
         for _, x in frame[~frame.baseline & (frame.family != "uniform")].iterrows():
@@ -183,25 +217,42 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= seq_len <= model.cfg.max_seq_len:
         raise DrcError(f"--seq-len {seq_len} is invalid: it must be in [1, max_seq_len={model.cfg.max_seq_len}]")
     r = args.loops or int(round(train_cfg.get("recurrence", {}).get("mean", 8)))
+    try:
+        more_rows = tuple(int(v) for v in args.more_gen_rows.split(",") if v.strip())
+    except ValueError:
+        raise DrcError(f"--more-gen-rows {args.more_gen_rows!r} is invalid: give batch sizes like 8 or 4,8") from None
+    fused = args.fused == "on" or (args.fused == "auto" and bool(shutil.which("g++") or shutil.which("c++")))
     cfg = SpeedConfig(reference_loops=r, rule_max_loops=args.rule_max_loops,
                       families=tuple(f.strip() for f in args.families.split(",") if f.strip()),
                       ce_tolerance=args.ce_tolerance, batch_size=args.batch_size, rounds=args.rounds,
                       new_tokens=args.new_tokens, prompt_len=args.prompt_len, gen_rows=args.gen_rows,
-                      measure_loops=args.measure_loops, measure_windows=args.measure_windows)
+                      measure_loops=args.measure_loops, measure_windows=args.measure_windows,
+                      more_gen_rows=more_rows, fused=fused, clock=args.clock, presets=not args.no_presets,
+                      profile=not args.no_profile)
     windows, _ = val_windows_with_docs(corpus, seq_len, args.windows)
     c = model.cfg
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"{platform.processor() or platform.machine()}, load avg {_loadavg()}")
+          f"{platform.processor() or platform.machine()}, load avg {_loadavg()}; clock {cfg.clock}, fused "
+          f"statistics {'on' if cfg.fused else 'off'}")
     print(f"model {args.run}: {model.num_params() / 1e6:.2f} M params, d={c.d_model}, heads={c.n_heads}, "
           f"P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; corpus {args.data}: {len(windows)} "
           f"validation windows x {seq_len} tokens; uniform depth r={r}")
     t0 = time.perf_counter()
     rep = run_speed(model, windows, cfg, log=None if args.quiet else (lambda s: print("  " + s, flush=True)))
     print(report(rep, r, c.vocab_size))
+    anderson = None
+    if args.anderson_windows > 0:
+        anderson = anderson_table(model, windows[: args.anderson_windows], anderson_configs(),
+                                  batch_size=min(args.batch_size, args.anderson_windows), time_rounds=args.rounds)
+        print(f"\nAnderson acceleration of the core iteration ({args.anderson_windows} windows; per-sequence, damping "
+              "0.7; mean core evaluations per token until the successive KL stays below eps; reference: plain "
+              "iteration at 32 loops):")
+        print(anderson.round(6).to_string(index=False))
     print(f"total {time.perf_counter() - t0:.0f} s")
     if json_path is not None:
         out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "run": args.run, "data": args.data,
-               "windows": len(windows), "seq_len": seq_len, **rep.to_dict()}
+               "windows": len(windows), "seq_len": seq_len, **rep.to_dict(),
+               "anderson": None if anderson is None else anderson.to_dict("records")}
         print(f"wrote {save_results(json_path.parent, json_path.stem, out)}")
     return 0
 

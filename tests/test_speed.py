@@ -265,14 +265,18 @@ def test_bench_end_to_end(capsys, tmp_path, corpus, tiny_model_factory):
     argv = ["--run", str(run), "--data", str(corpus), "--windows", "4", "--seq-len", "16", "--loops", "4",
             "--rule-max-loops", "8", "--rounds", "1", "--batch-size", "2", "--new-tokens", "3", "--prompt-len", "6",
             "--measure-windows", "1", "--measure-loops", "4", "--threads", "1", "--quiet", "--ce-tolerance", "0.05",
-            "--json", str(out)]
+            "--families", "kl,state_delta,acceleration", "--more-gen-rows", "2", "--fused", "off",
+            "--anderson-windows", "2", "--json", str(out)]
     assert run_cli(_bench().main, argv) == 0
     text = capsys.readouterr().out
     for needle in ("matched quality", "batched eval", "generation", "measurement pass", "verdicts", "wall/proxy",
-                   "cannot hold as worded"):
+                   "cannot hold as worded", "wall/honest", "issue I targets", "profile of one batch", "huginn",
+                   "Anderson acceleration", "anderson m=3"):
         assert needle in text
     data = json.loads(out.read_text())
-    assert data["windows"] == 4 and {"batched", "generation", "measurement", "matched", "table"} <= set(data)
+    assert data["windows"] == 4 and {"batched", "generation", "measurement", "matched", "table", "targets",
+                                     "profile_kinds", "anderson"} <= set(data)
+    assert {row["rows"] for row in data["generation"]} == {1, 2}
     assert {row["setting"] for row in data["table"]} == {"batched eval", "generation"}
 
 

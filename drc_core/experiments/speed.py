@@ -61,6 +61,8 @@ from torch import Tensor
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.experiments.cost import CLOCKS, Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
+from drc_core.experiments.fixed_point import fixed_point_costs, seconds_per_eval
+from drc_core.halting.anderson import PLAIN, AndersonConfig
 from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform, huginn_presets
 from drc_core.halting.skipping import skip_forward
@@ -74,6 +76,8 @@ __all__ = [
     "TARGET_OVERHEAD",
     "TARGET_RATIO",
     "Matched",
+    "anderson_configs",
+    "anderson_table",
     "SpeedConfig",
     "SpeedReport",
     "matched_rules",
@@ -639,6 +643,41 @@ def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[Ru
                 ops.append({"variant": name, "op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count,
                             "share": e.self_cpu_time_total / 1e3 / total})
     return pd.DataFrame(kinds), pd.DataFrame(ops)
+
+
+def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: str = "sequence"
+                     ) -> dict[str, AndersonConfig]:
+    """Plain iteration and Anderson acceleration with each window ``m`` (damping ``beta``, ``scope``), by label."""
+    configs = [PLAIN, *(AndersonConfig(m=m, beta=beta, scope=scope) for m in ms)]
+    return {c.label: c for c in configs}
+
+
+def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, AndersonConfig], *,
+                   max_evals: int = 16, ref_loops: int = 32, at_evals: int = 8, batch_size: int = 16,
+                   time_rounds: int = 3) -> pd.DataFrame:
+    """One row per config: mean core evaluations per token until the successive KL stays below 1e-3 and 1e-5
+    (:func:`drc_core.experiments.fixed_point.fixed_point_costs`, ``max_evals`` evaluations, reference: plain
+    iteration at ``ref_loops``), CE and KL to the reference after ``at_evals`` evaluations, and seconds per core
+    evaluation on the first batch (:func:`~drc_core.experiments.fixed_point.seconds_per_eval`, no readout)."""
+    windows = _on_device(model, windows)
+    with torch.inference_mode():
+        model.eval()
+        costs = fixed_point_costs(model, windows, configs, max_evals=max_evals, ref_loops=ref_loops,
+                                  eps=(1e-3, 1e-5), batch_size=batch_size)
+        x = windows[:batch_size, :-1]
+        secs = {name: seconds_per_eval(model, x, cfg, evals=min(8, max_evals - 1), rounds=time_rounds)
+                for name, cfg in configs.items()}
+    rows = []
+    for name in configs:
+        d = costs.depths[costs.depths.method == name].set_index("eps")
+        c = costs.curves[(costs.curves.method == name) & (costs.curves.evals == at_evals)].iloc[0]
+        rows.append({"method": name, "evals_kl_1e-3": float(d.loc[1e-3, "mean_evals"]),
+                     "evals_kl_1e-5": float(d.loc[1e-5, "mean_evals"]),
+                     "converged_1e-5": float(d.loc[1e-5, "converged"]), f"ce_at_{at_evals}": float(c.ce),
+                     f"kl_ref_at_{at_evals}": float(c.kl_ref), "seconds_per_eval": secs[name]})
+    out = pd.DataFrame(rows)
+    out["x_plain_time_per_eval"] = out.seconds_per_eval / out.seconds_per_eval.iloc[0]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
