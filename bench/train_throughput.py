@@ -44,7 +44,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -58,6 +57,7 @@ import torch
 
 from drc_core import precision
 from drc_core.config import PRESETS, TrainConfig, apply_overrides, preset
+from drc_core.experiments.cost import median, rotations, spread, train_flops_per_token
 from drc_core.model import DepthRecurrentLM
 from drc_core.recurrence import RecurrenceSampler
 from drc_core.train import Dist, initial_state, make_optimizer
@@ -92,16 +92,6 @@ VARIANTS = (
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
-
-
-def train_flops_per_token(model: DepthRecurrentLM, n: int, k: int | None, seq_len: int) -> int:
-    """Forward at all n loops + backward (~2x forward) only where a graph is built.
-
-    With truncated backprop the graph covers prelude, the last k loops, coda and head, which is exactly what
-    ``flops_per_token(k, T)`` counts; full backprop (k=None) is 3 x F(n).
-    """
-    k_eff = n if k is None else min(k, n)
-    return model.flops_per_token(n, seq_len) + 2 * model.flops_per_token(k_eff, seq_len)
 
 
 def formula_text(cfg: TrainConfig, model: DepthRecurrentLM, n: int, k: int | None) -> str:
@@ -159,7 +149,7 @@ class Matmul:
 
     @property
     def median(self) -> float:
-        return statistics.median(self.samples) if self.samples else float("nan")
+        return median(self.samples) if self.samples else float("nan")
 
 
 # -------------------------------------------------------------------------------------------- variants
@@ -227,7 +217,7 @@ class Runner:
 
     @property
     def median(self) -> float:
-        return statistics.median(self.samples) if self.samples else float("nan")
+        return median(self.samples) if self.samples else float("nan")
 
 
 def _reason(exc: BaseException) -> str:
@@ -331,10 +321,9 @@ def main(argv: list[str] | None = None) -> int:
 
     live = [r for r in runners if r.skipped is None]
     items: list[Matmul | Runner] = [*mms, *live]
-    for rnd in range(rounds):
-        shift = rnd % len(items)
+    for rnd, order in rotations(items, rounds):
         line = []
-        for item in items[shift:] + items[:shift]:
+        for item in order:
             if isinstance(item, Matmul):
                 item.measure()
                 continue
@@ -389,12 +378,12 @@ def main(argv: list[str] | None = None) -> int:
         if "tokens_per_s" not in row:
             print(f"{row['variant']:18s} skipped: {row['skipped']}")
             continue
-        spread = (max(r.samples) - min(r.samples)) / row["tokens_per_s"] if len(r.samples) > 1 else 0.0
+        spread_ = spread(r.samples)
         xf = f"{row['x_fp32_eager']:6.2f}x" if row["x_fp32_eager"] is not None else "    n/a"
         regraph = "-" if r.new_graphs is None else str(r.new_graphs)
         print(f"{row['variant']:18s} {row['tokens_per_s']:9,.0f} {row['ms_per_step']:8.0f} "
               f"{row['model_flops_per_s'] / 1e9:8.1f} {row['dtype']:>5s} {row['mfu']:6.3f} {row['mfu_fp32']:6.3f} "
-              f"{xf} {row['x_baseline']:6.2f}x {spread:6.0%} {r.warmup_s:6.1f}s {regraph:>7s}   "
+              f"{xf} {row['x_baseline']:6.2f}x {spread_:6.0%} {r.warmup_s:6.1f}s {regraph:>7s}   "
               f"{'MET' if row['target_met'] else 'not met'}"
               + (f"   (then failed: {row['skipped']})" if row["skipped"] else ""))
     print(f"(MFU = model FLOP/s / square-matmul peak of the variant's dtype; MFU32 = / fp32 peak; x fp32 = / "
