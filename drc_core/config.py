@@ -95,7 +95,8 @@ class TrainConfig:
 
 
 def _tiny() -> TrainConfig:
-    """Seconds on a CPU: for tests and the notebook smoke run (corpus prepared with --vocab-size 512).
+    """Seconds on a CPU: for tests and the notebook smoke run (a small-vocabulary corpus, e.g. prepared with
+    --vocab-size 512; the trainer takes the vocabulary from the corpus).
 
     ``compile="false"``: compiling the blocks takes longer (~20 s) than the whole 30-step run; bf16 autocast
     stays "auto" like every other preset.
