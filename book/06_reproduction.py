@@ -99,7 +99,9 @@ def run(mean: float, s: int):
 
 # %%
 ours, intervals, scale = ours_from(*handed, max_loops=max_loops)
-pd.Series({k: v for k, v in ours.items() if k != "class_order"}).map(lambda v: f"{v:.4g}")
+pd.Series({k: v for k, v in ours.items() if k != "class_order"}, name="ours").map(
+    lambda v: f"{v:.4g}"
+).to_frame()  # a table
 
 # %% [markdown]
 # ## Seeds
