@@ -42,11 +42,13 @@ from drc_core.experiments.speed import (
     SpeedReport,
     anderson_configs,
     anderson_table,
+    bf16_check,
     measurement_pass,
     run_speed,
     skip_overhead,
 )
 from drc_core.model import DepthRecurrentLM
+from drc_core.precision import bf16_support
 from drc_core.rundir import open_run
 
 ALL_FAMILIES = ("kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence", "minp_kl",
@@ -81,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="wall (perf_counter) or cpu (process time: robust to other jobs with --threads 1)")
     ap.add_argument("--no-presets", action="store_true", help="do not time Huginn's presets")
     ap.add_argument("--no-profile", action="store_true", help="do not profile one batch")
+    ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                    help="also compare fp32 with bf16 autocast (auto: where drc_core.precision.bf16_support says "
+                         "the device does bf16 fast)")
     ap.add_argument("--anderson-windows", type=int, default=8,
                     help="windows for the Anderson-acceleration table (0: skip it)")
     ap.add_argument("--measure-windows", type=int, default=8, help="windows for the measurement-pass comparison")
@@ -240,6 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rep = run_speed(model, windows, cfg, log=None if args.quiet else (lambda s: print("  " + s, flush=True)))
     print(report(rep, r, c.vocab_size))
+    bf16 = kl_check = None
+    fast = bf16_support(next(model.parameters()).device)
+    if args.bf16 == "on" or (args.bf16 == "auto" and fast):
+        named = [sp for sp in rep.matched.specs if sp.family in ("kl", "state_delta")]
+        bf16, kl_check = bf16_check(model, windows, named, cfg)
+        print(f"\nbf16 autocast against fp32 ({fast or 'no fast bf16 on this device'}); same windows, "
+              f"medians of {cfg.rounds} interleaved rounds:")
+        print(bf16.round(4).to_string(index=False))
+        print("  successive KL under bf16 against fp32, first batch (relative difference over tokens):")
+        print(kl_check.round(5).to_string(index=False))
     anderson = None
     if args.anderson_windows > 0:
         anderson = anderson_table(model, windows[: args.anderson_windows], anderson_configs(),
@@ -252,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     if json_path is not None:
         out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "run": args.run, "data": args.data,
                "windows": len(windows), "seq_len": seq_len, **rep.to_dict(),
-               "anderson": None if anderson is None else anderson.to_dict("records")}
+               "anderson": None if anderson is None else anderson.to_dict("records"),
+               "bf16": None if bf16 is None else bf16.to_dict("records"),
+               "bf16_kl": None if kl_check is None else kl_check.to_dict("records")}
         print(f"wrote {save_results(json_path.parent, json_path.stem, out)}")
     return 0
 

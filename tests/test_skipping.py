@@ -220,3 +220,21 @@ def test_dense_layout_equals_the_padded_one(model):
         padded = block_step(block, toks.gather(x), Attn(toks, B, T, 2, rope), kv2, *rope)
     torch.testing.assert_close(dense, padded, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv1[0], kv2[0])
+
+
+class _KLPausing(KLThreshold):
+    """The KL rule, but no token halts at loop 3: a loop without halts after a loop with some (the previous
+    logits are then read without an index, from a buffer longer than the active set)."""
+
+    def criterion(self, stats):
+        return super().criterion(stats) & (stats.loop != 3)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_loop_without_halts_after_halts(model, idx, rules, fused):
+    rule = _KLPausing(rules["kl"].tau, max_loops=L)
+    ref = masked_forward(model, idx, rule, generator=_gen())
+    got = skip_forward(model, idx, rule, generator=_gen(), fused=fused)
+    assert (ref.exit_loop == 2).any() and (ref.exit_loop > 3).any()
+    assert torch.equal(got.exit_loop, ref.exit_loop)
+    torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=RTOL)

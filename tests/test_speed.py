@@ -266,16 +266,16 @@ def test_bench_end_to_end(capsys, tmp_path, corpus, tiny_model_factory):
             "--rule-max-loops", "8", "--rounds", "1", "--batch-size", "2", "--new-tokens", "3", "--prompt-len", "6",
             "--measure-windows", "1", "--measure-loops", "4", "--threads", "1", "--quiet", "--ce-tolerance", "0.05",
             "--families", "kl,state_delta,acceleration", "--more-gen-rows", "2", "--fused", "off",
-            "--anderson-windows", "2", "--json", str(out)]
+            "--anderson-windows", "2", "--bf16", "on", "--json", str(out)]
     assert run_cli(_bench().main, argv) == 0
     text = capsys.readouterr().out
     for needle in ("matched quality", "batched eval", "generation", "measurement pass", "verdicts", "wall/proxy",
                    "cannot hold as worded", "wall/honest", "issue I targets", "profile of one batch", "huginn",
-                   "Anderson acceleration", "anderson m=3"):
+                   "Anderson acceleration", "anderson m=3", "bf16 autocast against fp32", "rel_diff_median"):
         assert needle in text
     data = json.loads(out.read_text())
     assert data["windows"] == 4 and {"batched", "generation", "measurement", "matched", "table", "targets",
-                                     "profile_kinds", "anderson"} <= set(data)
+                                     "profile_kinds", "anderson", "bf16", "bf16_kl"} <= set(data)
     assert {row["rows"] for row in data["generation"]} == {1, 2}
     assert {row["setting"] for row in data["table"]} == {"batched eval", "generation"}
 
@@ -358,3 +358,15 @@ def test_bad_clock_and_rows_are_one_line():
         SpeedConfig(clock="sundial")
     with pytest.raises(DrcError, match="more_gen_rows"):
         SpeedConfig(more_gen_rows=(0,))
+
+
+def test_bf16_check_rows(model, windows, cfg):
+    from drc_core.experiments.speed import bf16_check
+
+    frame, kl = bf16_check(model, windows[:4], [KLThreshold(1e-2, max_loops=6)], cfg)
+    assert list(frame.precision) == ["fp32", "bf16", "fp32", "bf16"]
+    fp32 = frame[frame.precision == "fp32"]
+    assert (fp32.same_exit == 1).all() and (fp32.x_fp32_time == 1).all()
+    assert ((frame.same_exit >= 0) & (frame.same_exit <= 1)).all()
+    assert frame[frame.rule == f"uniform={cfg.reference_loops}"].avg_loops.eq(cfg.reference_loops).all()
+    assert list(kl.loop) == list(range(2, cfg.reference_loops + 1)) and (kl.rel_diff_median >= 0).all()

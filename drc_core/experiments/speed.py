@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.experiments.cost import CLOCKS, Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
@@ -77,6 +78,7 @@ __all__ = [
     "TARGET_RATIO",
     "Matched",
     "anderson_configs",
+    "bf16_check",
     "anderson_table",
     "SpeedConfig",
     "SpeedReport",
@@ -643,6 +645,72 @@ def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[Ru
                 ops.append({"variant": name, "op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count,
                             "share": e.self_cpu_time_total / 1e3 / total})
     return pd.DataFrame(kinds), pd.DataFrame(ops)
+
+
+def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+               cfg: SpeedConfig | None = None, *, log: Log = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The dense forward at depth r and ``skip_forward`` with each rule, in fp32 and under bf16 autocast
+    (``torch.autocast(device, bfloat16)``; fast where :func:`drc_core.precision.bf16_support` says so), same
+    windows and initial states.
+
+    Returns ``(variants, kl)``. ``variants``: one row per (rule, precision) with ``avg_loops``, ``ce``,
+    ``same_exit`` (share of tokens whose exit loop equals fp32's), ``seconds`` (median of interleaved rounds)
+    and ``x_fp32_time``. ``kl``: per loop 2..r the median and 90th percentile over tokens of
+    |KL_bf16 - KL_fp32| / KL_fp32 of the successive KL (:func:`drc_core.analysis.loops.iterate_stats` on the
+    first batch), and the fp32 median KL: the precision check that the rule's statistic stays within noise."""
+    cfg = cfg or SpeedConfig()
+    windows = _on_device(model, windows)
+    r = cfg.reference_loops
+    device = windows.device
+    specs = _specs(rules, r)
+
+    def under(bf16: bool, fn: Callable[[], object]) -> Callable[[], object]:
+        def go() -> object:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                return fn()
+        return go
+
+    rows, variants = [], {}
+    with torch.inference_mode():
+        model.eval()
+        batches = _batches(model, windows, cfg)
+        n_tok = sum(x.numel() for x, _, _ in batches)
+        base_exits: dict[str, list[Tensor]] = {}
+        for name, make in [(f"uniform={r}", None), *((str(sp.rule), sp.rule) for sp in specs)]:
+            for bf16 in (False, True):
+                def run(rule: HaltingRule | None = make) -> list:
+                    return [model(x, r, state=s0) if rule is None else skip_forward(model, x, rule, state=s0,
+                                                                                       fused=cfg.fused)
+                            for x, _, s0 in batches]
+                outs = under(bf16, run)()
+                ce = sum(_ce_sum(o if isinstance(o, Tensor) else o.logits, y)
+                         for o, (_, y, _) in zip(outs, batches, strict=True)) / n_tok
+                exits = [torch.full(x.shape, r) if isinstance(o, Tensor) else o.exit_loop
+                         for o, (x, _, _) in zip(outs, batches, strict=True)]
+                if not bf16:
+                    base_exits[name] = exits
+                same = sum(float((a == b).double().sum()) for a, b in zip(exits, base_exits[name], strict=True))
+                label = f"{name} [{'bf16' if bf16 else 'fp32'}]"
+                rows.append({"rule": name, "precision": "bf16" if bf16 else "fp32",
+                             "avg_loops": sum(float(e.double().sum()) for e in exits) / n_tok, "ce": ce,
+                             "same_exit": same / n_tok, "label": label})
+                variants[label] = under(bf16, run)
+                del outs
+        times = interleaved(variants, cfg.rounds, log, "bf16 check", cfg.clock)
+        x, _, s0 = batches[0]
+        fp32 = [st.kl for st in iterate_stats(model, x, r, state=s0)]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            low = [st.kl for st in iterate_stats(model, x, r, state=s0)]
+    frame = pd.DataFrame(rows)
+    frame["seconds"] = [median(times[label]) for label in frame.label]
+    frame["x_fp32_time"] = frame.seconds / frame.groupby("rule").seconds.transform("first")
+    kl_rows = []
+    for loop in range(2, r + 1):
+        a, b = fp32[loop - 1].flatten().double(), low[loop - 1].flatten().double()
+        rel = ((b - a).abs() / a.clamp_min(1e-12))
+        kl_rows.append({"loop": loop, "kl_fp32_median": float(a.median()), "rel_diff_median": float(rel.median()),
+                        "rel_diff_p90": float(rel.quantile(0.9))})
+    return frame.drop(columns="label"), pd.DataFrame(kl_rows)
 
 
 def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: str = "sequence"

@@ -377,8 +377,8 @@ class _Tracker:
         n, need = y.shape[0], self.need
         z = self.logits_buffer(n)
         first = self.loop == 0
-        zp = None if first else self.bufs[1 - self.cur]
         idx = self.prev_index
+        zp = None if first else self.bufs[1 - self.cur] if idx is not None else self.bufs[1 - self.cur][:n]
         want_p = bool(need & {"kl", "entropy", "entropy_delta", "top_prob"})
         out = {k: y.new_empty(n, dtype=torch.float32) for k in ("lse", "kl", "entropy", "top_prob") if want_p}
         arg = y.new_empty(n, dtype=torch.long) if "argmax" in need else None
@@ -391,11 +391,11 @@ class _Tracker:
         if want_p and self.fused:
             lse, top, kl, ent = fused_stats_kernel()(  # type: ignore[operator]
                 z, zp, idx, self.prev.get("lse"), "kl" in need and zp is not None, "entropy" in need)
-            out.update(lse=lse, top_prob=top)
+            out.update(lse=lse.reshape(n), top_prob=top.reshape(n))  # (N,) even where N = 1 was specialised
             if kl is not None:
-                out["kl"] = kl
+                out["kl"] = kl.reshape(n)
             if ent is not None:
-                out["entropy"] = ent
+                out["entropy"] = ent.reshape(n)
             want_p = False  # done; the chunk loop below only computes the argmax, if read
             computed = True
         else:
@@ -619,7 +619,7 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
             s.view(-1, d)[_window_to_seq(lin, width, s.shape[1], t0)] = x
             now = rule.decide(full.stats(loop, lin, res, s[:, t0:t1])).view(-1)[lin]
         else:
-            now = rule.decide(_compact_stats(loop, x, res))[0]
+            now = rule.decide(_compact_stats(loop, x, res)).reshape(n)
         gone = now.nonzero().squeeze(1)
         n_gone = gone.numel()
         if n_gone:
