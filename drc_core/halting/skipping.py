@@ -320,34 +320,37 @@ def _vecdot(a: Tensor, b: Tensor) -> Tensor:
     return torch.linalg.vecdot(a, b, dim=-1)
 
 
-def _fused_stats(z: Tensor, zp: Tensor | None, index: Tensor | None, lse_prev: Tensor | None, kl: bool,
-                 entropy: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """(lse, top_prob, kl, entropy) of logits z (N, V) against the previous loop's ``zp[index]`` and its
-    normaliser: the whole readout statistic as one expression, which ``torch.compile`` turns into one fused
-    loop over each row (read z and zp once, no (N, V) temporary)."""
+def _stats_first(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(lse, top_prob, entropy) of logits z (N, V): one expression, which ``torch.compile`` fuses into one loop
+    over each row."""
     m = z.amax(-1, keepdim=True)
     e = torch.exp(z - m)
     s = e.sum(-1, keepdim=True)
     lse = m + s.log()
-    k = h = None
-    if kl:
-        assert zp is not None and lse_prev is not None
-        prev = zp if index is None else zp[index]
-        k = ((e * (z - prev)).sum(-1, keepdim=True) / s - lse).squeeze(-1) + lse_prev
-    if entropy:
-        h = (lse - (e * z).sum(-1, keepdim=True) / s).squeeze(-1)
-    return lse.squeeze(-1), (1.0 / s).squeeze(-1), k, h
+    return lse.squeeze(-1), (1.0 / s).squeeze(-1), (lse - (e * z).sum(-1, keepdim=True) / s).squeeze(-1)
+
+
+def _stats_kl(z: Tensor, zp: Tensor, index: Tensor, lse_prev: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(lse, top_prob, entropy, KL(p || p_prev)) of logits z (N, V) against the previous loop's logits
+    ``zp[index]`` and normaliser ``lse_prev`` (N,): read z and the previous rows once, no (N, V) temporary."""
+    m = z.amax(-1, keepdim=True)
+    e = torch.exp(z - m)
+    s = e.sum(-1, keepdim=True)
+    lse = m + s.log()
+    kl = ((e * (z - zp[index])).sum(-1, keepdim=True) / s - lse).squeeze(-1) + lse_prev
+    return lse.squeeze(-1), (1.0 / s).squeeze(-1), (lse - (e * z).sum(-1, keepdim=True) / s).squeeze(-1), kl
 
 
 _COMPILED: dict[str, object] = {}
 
 
-def fused_stats_kernel() -> object:
-    """:func:`_fused_stats` compiled (dynamic shapes), built once per process (the first call compiles,
-    ~20 s on a CPU, then the kernel is cached on disk by inductor)."""
-    if "stats" not in _COMPILED:
-        _COMPILED["stats"] = torch.compile(_fused_stats, dynamic=True)
-    return _COMPILED["stats"]
+def fused_stats_kernel(kind: str = "kl") -> object:
+    """:func:`_stats_kl` (``kind`` "kl") or :func:`_stats_first` ("first") compiled with dynamic shapes, built
+    once per process (the first call compiles, ~20 s on a CPU; inductor caches the kernel on disk). Every
+    argument is always a tensor, so each compiles at most twice (N = 1 is specialised)."""
+    if kind not in _COMPILED:
+        _COMPILED[kind] = torch.compile(_stats_kl if kind == "kl" else _stats_first, dynamic=True)
+    return _COMPILED[kind]
 
 
 class _Tracker:
@@ -389,13 +392,13 @@ class _Tracker:
             z.copy_(model.lm_head(hn))
         scratch = None
         if want_p and self.fused:
-            lse, top, kl, ent = fused_stats_kernel()(  # type: ignore[operator]
-                z, zp, idx, self.prev.get("lse"), "kl" in need and zp is not None, "entropy" in need)
-            out.update(lse=lse.reshape(n), top_prob=top.reshape(n))  # (N,) even where N = 1 was specialised
-            if kl is not None:
+            if zp is None or "kl" not in need:
+                lse, top, ent = fused_stats_kernel("first")(z)  # type: ignore[operator]
+            else:
+                index = idx if idx is not None else torch.arange(n, device=z.device)
+                lse, top, ent, kl = fused_stats_kernel("kl")(z, zp, index, self.prev["lse"])  # type: ignore[operator]
                 out["kl"] = kl.reshape(n)
-            if ent is not None:
-                out["entropy"] = ent.reshape(n)
+            out.update(lse=lse.reshape(n), top_prob=top.reshape(n), entropy=ent.reshape(n))  # (N,) also at N = 1
             want_p = False  # done; the chunk loop below only computes the argmax, if read
             computed = True
         else:
