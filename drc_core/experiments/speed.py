@@ -15,10 +15,14 @@ same process, what that becomes on the clock:
 - :func:`time_batched`: ``model(x, r)`` (uniform depth r, one readout) against ``skip_forward`` with each
   matched rule, and against ``skip_forward`` with ``Uniform(r)`` (the skipping machinery's own overhead at
   equal depth), over the same windows with the same initial states.
-- :func:`time_generation`: :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` (the project's KV-cached
-  decoder at fixed depth) against the same decoder with each matched rule: same prompt, same number of new
-  tokens, greedy. Time per new token = (time of n new tokens - time of 1) / (n - 1), so the prompt pass drops
-  out.
+- :func:`time_generation`: :func:`~drc_core.halting.generate.generate_fixed` (the KV-cached decoder at fixed depth
+  r with no halting machinery) against :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` and with
+  each matched rule: same prompts, same number of new tokens, greedy. Time per step = (time of n new tokens -
+  time of 1) / (n - 1), so the prompt pass drops out; tokens/s = rows / time per step.
+- honest FLOPs (issue I): every skipping run counts the work it did (:class:`~drc_core.halting.skipping.Work`),
+  priced by :func:`drc_core.experiments.cost.honest_flops`; ``wall_over_honest`` beside ``wall_over_proxy``;
+  :func:`issue_targets` checks issue I's targets, :func:`profile_batched` shows where the time goes,
+  :func:`bf16_check` compares bf16 autocast with fp32, :func:`anderson_table` measures Anderson acceleration.
 - :func:`measurement_cost`: :func:`drc_core.analysis.measure.measure_windows` at ``max_loops`` = 32 against one
   depth-32 forward and against a bare pass that reads out (log-softmax) at every loop.
 
@@ -35,11 +39,12 @@ block, ``core = R * block + adapter``, ``head = 2 d V``; :func:`drc_core.experim
     skip_forward, rule without            P * block + a * core + C * block + head     (coda context ignored)
 
 A rule that reads the output (KL, entropy, confidence) pays the coda and the vocabulary head at every loop
-of every active token: with d = 128 and V = 4096 the head alone is about two blocks, so on a small model such
-a rule can be slower than uniform depth even at a large proxy. A rule on the states only (StateDelta) pays
-the core per active token and one readout, so its matmul FLOPs follow the proxy; what remains between them
-is the fixed per-loop cost of gathering, scattering and padding the active tokens (the ``Uniform(r)`` row of
-:func:`time_batched` shows it at equal depth).
+of every active token: with d = 128 and V = 4096 the head (2 d V) is about one whole core loop, so on a small
+model such a rule's honest FLOPs stay close to uniform depth's even at a large proxy (at 3.4 loops ~9.6 M
+against ~11.1 M per token on the reference model: at most ~1.15x). A rule on the states only (StateDelta)
+pays the core per active token and one readout, so its FLOPs follow the proxy; what remains between them is
+the fixed cost of the skipping machinery (the ``Uniform(r)`` row of :func:`time_batched` shows it at equal
+depth).
 
 Why "measurement pass <= 1.2 x one depth-32 forward" cannot hold: per-token, per-loop statistics need
 every loop's output distribution, i.e. the coda, the head and a log-softmax at each of the 32 loops, while a
