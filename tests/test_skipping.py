@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from drc_core.analysis.loops import iterate_stats
+from drc_core.halting import skipping
 from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.router import LinearRouter, RouterRule, harvest, train_router
 from drc_core.halting.rules import (
@@ -173,7 +174,7 @@ def test_stat_fields_are_what_the_rule_reads_and_their_inputs(rules):
     assert stat_fields(rules["argmax_patience"]) == {"argmax_run", "argmax"}
     assert stat_fields(rules["acceleration"]) == {"accel", "accel_prev", "state_step"}
     assert stat_fields(rules["uniform"]) == set()
-    assert "log_probs" in stat_fields(rules["minp_kl"]) and "kl" in stat_fields(rules["router"])
+    assert stat_fields(rules["minp_kl"]) == {"minp_kl"} and "kl" in stat_fields(rules["router"])
 
 
 def test_work_counts_what_was_computed(model, idx, rules):
@@ -190,8 +191,9 @@ def test_work_counts_what_was_computed(model, idx, rules):
     assert w.blocks >= n + n and w.blocks + w.qkv <= n + 2 * w.core  # coda context at most every active token
 
 
-def test_fused_kernel_equals_the_masked_reference(model, idx, rules):
-    for family in ("kl", "entropy_delta"):
+def test_fused_kernel_equals_the_masked_reference(model, idx, rules, monkeypatch):
+    monkeypatch.setattr(skipping, "_FUSED_MIN_ROWS", 1)  # the kernels at every loop, down to one active token
+    for family in ("kl", "entropy_delta", "minp_kl", "confidence"):
         rule = rules[family]
         ref = masked_forward(model, idx, rule, generator=_gen())
         got = skip_forward(model, idx, rule, generator=_gen(), fused=True)
@@ -231,7 +233,8 @@ class _KLPausing(KLThreshold):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_loop_without_halts_after_halts(model, idx, rules, fused):
+def test_a_loop_without_halts_after_halts(model, idx, rules, fused, monkeypatch):
+    monkeypatch.setattr(skipping, "_FUSED_MIN_ROWS", 1)
     rule = _KLPausing(rules["kl"].tau, max_loops=L)
     ref = masked_forward(model, idx, rule, generator=_gen())
     got = skip_forward(model, idx, rule, generator=_gen(), fused=fused)

@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.analysis.loops import LoopStats, minp_log_probs, state_change, trajectory_step
+from drc_core.analysis.loops import MIN_P, LoopStats, minp_log_probs, state_change, trajectory_step
 from drc_core.errors import DrcError
 from drc_core.halting.rules import AdaptiveResult, HaltingRule
 from drc_core.model import Block, DepthRecurrentLM
@@ -79,7 +79,7 @@ CHUNK = 128  # rows of the fused head + statistics pass (128 x 4096 floats = 2 M
 _STAT_FIELDS = tuple(f.name for f in fields(LoopStats) if f.name not in ("loop", "state"))
 _OUTPUT_FIELDS = frozenset({"log_probs", "kl", "entropy", "entropy_delta", "argmax", "argmax_run", "top_prob",
                             "minp_kl"})
-_NEEDS = {"entropy_delta": {"entropy"}, "argmax_run": {"argmax"}, "minp_kl": {"log_probs"},
+_NEEDS = {"entropy_delta": {"entropy"}, "argmax_run": {"argmax"},
           "accel_prev": {"accel"}, "accel": {"state_step"}}
 
 
@@ -341,15 +341,33 @@ def _stats_kl(z: Tensor, zp: Tensor, index: Tensor, lse_prev: Tensor) -> tuple[T
     return lse.squeeze(-1), (1.0 / s).squeeze(-1), (lse - (e * z).sum(-1, keepdim=True) / s).squeeze(-1), kl
 
 
+def _minp_log(z: Tensor) -> Tensor:
+    """Huginn's min-p filtered log-distribution (:func:`~drc_core.analysis.loops.minp_log_probs`) from logits."""
+    m = z.amax(-1, keepdim=True)
+    e = torch.exp(z - m)
+    q = torch.where(z < m + math.log(MIN_P), 1.0 / z.shape[-1], e / e.sum(-1, keepdim=True))
+    return q.log() - q.sum(-1, keepdim=True).log()
+
+
+def _stats_minp(z: Tensor, zp: Tensor, index: Tensor) -> Tensor:
+    """KL(q_prev || q) of the min-p filtered outputs of logits z (N, V) and the previous loop's ``zp[index]``."""
+    lq_prev, lq = _minp_log(zp[index]), _minp_log(z)
+    return (lq_prev.exp() * (lq_prev - lq)).sum(-1)
+
+
 _COMPILED: dict[str, object] = {}
+_FUSED_MIN_ROWS = 16  # fewer active tokens take the eager path
 
 
 def fused_stats_kernel(kind: str = "kl") -> object:
-    """:func:`_stats_kl` (``kind`` "kl") or :func:`_stats_first` ("first") compiled with dynamic shapes, built
+    """:func:`_stats_kl` (``kind`` "kl"), :func:`_stats_first` ("first") or :func:`_stats_minp` ("minp", Huginn's
+    min-p KL from the logits) compiled with dynamic shapes, built
     once per process (the first call compiles, ~20 s on a CPU; inductor caches the kernel on disk). Every
-    argument is always a tensor, so each compiles at most twice (N = 1 is specialised)."""
+    argument is always a tensor and the callers use the kernels only from 16 rows on (no size-1
+    specialisation), so each compiles once per grad / autocast mode."""
     if kind not in _COMPILED:
-        _COMPILED[kind] = torch.compile(_stats_kl if kind == "kl" else _stats_first, dynamic=True)
+        fn = {"kl": _stats_kl, "first": _stats_first, "minp": _stats_minp}[kind]
+        _COMPILED[kind] = torch.compile(fn, dynamic=True)
     return _COMPILED[kind]
 
 
@@ -391,7 +409,8 @@ class _Tracker:
         else:
             z.copy_(model.lm_head(hn))
         scratch = None
-        if want_p and self.fused:
+        fused = self.fused and n >= _FUSED_MIN_ROWS  # a few rows: eager is as fast, and no recompiles for N = 1
+        if want_p and fused:
             if zp is None or "kl" not in need:
                 lse, top, ent = fused_stats_kernel("first")(z)  # type: ignore[operator]
             else:
@@ -437,10 +456,18 @@ class _Tracker:
             if "argmax_run" in need:
                 res["argmax_run"] = (torch.ones_like(arg) if first else
                                      torch.where(arg == self.prev["argmax"], self.prev["argmax_run"] + 1, 1))
-        if "log_probs" in need:
+        fused_minp = "minp_kl" in need and fused
+        if fused_minp:
+            if first:
+                res["minp_kl"] = inf
+            else:
+                assert zp is not None
+                index = idx if idx is not None else torch.arange(n, device=z.device)
+                res["minp_kl"] = fused_stats_kernel("minp")(z, zp, index).reshape(n)  # type: ignore[operator]
+        if "log_probs" in need or ("minp_kl" in need and not fused_minp):
             lp = torch.log_softmax(z, dim=-1)
             res["log_probs"] = lp
-            if "minp_kl" in need:
+            if "minp_kl" in need and not fused_minp:
                 if first:
                     res["minp_kl"] = inf
                 else:
@@ -592,8 +619,8 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
     B, width, d = s.shape[0], t1 - t0, s.shape[-1]
     V = model.cfg.vocab_size
     exit_loop = torch.zeros(B, width, dtype=torch.long, device=s.device)
-    logits = s.new_empty(B, width, V)
-    flat_exit, flat_logits = exit_loop.view(-1), logits.view(-1, V)
+    logits: Tensor | None = None  # allocated at the first exit (or the head's own output, if all exit at once)
+    flat_exit = exit_loop.view(-1)
     need = stat_fields(rule)
     per_loop = rule.needs_log_probs
     toks = Tokens.window(B, t0, t1, s.device)
@@ -626,17 +653,24 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
         gone = now.nonzero().squeeze(1)
         n_gone = gone.numel()
         if n_gone:
+            everyone = n_gone == n
             if per_loop:
-                flat_logits.index_copy_(0, lin[gone], tracker.logits_buffer(n).index_select(0, gone).to(logits.dtype))
+                out = tracker.logits_buffer(n) if everyone else tracker.logits_buffer(n).index_select(0, gone)
             else:
-                _exit_readout(model, x, attn, now, gone, coda_kv, flat_logits, lin, w, full_context=caches.per_loop)
+                out = _exit_readout(model, x, attn, now, gone, coda_kv, w, full_context=caches.per_loop)
+            if logits is None and n_gone == B * width:  # every token at once, in window order: no copy
+                logits = out.view(B, width, V).to(s.dtype)
+            else:
+                if logits is None:
+                    logits = s.new_empty(B, width, V)
+                logits.view(-1, V).index_copy_(0, lin[gone], out.to(logits.dtype))
             flat_exit.index_fill_(0, lin[gone], loop)
             s.view(-1, d).index_copy_(0, _window_to_seq(lin[gone], width, s.shape[1], t0), x.index_select(0, gone))
             caches.exited(attn.toks.select(gone), loop)
         elif not per_loop and caches.per_loop and len(model.coda) and loop >= rule.min_loops:
             # generation: later tokens that exit at this loop read these coda keys/values (none exits before
             # min_loops, so those loops' coda slabs are never read and not written)
-            _exit_readout(model, x, attn, now, gone, coda_kv, flat_logits, lin, w, full_context=True)
+            _exit_readout(model, x, attn, now, gone, coda_kv, w, full_context=True)
         tracker.done(loop, x, res)
         if n_gone == n:
             break
@@ -646,6 +680,8 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
             attn = attn.select(keep)
             tracker.keep(keep)
     w.tokens += B * width
+    if logits is None:
+        logits = s.new_empty(B, width, V)
     return LoopResult(exit_loop=exit_loop, logits=logits)
 
 
@@ -657,10 +693,11 @@ def _window_to_seq(lin: Tensor, width: int, seq_len: int, t0: int) -> Tensor:
 
 
 def _exit_readout(model: DepthRecurrentLM, x: Tensor, attn: Attn, now: Tensor, gone: Tensor,
-                  coda_kv: list[KVSlab], flat_logits: Tensor, lin: Tensor, work: Work, *, full_context: bool) -> None:
-    """Read out the tokens that exit now (``now`` (N,) bool, ``gone`` their index) for a rule without a per-loop
-    readout. The coda context is the active tokens of their rows at or before the last exiting position
-    (every active token with ``full_context``: generation, whose later tokens read these coda keys/values)."""
+                  coda_kv: list[KVSlab], work: Work, *, full_context: bool) -> Tensor:
+    """The logits (G, V) of the tokens that exit now (``now`` (N,) bool, ``gone`` their index, G of them) for a
+    rule without a per-loop readout. The coda context is the active tokens of their rows at or before the last
+    exiting position (every active token with ``full_context``: generation, whose later tokens read these coda
+    keys/values)."""
     if gone.numel() == now.numel():  # everyone exits: the whole layout, every token a query
         y = coda(model, x, attn, coda_kv, work=work)
     else:
@@ -672,9 +709,8 @@ def _exit_readout(model: DepthRecurrentLM, x: Tensor, attn: Attn, now: Tensor, g
             if ctx.numel() < now.numel():
                 x, now, attn = x.index_select(0, ctx), now.index_select(0, ctx), attn.select(ctx)
         y = coda(model, x, attn, coda_kv, query=now, work=work)
-    if y.shape[0]:
-        work.head += y.shape[0]
-        flat_logits.index_copy_(0, lin[gone], model.head(y).to(flat_logits.dtype))
+    work.head += y.shape[0]
+    return model.head(y)
 
 
 # ----------------------------------------------------------------------------------------------------------
