@@ -96,6 +96,7 @@ def one_error_line(capsys, rc: int) -> str:
 NUMERIC_PATHS = [
     pytest.param(("autocast=none", "compile=false"), id="fp32-eager"),
     pytest.param(("autocast=bf16", "compile=false"), id="bf16-eager"),
+    pytest.param(("autocast=none", "compile=true"), id="fp32-compile", marks=pytest.mark.slow),
     pytest.param(("autocast=bf16", "compile=true"), id="bf16-compile", marks=pytest.mark.slow),
 ]
 
