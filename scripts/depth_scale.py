@@ -5,7 +5,9 @@
     .venv/bin/python scripts/depth_scale.py --table         # the grid as a markdown table (data/scale/*)
 
 Every run starts from the ``cpu`` preset (prelude 1 / core 2 / coda 1, 16 x 256-token batches, backprop through
-the last 4 loops, vocab 4096, the embedded corpus) on the fast path (bf16 autocast + compiled blocks) and changes
+the last 4 loops, vocab 4096, the embedded corpus) on the fast path (bf16 autocast + compiled blocks, set
+explicitly: the grid compares levers at the speed that lets it cover them; the parity runs put bf16 within
++0.008 nats of fp32 at depth and +0.02 at one loop) and changes
 the width, the training-mean depth R, the token budget or the backprop depth. The token budget x1 is 1000 steps =
 4.1 M tokens (1.18 passes over the 3.46 M training tokens). A run is trained with ``drc_core.train --resume`` (a
 finished run is skipped) under ``runs/scale/<name>`` and evaluated here, in fp32, on 128 validation windows spread
@@ -47,7 +49,7 @@ def width(d: int) -> list[str]:
 
 def common(steps: int = STEPS_X1, lr: float = 2e-3) -> list[str]:
     return [f"max_steps={steps}", f"lr={lr}", f"eval_every={steps}", f"ckpt_every={min(250, steps)}",
-            "eval_loops=1,4,8,16,32", "warmup_steps=100"]
+            "eval_loops=1,4,8,16,32", "warmup_steps=100", "autocast=bf16", "compile=true"]
 
 
 # name -> overrides of the cpu preset; in the order they are run (most informative first)
