@@ -241,3 +241,17 @@ def test_a_loop_without_halts_after_halts(model, idx, rules, fused, monkeypatch)
     assert (ref.exit_loop == 2).any() and (ref.exit_loop > 3).any()
     assert torch.equal(got.exit_loop, ref.exit_loop)
     torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("family", ["kl", "minp_kl", "entropy_delta"])
+def test_fused_then_eager_as_the_active_set_shrinks(model, idx, rules, family, monkeypatch):
+    """The kernels run while many tokens are active, the eager pass once few are: the switch keeps the
+    previous loop's values (normaliser, logits, log-probs) consistent."""
+    monkeypatch.setattr(skipping, "_FUSED_MIN_ROWS", 30)
+    rule = rules[family]
+    ref = masked_forward(model, idx, rule, generator=_gen())
+    got = skip_forward(model, idx, rule, generator=_gen(), fused=True)
+    active = [int((ref.exit_loop > loop).sum()) for loop in range(L)]  # active at loops 1..L
+    assert active[0] >= 30 and any(0 < n < 30 for n in active)  # the switch happens while tokens still run
+    assert torch.equal(got.exit_loop, ref.exit_loop)
+    torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=RTOL)

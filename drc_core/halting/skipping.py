@@ -471,7 +471,11 @@ class _Tracker:
                 if first:
                     res["minp_kl"] = inf
                 else:
-                    q_prev, q = minp_log_probs(self.prev["log_probs"]), minp_log_probs(lp)
+                    prev = self.prev.get("log_probs")
+                    if prev is None:  # the previous loop ran the fused kernel: its log-probs from its logits
+                        assert zp is not None
+                        prev = torch.log_softmax(zp if idx is None else zp.index_select(0, idx), dim=-1)
+                    q_prev, q = minp_log_probs(prev), minp_log_probs(lp)
                     res["minp_kl"] = _vecdot(q_prev.exp(), q_prev - q)
         return res
 
