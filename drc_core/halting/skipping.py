@@ -649,6 +649,9 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
             res.update(tracker.readout(model, y, loop))
             w.head += n
             w.vocab_stats += n
+        if loop < rule.min_loops:  # no token halts before min_loops (HaltingRule.decide): no decision, no sync
+            tracker.done(loop, x, res)
+            continue
         if full is not None:
             s.view(-1, d)[_window_to_seq(lin, width, s.shape[1], t0)] = x
             now = rule.decide(full.stats(loop, lin, res, s[:, t0:t1])).view(-1)[lin]
