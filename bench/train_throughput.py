@@ -21,8 +21,9 @@ the preset's vocabulary. Variants:
 * ``compile-core``  as ``fp32-eager`` plus ``block.compile()`` on the core blocks only
 * ``bf16``          as ``fp32-eager`` under ``torch.autocast(bfloat16)``, eager
 * ``compile-core+bf16``  both
-* ``default``       what the trainer does with ``autocast=auto compile=auto`` on this machine
-  (``drc_core.precision.choose``): on a bf16 CPU, autocast bf16 and every block (prelude, core, coda) compiled
+* ``compile-blocks+bf16``  every block (prelude, core, coda) compiled + autocast bf16 (``--set autocast=bf16``)
+* ``default``       what the trainer does with the preset's own ``autocast`` / ``compile`` on this machine
+  (``drc_core.precision.choose``): fp32 with every block compiled where a C++ compiler exists
 * ``compile-model`` ``torch.compile`` of the whole model forward including the loss (backward through
   AOTAutograd; the optimizer stays eager): the cheapest "whole step" to try
 
@@ -85,8 +86,9 @@ VARIANTS = (
     Variant("compile-core", compile="core", what="block.compile() on the core blocks only"),
     Variant("bf16", autocast="bf16", what="eager, autocast bf16"),
     Variant("compile-core+bf16", compile="core", autocast="bf16", what="core blocks compiled + autocast bf16"),
+    Variant("compile-blocks+bf16", compile="blocks", autocast="bf16", what="every block compiled + autocast bf16"),
     Variant("default", compile="auto", autocast="auto",
-            what="the trainer's default here: precision.choose(autocast=auto, compile=auto)"),
+            what="the trainer's default for this preset: precision.choose(cfg.autocast, cfg.compile)"),
     Variant("compile-model", compile="model", what="torch.compile(model): whole forward + loss compiled"),
 )
 
@@ -159,8 +161,8 @@ class Runner:
     """One model + optimizer per variant, built from the same seed; ``step()`` is the trainer's loop body."""
 
     def __init__(self, v: Variant, cfg: TrainConfig, n_loops: int, seed: int) -> None:
-        if v.compile == "auto" or v.autocast == "auto":
-            path = precision.choose(v.autocast, v.compile, torch.device("cpu"))
+        if v.name == "default":
+            path = precision.choose(cfg.autocast, cfg.compile, torch.device("cpu"))
             v = Variant(v.name, compile="blocks" if path.compile else "none", autocast=path.autocast,
                         full_backprop=v.full_backprop, what=f"{v.what}: {path.why.split(': ')[1]}")
         self.v, self.cfg, self.n = v, cfg, n_loops
