@@ -53,7 +53,14 @@ rounds = 3  # timed, interleaved rounds
 rule_max_loops = 16  # every rule's max_loops (as in notebook 4)
 ce_tolerance = 0.005  # matched quality: CE at most this above uniform depth r, in nats
 families = [  # rule families of drc_core.halting.sweep.default_rules: every training-free rule
-    "kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence", "minp_kl", "acceleration",
+    "kl",
+    "state_delta",
+    "entropy_delta",
+    "cosine",
+    "argmax_patience",
+    "confidence",
+    "minp_kl",
+    "acceleration",
 ]
 new_tokens = 64  # greedy tokens per timed generation
 prompt_len = 32  # the prompt: the first tokens of the first validation window
@@ -220,7 +227,10 @@ batched[
 
 # %%
 generation = pd.concat(
-    [time_generation(model, windows[:rows, :prompt_len], matched.specs, speed) for rows in gen_batches],
+    [
+        time_generation(model, windows[:rows, :prompt_len], matched.specs, speed)
+        for rows in gen_batches
+    ],
     ignore_index=True,
 )
 generation[
@@ -246,7 +256,9 @@ generation[
 # 0.9 × the proxy (the target), the dotted line no speed-up.
 
 # %%
-table = speedup_table(batched[batched.family != "huginn"], generation[generation.rows == gen_batches[0]])
+table = speedup_table(
+    batched[batched.family != "huginn"], generation[generation.rows == gen_batches[0]]
+)
 viz.speedup_bars(table)
 
 # %%
@@ -333,17 +345,21 @@ if bf16_compare and fast_bf16:
 # %%
 if anderson_windows:
     anderson = anderson_table(
-        model, windows[:anderson_windows], anderson_configs(), max_evals=anderson_evals, time_rounds=rounds
+        model,
+        windows[:anderson_windows],
+        anderson_configs(),
+        max_evals=anderson_evals,
+        time_rounds=rounds,
     )
     display(anderson.round(6))
 
 # %% [markdown]
-# On the reference model (16 windows) the evaluations to successive KL < 1e-5 fall from ~7.5 (plain, mean
-# per token) to ~6.1–6.3 with Anderson, < 1e-3 from ~4.5 to ~3.9, and the KL to the 32-loop output after 8
-# evaluations from ~1e-5 to ~1e-6; CE is indistinguishable, because this model's output saturates by loop 4.
-# So AA reaches a tighter fixed point in ~15–20% fewer evaluations, but each evaluation costs more (the
-# least-squares mixing over the sequence), and at the depths the matched rules use (3–4 loops) it buys no
-# CE: it is not wired into the skipping path.
+# On the reference model (16 windows, 16 evaluations) the evaluations to successive KL < 1e-5 fall from
+# 7.5 (plain, mean per token) to 6.2–6.4 with Anderson, < 1e-3 from 4.5 to 3.8, and the KL to the 32-loop
+# output after 8 evaluations from 1.2e-5 to 2–3e-6; CE is indistinguishable (3.9736 vs 3.9737), because this
+# model's output saturates by loop 4. Each evaluation costs 7–24 % more (the least-squares mixing over the
+# sequence), so to a 1e-5 fixed point m = 2–3 saves ~10 % of the time and m = 5 none; at the depths the
+# matched rules use (3–4 loops) it buys no CE, so it is not wired into the skipping path.
 
 # %% [markdown]
 # ## What the measurement pass costs
