@@ -58,7 +58,7 @@ per token per loop.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -582,13 +582,17 @@ class LoopCaches:
     core: list[KVSlab]
     coda: list[KVSlab]
     per_loop: bool
+    _views: list[tuple[list[KVSlab], list[KVSlab]]] | None = field(default=None, repr=False)
 
     def slabs(self, loop: int) -> tuple[list[KVSlab], list[KVSlab]]:
-        """The core and coda slabs that loop ``loop`` reads and writes."""
+        """The core and coda slabs that loop ``loop`` reads and writes (per-loop views made once, not per step)."""
         if not self.per_loop:
             return self.core, self.coda
-        return ([(k[loop - 1], v[loop - 1]) for k, v in self.core],
-                [(k[loop - 1], v[loop - 1]) for k, v in self.coda])
+        if self._views is None:
+            loops = self.core[0][0].shape[0] if self.core else 0
+            self._views = [([(k[i], v[i]) for k, v in self.core], [(k[i], v[i]) for k, v in self.coda])
+                           for i in range(loops)]
+        return self._views[loop - 1]
 
     def exited(self, toks: Tokens, loop: int) -> None:
         """Tokens that exit at ``loop`` offer their loop-``loop`` keys/values at every later loop."""
