@@ -731,7 +731,11 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
     """One row per config: mean core evaluations per token until the successive KL stays below 1e-3 and 1e-5
     (:func:`drc_core.experiments.fixed_point.fixed_point_costs`, ``max_evals`` evaluations, reference: plain
     iteration at ``ref_loops``), CE and KL to the reference after ``at_evals`` evaluations, and seconds per core
-    evaluation on the first batch (:func:`~drc_core.experiments.fixed_point.seconds_per_eval`, no readout)."""
+    evaluation on the first batch (:func:`~drc_core.experiments.fixed_point.seconds_per_eval`, no readout).
+    ``at_evals`` must not exceed ``max_evals``."""
+    if not 1 <= at_evals <= max_evals:
+        raise DrcError(f"at_evals={at_evals} must lie in 1..max_evals={max_evals}: compare the methods at an "
+                       "evaluation count the pass reaches")
     windows = _on_device(model, windows)
     with torch.inference_mode():
         model.eval()
