@@ -55,19 +55,6 @@ def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_d
     return Corpus.open(corpus_dir)
 
 
-def _check_tokenizer(checkpoint: Path, corpus: Corpus) -> None:
-    meta_path = checkpoint / "corpus_meta.json"
-    if not meta_path.is_file():
-        return
-    want = json.loads(meta_path.read_text()).get("tokenizer_sha256")
-    have = corpus.meta.get("tokenizer_sha256")
-    if want and have and want != have:
-        raise DrcError(
-            f"checkpoint '{checkpoint}' was trained on a corpus with another tokenizer than '{corpus.path}': "
-            "prepare the corpus it names in its README, or retrain (retrain=true)"
-        )
-
-
 def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *, progress: bool = True) -> Path:
     """Train ``cfg`` into ``out`` (resuming a partial run; a finished run with the same config is reused) and
     return ``out``. A finished run made with another config is an error: nothing is overwritten."""
@@ -97,7 +84,7 @@ def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, ove
         if missing:
             raise DrcError(f"checkpoint '{src}' lacks {', '.join(missing)}: pass a directory like data/reference "
                            "or set retrain=true")
-        _check_tokenizer(src, corpus)
+        run.check_corpus(corpus)  # the tokenizer and documents its corpus_meta.json records
         info = {"kind": "checkpoint", "path": str(src)}
     else:
         cfg = preset_for(preset_name, list(overrides), corpus)
