@@ -43,6 +43,13 @@ def need_disk(path: str | Path, nbytes: int, what: str) -> None:
                        f"{free // MB} MB; free some space or write somewhere else")
 
 
+def first_line(exc: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's message (its type name when the message is empty), for a one-line error
+    that quotes a library's cause; cut to ``limit`` characters when given."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return line if limit is None else line[:limit]
+
+
 def _os_error_line(exc: OSError) -> str:
     where = exc.filename or "the output path"
     if exc.errno == errno.ENOSPC:

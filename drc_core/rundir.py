@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 
 from drc_core.config import TrainConfig
 from drc_core.data.sampler import Corpus
-from drc_core.errors import DrcError
+from drc_core.errors import DrcError, first_line
 from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM, ModelConfig
 
 __all__ = ["CORPUS_RECORD", "FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir", "check_corpus_record",
@@ -83,8 +83,7 @@ class RunDir:
         except DrcError:
             raise
         except (ValueError, OSError, RuntimeError, KeyError, TypeError, SafetensorError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise DrcError(f"cannot load the model in '{weights}': {first}") from exc
+            raise DrcError(f"cannot load the model in '{weights}': {first_line(exc)}") from exc
 
     def metrics(self) -> pd.DataFrame:
         """``metrics.jsonl`` as a frame (one row per logged train or eval record)."""

@@ -40,11 +40,11 @@ from tqdm.auto import tqdm
 from drc_core import precision
 from drc_core.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
-from drc_core.errors import DrcError, Interrupted, need_disk, run_cli
+from drc_core.errors import DrcError, Interrupted, first_line, need_disk, run_cli
 from drc_core.evaluate import loss_by_depth
 from drc_core.model import DepthRecurrentLM, load_state
 from drc_core.recurrence import RecurrenceSampler
-from drc_core.rundir import CORPUS_RECORD, check_corpus_record, corpus_record
+from drc_core.rundir import CORPUS_RECORD, corpus_record, open_run
 
 
 @dataclass
@@ -180,14 +180,7 @@ def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> 
     if diff:
         raise DrcError(f"--resume with a config that differs from the run in '{out}' in {', '.join(diff)}: resume "
                        "with the same preset and --set values")
-    record_path = out / CORPUS_RECORD
-    if record_path.is_file():
-        try:
-            record = json.loads(record_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            raise DrcError(f"'{record_path}' is damaged: the run's corpus cannot be verified; choose a new --out") \
-                from None
-        check_corpus_record(record, corpus, f"the run in '{out}'")
+    open_run(out).check_corpus(corpus)  # its corpus.json: the same tokenizer and documents
     found = checkpoints(out)
     if not found and (out / "final").exists():
         raise DrcError(f"'{out}' holds a finished run and no checkpoint to resume: choose a new --out")
@@ -239,8 +232,7 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
             state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
             saved = TrainConfig.from_dict(state["train_config"])
         except (OSError, RuntimeError, EOFError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise DrcError(f"cannot resume from {ckpt}: its train_state.pt is damaged ({first}); delete that "
+            raise DrcError(f"cannot resume from {ckpt}: its train_state.pt is damaged ({first_line(exc)}); delete that "
                            "checkpoint directory to resume from the one before it") from None
         diff = config_diff(saved, cfg)
         if diff:
@@ -249,9 +241,8 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
         try:
             load_state(model, ckpt / "model.safetensors", map_location=device)
         except (ValueError, OSError, SafetensorError) as exc:  # mismatching or damaged: one line, no traceback
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise DrcError(f"cannot resume from {ckpt}: {first}; delete that checkpoint directory to resume from "
-                           "the one before it") from None
+            raise DrcError(f"cannot resume from {ckpt}: {first_line(exc)}; delete that checkpoint directory to resume "
+                           "from the one before it") from None
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])

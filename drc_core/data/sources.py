@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
 
-from drc_core.errors import DrcError
+from drc_core.errors import DrcError, first_line
 
 DEFAULT_SOURCE = "wikipedia+sotu"
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"
@@ -221,7 +221,7 @@ def _read_table(builder: str, files: Sequence[Path]):
         root: BaseException = exc
         while root.__cause__ is not None:
             root = root.__cause__
-        first = (str(root).strip().splitlines() or [type(root).__name__])[0][:200]
+        first = first_line(root, 200)
         kind = "JSON lines (one object with a 'text' field per line)" if builder == "json" else "parquet"
         raise DrcError(f"cannot read the {builder} file(s) {', '.join(str(f) for f in files[:3])}: {first}; each must "
                        f"be valid {kind}") from None
