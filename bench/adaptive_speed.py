@@ -47,9 +47,9 @@ from drc_core.experiments.speed import (
     run_speed,
     skip_overhead,
 )
-from drc_core.model import DepthRecurrentLM
-from drc_core.precision import bf16_support
-from drc_core.rundir import open_run
+from drc_core.model.lm import DepthRecurrentLM
+from drc_core.model.precision import bf16_support
+from drc_core.training.rundir import open_run
 
 ALL_FAMILIES = ("kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence", "minp_kl",
                 "acceleration")
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-presets", action="store_true", help="do not time Huginn's presets")
     ap.add_argument("--no-profile", action="store_true", help="do not profile one batch")
     ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
-                    help="also compare fp32 with bf16 autocast (auto: where drc_core.precision.bf16_support says "
+                    help="also compare fp32 with bf16 autocast (auto: where drc_core.model.precision.bf16_support says "
                          "the device does bf16 fast)")
     ap.add_argument("--anderson-windows", type=int, default=8,
                     help="windows for the Anderson-acceleration table (0: skip it)")

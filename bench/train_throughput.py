@@ -9,7 +9,7 @@ Everything is measured in ONE run and interleaved: each round measures the refer
 variant (the order rotates from round to round), and the report gives the median over rounds, so a noisy
 machine slows all of them alike instead of whichever happened to run during a burst of load.
 
-The step is the trainer's (``drc_core.train``): the initial latent state drawn per step, forward at a fixed
+The step is the trainer's (``drc_core.training.train``): the initial latent state drawn per step, forward at a fixed
 loop count n (the preset's training-mean depth; the trainer draws it at random, fixed here for
 comparability), truncated backprop through the last k = ``recurrence.backprop_loops`` loops, the loss check,
 backward, gradient clipping, AdamW from ``make_optimizer`` and ``zero_grad``. The tokens are synthetic ids of
@@ -23,7 +23,7 @@ the preset's vocabulary. Variants:
 * ``compile-core+bf16``  both
 * ``compile-blocks+bf16``  every block (prelude, core, coda) compiled + autocast bf16 (``--set autocast=bf16``)
 * ``default``       what the trainer does with the preset's own ``autocast`` / ``compile`` on this machine
-  (``drc_core.precision.choose``): fp32 with every block compiled where a C++ compiler exists
+  (``drc_core.model.precision.choose``): fp32 with every block compiled where a C++ compiler exists
 * ``compile-model`` ``torch.compile`` of the whole model forward including the loss (backward through
   AOTAutograd; the optimizer stays eager): the cheapest "whole step" to try
 
@@ -56,12 +56,12 @@ from pathlib import Path
 
 import torch
 
-from drc_core import precision
-from drc_core.config import PRESETS, TrainConfig, apply_overrides, preset
 from drc_core.experiments.cost import median, rotations, spread, train_flops_per_token
-from drc_core.model import DepthRecurrentLM
-from drc_core.recurrence import RecurrenceSampler
-from drc_core.train import Dist, initial_state, make_optimizer
+from drc_core.model import precision
+from drc_core.model.lm import DepthRecurrentLM
+from drc_core.model.recurrence import RecurrenceSampler
+from drc_core.training.config import PRESETS, TrainConfig, apply_overrides, preset
+from drc_core.training.train import Dist, initial_state, make_optimizer
 
 # Under bf16 autocast F.rms_norm gets bf16 input and an fp32 weight and falls back to its unfused kernel; that
 # is part of what the bf16 variant measures, so say it once in the docs instead of at every call.

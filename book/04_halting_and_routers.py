@@ -197,7 +197,7 @@ cal[
 # ## Offline replay versus true per-token halting
 # The point of each family that matched the CE target above, rerun online on `online_windows` held-out
 # windows: frozen states, exit-loop keys/values offered to later tokens (the semantics of
-# `drc_core.model.iterate`).
+# `drc_core.iterate`).
 
 # %%
 sub = held_idx[:online_windows]

@@ -107,7 +107,7 @@ from drc_core.experiments.speed import (
     time_batched,
     time_generation,
 )
-from drc_core.precision import bf16_support
+from drc_core.model.precision import bf16_support
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
@@ -322,7 +322,7 @@ if not profile.startswith("smoke"):
 # %% [markdown]
 # ## bf16 where the CPU does it fast
 # The dense forward and the skipping path under `torch.autocast(bfloat16)` against fp32 (where
-# `drc_core.precision.bf16_support` finds AMX / AVX-512 bf16): time, CE, the share of tokens with the same
+# `drc_core.model.precision.bf16_support` finds AMX / AVX-512 bf16): time, CE, the share of tokens with the same
 # exit loop, and how far the successive KL the rule thresholds moves (relative difference per token).
 
 # %%

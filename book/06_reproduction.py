@@ -52,7 +52,6 @@ from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import load_results, open_model, provide_run, save_results
 from drc_core.data.sampler import Corpus
-from drc_core.evaluate import loss_by_depth
 from drc_core.experiments.handoff import Convergence, Halting, TokenTypes, Training
 from drc_core.experiments.report import (
     across_seeds,
@@ -63,7 +62,8 @@ from drc_core.experiments.report import (
     reproduction_table,
     runs_table,
 )
-from drc_core.rundir import open_run
+from drc_core.training.evaluate import loss_by_depth
+from drc_core.training.rundir import open_run
 
 work_dir, corpus_dir, runs_dir, levers_dir = at_root(work_dir, corpus_dir, runs_dir, levers_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/

@@ -1,7 +1,7 @@
 """drc_core: depth-recurrent transformers and per-token convergence measurements.
 
-The public API, importable from here (each name is loaded on first use, so ``python -m drc_core.train`` does not
-import the analysis and plotting layers):
+The public API, importable from here (each name is loaded on first use, so ``python -m drc_core.training.train``
+does not import the analysis and plotting layers):
 
 - :func:`load` a run or shipped directory -> :class:`Model` (model, tokenizer, training config), with
   :meth:`Model.trace` and :meth:`Model.generate`;
@@ -42,11 +42,11 @@ _EXPORTS = {
     "Never": "drc_core.halting.rules",
     "masked_forward": "drc_core.halting.rules",
     "skip_forward": "drc_core.halting.skipping",
-    "DepthRecurrentLM": "drc_core.model",
-    "ModelConfig": "drc_core.model",
-    "RecurrentModel": "drc_core.model",
-    "iterate": "drc_core.model",
-    "open_run": "drc_core.rundir",
+    "DepthRecurrentLM": "drc_core.model.lm",
+    "ModelConfig": "drc_core.model.lm",
+    "RecurrentModel": "drc_core.model.lm",
+    "iterate": "drc_core.model.lm",
+    "open_run": "drc_core.training.rundir",
     "DrcError": "drc_core.errors",
 }
 

@@ -27,14 +27,14 @@ from tokenizers import Tokenizer
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
 from drc_core.book.viz import DepthExplorer
-from drc_core.config import TrainConfig
 from drc_core.data.tokenizer import load_tokenizer
 from drc_core.errors import DrcError, need_int
 from drc_core.halting.generate import generate as generate_ids
 from drc_core.halting.rules import HaltingRule, make_rule
-from drc_core.model import DepthRecurrentLM, RecurrentModel
-from drc_core.passes import EVAL_STATE_SEED
-from drc_core.rundir import RunDir, open_run
+from drc_core.model.lm import DepthRecurrentLM, RecurrentModel
+from drc_core.model.passes import EVAL_STATE_SEED
+from drc_core.training.config import TrainConfig
+from drc_core.training.rundir import RunDir, open_run
 
 __all__ = ["Generation", "Model", "Trace", "generate", "load", "trace"]
 
@@ -177,7 +177,7 @@ class Model:
 
 
 def load(path: str | Path, *, corpus: str | Path | None = None, map_location: str = "cpu") -> Model:
-    """Open a training run, its ``final/`` or a shipped copy (:func:`drc_core.rundir.open_run`): the model in
+    """Open a training run, its ``final/`` or a shipped copy (:func:`drc_core.training.rundir.open_run`): the model in
     eval mode, the tokenizer (the directory's ``tokenizer.json``, else the prepared ``corpus``'s) and the
     training config. A directory without a tokenizer and no ``corpus`` is a one-line error."""
     run = open_run(path)

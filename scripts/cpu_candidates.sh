@@ -10,9 +10,9 @@ run() {  # name data overrides...
   local name=$1 data=$2; shift 2
   local sets=(); for kv in "$@"; do sets+=(--set "$kv"); done
   if [ ! -f "$OUT/$name/final/model.safetensors" ]; then
-    $PY -m drc_core.train --preset cpu --data "$data" --out "$OUT/$name" --resume --quiet "${sets[@]}"
+    $PY -m drc_core.training.train --preset cpu --data "$data" --out "$OUT/$name" --resume --quiet "${sets[@]}"
   fi
-  $PY -m drc_core.evaluate --run "$OUT/$name" --data "$data" --json "$OUT/$name/eval.json"
+  $PY -m drc_core.training.evaluate --run "$OUT/$name" --data "$data" --json "$OUT/$name/eval.json"
 }
 $PY -m drc_core.data prepare --quiet
 $PY -m drc_core.data prepare --quiet --source wikipedia --out data/corpus/wikipedia

@@ -9,8 +9,8 @@ the last 4 loops, vocab 4096, the embedded corpus) on the fast path (bf16 autoca
 explicitly: the grid compares levers at the speed that lets it cover them; the parity runs put bf16 within
 +0.008 nats of fp32 at depth and +0.02 at one loop) and changes
 the width, the training-mean depth R, the token budget or the backprop depth. The token budget x1 is 1000 steps =
-4.1 M tokens (1.18 passes over the 3.46 M training tokens). A run is trained with ``drc_core.train --resume`` (a
-finished run is skipped) under ``runs/scale/<name>`` and evaluated here, in fp32, on 128 validation windows spread
+4.1 M tokens (1.18 passes over the 3.46 M training tokens). A run is trained with ``drc_core.training.train --resume``
+(a finished run is skipped) under ``runs/scale/<name>`` and evaluated here, in fp32, on 128 validation windows spread
 evenly over the split and 64 training windows (same spread), with the evaluation's fixed initial state:
 
 * CE at every depth 1..32, the depth gain CE(1) - CE(R) and CE(1) - CE(8);
@@ -72,7 +72,7 @@ def train(name: str) -> Path:
     out = RUNS_DIR / name
     if not (out / "final" / "model.safetensors").exists():
         sets = [a for kv in RUNS[name] for a in ("--set", kv)]
-        cmd = [PY, "-m", "drc_core.train", "--preset", "cpu", "--data", str(DATA), "--out", str(out),
+        cmd = [PY, "-m", "drc_core.training.train", "--preset", "cpu", "--data", str(DATA), "--out", str(out),
                "--resume", "--quiet", *sets]
         print(f"[{name}] training: {' '.join(cmd[1:])}", flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
@@ -81,8 +81,8 @@ def train(name: str) -> Path:
 
 def evaluate(name: str, out: Path) -> dict:
     from drc_core.data.sampler import Corpus, eval_windows
-    from drc_core.evaluate import loss_by_depth, mean_successive_kl
-    from drc_core.rundir import open_run
+    from drc_core.training.evaluate import loss_by_depth, mean_successive_kl
+    from drc_core.training.rundir import open_run
 
     cfg = json.loads((out / "config.json").read_text())
     model = open_run(out).load_model()

@@ -3,8 +3,8 @@
     .venv/bin/python scripts/parity_table.py
 
 fp32: the shipped ``data/experiments/small-mean8-seed{0,1,2}`` (autocast=none, compile=false); bf16 + compile:
-``data/parity/small-bf16-seed{0,1,2}`` (``scripts/parity.sh``). Both evaluated in fp32 by ``drc_core.evaluate`` on
-the same validation windows. The verdict asks whether each bf16 mean lies within the fp32 seeds' range.
+``data/parity/small-bf16-seed{0,1,2}`` (``scripts/parity.sh``). Both evaluated in fp32 by ``drc_core.training.evaluate``
+on the same validation windows. The verdict asks whether each bf16 mean lies within the fp32 seeds' range.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drc_core.model import DepthRecurrentLM, ModelConfig
+from drc_core.model.lm import DepthRecurrentLM, ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drc_core.experiments.cost import interleaved, median, rotations, spread, train_flops_per_token
-from drc_core.model import DepthRecurrentLM, ModelConfig
+from drc_core.model.lm import DepthRecurrentLM, ModelConfig
 
 
 def test_train_flops_are_forward_plus_twice_the_graph():

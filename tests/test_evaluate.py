@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.data import Corpus, PrepareConfig, SourceSpec, prepare
-from drc_core.evaluate import loss_by_depth, loss_by_source, unigram_loss
-from drc_core.model import DepthRecurrentLM, ModelConfig
-from drc_core.passes import evaluation
+from drc_core.model.lm import DepthRecurrentLM, ModelConfig
+from drc_core.model.passes import evaluation
+from drc_core.training.evaluate import loss_by_depth, loss_by_source, unigram_loss
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_depth_gain_by_step_from_metrics_rows() -> None:
     import pandas as pd
     import pytest
 
-    from drc_core.evaluate import depth_gain_by_step
+    from drc_core.training.evaluate import depth_gain_by_step
 
     rows = [{"kind": "train", "step": 1, "loss": 9.0, "loops": 3}]
     rows += [{"kind": "eval", "step": s, "loops": lp, "loss": base - (0.1 * s / 100 if lp == 8 else 0.0)}

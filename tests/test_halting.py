@@ -21,8 +21,8 @@ from drc_core.halting.rules import (
     offline_exits,
     oracle_exit,
 )
-from drc_core.model import DepthRecurrentLM, ModelConfig, iterate
-from drc_core.passes import kl_successive
+from drc_core.model.lm import DepthRecurrentLM, ModelConfig, iterate
+from drc_core.model.passes import kl_successive
 
 # ----------------------------------------------------------------------------------------------------------
 # Synthetic statistics: token (b, t) "moves" until loop CONV[b, t] and is constant afterwards.

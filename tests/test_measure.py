@@ -18,9 +18,9 @@ from drc_core.analysis.measure import (
     val_windows_with_docs,
 )
 from drc_core.data.sampler import Corpus
-from drc_core.evaluate import loss_by_depth, mean_successive_kl
-from drc_core.model import DepthRecurrentLM, iterate
-from drc_core.passes import EVAL_STATE_SEED
+from drc_core.model.lm import DepthRecurrentLM, iterate
+from drc_core.model.passes import EVAL_STATE_SEED
+from drc_core.training.evaluate import loss_by_depth, mean_successive_kl
 
 V, T, N, L = 64, 12, 5, 6
 

@@ -1,13 +1,13 @@
-"""The numeric path a run takes (drc_core.precision.choose): defaults, "auto", and the one line that says why."""
+"""The numeric path a run takes (drc_core.model.precision.choose): defaults, "auto", and the one line that says why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from drc_core import precision
-from drc_core.config import preset
 from drc_core.errors import DrcError
+from drc_core.model import precision
+from drc_core.training.config import preset
 
 CPU = torch.device("cpu")
 

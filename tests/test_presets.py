@@ -7,7 +7,7 @@ import json
 
 from drc_core.data.sampler import Corpus
 from drc_core.errors import run_cli
-from drc_core.train import main, preset_for
+from drc_core.training.train import main, preset_for
 
 
 def test_preset_takes_the_corpus_vocabulary(local_corpus):

@@ -1,5 +1,5 @@
 """Bring your own model: a minimal Huginn-style depth-recurrent LM that is not DepthRecurrentLM (additive
-injection, sandwich norm, zero initial state, learned positions, no coda) implements drc_core.model.RecurrentModel,
+injection, sandwich norm, zero initial state, learned positions, no coda) implements drc_core.model.lm.RecurrentModel,
 and the analysis, halting, sweep and router code runs on it and means the same thing."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from torch import Tensor, nn
 import drc_core
 from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import convergence_depth, measure_windows
-from drc_core.evaluate import loss_by_depth, mean_successive_kl
 from drc_core.halting.router import harvest
 from drc_core.halting.rules import KLThreshold, Never, Uniform, masked_forward, offline_exits
 from drc_core.halting.sweep import default_rules, sweep
-from drc_core.model import DepthRecurrentLM, FrozenKV, ModelConfig, RecurrentModel, iterate
-from drc_core.passes import EVAL_STATE_SEED
+from drc_core.model.lm import DepthRecurrentLM, FrozenKV, ModelConfig, RecurrentModel, iterate
+from drc_core.model.passes import EVAL_STATE_SEED
+from drc_core.training.evaluate import loss_by_depth, mean_successive_kl
 
 V, T, L = 48, 12, 6
 

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from drc_core.recurrence import RecurrenceConfig, RecurrenceSampler
+from drc_core.model.recurrence import RecurrenceConfig, RecurrenceSampler
 
 N = 20000
 

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
-from drc_core.config import apply_overrides, preset
 from drc_core.data.prepare import PrepareConfig, prepare
 from drc_core.data.sources import SourceSpec
-from drc_core.train import train
+from drc_core.training.config import apply_overrides, preset
+from drc_core.training.train import train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -165,7 +165,7 @@ class Row:
     code: int = 2
 
 
-DATA, TRAIN, EVAL, BOOK = "drc_core.data", "drc_core.train", "drc_core.evaluate", "drc_core.book"
+DATA, TRAIN, EVAL, BOOK = "drc_core.data", "drc_core.training.train", "drc_core.training.evaluate", "drc_core.book"
 
 ROWS = [
     # ---- data prepare
@@ -316,8 +316,8 @@ def test_debug_shows_the_traceback(site):
 def test_loss_by_depth_refuses_depth_below_one(originals):
     from drc_core.data.sampler import Corpus, eval_windows
     from drc_core.errors import DrcError
-    from drc_core.evaluate import loss_by_depth
-    from drc_core.rundir import open_run
+    from drc_core.training.evaluate import loss_by_depth
+    from drc_core.training.rundir import open_run
 
     model = open_run(originals["run"]).load_model()
     windows = eval_windows(Corpus.open(originals["corpus"]).tokens("val"), 32, 2)

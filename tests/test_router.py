@@ -19,8 +19,8 @@ from drc_core.halting.router import (
 )
 from drc_core.halting.router import _auc as auc
 from drc_core.halting.rules import masked_forward, offline_exits
-from drc_core.model import DepthRecurrentLM, iterate
-from drc_core.passes import EVAL_STATE_SEED
+from drc_core.model.lm import DepthRecurrentLM, iterate
+from drc_core.model.passes import EVAL_STATE_SEED
 
 V, T, N, L = 64, 16, 32, 12
 EPS = 1e-2  # with core weights x2 this spreads convergence depths over 2..12 and ~70% of rows are converged

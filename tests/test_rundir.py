@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from drc_core.config import apply_overrides, preset
 from drc_core.errors import DrcError, run_cli
-from drc_core.evaluate import main as evaluate_main
-from drc_core.model import DepthRecurrentLM
-from drc_core.rundir import open_run
+from drc_core.model.lm import DepthRecurrentLM
+from drc_core.training.config import apply_overrides, preset
+from drc_core.training.evaluate import main as evaluate_main
+from drc_core.training.rundir import open_run
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from drc_core.halting.rules import (
     masked_forward,
 )
 from drc_core.halting.skipping import Attn, Tokens, block_step, empty_caches, skip_forward, stat_fields
-from drc_core.model import Block, DepthRecurrentLM, ModelConfig
+from drc_core.model.lm import Block, DepthRecurrentLM, ModelConfig
 
 V, B, T, L = 64, 3, 14, 6
 ATOL, RTOL = 2e-5, 1e-4

@@ -18,7 +18,6 @@ import torch
 
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
-from drc_core.evaluate import loss_by_depth
 from drc_core.experiments.cost import VOCAB_STAT_FLOPS, matmul_flops_per_token
 from drc_core.experiments.speed import (
     TARGET_RATIO,
@@ -35,6 +34,7 @@ from drc_core.experiments.speed import (
     time_generation,
 )
 from drc_core.halting.rules import KLThreshold, StateDelta
+from drc_core.training.evaluate import loss_by_depth
 
 V = 64
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError
-from drc_core.evaluate import loss_by_depth
 from drc_core.halting.rules import KLThreshold, Never, Uniform, first_within, masked_forward, offline_exits
 from drc_core.halting.sweep import (
     RuleSpec,
@@ -29,7 +28,8 @@ from drc_core.halting.sweep import (
     uniform_ce,
     window_clusters,
 )
-from drc_core.passes import EVAL_STATE_SEED, kl_successive
+from drc_core.model.passes import EVAL_STATE_SEED, kl_successive
+from drc_core.training.evaluate import loss_by_depth
 
 V = 64
 

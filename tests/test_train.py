@@ -18,12 +18,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drc_core.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
 from drc_core.data import PrepareConfig, SourceSpec, WindowSampler, prepare
 from drc_core.errors import DrcError, run_cli
-from drc_core.model import DepthRecurrentLM
-from drc_core.recurrence import RecurrenceSampler
-from drc_core.train import Dist, _truncate_metrics, checkpoints, initial_state, lr_at, main, make_optimizer, train
+from drc_core.model.lm import DepthRecurrentLM
+from drc_core.model.recurrence import RecurrenceSampler
+from drc_core.training.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
+from drc_core.training.train import (
+    Dist,
+    _truncate_metrics,
+    checkpoints,
+    initial_state,
+    lr_at,
+    main,
+    make_optimizer,
+    train,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_FIELDS = {"kind", "step", "loss", "lr", "loops", "tokens", "seconds"}
@@ -104,7 +113,7 @@ NUMERIC_PATHS = [
 @pytest.mark.parametrize("path", NUMERIC_PATHS)
 def test_resume_after_sigkill_is_bit_identical(corpus, tmp_path, path):
     sets = ("max_steps=200", "ckpt_every=10", *path)  # ~3 s of steps after the first checkpoint: time to kill it
-    py = [sys.executable, "-m", "drc_core.train"]
+    py = [sys.executable, "-m", "drc_core.training.train"]
     ref_out, out = tmp_path / "uninterrupted", tmp_path / "killed"
     ref = subprocess.Popen(py + cli(corpus, ref_out, *sets), cwd=REPO, env=env_1thread(),
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -192,10 +201,10 @@ def test_two_rank_ddp_matches_one_process(corpus, tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     sets = ("max_steps=30", "batch_size=8")
     ddp = subprocess.Popen(
-        [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "drc_core.train",
+        [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "drc_core.training.train",
          *cli(corpus, tmp_path / "ddp", *sets)],
         cwd=REPO, env=env_1thread(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    single = subprocess.run([sys.executable, "-m", "drc_core.train", *cli(corpus, tmp_path / "one", *sets)],
+    single = subprocess.run([sys.executable, "-m", "drc_core.training.train", *cli(corpus, tmp_path / "one", *sets)],
                             cwd=REPO, env=env_1thread(), capture_output=True, text=True, timeout=300)
     ddp_out, ddp_err = ddp.communicate(timeout=300)
     assert single.returncode == 0, single.stderr

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.errors import DrcError
-from drc_core.model import RecurrentModel, iterate
+from drc_core.model.lm import RecurrentModel, iterate
 
 __all__ = ["MIN_P", "LoopStats", "iterate_stats", "loop_stats", "minp_log_probs", "state_change", "trajectory_step"]
 
@@ -30,7 +30,7 @@ class LoopStats:
     statistics that compare with loop l-1 are undefined at the first loop and hold a value that never
     halts there: ``kl``, ``state_delta`` and ``entropy_delta`` are +inf and ``cosine`` is -inf.
 
-    - ``kl`` = KL(p_l || p_{l-1}) (:func:`drc_core.passes.kl_successive`);
+    - ``kl`` = KL(p_l || p_{l-1}) (:func:`drc_core.model.passes.kl_successive`);
     - ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l|| (L2 over d);
     - ``entropy`` = H(p_l) in nats, ``entropy_delta`` = |H_l - H_{l-1}|;
     - ``cosine`` = cos(s_l, s_{l-1});

@@ -47,8 +47,8 @@ from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import iterate_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import DrcError, need_eps, need_float, need_int
-from drc_core.model import RecurrentModel, check_token_ids, logits_at
-from drc_core.passes import EVAL_STATE_SEED, eval_batches, kl_successive
+from drc_core.model.lm import RecurrentModel, check_token_ids, logits_at
+from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 __all__ = [
     "DEFAULT_EPS",
@@ -111,7 +111,7 @@ def measure_windows(
     (as :func:`val_windows_with_docs` returns). Floats are float32, ids small signed integers.
 
     The initial latent state of batch k is the k-th draw of a generator seeded with ``seed``, as in
-    :func:`drc_core.evaluate.loss_by_depth` (same ``batch_size`` -> same states, so the mean ``ce`` at loop l
+    :func:`drc_core.training.evaluate.loss_by_depth` (same ``batch_size`` -> same states, so the mean ``ce`` at loop l
     equals its loss at depth l). Runs under ``torch.no_grad()`` in eval mode and restores the model's mode.
     Memory and cost: see the module docstring (one pass, or about two with ``kl_to_final``).
     """

@@ -7,7 +7,7 @@ place that knows their layout:
 
 - ``work_dir/model/``: the studied model -- ``model.safetensors``, ``config.json``, ``train_config.json``,
   ``metrics.jsonl`` and ``source.json`` (where it came from: a shipped checkpoint or a training run);
-- ``work_dir/train/``: a training run made by the book (resumable, :func:`drc_core.train.train`);
+- ``work_dir/train/``: a training run made by the book (resumable, :func:`drc_core.training.train.train`);
 - ``results_dir/<notebook>.json``: what :func:`save_results` wrote (the committed ``papermill_runs/<profile>/results``
   only in a book-runner run; interactive runs write under ``runs/lab/``, see :mod:`drc_core.book.paths`).
 """
@@ -25,14 +25,14 @@ import numpy as np
 import pandas as pd
 
 from drc_core.book.paths import committed_counterpart
-from drc_core.config import TrainConfig
 from drc_core.data.prepare import PrepareConfig, prepare
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec
 from drc_core.errors import DrcError
-from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
-from drc_core.rundir import FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
-from drc_core.train import preset_for, train
+from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
+from drc_core.training.config import TrainConfig
+from drc_core.training.rundir import FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
+from drc_core.training.train import preset_for, train
 
 __all__ = [
     "ensure_corpus",

@@ -1,7 +1,7 @@
 """What a forward costs: the matmul-FLOP model of each path, and the interleaved timer the speed measurements and
 ``bench/`` share.
 
-FLOPs come from one formula, :meth:`drc_core.model.DepthRecurrentLM.flops_per_token` (``block`` per transformer
+FLOPs come from one formula, :meth:`drc_core.model.lm.DepthRecurrentLM.flops_per_token` (``block`` per transformer
 block, ``adapter`` per loop for concat injection, ``2 d V`` for the head); this module only splits it into the
 prelude, core, coda and head and recombines them per path (:func:`matmul_flops_per_token`) or for a training
 step (:func:`train_flops_per_token`).
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from drc_core.errors import DrcError
-from drc_core.model import DepthRecurrentLM
+from drc_core.model.lm import DepthRecurrentLM
 
 __all__ = ["CLOCKS", "VOCAB_STAT_FLOPS", "Log", "honest_flops", "interleaved", "matmul_flops_per_token", "median",
            "rotations", "spread", "train_flops_per_token"]
@@ -35,7 +35,7 @@ def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, 
     ``path``: "forward" (uniform depth, one readout), "skip_log_probs" (:func:`~drc_core.halting.skipping.skip_forward`
     with a rule that reads log-probs: coda + head at every loop of every active token) or "skip_states" (a
     rule on the states only: one readout per token; the coda context's k/v projections are ignored). Built
-    from :meth:`~drc_core.model.DepthRecurrentLM.flops_per_token`; log-softmax, statistics and the
+    from :meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`; log-softmax, statistics and the
     gather/scatter of the skipping path are not matmuls and not counted.
     """
     c = model.cfg
@@ -63,7 +63,7 @@ def honest_flops(model: DepthRecurrentLM, work: object, seq_len: int) -> float:
     ``core`` token-loops at ``R * block + adapter``, full ``blocks`` (prelude, coda) at ``block``, ``qkv``-only
     coda context projections at ``6 d^2``, ``head`` readouts at ``2 d V`` and ``vocab_stats`` token-loops of
     vocabulary-sized statistics at ``VOCAB_STAT_FLOPS * V``; ``block`` as in
-    :meth:`~drc_core.model.DepthRecurrentLM.flops_per_token` (attention over ``seq_len`` keys). Divide by
+    :meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token` (attention over ``seq_len`` keys). Divide by
     ``work.tokens`` for FLOPs per token; for ``Uniform(r)`` that is exactly ``flops_per_token(r, seq_len)``."""
     c = model.cfg
     d = c.d_model

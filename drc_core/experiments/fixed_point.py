@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.halting.anderson import PLAIN, AndersonConfig, anderson_iterate, evals_to_converge
-from drc_core.model import RecurrentModel, iterate
-from drc_core.passes import EVAL_STATE_SEED, eval_batches, kl_successive
+from drc_core.model.lm import RecurrentModel, iterate
+from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 
 @dataclass

@@ -27,8 +27,8 @@ from drc_core.errors import DrcError
 from drc_core.experiments.handoff import Convergence, Halting, TokenTypes, Training
 from drc_core.halting.rules import KLThreshold
 from drc_core.halting.sweep import RuleSpec, matching_depth, summarize, sweep
-from drc_core.model import DepthRecurrentLM
-from drc_core.rundir import open_run
+from drc_core.model.lm import DepthRecurrentLM
+from drc_core.training.rundir import open_run
 
 __all__ = [
     "PAPER",
@@ -248,8 +248,8 @@ def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
 
 
 def runs_table(root: str | Path) -> pd.DataFrame:
-    """One row per training run under ``root`` (each ``<run>/eval.json`` of ``python -m drc_core.evaluate``, with
-    the run's ``config.json`` and ``metrics.jsonl``): parameters, training tokens and minutes, validation loss at
+    """One row per training run under ``root`` (each ``<run>/eval.json`` of ``python -m drc_core.training.evaluate``,
+    with the run's ``config.json`` and ``metrics.jsonl``): parameters, training tokens and minutes, validation loss at
     1, 8 and 32 loops, the gain from depth CE(1) - CE(8), successive KL at loops 2, 8 and 16, bits per byte per
     source at 8 loops. Used for the preset candidates (``scripts/cpu_candidates.sh``) and the depth levers
     (``scripts/depth_levers.sh``)."""

@@ -73,8 +73,8 @@ from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform, huginn_presets
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec, default_rules, matching_depth, summarize, sweep
-from drc_core.model import DepthRecurrentLM, check_token_ids, iterate
-from drc_core.passes import EVAL_STATE_SEED, eval_batches
+from drc_core.model.lm import DepthRecurrentLM, check_token_ids, iterate
+from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = [
     "TARGET_HONEST",
@@ -117,7 +117,7 @@ class SpeedConfig:
     ``reference_loops`` r: the uniform depth to match and to beat. ``rule_max_loops``: every rule's
     ``max_loops``. ``families``: rule families of :func:`drc_core.halting.sweep.default_rules` to match.
     ``ce_tolerance``: "matched quality" is CE <= CE(uniform r) + this (nats). ``batch_size``: windows per
-    batch (also fixes the initial states, as in :func:`drc_core.evaluate.loss_by_depth`). ``rounds``: timed,
+    batch (also fixes the initial states, as in :func:`drc_core.training.evaluate.loss_by_depth`). ``rounds``: timed,
     interleaved rounds. ``new_tokens``/``prompt_len``/``gen_rows``: generation of ``new_tokens`` greedy
     tokens after the first ``prompt_len`` tokens of ``gen_rows`` windows. ``measure_loops`` and
     ``measure_windows``: the measurement pass compared (on the first ``measure_windows`` windows).
@@ -172,13 +172,13 @@ def _skip_path(rule: HaltingRule) -> str:
 
 
 def _on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targets: bool = True) -> Tensor:
-    """:func:`drc_core.model.check_token_ids`, then moved to the model's device."""
+    """:func:`drc_core.model.lm.check_token_ids`, then moved to the model's device."""
     return check_token_ids(model, ids, what, targets=targets).to(next(model.parameters()).device)
 
 
 def _batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[tuple[Tensor, Tensor, Tensor]]:
     """(inputs, targets, s_0) per batch; s_0 drawn exactly as :func:`drc_core.halting.sweep.sweep` and
-    :func:`drc_core.evaluate.loss_by_depth` draw it for the same ``seed`` and ``batch_size``."""
+    :func:`drc_core.training.evaluate.loss_by_depth` draw it for the same ``seed`` and ``batch_size``."""
     return [(b.x, b.y, b.initial_state(model)) for b in eval_batches(model, windows, cfg.batch_size, cfg.seed)]
 
 
@@ -655,7 +655,7 @@ def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[Ru
 def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                cfg: SpeedConfig | None = None, *, log: Log = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The dense forward at depth r and ``skip_forward`` with each rule, in fp32 and under bf16 autocast
-    (``torch.autocast(device, bfloat16)``; fast where :func:`drc_core.precision.bf16_support` says so), same
+    (``torch.autocast(device, bfloat16)``; fast where :func:`drc_core.model.precision.bf16_support` says so), same
     windows and initial states.
 
     Returns ``(variants, kl)``. ``variants``: one row per (rule, precision) with ``avg_loops``, ``ce``,

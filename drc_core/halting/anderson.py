@@ -13,7 +13,7 @@ but chooses the next point from the last ``h <= m + 1`` iterates ``x_i`` and the
 residuals (the per-token fixed point the paper measures); ``scope="sequence"`` one per sequence, over all of its
 T x d coordinates (the usual DEQ solver: the tokens are coupled through attention, so the map is really one map
 of the whole sequence). ``m = 0`` (or fewer than two iterates) is plain (damped) iteration: ``x' = beta f(x) +
-(1 - beta) x``; ``m = 0, beta = 1`` is exactly :func:`drc_core.model.iterate`.
+(1 - beta) x``; ``m = 0, beta = 1`` is exactly :func:`drc_core.model.lm.iterate`.
 
 After ``k`` evaluations the state read out is the last image ``f(x_{k-1})``: the output of a core application,
 which is what the coda was trained to read (for plain iteration it is ``s_k``). So "evaluations" compare one to
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.errors import DrcError, need_float, need_int, need_loops
-from drc_core.model import RecurrentModel
+from drc_core.model.lm import RecurrentModel
 
 SCOPES = ("token", "sequence")
 
@@ -117,7 +117,7 @@ def anderson_iterate(model: RecurrentModel, idx: Tensor, max_evals: int, cfg: An
                      readout: str | None = "log_probs") -> Iterator[AndersonOutput]:
     """Yield an :class:`AndersonOutput` after each core evaluation 1..``max_evals`` (prelude once).
 
-    The initial state is drawn as :func:`drc_core.model.iterate` draws it (same ``generator`` -> same s_0), so
+    The initial state is drawn as :func:`drc_core.model.lm.iterate` draws it (same ``generator`` -> same s_0), so
     with :data:`PLAIN` the states equal ``iterate``'s loop by loop. Runs under the caller's grad mode.
     """
     need_loops("max_evals", max_evals)

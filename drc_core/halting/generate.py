@@ -44,7 +44,7 @@ from drc_core.halting.skipping import (
     empty_caches,
     run_loops,
 )
-from drc_core.model import DepthRecurrentLM, check_token_ids
+from drc_core.model.lm import DepthRecurrentLM, check_token_ids
 
 __all__ = ["GenerationResult", "generate", "generate_fixed"]
 
@@ -108,7 +108,7 @@ def _layout(model: DepthRecurrentLM, batch: int, window: tuple[int, int], total:
 
 def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor,
              work: Work | None = None) -> None:
-    """:meth:`DepthRecurrentLM.embed <drc_core.model.DepthRecurrentLM.embed>` on positions [t0, t1) of every
+    """:meth:`DepthRecurrentLM.embed <drc_core.model.lm.DepthRecurrentLM.embed>` on positions [t0, t1) of every
     row, the prelude attending over cached keys/values (:func:`~drc_core.halting.skipping.block_step`); write e
     there."""
     attn = _layout(model, tokens.shape[0], window, tokens.shape[1], tokens.device)

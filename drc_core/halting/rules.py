@@ -30,8 +30,8 @@ from torch import Tensor
 
 from drc_core.analysis.loops import LoopStats, loop_stats
 from drc_core.errors import DrcError, fmt_number, need_float, need_int
-from drc_core.model import HaltFn, LoopOutput, RecurrentModel, iterate
-from drc_core.passes import kl_successive
+from drc_core.model.lm import HaltFn, LoopOutput, RecurrentModel, iterate
+from drc_core.model.passes import kl_successive
 
 __all__ = [
     "Acceleration",
@@ -73,7 +73,7 @@ class HaltingRule:
 
     :meth:`decide` applies :meth:`criterion` and then forces False before ``min_loops`` and True at (and
     after) ``max_loops``; subclasses implement only :meth:`criterion`. ``decide`` does not know which tokens
-    have already halted: the caller (``drc_core.model.iterate``, :func:`offline_exits`) keeps the first
+    have already halted: the caller (``drc_core.model.lm.iterate``, :func:`offline_exits`) keeps the first
     loop at which a token's decision was True.
 
     :attr:`needs_log_probs` says whether :meth:`criterion` reads the output-based statistics (log-probs, KL,
@@ -405,7 +405,7 @@ def make_rule(name: str, *args: float, **kwargs: int) -> HaltingRule:
 
 
 class _RuleHalt:
-    """A ``halt`` callable for :func:`drc_core.model.iterate` that feeds ``rule`` the loop's stats."""
+    """A ``halt`` callable for :func:`drc_core.model.lm.iterate` that feeds ``rule`` the loop's stats."""
 
     def __init__(self, rule: HaltingRule, readout: str) -> None:
         if not isinstance(rule, HaltingRule):
@@ -465,7 +465,7 @@ def masked_forward(
 ) -> AdaptiveResult:
     """Run ``model`` on ``idx`` (B, T) with per-token halting by ``rule``, up to ``rule.max_loops`` loops.
 
-    Semantics (the masked reference of :func:`drc_core.model.iterate`): after loop l the rule sees loop
+    Semantics (the masked reference of :func:`drc_core.model.lm.iterate`): after loop l the rule sees loop
     l's stats; a token that halts at loop e keeps s_e from then on, and at every later loop offers, in every
     core and coda block, the keys/values it computed at loop e (its last computed ones); so a token active at
     loop l attends to each earlier token's loop-min(l, e) keys/values. A token's ``logits`` are the readout

@@ -2,7 +2,7 @@
 
 :func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.rules.masked_forward`
 computes (to float tolerance, with the same exit loops), but at loop l it runs the core only on the tokens
-still active at loop l. The semantics (see :func:`drc_core.model.iterate`): a token that
+still active at loop l. The semantics (see :func:`drc_core.model.lm.iterate`): a token that
 halts at loop e keeps s_e, and at every later loop offers, in every core and coda block, the keys/values it
 computed at loop e; an active token at loop l therefore attends to each earlier token's loop-min(l, e)
 keys/values, and a token's logits are its readout at its exit loop.
@@ -44,7 +44,7 @@ projections, the head and the vocabulary-sized statistics); :func:`drc_core.expe
 turns it into the honest FLOP count.
 
 Cost model (matmul FLOPs per token, ``block`` and ``head = 2 d V`` as in
-:meth:`~drc_core.model.DepthRecurrentLM.flops_per_token`, ``a`` the average exit loop)::
+:meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`, ``a`` the average exit loop)::
 
     uniform depth r (forward)             (P + C) * block + r * core + head              core = R * block + adapter
     skip_forward, rule with log-probs     P * block + a * (core + C * block + head)      + a * (softmax + stats) * V
@@ -67,7 +67,7 @@ from torch import Tensor
 from drc_core.analysis.loops import MIN_P, LoopStats, minp_log_probs, state_change, trajectory_step
 from drc_core.errors import DrcError
 from drc_core.halting.rules import AdaptiveResult, HaltingRule
-from drc_core.model import Block, DepthRecurrentLM
+from drc_core.model.lm import Block, DepthRecurrentLM
 
 __all__ = [
     "CHUNK", "Attn", "KVSlab", "LoopCaches", "LoopResult", "SkipResult", "Tokens", "Work", "attend_cached",
@@ -224,8 +224,8 @@ def attend_cached(q: Tensor, toks: Tokens, kv: KVSlab) -> Tensor:
 def block_step(block: Block, x: Tensor, toks: Tokens | Attn, kv: KVSlab, cos: Tensor, sin: Tensor,
                query: Tensor | None = None, *, work: Work | None = None) -> Tensor:
     """One transformer block on the flat tokens ``x`` (N, d) at ``toks`` (or their :class:`Attn` layout),
-    attending over the cache ``kv``: :meth:`Block.qkv <drc_core.model.Block.qkv>` and
-    :meth:`Block.finish <drc_core.model.Block.finish>`, the code of ``Block.forward``, around cached attention
+    attending over the cache ``kv``: :meth:`Block.qkv <drc_core.model.lm.Block.qkv>` and
+    :meth:`Block.finish <drc_core.model.lm.Block.finish>`, the code of ``Block.forward``, around cached attention
     instead of dense causal attention.
 
     The tokens' keys/values are written into ``kv`` first (in place), so they see themselves and every other

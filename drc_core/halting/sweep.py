@@ -10,7 +10,7 @@ window, the average exit loop and two quality measures:
   (:func:`drc_core.halting.rules.oracle_exit`) and of ``kl_final`` in :mod:`drc_core.analysis.measure`.
 
 One batch at a time (the same initial latent state s_0 for every rule of a batch, drawn as in
-:func:`drc_core.evaluate.loss_by_depth`): a single uniform-depth ``iterate`` pass gives every uniform depth
+:func:`drc_core.training.evaluate.loss_by_depth`): a single uniform-depth ``iterate`` pass gives every uniform depth
 and the oracle's exits at once. In ``mode="online"`` each halting rule then gets its own adaptive run
 (``forward_fn``, by default :func:`drc_core.halting.rules.masked_forward`: halted tokens' states are frozen, later
 tokens keep attending to them), so a rule's numbers include the effect of its halting on later tokens; in
@@ -52,8 +52,8 @@ from drc_core.halting.rules import (
     masked_forward,
     offline_exits,
 )
-from drc_core.model import RecurrentModel, check_token_ids, logits_at
-from drc_core.passes import EVAL_STATE_SEED, eval_batches, kl_successive
+from drc_core.model.lm import RecurrentModel, check_token_ids, logits_at
+from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 __all__ = [
     "CALIBRATED_FAMILIES",

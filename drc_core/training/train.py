@@ -1,4 +1,4 @@
-"""Train a depth-recurrent LM: ``python -m drc_core.train --preset NAME --data DIR --out DIR``.
+"""Train a depth-recurrent LM: ``python -m drc_core.training.train --preset NAME --data DIR --out DIR``.
 
 Each step draws its loop count r from the recursion sampler (the same r on every rank), runs r core loops
 with truncated backprop through the last k, and updates with AdamW under warmup + cosine decay. Every
@@ -37,14 +37,14 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
-from drc_core import precision
-from drc_core.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
 from drc_core.errors import DrcError, Interrupted, first_line, need_disk, run_cli
-from drc_core.evaluate import loss_by_depth
-from drc_core.model import DepthRecurrentLM, load_state
-from drc_core.recurrence import RecurrenceSampler
-from drc_core.rundir import CORPUS_RECORD, corpus_record, open_run
+from drc_core.model import precision
+from drc_core.model.lm import DepthRecurrentLM, load_state
+from drc_core.model.recurrence import RecurrenceSampler
+from drc_core.training.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
+from drc_core.training.evaluate import loss_by_depth
+from drc_core.training.rundir import CORPUS_RECORD, corpus_record, open_run
 
 
 @dataclass
@@ -340,7 +340,7 @@ def preset_for(name: str, overrides: Sequence[str], corpus: Corpus) -> TrainConf
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m drc_core.train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m drc_core.training.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, dotted for nested ones: model.d_model=256 (repeat)")

@@ -1,7 +1,7 @@
 """Validation loss and mean successive KL at uniform depths, from one ``iterate`` pass per batch of
-:func:`drc_core.passes.eval_batches`; per-source bits per byte; the depth gain during training.
+:func:`drc_core.model.passes.eval_batches`; per-source bits per byte; the depth gain during training.
 
-``python -m drc_core.evaluate --run DIR --data DIR`` prints and saves them for a trained run."""
+``python -m drc_core.training.evaluate --run DIR --data DIR`` prints and saves them for a trained run."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.errors import DrcError, need_loops, run_cli
-from drc_core.model import RecurrentModel, iterate
-from drc_core.passes import EVAL_STATE_SEED, eval_batches, kl_successive
-from drc_core.rundir import open_run
+from drc_core.model.lm import RecurrentModel, iterate
+from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
+from drc_core.training.rundir import open_run
 
 
 def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
@@ -115,8 +115,8 @@ def parse_loops(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m drc_core.evaluate --run DIR --data DIR``: loss by depth (per source) and successive KL."""
-    ap = argparse.ArgumentParser(prog="python -m drc_core.evaluate", description=main.__doc__)
+    """``python -m drc_core.training.evaluate --run DIR --data DIR``: loss by depth (per source) and successive KL."""
+    ap = argparse.ArgumentParser(prog="python -m drc_core.training.evaluate", description=main.__doc__)
     ap.add_argument("--run", required=True,
                     help="a training run directory (uses its final/ weights), its final/, or a shipped copy")
     ap.add_argument("--data", required=True, help="the prepared corpus the run was trained on")

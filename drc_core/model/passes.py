@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from drc_core.errors import need_int
-from drc_core.model import RecurrentModel
+from drc_core.model.lm import RecurrentModel
 
 __all__ = ["EVAL_STATE_SEED", "Batch", "eval_batches", "evaluation", "kl_successive"]
 
@@ -51,7 +51,7 @@ class Batch:
     generator: torch.Generator
 
     def initial_state(self, model: RecurrentModel) -> torch.Tensor:
-        """Draw this batch's s_0 as :func:`drc_core.model.iterate` would (embed, then ``initial_state``)."""
+        """Draw this batch's s_0 as :func:`drc_core.model.lm.iterate` would (embed, then ``initial_state``)."""
         return model.initial_state(model.embed(self.x), self.generator)
 
 

@@ -1,7 +1,7 @@
 """Training configuration, the named presets, and ``key=value`` overrides.
 
-A :class:`TrainConfig` nests the :class:`~drc_core.model.ModelConfig` and the
-:class:`~drc_core.recurrence.RecurrenceConfig`; overrides use dotted keys (``model.d_model=256``,
+A :class:`TrainConfig` nests the :class:`~drc_core.model.lm.ModelConfig` and the
+:class:`~drc_core.model.recurrence.RecurrenceConfig`; overrides use dotted keys (``model.d_model=256``,
 ``recurrence.mean=4``, ``lr=1e-3``).
 """
 
@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from drc_core.errors import MAX_LOOPS, DrcError, check_fields, need_loops
-from drc_core.model import ModelConfig
-from drc_core.precision import AUTOCAST_CHOICES, COMPILE_CHOICES
-from drc_core.recurrence import RecurrenceConfig
+from drc_core.model.lm import ModelConfig
+from drc_core.model.precision import AUTOCAST_CHOICES, COMPILE_CHOICES
+from drc_core.model.recurrence import RecurrenceConfig
 
 
 @dataclass
@@ -41,7 +41,7 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 10
     seed: int = 0
-    compile: str = "auto"  # "auto" | "true" | "false" (drc_core.precision.choose resolves "auto")
+    compile: str = "auto"  # "auto" | "true" | "false" (drc_core.model.precision.choose resolves "auto")
     autocast: str = "none"  # "none" | "bf16" | "auto" (bf16 where fast); fp32 by default: see README "Numeric path"
 
     def __post_init__(self) -> None:

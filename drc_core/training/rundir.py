@@ -1,10 +1,10 @@
 """The one reader of model and run directories: a training run, its ``final/``, and a shipped copy open the same way.
 
-Three layouts exist, written by :func:`drc_core.train.train` and copied by hand or by the book:
+Three layouts exist, written by :func:`drc_core.training.train.train` and copied by hand or by the book:
 
-- a training run ``R/``: ``config.json`` (the :class:`~drc_core.config.TrainConfig`), ``metrics.jsonl``,
+- a training run ``R/``: ``config.json`` (the :class:`~drc_core.training.config.TrainConfig`), ``metrics.jsonl``,
   ``checkpoints/`` and, once finished, ``final/`` (the weights);
-- its ``R/final/``: ``model.safetensors`` + ``config.json`` (the :class:`~drc_core.model.ModelConfig`);
+- its ``R/final/``: ``model.safetensors`` + ``config.json`` (the :class:`~drc_core.model.lm.ModelConfig`);
 - a shipped copy (``data/reference``, ``data/experiments/<run>``, the book's ``work_dir/model``):
   ``model.safetensors`` + ``config.json`` (the ModelConfig) beside ``train_config.json`` (the TrainConfig),
   ``metrics.jsonl`` and optionally ``tokenizer.json`` / ``corpus_meta.json``.
@@ -24,10 +24,10 @@ from pathlib import Path
 import pandas as pd
 from safetensors import SafetensorError
 
-from drc_core.config import TrainConfig
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, first_line
-from drc_core.model import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM, ModelConfig
+from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM, ModelConfig
+from drc_core.training.config import TrainConfig
 
 __all__ = ["CORPUS_RECORD", "FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir", "check_corpus_record",
            "corpus_record", "open_run"]

@@ -1,0 +1,15 @@
+"""The model layer: the depth-recurrent network and what a forward pass needs.
+
+- :mod:`~drc_core.model.lm`: :class:`DepthRecurrentLM`, its :class:`ModelConfig`, the :class:`RecurrentModel`
+  protocol a model of your own implements, :func:`iterate` (the loop everything runs) and :func:`load_state`;
+- :mod:`~drc_core.model.recurrence`: the random training depth (:class:`RecurrenceConfig`, its sampler);
+- :mod:`~drc_core.model.precision`: bf16 autocast and compiled blocks, chosen per device;
+- :mod:`~drc_core.model.passes`: evaluation batches with a fixed initial state and the successive KL.
+
+Imports only from ``drc_core.errors`` and ``drc_core.data`` below it.
+"""
+
+from drc_core.model.lm import DepthRecurrentLM, ModelConfig, RecurrentModel, iterate, load_state
+from drc_core.model.recurrence import RecurrenceConfig
+
+__all__ = ["DepthRecurrentLM", "ModelConfig", "RecurrenceConfig", "RecurrentModel", "iterate", "load_state"]
