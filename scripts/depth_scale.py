@@ -65,6 +65,9 @@ RUNS: dict[str, list[str]] = {
     "d192-m8": width(192) + common(),
     "d256-m12": width(256) + common() + ["recurrence.mean=12", "recurrence.max_loops=48"],
     "d256-m8-x4": width(256) + common(4 * STEPS_X1),
+    # the shipped reference (data/reference): the cpu preset as it stands, d=256 R=8 k=4, 5000 steps (x5 tokens),
+    # autocast/compile "auto" (bf16 + compile on this CPU), validation every 500 steps
+    "cpu-ref": [],
 }
 
 

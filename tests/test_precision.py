@@ -14,12 +14,13 @@ CPU = torch.device("cpu")
 
 def test_defaults_are_fp32_with_compiled_blocks(monkeypatch):
     monkeypatch.setattr(precision.shutil, "which", lambda name: "/usr/bin/" + name)
-    cfg = preset("cpu")
+    cfg = preset("small")
     path = precision.choose(cfg.autocast, cfg.compile, CPU)
     assert (path.autocast, path.compile) == ("none", True)
     assert path.why.startswith("numeric path: fp32 + compile: autocast=none as set, compiled blocks")
     assert "--set autocast=none --set compile=false" in path.why
     assert preset("tiny").compile == "false" and preset("paper-135m").autocast == "bf16"
+    assert (preset("cpu").autocast, preset("cpu").compile) == ("auto", "auto")  # the reference: bf16 where fast
 
 
 def test_no_compiler_stays_eager_and_says_how_to_fix(monkeypatch):

@@ -110,20 +110,24 @@ def _tiny() -> TrainConfig:
 
 
 def _cpu() -> TrainConfig:
-    """The reference model for 2 CPU cores and the embedded corpus (vocab 4096).
+    """The reference model for 2 CPU cores and the embedded corpus (vocab 4096), on the fast path.
 
-    d=128, 4 heads, prelude 1 / core 2 / coda 1 (1.35 M parameters), mean depth 8, backprop through the last 4
-    loops, 3000 steps of 16 x 256 tokens (12.3 M tokens, ~3.5 passes over the corpus) in about 50 minutes.
-    Chosen by ``scripts/cpu_candidates.sh`` (500-step runs, see README "Measurements"): d=192 costs 1.5x per
-    token; full backprop through 8 loops (k=8) cost 20% more time for the same loss and depth gain; a
-    one-layer core was cheaper but worse at every depth.
+    d=256, 4 heads, prelude 1 / core 2 / coda 1 (4.34 M parameters), mean depth 8, backprop through the last 4
+    loops, 5000 steps of 16 x 256 tokens (20.5 M tokens, ~5.9 passes over the 3.46 M training tokens), bf16
+    autocast + compiled blocks where the CPU has AMX / AVX-512 bf16 (``auto``; fp32 elsewhere), ~1 hour on the
+    2-core development machine. Chosen with ``scripts/depth_scale.py`` (README "What makes a CPU-scale model use
+    depth"): on the fast path d=256 trains at the tokens/s of the d=128 fp32 trainer and is better at 1 and 8
+    loops at equal tokens; backprop through 8 loops cost 1.22x the time for no better loss. The d=128 fp32
+    reference of the first round (1.35 M parameters, 12.3 M tokens) is kept under
+    ``data/experiments/cpu-d128-reference``: ``--set model.d_model=128 --set max_steps=3000 --set lr=3e-3
+    --set autocast=none --set compile=false``.
     """
     return TrainConfig(
-        model=ModelConfig(vocab_size=4096, d_model=128, n_heads=4, n_prelude=1, n_core=2, n_coda=1,
+        model=ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_prelude=1, n_core=2, n_coda=1,
                           max_seq_len=256),
         recurrence=RecurrenceConfig(mean=8.0, backprop_loops=4, max_loops=32),
-        seq_len=256, batch_size=16, max_steps=3000, lr=3e-3, warmup_steps=100, eval_every=250,
-        eval_windows=64, ckpt_every=250,
+        seq_len=256, batch_size=16, max_steps=5000, lr=2e-3, warmup_steps=100, eval_every=500,
+        eval_windows=64, ckpt_every=250, autocast="auto", compile="auto",
     )
 
 
