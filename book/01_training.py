@@ -44,8 +44,12 @@ from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import ensure_corpus, open_model, provide_model, save_results
-from drc_core.training.evaluate import (depth_gain_by_step, loss_by_depth, loss_by_source,
-                                       unigram_loss)
+from drc_core.training.evaluate import (
+    depth_gain_by_step,
+    loss_by_depth,
+    loss_by_source,
+    unigram_loss,
+)
 
 work_dir, corpus_dir, checkpoint = at_root(work_dir, corpus_dir, checkpoint)
 data_files = [at_root(f) for f in data_files]

@@ -38,6 +38,7 @@ from drc_core.analysis.measure import (
     eps_sensitivity,
     kl_concentration,
     measure_windows,
+    oscillating_tokens,
     per_loop_summary,
     save_frame,
     val_windows_with_docs,
@@ -94,6 +95,26 @@ concentration = kl_concentration(
     frame, sorted({lp for lp in (2, 4, 8, 12, 16, 24, max_loops) if 2 <= lp <= max_loops})
 )
 concentration.set_index("loop").map(lambda v: f"{v:.3g}")
+
+# %% [markdown]
+# ## The tokens that never settle
+# A token in a 2-cycle has its deepest output far from the one a loop earlier but close to the one two loops
+# earlier (`oscillating_tokens`: KL(p_L ‖ p_L−1) ≥ 1e-6 and ≥ 10 × KL(p_L ‖ p_L−2)). Their count, the share of
+# the mean successive KL at loops 2R and L they carry, and the largest of them with their text.
+
+# %%
+R = round(train_mean)
+cycling, cycle_share = oscillating_tokens(
+    frame, share_at=sorted({lp for lp in (2 * R, max_loops) if 2 <= lp <= max_loops})
+)
+print(
+    f"{len(cycling)} of {frame.loc[frame.loop == 1].shape[0]:,} tokens in a 2-cycle at loop {max_loops}; "
+    + ", ".join(f"{sh:.0%} of the mean successive KL at loop {lp}" for lp, sh in cycle_share.items())
+)
+tokenizer = corpus.tokenizer()
+cycling.head(12).assign(text=lambda d: [repr(tokenizer.decode([int(t)])) for t in d.token]).drop(
+    columns="token"
+)
 
 # %% [markdown]
 # ## Validation loss versus loops, with intervals
@@ -162,6 +183,11 @@ results = {
     "frac_updating": stat("frac_updating"),
     "frac_unconverged": stat("frac_unconverged"),
     "kl_concentration": concentration.set_index("loop").to_dict("index"),
+    "oscillating": {
+        "count": len(cycling),
+        "share_of_mean_kl": cycle_share,
+        "tokens": cycling.head(20).to_dict("records"),
+    },
     "eps_sensitivity": {
         f"{e:g}": dict(zip(g.stat, g.value, strict=True)) for e, g in sens.groupby("eps")
     },

@@ -38,6 +38,9 @@ rule_max_loops = 16
 plateau_tol = 0.005  # nats: a depth "stops improving" once deeper loops gain less than this
 seed = 0
 levers_dir = "data/levers"  # shipped depth-lever runs (scripts/depth_levers.sh); empty: skip
+scale_dir = "data/scale"  # shipped depth-scale grid (scripts/depth_scale.py); empty: skip
+previous_reference = "data/experiments/cpu-d128-reference"  # first round's reference; "": skip
+convergence_windows = 64  # notebook 02's n_windows: both models are compared on those windows
 
 # %% tags=["hide-input"]
 # imports; the parameters' paths resolved against the repository root (any working directory)
@@ -59,13 +62,17 @@ from drc_core.experiments.report import (
     explain,
     headline_numbers,
     ours_from,
+    reference_targets,
     reproduction_table,
     runs_table,
+    scale_table,
 )
 from drc_core.training.evaluate import loss_by_depth
 from drc_core.training.rundir import open_run
 
-work_dir, corpus_dir, runs_dir, levers_dir = at_root(work_dir, corpus_dir, runs_dir, levers_dir)
+work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference = at_root(
+    work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference
+)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
@@ -164,6 +171,46 @@ plateau = pd.DataFrame(plateaus).set_index("train_mean_depth")
 plateau.round(4)
 
 # %% [markdown]
+# ## Two scales side by side, and the targets for the reference
+# The first round's reference (d=128, 1.35 M parameters, 12.3 M tokens, fp32) and this one, read at every
+# loop on the same validation windows as notebook 2 (`convergence_windows`). Then the targets set for the
+# reference model (issue F), measured by notebooks 2 and 4: a target that is not met says so.
+
+# %%
+convergence, halting = handed[1], handed[3]
+R = halting.reference_loops
+target_windows, _ = val_windows_with_docs(corpus, cfg.seq_len, convergence_windows)
+scales, targets = [], None
+if previous_reference:
+    prev = open_run(previous_reference)
+    prev_curve = loss_by_depth(prev.load_model(), target_windows, loops)
+    now_curve = loss_by_depth(model, target_windows, loops)
+    pairs = (("previous (d=128)", prev_curve, 8), ("this reference", now_curve, R))
+    for label, curve, mean in pairs:
+        c, row = depth_curve(curve, mean, plateau_tol)
+        scales.append((c.assign(series=label), {"model": label, **row}))
+    targets = reference_targets(
+        convergence, halting, previous_ce=prev_curve[8], previous="the d=128 reference"
+    )
+if scales:
+    display(viz.loss_vs_depth(pd.concat([c for c, _ in scales])))
+    display(pd.DataFrame([r for _, r in scales]).set_index("model").round(4))
+if targets is not None:
+    with pd.option_context("display.max_colwidth", None):
+        display(targets.style.hide(axis="index"))
+
+# %% [markdown]
+# ## What makes a CPU-scale model use depth
+# `scripts/depth_scale.py` trains the `cpu` preset with one change at a time on the fast path (bf16 autocast,
+# compiled blocks; evaluated in fp32 on 128 validation windows spread over the split and 64 training windows):
+# width `d`, reference depth `R`, backprop depth `k` and token budget. Shipped under `scale_dir` (summaries and
+# metrics, no weights; not retrained by the book).
+
+# %%
+grid = scale_table(scale_dir) if scale_dir and Path(scale_dir).is_dir() else pd.DataFrame()
+grid.round(4) if len(grid) else "no depth-scale runs shipped"
+
+# %% [markdown]
 # ## Which lever makes a small model use depth?
 # The reference model gains little from loops beyond 4 (notebook 1), far less than the paper's 0.6 nats from
 # 1 to 8 loops. `scripts/depth_levers.sh` trains the small preset with one change at a time (shipped under
@@ -188,6 +235,9 @@ results = {
     },
     "plateau": plateau.reset_index().to_dict("records"),
     "levers": levers.reset_index().to_dict("records") if len(levers) else [],
+    "scales": [r for _, r in scales],
+    "targets": targets.to_dict("records") if targets is not None else [],
+    "scale_grid": grid.reset_index().to_dict("records") if len(grid) else [],
     "agree": int((table.verdict == "agree").sum()),
     "claims": len(table),
     "notebook_seconds": time.time() - t0,

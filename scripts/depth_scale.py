@@ -132,28 +132,27 @@ def run(name: str) -> None:
     for src, dst in (("config.json", "train_config.json"), ("metrics.jsonl", "metrics.jsonl")):
         (dest / dst).write_bytes((out / src).read_bytes())
     (dest / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"[{name}] " + row(summary), flush=True)
-
-
-HEADER = ("| run | d | R | k | tokens (passes) | min | CE@1 | CE@4 | CE@8 | CE@R | CE@32 | CE(1)-CE(R) | "
-          "uniform within 0.005 of CE@R | KL@2 | KL@16 | KL@2R | train CE@R | val-train |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-
-
-def row(s: dict) -> str:
-    ce, kl = s["ce"], s["kl"]
-    R = s["R"]
-    return (f"| {s['name']} | {s['d_model']} | {R} | {s['backprop_loops']} | {s['tokens'] / 1e6:.1f} M "
-            f"({s['passes']:.1f}) | {s['train_seconds'] / 60:.0f} | {ce['1']:.3f} | {ce['4']:.3f} | {ce['8']:.3f} | "
-            f"{ce[str(R)]:.3f} | {ce['32']:.3f} | {s['gain_1_R']:.3f} | {s['uniform_match_R']} "
-            f"({s['uniform_match_frac']:.2f}·R) | {kl['2']:.2e} | {kl['16']:.2e} | {kl[str(2 * R)]:.2e} | "
-            f"{s['ce_train'][str(R)]:.3f} | {s['val_minus_train_R']:+.3f} |")
+    print(f"[{name}] done: {dest / 'summary.json'}", flush=True)
 
 
 def table() -> str:
-    found = {p.parent.name: json.loads(p.read_text()) for p in DEST.glob("*/summary.json")}
-    order = [n for n in RUNS if n in found] + sorted(set(found) - set(RUNS))
-    return "\n".join([HEADER, *(row(found[n]) for n in order)])
+    """The grid (drc_core.experiments.report.scale_table) as a markdown table, in the order of RUNS."""
+    from drc_core.experiments.report import scale_table
+
+    df = scale_table(DEST)
+    df = df.loc[[n for n in RUNS if n in df.index] + sorted(set(df.index) - set(RUNS))]
+
+    def cell(col: str, v: object) -> str:
+        if col in ("d", "R", "k", "uniform_match"):
+            return str(int(v))
+        if col.startswith("KL"):
+            return f"{v:.2e}"
+        return f"{v:+.3f}" if col == "val-train" else f"{v:.1f}" if col in ("tokens_M", "passes") else (
+            f"{v:.0f}" if col == "minutes" else f"{v:.3f}")
+
+    head = "| run | " + " | ".join(df.columns) + " |\n|---|" + "---|" * len(df.columns)
+    body = ["| " + name + " | " + " | ".join(cell(c, r[c]) for c in df.columns) + " |" for name, r in df.iterrows()]
+    return "\n".join([head, *body])
 
 
 def main(argv: list[str] | None = None) -> int:

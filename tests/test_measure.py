@@ -13,11 +13,13 @@ from drc_core.analysis.measure import (
     eps_sensitivity,
     load_frame,
     measure_windows,
+    oscillating_tokens,
     per_loop_summary,
     save_frame,
     val_windows_with_docs,
 )
 from drc_core.data.sampler import Corpus
+from drc_core.errors import DrcError
 from drc_core.model.lm import DepthRecurrentLM, iterate
 from drc_core.model.passes import EVAL_STATE_SEED
 from drc_core.training.evaluate import loss_by_depth, mean_successive_kl
@@ -256,3 +258,35 @@ def test_kl_concentration_on_a_hand_made_frame():
     assert row["mean_without_top_1%"] == pytest.approx(1e-8)
     with pytest.raises(ValueError, match="no successive KL at loop 3"):
         kl_concentration(df, [3])
+
+
+def _tokens_frame(kl_final: dict[int, list[float]]) -> pd.DataFrame:
+    """A frame of 4 loops for tokens 0..n-1 of window 0: ``kl_final[pos]`` = KL(p_4 || p_l) at l = 1..4, the
+    successive KL at loop 4 equal to KL(p_4 || p_3) as it is in a measured frame."""
+    rows = []
+    for pos, kf in kl_final.items():
+        for loop in range(1, 5):
+            rows.append({"window": 0, "pos": pos, "loop": loop, "token": 100 + pos, "doc": 7,
+                         "kl_final": kf[loop - 1], "kl_prev": kf[2] if loop == 4 else 1e-2 / loop})
+    return pd.DataFrame(rows)
+
+
+def test_oscillating_tokens_are_the_2_cycles_not_the_slow_or_the_settled():
+    frame = _tokens_frame({0: [1.0, 1e-6, 1e-3, 0.0],    # p_4 = p_2, far from p_3: a 2-cycle
+                           1: [1.0, 4e-7, 1e-7, 0.0],    # settled
+                           2: [1.0, 3e-4, 1e-4, 0.0]})   # still decaying: KL(p_4||p_2) > KL(p_4||p_3)/10
+    tokens, shares = oscillating_tokens(frame, share_at=[4])
+    assert tokens[["pos", "token", "doc"]].values.tolist() == [[0, 100, 7]]
+    assert tokens.kl_other.iloc[0] == 1e-3 and tokens.kl_same.iloc[0] == 1e-6
+    assert shares == {4: pytest.approx(1e-3 / (1e-3 + 1e-7 + 1e-4))}
+    assert oscillating_tokens(frame, min_kl=1e-2)[0].empty  # below the floor of interest: none
+
+
+def test_oscillating_tokens_name_what_is_missing():
+    frame = _tokens_frame({0: [1.0, 1e-6, 1e-3, 0.0]})
+    with pytest.raises(DrcError, match="no kl_final values; measure with kl_to_final=True"):
+        oscillating_tokens(frame.assign(kl_final=np.nan))
+    with pytest.raises(DrcError, match="share_at loop 9 is outside 2..4"):
+        oscillating_tokens(frame, share_at=[9])
+    with pytest.raises(DrcError, match="2 loops; a 2-cycle needs at least 3"):
+        oscillating_tokens(frame[frame.loop <= 2])

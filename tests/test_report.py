@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from drc_core.analysis.tokens import TokenClass
 from drc_core.data.tokenizer import train_bpe
-from drc_core.experiments.report import PAPER, across_seeds, headline_numbers, plateau_depth, reproduction_table
+from drc_core.errors import DrcError
+from drc_core.experiments.handoff import Convergence, Cycles, Halting, Interval
+from drc_core.experiments.report import (
+    PAPER,
+    across_seeds,
+    headline_numbers,
+    plateau_depth,
+    reference_targets,
+    reproduction_table,
+    scale_table,
+)
 
 
 def test_plateau_depth():
@@ -116,3 +128,38 @@ def test_depth_curve_and_its_plateau_row():
     assert (curve.series == "mean 4").all()
     assert row == {"train_mean_depth": 4, "plateau_depth": 3, "ce_1": 4.0, "ce_at_mean": 3.301, "ce_max": 3.299,
                    "best_depth": 6, "best_ce": 3.299}
+
+
+def _records(ce1: float, ce8: float, kl16: float, uniform: float, kl_rule: float):
+    iv = lambda v: Interval(v, v - 0.01, v + 0.01)  # noqa: E731
+    conv = Convergence(kl_by_loop={2: iv(0.1), 16: iv(kl16)}, kl_final_by_loop={}, ce_by_loop={1: iv(ce1), 8: iv(ce8)},
+                       median_depth=iv(4), frac_updating=iv(0.05),
+                       oscillating=Cycles(count=3, share_of_mean_kl={16: 0.9}))
+    gap = {"family_depth": iv(kl_rule), "uniform_depth": iv(uniform), "saved": iv(uniform - kl_rule),
+           "saved_frac": iv(1 - kl_rule / uniform)}
+    return conv, Halting(reference_loops=8, matching={"uniform": uniform, "kl": kl_rule}, gaps={"kl": gap})
+
+
+def test_reference_targets_are_met_or_not_by_their_stated_thresholds():
+    good = reference_targets(*_records(4.2, 3.8, 8e-6, 5.0, 3.5), previous_ce=3.957)
+    assert good.met.tolist() == ["yes", "yes", "yes", "yes", "—"]
+    assert "3 tokens in a 2-cycle carry 90% of it" in good.measured[3]
+    assert "saves 1.50 [1.49, 1.51] loops, 30%" in good.measured[4]
+    bad = reference_targets(*_records(4.0, 3.9, 2e-5, 3.2, 3.0), previous_ce=3.957)
+    assert bad.met.tolist() == ["no", "no", "no", "no", "—"]
+    assert bad.criterion[1].startswith("CE(R) ≤ 3.857")
+
+
+def test_scale_table_reads_the_shipped_grid():
+    root = Path(__file__).resolve().parents[1] / "data" / "scale"
+    table = scale_table(root)
+    s = json.loads((root / "d256-m8" / "summary.json").read_text())
+    row = table.loc["d256-m8"]
+    assert (row.d, row.R, row.k) == (256, 8, 4)
+    assert row["CE(1)-CE(R)"] == pytest.approx(s["ce"]["1"] - s["ce"]["8"])
+    assert row.uniform_match == s["uniform_match_R"] and row["KL@2R"] == s["kl"]["16"]
+
+
+def test_scale_table_says_when_there_is_nothing(tmp_path):
+    with pytest.raises(DrcError, match="no runs under .*scripts/depth_scale.py"):
+        scale_table(tmp_path)

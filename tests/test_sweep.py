@@ -21,6 +21,7 @@ from drc_core.halting.sweep import (
     calibration_table,
     default_rules,
     matching_depth,
+    matching_gap,
     matching_table,
     online_vs_offline,
     summarize,
@@ -256,3 +257,40 @@ def test_matching_table_reproduces_the_reference_book():
             mine = got.loc[fam, col]
             missing = value is None or (isinstance(value, float) and math.isnan(value))  # saved NaN is null
             assert (missing and math.isnan(mine)) or (not missing and mine == value), (fam, col)
+
+
+def _synthetic_sweep(n_windows: int = 24, seed: int = 0) -> pd.DataFrame:
+    """Per-window rows of a uniform curve (depth 1..8, CE falling to a plateau at 4) and a 'kl' family that
+    reaches the plateau at fewer loops, with window-level noise."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for w in range(n_windows):
+        base, noise = rng.normal(4.0, 0.2), rng.normal(0, 0.01, size=16)
+        for d in range(1, 9):
+            rows.append({"family": "uniform", "param": float(d), "rule": f"uniform({d})", "window": w,
+                         "avg_depth": float(d), "ce": base + 0.5 * 2.0 ** (1 - d) + noise[d], "kl_ref": 0.0})
+        for j, (t, d) in enumerate(((0.1, 1.5), (0.03, 2.2), (0.01, 2.9), (0.003, 3.6))):
+            depth = d + rng.normal(0, 0.05)
+            rows.append({"family": "kl", "param": t, "rule": f"kl<{t}", "window": w, "avg_depth": depth,
+                         "ce": base + 0.5 * 2.0 ** (1 - 2.5 * depth) + noise[8 + j], "kl_ref": 0.0})
+    return pd.DataFrame(rows)
+
+
+def test_matching_gap_agrees_with_matching_table_and_brackets_it():
+    frame = _synthetic_sweep()
+    table = matching_table(summarize(frame, n_boot=1), 8, 0.005, 0.01)
+    gap = matching_gap(frame, "kl", reference=8, ce_tolerance=0.005, n_boot=200, seed=1)
+    assert gap["family_depth"][0] == pytest.approx(table.loc["kl", "ce_depth_interp"])
+    assert gap["uniform_depth"][0] == pytest.approx(table.loc["uniform", "ce_depth_interp"])
+    p, lo, hi = gap["saved"]
+    assert p == pytest.approx(gap["uniform_depth"][0] - gap["family_depth"][0]) and p > 0
+    assert lo < p < hi and gap["saved_frac"][0] == pytest.approx(p / gap["uniform_depth"][0])
+    # clusters coarser than windows (pairs of windows): a valid, different resampling
+    pairs = np.arange(24) // 2
+    coarse = matching_gap(frame, "kl", reference=8, ce_tolerance=0.005, clusters=pairs, n_boot=200, seed=1)
+    assert coarse["saved"][0] == pytest.approx(p) and coarse["saved"][1:] != gap["saved"][1:]
+
+
+def test_matching_gap_names_a_missing_family():
+    with pytest.raises(DrcError, match="family 'state_delta' is not in the frame"):
+        matching_gap(_synthetic_sweep(4), "state_delta", reference=8, ce_tolerance=0.005, n_boot=10)

@@ -8,7 +8,7 @@ import numpy as np
 
 from drc_core.errors import DrcError, need_int, need_level
 
-__all__ = ["bootstrap_ci", "percentile_interval"]
+__all__ = ["bootstrap_ci", "cluster_codes", "cluster_draws", "percentile_interval"]
 
 
 def percentile_interval(boot: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
@@ -22,6 +22,28 @@ def percentile_interval(boot: np.ndarray, level: float) -> tuple[np.ndarray, np.
         lo[some], hi[some] = np.nanquantile(boot[:, some], [alpha, 1.0 - alpha], axis=0)
     return lo, hi
 
+
+
+def cluster_codes(clusters, n: int) -> tuple[np.ndarray, int]:
+    """``(codes, n_clusters)``: each of the ``n`` rows' cluster as 0..n_clusters-1 (``clusters`` None: every row
+    is its own cluster)."""
+    if clusters is None:
+        return np.arange(n), n
+    c = np.asarray(clusters).reshape(-1)
+    if c.size != n:
+        raise DrcError(f"clusters has {c.size} entries but values has {n} rows; pass one cluster per row")
+    _, codes = np.unique(c, return_inverse=True)
+    return codes, int(codes.max()) + 1
+
+
+def cluster_draws(n_clusters: int, n_boot: int, seed: int, chunk: int):
+    """The bootstrap's resamples: blocks of at most ``chunk`` rows of (m, n_clusters) float counts, how often each
+    cluster is drawn when ``n_clusters`` are drawn with replacement; ``n_boot`` rows in all, the same sequence
+    for the same ``seed``."""
+    rng = np.random.default_rng(seed)
+    for b in range(0, n_boot, chunk):
+        yield rng.multinomial(n_clusters, np.full(n_clusters, 1.0 / n_clusters),
+                              size=min(chunk, n_boot - b)).astype(float)
 
 
 def _weighted_lower_median(sorted_x: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -52,20 +74,11 @@ def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 100
         raise DrcError(f"stat={stat!r} is not supported; use 'mean' or 'median'")
     n_boot = need_int("n_boot", n_boot, 1)
     level = need_level(level)
-    if clusters is None:
-        codes, n_c = np.arange(n), n
-    else:
-        c = np.asarray(clusters).reshape(-1)
-        if c.size != n:
-            raise DrcError(f"clusters has {c.size} entries but values has {n} rows; pass one cluster per row")
-        _, codes = np.unique(c, return_inverse=True)
-        n_c = int(codes.max()) + 1
-    rng = np.random.default_rng(seed)
+    codes, n_c = cluster_codes(clusters, n)
     chunk = max(1, 4_000_000 // n)  # replicates per block of cluster counts, so a block stays ~32 MB
 
-    def draws():  # the same sequence of (m, n_clusters) count blocks for both statistics
-        for b in range(0, n_boot, chunk):
-            yield rng.multinomial(n_c, np.full(n_c, 1.0 / n_c), size=min(chunk, n_boot - b)).astype(float)
+    def draws():  # the same sequence of (m, n_clusters) count blocks for every column and both statistics
+        return cluster_draws(n_c, n_boot, seed, chunk)
 
     boot = np.empty((n_boot, k))
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -89,7 +102,6 @@ def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 100
                 order = np.argsort(x[valid, j], kind="stable")
                 xs, cs = x[valid, j][order], codes[valid][order]
                 point[j] = xs[(len(xs) + 1) // 2 - 1]
-                rng = np.random.default_rng(seed)  # every column sees the same resamples
                 row = 0
                 for w in draws():
                     boot[row : row + len(w), j] = _weighted_lower_median(xs, w[:, cs])

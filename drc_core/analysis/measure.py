@@ -59,6 +59,7 @@ __all__ = [
     "eps_sensitivity",
     "kl_concentration",
     "load_frame",
+    "oscillating_tokens",
     "measure_windows",
     "per_loop_summary",
     "save_frame",
@@ -376,6 +377,33 @@ def kl_concentration(df: pd.DataFrame, loops: Sequence[int], shares: Sequence[fl
         row["mean_without_top_1%"] = float(kl[max(1, int(round(0.01 * kl.size))):].mean()) if kl.size > 1 else math.nan
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def oscillating_tokens(df: pd.DataFrame, *, min_kl: float = 1e-6, ratio: float = 10.0,
+                       share_at: Sequence[int] = ()) -> tuple[pd.DataFrame, dict[int, float]]:
+    """The tokens caught in a 2-cycle at the deepest loop L instead of at a fixed point: their output at L is far
+    from the one a loop earlier but close to the one two loops earlier -- ``KL(p_L || p_{L-1}) >= min_kl`` and
+    ``>= ratio * KL(p_L || p_{L-2})`` (the frame's ``kl_final``; needs L >= 3 and ``kl_to_final=True``).
+
+    Returns the tokens (``window``, ``pos``, the cluster column, ``token``, ``kl_other`` = KL(p_L || p_{L-1}),
+    ``kl_same`` = KL(p_L || p_{L-2}); largest ``kl_other`` first) and, for each loop l of ``share_at``, the share
+    of the mean successive KL at l that these tokens carry (how much of a KL floor the cycle explains)."""
+    tokens, mats, n_loops = _token_matrix(df, ("kl_final", "kl_prev", "token"))
+    if n_loops < 3:
+        raise DrcError(f"the frame has {n_loops} loops; a 2-cycle needs at least 3 (measure to max_loops >= 3)")
+    other, same = mats["kl_final"][:, n_loops - 2], mats["kl_final"][:, n_loops - 3]
+    if np.isnan(other).all():
+        raise DrcError("the frame has no kl_final values; measure with kl_to_final=True")
+    hit = (other >= need_float("min_kl", min_kl, 0.0)) & (other >= need_float("ratio", ratio, 1.0) * same)
+    out = tokens[hit].assign(token=mats["token"][hit, 0].astype(np.int64), kl_other=other[hit], kl_same=same[hit])
+    shares = {}
+    for loop in share_at:
+        if not 2 <= loop <= n_loops:
+            raise DrcError(f"share_at loop {loop} is outside 2..{n_loops}, the loops with a successive KL")
+        kl = mats["kl_prev"][:, loop - 1]
+        total = float(np.nansum(kl))
+        shares[int(loop)] = float(np.nansum(kl[hit]) / total) if total > 0 else math.nan
+    return out.sort_values("kl_other", ascending=False).reset_index(drop=True), shares
 
 
 def eps_sensitivity(df: pd.DataFrame, eps_grid: Sequence[float] = (1e-2, 1e-3, 1e-4, 1e-5),

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from drc_core.errors import DrcError
 
-__all__ = ["HANDOFFS", "Convergence", "Halting", "Interval", "TokenTypes", "Training"]
+__all__ = ["HANDOFFS", "Convergence", "Cycles", "Halting", "Interval", "TokenTypes", "Training"]
 
 
 def _num(x: Any) -> float:
@@ -46,6 +46,15 @@ class Interval:
 
 
 @dataclass(frozen=True)
+class Cycles:
+    """The tokens in a 2-cycle at the deepest loop (:func:`drc_core.analysis.measure.oscillating_tokens`): how
+    many, and the share of the mean successive KL they carry at some loops (loop -> share)."""
+
+    count: int
+    share_of_mean_kl: dict[int, float]
+
+
+@dataclass(frozen=True)
 class Training:
     """From 01_training: the model's size and training tokens."""
 
@@ -67,7 +76,8 @@ class Training:
 @dataclass(frozen=True)
 class Convergence:
     """From 02_convergence, per loop l: ``kl_by_loop`` (mean KL(p_l || p_{l-1}), l >= 2), ``kl_final_by_loop``
-    (mean KL(p_L || p_l), l < L), ``ce_by_loop``; and the depth summaries at the profile's eps."""
+    (mean KL(p_L || p_l), l < L), ``ce_by_loop``; the depth summaries at the profile's eps; and the tokens in a
+    2-cycle (``oscillating``)."""
 
     NOTEBOOK: ClassVar[str] = "02_convergence"
     kl_by_loop: dict[int, Interval]
@@ -75,6 +85,7 @@ class Convergence:
     ce_by_loop: dict[int, Interval]
     median_depth: Interval
     frac_updating: Interval
+    oscillating: Cycles
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> Convergence:
@@ -85,6 +96,9 @@ class Convergence:
             ce_by_loop={int(k): Interval.of(v) for k, v in r["ce_by_loop"].items()},
             median_depth=Interval.of(r["median_depth"]),
             frac_updating=Interval.of(r["frac_updating"]),
+            oscillating=Cycles(count=int(r["oscillating"]["count"]),
+                               share_of_mean_kl={int(k): _num(v)
+                                                 for k, v in r["oscillating"]["share_of_mean_kl"].items()}),
         )
 
 
@@ -103,19 +117,25 @@ class TokenTypes:
 
 @dataclass(frozen=True)
 class Halting:
-    """From 04_halting_and_routers: the reference depth and, per rule family, the (interpolated) average depth
-    at which it matches uniform depth ``reference_loops``'s CE (NaN where it never does; absent families are
-    None)."""
+    """From 04_halting_and_routers: the reference depth; per rule family, the (interpolated) average depth at
+    which it matches uniform depth ``reference_loops``'s CE (NaN where it never does; absent families are None);
+    and per family the loops it saves against the uniform depth of equal quality, with intervals (``gaps``:
+    family -> ``family_depth``, ``uniform_depth``, ``saved``, ``saved_frac``, as
+    :func:`drc_core.halting.sweep.gap_table` gives them)."""
 
     NOTEBOOK: ClassVar[str] = "04_halting_and_routers"
     reference_loops: int
     matching: dict[str, float]
+    gaps: dict[str, dict[str, Interval]]
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> Halting:
         _need(r, cls)
+        stats = ("family_depth", "uniform_depth", "saved", "saved_frac")
         return cls(reference_loops=int(r["reference_loops"]),
-                   matching={str(m["family"]): _num(m["ce_depth_interp"]) for m in r["matching"]})
+                   matching={str(m["family"]): _num(m["ce_depth_interp"]) for m in r["matching"]},
+                   gaps={str(g["family"]): {k: Interval(_num(g[k]), _num(g[f"{k}_lo"]), _num(g[f"{k}_hi"]))
+                                            for k in stats} for g in r["gaps"]})
 
     def depth(self, family: str) -> float:
         """The family's matching depth, NaN when the family is not in the table."""

@@ -39,7 +39,9 @@ __all__ = [
     "headline_numbers",
     "ours_from",
     "plateau_depth",
+    "reference_targets",
     "reproduction_table",
+    "scale_table",
 ]
 
 KL_GRID = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
@@ -307,3 +309,61 @@ def ours_from(training: Training, convergence: Convergence, token_types: TokenTy
         "frac_updating": (convergence.frac_updating.lo, convergence.frac_updating.hi),
     }
     return ours, intervals, training.scale
+
+
+def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce: float,
+                      previous: str = "the previous reference") -> pd.DataFrame:
+    """Issue F's targets for a reference model, from what notebooks 02 and 04 measured: one row per target with
+    the criterion, the measured value and whether it is met (the last row, the KL rule against the uniform depth
+    of equal quality, has no threshold: it is the headline, whatever it is).
+
+    R is the reference depth of notebook 04 (the training-mean depth). ``previous_ce``: CE at depth 8 of
+    ``previous`` on the same windows, which the new model's CE(R) must beat by 0.1 nats."""
+    R = halting.reference_loops
+    ce = convergence.ce_by_loop
+    ce1, ceR = ce[1].value, ce[R].value
+    uni = halting.depth("uniform")
+    kl2R = convergence.kl_by_loop[2 * R].value if 2 * R in convergence.kl_by_loop else math.nan
+    cyc = convergence.oscillating
+    share = cyc.share_of_mean_kl.get(2 * R, math.nan)
+    rows = [
+        ("depth gain", "CE(1) − CE(R) ≥ 0.3 nats", f"{ce1:.3f} − {ceR:.3f} = {ce1 - ceR:.3f}", ce1 - ceR >= 0.3),
+        ("a better deep model", f"CE(R) ≤ {previous_ce - 0.1:.3f} ({previous}'s CE@8 {previous_ce:.3f} − 0.1)",
+         f"{ceR:.3f} [{ce[R].lo:.3f}, {ce[R].hi:.3f}]", ceR <= previous_ce - 0.1),
+        ("uniform depth needs loops", f"uniform depth within 0.005 nats of CE(R) needs ≥ 0.6·R = {0.6 * R:.1f}",
+         f"{uni:.2f} loops ({uni / R:.2f}·R)", uni >= 0.6 * R),
+        ("a fixed point", f"mean successive KL at loop 2R = {2 * R} ≤ 1e-5",
+         f"{kl2R:.2g}; {cyc.count} tokens in a 2-cycle carry {share:.0%} of it", kl2R <= 1e-5),
+    ]
+    out = [{"target": t, "criterion": c, "measured": m, "met": "yes" if ok else "no"} for t, c, m, ok in rows]
+    gap = halting.gaps.get("kl")
+    if gap is not None:
+        sv, fr = gap["saved"], gap["saved_frac"]
+        out.append({"target": "the headline", "criterion": "KL rule vs the uniform depth of equal quality",
+                    "measured": f"{gap['family_depth'].value:.2f} vs {gap['uniform_depth'].value:.2f} loops: "
+                                f"saves {sv.value:.2f} [{sv.lo:.2f}, {sv.hi:.2f}] loops, "
+                                f"{fr.value:.0%} [{fr.lo:.0%}, {fr.hi:.0%}]",
+                    "met": "—"})
+    return pd.DataFrame(out)
+
+
+def scale_table(root: str | Path) -> pd.DataFrame:
+    """One row per run of ``scripts/depth_scale.py`` (each ``<root>/<run>/summary.json``), by run name: width,
+    reference depth R, backprop depth k, tokens and passes over the training split, training minutes, validation
+    CE at 1, 4, 8, R and 32 loops, the gain CE(1) − CE(R), the smallest uniform depth within 0.005 nats of CE(R)
+    (absolute and as a fraction of R), successive KL at 2, 16 and 2R, train CE at R and validation − train."""
+    rows = []
+    for f in sorted(Path(root).glob("*/summary.json")):
+        r = json.loads(f.read_text())
+        R, ce, kl = r["R"], r["ce"], r["kl"]
+        rows.append({
+            "run": r["name"], "d": r["d_model"], "R": R, "k": r["backprop_loops"], "tokens_M": r["tokens"] / 1e6,
+            "passes": r["passes"], "minutes": r["train_seconds"] / 60,
+            "CE@1": ce["1"], "CE@4": ce["4"], "CE@8": ce["8"], "CE@R": ce[str(R)], "CE@32": ce["32"],
+            "CE(1)-CE(R)": r["gain_1_R"], "uniform_match": r["uniform_match_R"],
+            "uniform_match/R": r["uniform_match_frac"], "KL@2": kl["2"], "KL@16": kl["16"],
+            "KL@2R": kl[str(2 * R)], "train CE@R": r["ce_train"][str(R)], "val-train": r["val_minus_train_R"],
+        })
+    if not rows:
+        raise DrcError(f"no runs under {root}: expected <run>/summary.json from scripts/depth_scale.py")
+    return pd.DataFrame(rows).set_index("run")

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from drc_core.analysis.intervals import bootstrap_ci
+from drc_core.analysis.intervals import bootstrap_ci, cluster_codes, cluster_draws, percentile_interval
 from drc_core.analysis.loops import iterate_stats
-from drc_core.errors import DrcError, need_int
+from drc_core.errors import DrcError, need_int, need_level
 from drc_core.halting.rules import (
     Acceleration,
     AdaptiveResult,
@@ -56,6 +56,8 @@ from drc_core.model.lm import RecurrentModel, check_token_ids, logits_at
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 __all__ = [
+    "gap_table",
+    "matching_gap",
     "CALIBRATED_FAMILIES",
     "QUALITIES",
     "Calibration",
@@ -292,16 +294,78 @@ def matching_depth(summary: pd.DataFrame, family: str, target: float, *, quality
     if g.empty:
         raise DrcError(f"family {family!r} is not in the summary; it has {sorted(summary.family.unique())}")
     depth, q = g.avg_depth.to_numpy(float), g[quality].to_numpy(float)
+    i, interp = _crossing(depth, q, target)
+    if i < 0:
+        return {"grid": float("nan"), "interpolated": float("nan"), "param": float("nan"), "quality": float("nan")}
+    return {"grid": float(depth[i]), "interpolated": interp, "param": float(g.param.iloc[i]),
+            "quality": float(q[i])}
+
+
+def _crossing(depth: np.ndarray, q: np.ndarray, target: float) -> tuple[int, float]:
+    """Along a curve of points sorted by ``depth``: the index of the first point with ``q <= target`` (-1 if
+    none) and the depth where the curve, linear between neighbours, crosses ``target`` (NaN if none)."""
     ok = np.flatnonzero(q <= target)
     if not len(ok):
-        return {"grid": float("nan"), "interpolated": float("nan"), "param": float("nan"), "quality": float("nan")}
+        return -1, float("nan")
     i = int(ok[0])
     interp = depth[i]
     if i > 0 and q[i - 1] > target:
         frac = (q[i - 1] - target) / (q[i - 1] - q[i])
         interp = depth[i - 1] + frac * (depth[i] - depth[i - 1])
-    return {"grid": float(depth[i]), "interpolated": float(interp), "param": float(g.param.iloc[i]),
-            "quality": float(q[i])}
+    return i, float(interp)
+
+
+def matching_gap(frame: pd.DataFrame, family: str, *, reference: int, ce_tolerance: float,
+                 clusters: np.ndarray | None = None, n_boot: int = 1000, seed: int = 0,
+                 level: float = 0.95) -> dict[str, tuple[float, float, float]]:
+    """How many loops ``family`` saves against *uniform depth* at matched quality, with a bootstrap CI.
+
+    Quality is matched as in :func:`matching_table`: CE <= CE(uniform ``reference``) + ``ce_tolerance``. Both
+    matching depths are interpolated (:func:`matching_depth`) and recomputed on every bootstrap resample of the
+    windows' clusters (``clusters`` as for :func:`summarize`; default: windows), the target included, so the
+    intervals carry the uncertainty of both curves and of the target. ``frame``: the per-window output of
+    :func:`sweep` (every window the same number of tokens). Returns ``(point, lo, hi)`` for ``family_depth``,
+    ``uniform_depth``, ``saved`` (uniform - family loops) and ``saved_frac`` (saved / uniform); a resample in
+    which a family never reaches the target is left out of that interval (NaN when none reaches it)."""
+    level = need_level(level)
+    n_boot = need_int("n_boot", n_boot, 1)
+    curves = {}
+    for fam in ("uniform", family):
+        g = frame[frame.family == fam]
+        if g.empty:
+            raise DrcError(f"family {fam!r} is not in the frame; it has {sorted(frame.family.unique())}")
+        curves[fam] = (g.pivot_table(index=["param", "rule"], columns="window", values="avg_depth"),
+                       g.pivot_table(index=["param", "rule"], columns="window", values="ce"))
+    win = curves["uniform"][0].columns.to_numpy()
+    if not np.array_equal(curves[family][0].columns.to_numpy(), win):
+        raise DrcError(f"uniform and {family!r} cover different windows; pass one sweep() over the same windows")
+    codes, n_c = cluster_codes(None if clusters is None else np.asarray(clusters)[win], len(win))
+    onehot = np.zeros((len(win), n_c))
+    onehot[np.arange(len(win)), codes] = 1.0  # window -> cluster
+    ref_row = list(curves["uniform"][0].index.get_level_values("param")).index(float(reference))
+
+    def depths(w: np.ndarray) -> np.ndarray:
+        """(m, 2) matching depths (uniform, family) for cluster weights w (m, n_c)."""
+        ww = w @ onehot.T  # (m, windows)
+        means = {f: ((ww @ d.to_numpy().T) / ww.sum(1, keepdims=True),
+                     (ww @ c.to_numpy().T) / ww.sum(1, keepdims=True)) for f, (d, c) in curves.items()}
+        target = means["uniform"][1][:, ref_row] + ce_tolerance
+        out = np.full((len(w), 2), np.nan)
+        for j, f in enumerate(("uniform", family)):
+            d, c = means[f]
+            for r in range(len(w)):
+                order = np.argsort(d[r], kind="stable")
+                out[r, j] = _crossing(d[r][order], c[r][order], float(target[r]))[1]
+        return out
+
+    def stats(dd: np.ndarray) -> np.ndarray:
+        return np.stack([dd[:, 1], dd[:, 0], dd[:, 0] - dd[:, 1], (dd[:, 0] - dd[:, 1]) / dd[:, 0]], axis=1)
+
+    point = stats(depths(np.ones((1, n_c))))[0]
+    boot = np.concatenate([stats(depths(w)) for w in cluster_draws(n_c, n_boot, seed, chunk=256)])
+    lo, hi = percentile_interval(boot, level)
+    keys = ("family_depth", "uniform_depth", "saved", "saved_frac")
+    return {k: (float(point[i]), float(lo[i]), float(hi[i])) for i, k in enumerate(keys)}
 
 
 @dataclass
@@ -377,6 +441,26 @@ def matching_table(summary: pd.DataFrame, reference: int, ce_tolerance: float, k
     match["cut_vs_8_ce"] = 1 - match.ce_depth_interp / reference
     match["cut_vs_8_kl"] = 1 - match.kl_depth_interp / reference
     return match
+
+
+def gap_table(frame: pd.DataFrame, reference: int, ce_tolerance: float, *, families: Sequence[str] | None = None,
+              windows: Sequence[int] | np.ndarray | None = None, clusters: np.ndarray | None = None,
+              n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """:func:`matching_gap` for each family (default: every family of ``frame`` but uniform depth itself), on the
+    ``windows`` given (e.g. the held-out split): one row per family with ``<stat>``, ``<stat>_lo`` and
+    ``<stat>_hi`` for ``family_depth``, ``uniform_depth``, ``saved`` and ``saved_frac``."""
+    if windows is not None:
+        frame = frame[frame.window.isin(np.asarray(windows))]
+    fams = [f for f in (families or frame.family.unique()) if f != "uniform"]
+    rows = []
+    for fam in fams:
+        gap = matching_gap(frame, fam, reference=reference, ce_tolerance=ce_tolerance, clusters=clusters,
+                           n_boot=n_boot, seed=seed)
+        row: dict[str, object] = {"family": fam}
+        for k, (p, lo, hi) in gap.items():
+            row[k], row[f"{k}_lo"], row[f"{k}_hi"] = p, lo, hi
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("family")
 
 
 def calibration_table(calib: pd.DataFrame, heldout: pd.DataFrame, reference: int, ce_tolerance: float,
