@@ -212,8 +212,8 @@ grid.round(4) if len(grid) else "no depth-scale runs shipped"
 
 # %% [markdown]
 # ## Which lever makes a small model use depth?
-# The reference model gains little from loops beyond 4 (notebook 1), far less than the paper's 0.6 nats from
-# 1 to 8 loops. `scripts/depth_levers.sh` trains the small preset with one change at a time (shipped under
+# The first round's study at the smallest scale (d=64), which the grid above continues at d=256: the gain from
+# depth stayed far below the paper's 0.6 nats from 1 to 8 loops. `scripts/depth_levers.sh` trains the small preset with one change at a time (shipped under
 # `levers_dir`: evaluations and metrics, no weights; not retrained by the book). `CE1-CE8` is the gain from
 # depth in nats; `minutes` is single-thread training time on the development machine.
 

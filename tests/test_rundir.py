@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
 from drc_core.model.lm import DepthRecurrentLM
 from drc_core.training.config import apply_overrides, preset
 from drc_core.training.evaluate import main as evaluate_main
-from drc_core.training.rundir import open_run
+from drc_core.training.rundir import corpus_record, open_run
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +88,40 @@ def test_evaluate_on_a_damaged_checkpoint_is_one_line(layouts, capsys, tmp_path,
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     line = _one_error_line(capsys, run_cli(evaluate_main, ["--run", str(broken), "--data", str(local_corpus)]))
     assert "cannot load the model" in line
+
+
+def test_ship_writes_the_shipped_layout_that_opens_like_the_run(layouts, tmp_path, local_corpus):
+    corpus = Corpus.open(local_corpus)
+    run = open_run(layouts["run"])
+    (layouts["run"] / "corpus.json").write_text(json.dumps(corpus_record(corpus)))
+    (layouts["run"] / "eval.json").write_text('{"loss_all": {}}')
+    try:
+        dest = run.ship(tmp_path / "ref", corpus=corpus, side_files=("eval.json", "absent.json"),
+                        info={"command": "x"})
+    finally:
+        (layouts["run"] / "corpus.json").unlink()
+        (layouts["run"] / "eval.json").unlink()
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        ["model.safetensors", "config.json", "train_config.json", "metrics.jsonl", "tokenizer.json",
+         "corpus_meta.json", "eval.json", "source.json"])
+    shipped = open_run(dest)
+    assert shipped.weights == dest and shipped.train_config() == run.train_config()
+    a, b = run.load_model().state_dict(), shipped.load_model().state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    shipped.check_corpus(corpus)  # corpus_meta.json carries what the check reads
+    assert json.loads((dest / "corpus_meta.json").read_text())["fingerprint"] == corpus.fingerprint
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+    with pytest.raises(DrcError, match="exists and is not empty.*nothing was written"):
+        open_run(layouts["final"]).ship(dest)
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+
+
+def test_ship_refuses_a_corpus_the_run_was_not_trained_on(layouts, tmp_path, local_corpus):
+    corpus = Corpus.open(local_corpus)
+    (layouts["run"] / "corpus.json").write_text(json.dumps({"tokenizer_sha256": "0" * 64, "fingerprint": "f"}))
+    try:
+        with pytest.raises(DrcError, match="another tokenizer"):
+            open_run(layouts["run"]).ship(tmp_path / "ref", corpus=corpus)
+    finally:
+        (layouts["run"] / "corpus.json").unlink()
+    assert not (tmp_path / "ref").exists() and not (tmp_path / "ref.tmp").exists()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from drc_core.data.prepare import PrepareConfig, prepare
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec
 from drc_core.errors import DrcError
-from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
+from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM
 from drc_core.training.config import TrainConfig
 from drc_core.training.rundir import FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
 from drc_core.training.train import preset_for, train
@@ -90,17 +89,8 @@ def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, ove
         cfg = preset_for(preset_name, list(overrides), corpus)
         run = open_run(train_or_reuse(cfg, corpus.path, work / "train", progress=progress))
         info = {"kind": "trained", "path": str(run.path), "preset": preset_name, "overrides": list(overrides)}
-    assert run is not None and run.weights is not None
-    files = {WEIGHTS_FILE: run.weights / WEIGHTS_FILE, CONFIG_FILE: run.model_config_path,
-             SHIPPED_TRAIN_CONFIG: run.train_config_path, METRICS_FILE: run.metrics_path}
-    tmp = work / "model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, path in files.items():
-        shutil.copy2(path, tmp / name)
-    (tmp / "source.json").write_text(json.dumps(info, indent=2) + "\n")
-    shutil.rmtree(model_dir, ignore_errors=True)
-    tmp.rename(model_dir)
+    assert run is not None
+    run.ship(model_dir, info=info, replace=True)
     return info
 
 

@@ -18,6 +18,7 @@ for the model is then a one-line :class:`~drc_core.errors.DrcError`.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ FINAL_DIR = "final"
 METRICS_FILE = "metrics.jsonl"
 SHIPPED_TRAIN_CONFIG = "train_config.json"
 SHIPPED_CORPUS_META = "corpus_meta.json"
+SHIPPED_CORPUS_META_KEYS = ("source", "fingerprint", "documents", "characters", "tokens", "per_source", "seed",
+                            "tokenizer_sha256", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,44 @@ class RunDir:
         if self.metrics_path is None:
             raise DrcError(f"'{self.path}' has no {METRICS_FILE}: pass a training run or a shipped copy with metrics")
         return pd.read_json(self.metrics_path, lines=True)
+
+    def ship(self, dest: str | Path, *, corpus: Corpus | None = None, side_files: tuple[str, ...] = (),
+             info: dict | None = None, replace: bool = False) -> Path:
+        """Write this run as a shipped copy at ``dest`` (the layout of ``data/reference``): the weights and the
+        model's ``config.json``, ``train_config.json``, ``metrics.jsonl``; with ``corpus``, its ``tokenizer.json``
+        and ``corpus_meta.json`` (what :meth:`check_corpus` reads); each of ``side_files`` the run has (e.g.
+        ``eval.json``); ``info`` as ``source.json``. Written into a temporary sibling and renamed, so ``dest`` is
+        complete or untouched; an existing non-empty ``dest`` is an error unless ``replace``."""
+        dest = Path(dest)
+        if dest.exists() and any(dest.iterdir()) and not replace:
+            raise DrcError(f"'{dest}' exists and is not empty: choose another destination (nothing was written)")
+        if self.train_config_path is None or self.metrics_path is None:
+            raise DrcError(f"'{self.path}' lacks its training config or {METRICS_FILE}: ship a run directory")
+        files = {WEIGHTS_FILE: self._need_weights() / WEIGHTS_FILE, CONFIG_FILE: self.model_config_path,
+                 SHIPPED_TRAIN_CONFIG: self.train_config_path, METRICS_FILE: self.metrics_path}
+        for name in side_files:
+            if (found := self.file(name)) is not None:
+                files[name] = found
+        if corpus is not None:
+            self.check_corpus(corpus)
+            files["tokenizer.json"] = corpus.path / "tokenizer.json"
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            for name, path in files.items():
+                shutil.copy2(path, tmp / name)
+            if corpus is not None:
+                meta = {k: corpus.meta[k] for k in SHIPPED_CORPUS_META_KEYS if k in corpus.meta}
+                (tmp / SHIPPED_CORPUS_META).write_text(json.dumps(meta, indent=2) + "\n")
+            if info is not None:
+                (tmp / "source.json").write_text(json.dumps(info, indent=2) + "\n")
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        return dest
 
     def corpus_record(self) -> dict | None:
         """What the run recorded of its corpus (``corpus.json`` of a run, ``corpus_meta.json`` of a shipped copy):
