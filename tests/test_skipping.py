@@ -189,6 +189,9 @@ def test_work_counts_what_was_computed(model, idx, rules):
     w = res.work
     assert w.core == int(res.exit_loop.sum()) and w.head == n and w.vocab_stats == 0
     assert w.blocks >= n + n and w.blocks + w.qkv <= n + 2 * w.core  # coda context at most every active token
+    res = skip_forward(model, idx, rules["minp_kl"], generator=_gen())
+    m = res.work  # min-p KL: the softmax plus two filtered distributions and their KL per token-loop
+    assert m.head == int(res.exit_loop.sum()) and m.vocab_stats == 3 * m.head
 
 
 def test_fused_kernel_equals_the_masked_reference(model, idx, rules, monkeypatch):

@@ -297,7 +297,8 @@ class Work:
     """Token passes a skipping run actually computed: ``core`` (token-loops through the whole core, adapter
     included), ``blocks`` (full block applications outside the core: prelude, coda), ``qkv`` (tokens that only
     projected their coda keys/values as context), ``head`` (readouts through the final norm and the head) and
-    ``vocab_stats`` (token-loops of vocabulary-sized statistics: softmax and what the rule reads), and
+    ``vocab_stats`` (token-loops x vocabulary-sized passes: the softmax and what the rule reads, three passes for
+    min-p KL), and
     ``tokens`` (the tokens processed). :func:`drc_core.experiments.cost.honest_flops` prices them."""
 
     core: int = 0
@@ -383,6 +384,9 @@ class _Tracker:
                  fused: bool = False) -> None:
         self.need, self.fused = need, fused
         self.readout_each_loop = readout
+        # vocabulary-sized passes per token-loop: the softmax and the statistic read from it; min-p KL adds two
+        # filtered distributions (this loop's and the previous loop's, recomputed) and their KL
+        self.vocab_passes = 1 + (2 if "minp_kl" in need else 0)
         self.bufs = [like.new_empty(n, vocab, dtype=torch.float32) for _ in range(2 if readout else 0)]
         self.cur = 0
         self.prev: dict[str, Tensor] = {}
@@ -652,7 +656,7 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
             y = coda(model, x, attn, coda_kv, work=w)
             res.update(tracker.readout(model, y, loop))
             w.head += n
-            w.vocab_stats += n
+            w.vocab_stats += n * tracker.vocab_passes
         if loop < rule.min_loops:  # no token halts before min_loops (HaltingRule.decide): no decision, no sync
             tracker.done(loop, x, res)
             continue
