@@ -208,18 +208,19 @@ if targets is not None:
 
 # %%
 grid = scale_table(scale_dir) if scale_dir and Path(scale_dir).is_dir() else pd.DataFrame()
-grid.round(4) if len(grid) else "no depth-scale runs shipped"
+viz.number_table(grid) if len(grid) else "no depth-scale runs shipped"
 
 # %% [markdown]
 # ## Which lever makes a small model use depth?
 # The first round's study at the smallest scale (d=64), which the grid above continues at d=256: the gain from
-# depth stayed far below the paper's 0.6 nats from 1 to 8 loops. `scripts/depth_levers.sh` trains the small preset with one change at a time (shipped under
-# `levers_dir`: evaluations and metrics, no weights; not retrained by the book). `CE1-CE8` is the gain from
-# depth in nats; `minutes` is single-thread training time on the development machine.
+# depth stayed far below the paper's 0.6 nats from 1 to 8 loops. `scripts/depth_levers.sh` trains the small
+# preset with one change at a time (shipped under `levers_dir`: evaluations and metrics, no weights; not
+# retrained by the book). `CE1-CE8` is the gain from depth in nats; `minutes` is single-thread training time on
+# the development machine.
 
 # %%
 levers = runs_table(levers_dir) if levers_dir and Path(levers_dir).is_dir() else pd.DataFrame()
-levers.round(4) if len(levers) else "no lever runs shipped"
+viz.number_table(levers, digits=4) if len(levers) else "no lever runs shipped"
 
 # %%
 results = {

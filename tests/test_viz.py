@@ -362,3 +362,10 @@ def test_bad_input_is_one_clear_line(frame, tok, call, message):
     with pytest.raises(DrcError, match=message) as err:
         call(frame, tok)
     assert "\n" not in str(err.value)
+
+
+def test_number_table_keeps_small_kl_values_readable():
+    df = pd.DataFrame({"d": [256, 128], "CE@8": [3.74961, 4.2933], "KL@16": [5.92e-5, 2.79e-5], "name": ["a", "b"]})
+    html = viz.number_table(df).to_html()
+    assert "5.92e-05" in html and "2.79e-05" in html  # DataFrame.round(4) would show 0.0001 and 0.0000
+    assert ">256<" in html and "3.750" in html and ">a<" in html

@@ -137,6 +137,24 @@ def _pow2_ticks(values) -> list[int]:
 # Training and depth curves
 
 
+def number_table(df: pd.DataFrame, digits: int = 3):
+    """``df`` as a styled table for a page: columns whose name starts with "KL" (quantities spanning orders of
+    magnitude) in scientific notation, integer-valued columns as integers, other numbers with ``digits``
+    decimals (``DataFrame.round`` would print a KL of 3e-5 as 0.0000)."""
+    fmt: dict[str, str] = {}
+    for c in df.columns:
+        col = df[c]
+        if not pd.api.types.is_numeric_dtype(col):
+            continue
+        if str(c).startswith("KL"):
+            fmt[c] = "{:.2e}"
+        elif bool(np.all(np.isclose(col.dropna() % 1, 0))):
+            fmt[c] = "{:.0f}"
+        else:
+            fmt[c] = f"{{:.{digits}f}}"
+    return df.style.format(fmt)
+
+
 def loss_curves(metrics: pd.DataFrame) -> go.Figure:
     """Training loss per step (raw, faint, and a rolling mean) and validation loss per step at each eval depth.
 
