@@ -107,10 +107,9 @@ R = round(train_mean)
 cycling, cycle_share = oscillating_tokens(
     frame, share_at=sorted({lp for lp in (2 * R, max_loops) if 2 <= lp <= max_loops})
 )
-print(
-    f"{len(cycling)} of {frame.loc[frame.loop == 1].shape[0]:,} tokens in a 2-cycle at loop {max_loops}; "
-    + ", ".join(f"{sh:.0%} of the mean successive KL at loop {lp}" for lp, sh in cycle_share.items())
-)
+n_tokens = int((frame.loop == 1).sum())
+shares = ", ".join(f"{sh:.0%} of the mean KL at loop {lp}" for lp, sh in cycle_share.items())
+print(f"{len(cycling)} of {n_tokens:,} tokens in a 2-cycle at loop {max_loops}; {shares}")
 tokenizer = corpus.tokenizer()
 cycling.head(12).assign(text=lambda d: [repr(tokenizer.decode([int(t)])) for t in d.token]).drop(
     columns="token"

@@ -184,8 +184,8 @@ match.round(3)
 
 # %%
 gaps = gap_table(frame, reference, ce_tolerance, windows=held_idx, clusters=clusters, seed=seed)
-gaps[["family_depth", "uniform_depth", "saved", "saved_lo", "saved_hi", "saved_frac", "saved_frac_lo",
-      "saved_frac_hi"]].round(3)
+shown = ["family_depth", "uniform_depth", "saved", "saved_lo", "saved_hi"]
+gaps[[*shown, "saved_frac", "saved_frac_lo", "saved_frac_hi"]].round(3)
 
 # %% [markdown]
 # ## Calibration
