@@ -184,7 +184,11 @@ scales, targets = [], None
 if previous_reference:
     prev = open_run(previous_reference)
     prev_curve = loss_by_depth(prev.load_model(), target_windows, loops)
-    now_curve = loss_by_depth(model, target_windows, loops)
+    if set(loops) <= set(convergence.ce_by_loop) and convergence.n_tokens == target_windows[:, 1:].numel():
+        # notebook 2 read this model at every loop of these windows (same windows, same initial state)
+        now_curve = {n: convergence.ce_by_loop[n].value for n in loops}
+    else:
+        now_curve = loss_by_depth(model, target_windows, loops)
     pairs = (("previous (d=128)", prev_curve, 8), ("this reference", now_curve, R))
     for label, curve, mean in pairs:
         c, row = depth_curve(curve, mean, plateau_tol)

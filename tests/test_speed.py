@@ -18,7 +18,7 @@ import torch
 
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
-from drc_core.experiments.cost import VOCAB_STAT_FLOPS, matmul_flops_per_token
+from drc_core.experiments.cost import VOCAB_STAT_FLOPS, flop_parts, matmul_flops_per_token
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
@@ -176,6 +176,17 @@ def test_matmul_flop_model(model):
         matmul_flops_per_token(model, 4, T, "dense")
 
 
+def test_flop_parts_add_up(model):
+    T = 16
+    p = flop_parts(model, T)
+    for r in (0, 1, 5):
+        assert p["prelude"] + r * p["core"] + p["coda"] + p["head"] == pytest.approx(model.flops_per_token(r, T))
+    # a log-prob rule's readout per loop: coda + head + the vocabulary statistic, what honest_flops charges
+    assert p["readout"] == pytest.approx(p["coda"] + 2 * model.cfg.d_model * V + VOCAB_STAT_FLOPS * V)
+    assert matmul_flops_per_token(model, 3, T, "skip_log_probs") == pytest.approx(
+        p["prelude"] + 3 * (p["core"] + p["readout"] - p["vocab_stats"]))
+
+
 @pytest.mark.parametrize("kw, needle", [
     ({"rounds": 0}, "rounds"), ({"new_tokens": 1}, "new_tokens"), ({"ce_tolerance": -1.0}, "ce_tolerance"),
     ({"families": ("kl", "nope")}, "families"), ({"measure_loops": 1}, "measure_loops"),
@@ -325,9 +336,22 @@ def test_honest_flops_columns(report, model):
 
 def test_issue_targets_rows(report):
     t = report.targets
-    assert {"setting", "rule", "target", "value", "threshold", "met"} <= set(t.columns)
+    assert {"setting", "rule", "target", "value", "threshold", "met", "ceiling", "reachable"} <= set(t.columns)
     assert (t.met == [v <= th if "<=" in tg else (v > th if "> 1" in tg else v >= th)
                       for v, th, tg in zip(t.value, t.threshold, t.target, strict=True)]).all()
+    # the ceiling is the value at wall = honest FLOPs; a met target has a reachable ceiling
+    b = report.batched.set_index("rule")
+    for row in t.itertuples():
+        if row.setting != "batched eval":
+            continue
+        if row.target == "wall / proxy >= 0.9":
+            assert row.ceiling == pytest.approx(b.loc[row.rule, "honest_speedup"] / b.loc[row.rule, "proxy_speedup"])
+        elif "speedup" in row.target:
+            assert row.ceiling == pytest.approx(b.loc[row.rule, "honest_speedup"])
+        else:
+            assert row.ceiling == 1.0 and row.reachable
+    assert (t.reachable == [c <= th if "<=" in tg else (c > th if "> 1" in tg else c >= th)
+                            for c, th, tg in zip(t.ceiling, t.threshold, t.target, strict=True)]).all()
     targets = set(t.target)
     assert {"time / dense time at equal depth <= 1.05", "wall / honest FLOPs >= 0.9", "wall / proxy >= 0.9",
             "wall-clock speedup >= 1.5", "faster than uniform depth (wall-clock speedup > 1)"} <= targets

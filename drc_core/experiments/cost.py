@@ -22,8 +22,8 @@ from typing import TypeVar
 from drc_core.errors import DrcError
 from drc_core.model.lm import DepthRecurrentLM
 
-__all__ = ["CLOCKS", "VOCAB_STAT_FLOPS", "Log", "honest_flops", "interleaved", "matmul_flops_per_token", "median",
-           "rotations", "spread", "train_flops_per_token"]
+__all__ = ["CLOCKS", "VOCAB_STAT_FLOPS", "Log", "flop_parts", "honest_flops", "interleaved", "matmul_flops_per_token",
+           "median", "rotations", "spread", "train_flops_per_token"]
 
 Log = Callable[[str], None] | None
 T = TypeVar("T")
@@ -38,13 +38,9 @@ def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, 
     from :meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`; log-softmax, statistics and the
     gather/scatter of the skipping path are not matmuls and not counted.
     """
-    c = model.cfg
-    base = model.flops_per_token(0, seq_len)  # (P + C) * block + head
-    core = model.flops_per_token(1, seq_len) - base
-    head = 2 * c.d_model * c.vocab_size
-    n_blocks = c.n_prelude + c.n_coda
-    block = (base - head) / n_blocks if n_blocks else 0.0
-    prelude, coda = c.n_prelude * block, c.n_coda * block
+    parts = flop_parts(model, seq_len)
+    prelude, core, coda, head = parts["prelude"], parts["core"], parts["coda"], parts["head"]
+    base = prelude + coda + head
     if path == "forward":
         return base + loops * core
     if path == "skip_log_probs":
@@ -52,6 +48,24 @@ def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, 
     if path == "skip_states":
         return prelude + loops * core + coda + head
     raise DrcError(f"path={path!r} is not supported; use 'forward', 'skip_log_probs' or 'skip_states'")
+
+
+def flop_parts(model: DepthRecurrentLM, seq_len: int) -> dict[str, float]:
+    """Matmul FLOPs per token of each part of a forward, from
+    :meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`: ``prelude`` and ``coda`` (their blocks, run once),
+    ``core`` (one loop: R blocks + adapter), ``head`` (2 d V); plus ``vocab_stats`` (the elementwise work of one
+    per-loop readout statistic, ``VOCAB_STAT_FLOPS * V``) and ``readout`` = coda + head + vocab_stats, what a rule
+    that reads the output distribution pays per active token and loop, beside one core loop."""
+    c = model.cfg
+    base = model.flops_per_token(0, seq_len)  # (P + C) * block + head
+    core = model.flops_per_token(1, seq_len) - base
+    head = 2 * c.d_model * c.vocab_size
+    n_blocks = c.n_prelude + c.n_coda
+    block = (base - head) / n_blocks if n_blocks else 0.0
+    coda = c.n_coda * block
+    stats = VOCAB_STAT_FLOPS * c.vocab_size
+    return {"prelude": c.n_prelude * block, "core": core, "coda": coda, "head": float(head),
+            "vocab_stats": float(stats), "readout": coda + head + stats}
 
 
 VOCAB_STAT_FLOPS = 8  # per vocabulary entry and token-loop of a per-loop readout: softmax (max, subtract, exp, sum)

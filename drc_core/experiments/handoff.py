@@ -76,8 +76,8 @@ class Training:
 @dataclass(frozen=True)
 class Convergence:
     """From 02_convergence, per loop l: ``kl_by_loop`` (mean KL(p_l || p_{l-1}), l >= 2), ``kl_final_by_loop``
-    (mean KL(p_L || p_l), l < L), ``ce_by_loop``; the depth summaries at the profile's eps; and the tokens in a
-    2-cycle (``oscillating``)."""
+    (mean KL(p_L || p_l), l < L), ``ce_by_loop``; the depth summaries at the profile's eps; the tokens in a
+    2-cycle (``oscillating``); ``n_tokens``, the number of tokens these were measured on."""
 
     NOTEBOOK: ClassVar[str] = "02_convergence"
     kl_by_loop: dict[int, Interval]
@@ -86,6 +86,7 @@ class Convergence:
     median_depth: Interval
     frac_updating: Interval
     oscillating: Cycles
+    n_tokens: int = 0
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> Convergence:
@@ -99,6 +100,7 @@ class Convergence:
             oscillating=Cycles(count=int(r["oscillating"]["count"]),
                                share_of_mean_kl={int(k): _num(v)
                                                  for k, v in r["oscillating"]["share_of_mean_kl"].items()}),
+            n_tokens=int(r["n_tokens"]),
         )
 
 
