@@ -61,6 +61,7 @@ from drc_core.experiments.report import (
     depth_curve,
     explain,
     headline_numbers,
+    lever_effects,
     ours_from,
     reference_targets,
     reproduction_table,
@@ -215,6 +216,16 @@ grid = scale_table(scale_dir) if scale_dir and Path(scale_dir).is_dir() else pd.
 viz.number_table(grid) if len(grid) else "no depth-scale runs shipped"
 
 # %% [markdown]
+# What each lever changes, one change at a time (`drc_core.experiments.report.lever_effects`; `d` is changed
+# run minus baseline, so a negative `d CE@R` is a better deep model). Issue F asks for a gain that comes from a
+# better deep model: `d CE@R` < 0 with `d gain` > 0. `train gain` is the changed run's CE(1) − CE(R) on
+# training windows, beside its validation `gain`.
+
+# %%
+effects = lever_effects(grid) if len(grid) else pd.DataFrame()
+viz.number_table(effects) if len(effects) else "no lever of the grid has both its runs"
+
+# %% [markdown]
 # ## Which lever makes a small model use depth?
 # The first round's study at the smallest scale (d=64), which the grid above continues at d=256: the gain from
 # depth stayed far below the paper's 0.6 nats from 1 to 8 loops. `scripts/depth_levers.sh` trains the small
@@ -243,6 +254,7 @@ results = {
     "scales": [r for _, r in scales],
     "targets": targets.to_dict("records") if targets is not None else [],
     "scale_grid": grid.reset_index().to_dict("records") if len(grid) else [],
+    "lever_effects": effects.reset_index().to_dict("records") if len(effects) else [],
     "agree": int((table.verdict == "agree").sum()),
     "claims": len(table),
     "notebook_seconds": time.time() - t0,

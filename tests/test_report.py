@@ -17,6 +17,7 @@ from drc_core.experiments.report import (
     PAPER,
     across_seeds,
     headline_numbers,
+    lever_effects,
     plateau_depth,
     reference_targets,
     reproduction_table,
@@ -158,8 +159,24 @@ def test_scale_table_reads_the_shipped_grid():
     assert (row.d, row.R, row.k) == (256, 8, 4)
     assert row["CE(1)-CE(R)"] == pytest.approx(s["ce"]["1"] - s["ce"]["8"])
     assert row.uniform_match == s["uniform_match_R"] and row["KL@2R"] == s["kl"]["16"]
+    assert row["train CE(1)-CE(R)"] == pytest.approx(s["ce_train"]["1"] - s["ce_train"]["8"])
 
 
 def test_scale_table_says_when_there_is_nothing(tmp_path):
     with pytest.raises(DrcError, match="no runs under .*scripts/depth_scale.py"):
         scale_table(tmp_path)
+
+
+def test_lever_effects_are_differences_of_the_grid_rows():
+    grid = scale_table(Path(__file__).resolve().parents[1] / "data" / "scale")
+    fx = lever_effects(grid)
+    row = fx.loc["tokens x1 -> x5 (the reference)"]
+    a, b = grid.loc["d256-m8"], grid.loc["cpu-ref"]
+    assert row["d CE@R"] == pytest.approx(b["CE@R"] - a["CE@R"]) and row["gain"] == b["CE(1)-CE(R)"]
+    assert row["d gain"] == pytest.approx(b["CE(1)-CE(R)"] - a["CE(1)-CE(R)"])
+    # a lever whose runs are not both in the grid is left out; none at all is one clear error
+    assert "made-up" not in fx.index
+    fx2 = lever_effects(grid, [("made-up", "d256-m8", "no-such-run"), ("width", "d128-m8", "d256-m8")])
+    assert list(fx2.index) == ["width"]
+    with pytest.raises(DrcError, match="SCALE_LEVERS"):
+        lever_effects(grid, [("made-up", "d256-m8", "no-such-run")])

@@ -41,6 +41,7 @@ __all__ = [
     "plateau_depth",
     "reference_targets",
     "reproduction_table",
+    "lever_effects",
     "scale_table",
 ]
 
@@ -351,7 +352,9 @@ def scale_table(root: str | Path) -> pd.DataFrame:
     """One row per run of ``scripts/depth_scale.py`` (each ``<root>/<run>/summary.json``), by run name: width,
     reference depth R, backprop depth k, tokens and passes over the training split, training minutes, validation
     CE at 1, 4, 8, R and 32 loops, the gain CE(1) − CE(R), the smallest uniform depth within 0.005 nats of CE(R)
-    (absolute and as a fraction of R), successive KL at 2, 16 and 2R, train CE at R and validation − train."""
+    (absolute and as a fraction of R), successive KL at 2, 16 and 2R, train CE at R, validation − train, and the
+    gain on the training windows (``train CE(1)-CE(R)``: larger than the validation gain where depth serves
+    memorisation)."""
     rows = []
     for f in sorted(Path(root).glob("*/summary.json")):
         r = json.loads(f.read_text())
@@ -363,7 +366,46 @@ def scale_table(root: str | Path) -> pd.DataFrame:
             "CE(1)-CE(R)": r["gain_1_R"], "uniform_match": r["uniform_match_R"],
             "uniform_match/R": r["uniform_match_frac"], "KL@2": kl["2"], "KL@16": kl["16"],
             "KL@2R": kl[str(2 * R)], "train CE@R": r["ce_train"][str(R)], "val-train": r["val_minus_train_R"],
+            "train CE(1)-CE(R)": r["ce_train"]["1"] - r["ce_train"][str(R)],
         })
     if not rows:
         raise DrcError(f"no runs under {root}: expected <run>/summary.json from scripts/depth_scale.py")
     return pd.DataFrame(rows).set_index("run")
+
+
+# The grid's comparisons: (lever, baseline run, changed run), one change each (scripts/depth_scale.py)
+SCALE_LEVERS: tuple[tuple[str, str, str], ...] = (
+    ("width 128 -> 192", "d128-m8", "d192-m8"),
+    ("width 192 -> 256", "d192-m8", "d256-m8"),
+    ("width 256 -> 384", "d256-m8", "d384-m8"),
+    ("mean depth 8 -> 12", "d256-m8", "d256-m12"),
+    ("mean depth 8 -> 16", "d256-m8", "d256-m16"),
+    ("backprop 4 -> 8 loops", "d256-m8", "d256-m8-k8"),
+    ("backprop 4 -> 8 loops at mean 16", "d256-m16", "d256-m16-k8"),
+    ("tokens x1 -> x2", "d256-m8", "d256-m8-x2"),
+    ("tokens x1 -> x4", "d256-m8", "d256-m8-x4"),
+    ("tokens x1 -> x5 (the reference)", "d256-m8", "cpu-ref"),
+)
+
+
+def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = SCALE_LEVERS) -> pd.DataFrame:
+    """What each lever of the depth-scale grid (:func:`scale_table`) changes, for every (lever, baseline, changed)
+    whose two runs are both in ``grid``: the change in validation CE at one loop and at the reference depth R
+    (negative: better), in the depth gain CE(1) - CE(R), in the matching uniform depth as a fraction of R, in
+    validation - train CE, and the changed run's gain on its training windows beside its validation gain.
+    Issue F asks for a gain that comes from a better deep model: ``d CE@R`` < 0 with ``d gain`` > 0."""
+    rows = []
+    for lever, base, changed in levers:
+        if base not in grid.index or changed not in grid.index:
+            continue
+        a, b = grid.loc[base], grid.loc[changed]
+        rows.append({
+            "lever": lever, "from": base, "to": changed, "d CE@1": b["CE@1"] - a["CE@1"],
+            "d CE@R": b["CE@R"] - a["CE@R"], "gain": b["CE(1)-CE(R)"], "d gain": b["CE(1)-CE(R)"] - a["CE(1)-CE(R)"],
+            "d uniform_match/R": b["uniform_match/R"] - a["uniform_match/R"],
+            "d val-train": b["val-train"] - a["val-train"], "train gain": b["train CE(1)-CE(R)"],
+        })
+    if not rows:
+        raise DrcError("no lever of the grid has both its runs: run scripts/depth_scale.py for the runs named in "
+                       "drc_core.experiments.report.SCALE_LEVERS")
+    return pd.DataFrame(rows).set_index("lever")
