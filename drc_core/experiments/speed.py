@@ -730,10 +730,13 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
     return frame.drop(columns="label"), pd.DataFrame(kl_rows)
 
 
-def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: str = "sequence"
-                     ) -> dict[str, AndersonConfig]:
-    """Plain iteration and Anderson acceleration with each window ``m`` (damping ``beta``, ``scope``), by label."""
-    configs = [PLAIN, *(AndersonConfig(m=m, beta=beta, scope=scope) for m in ms)]
+def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: str = "sequence",
+                     damped: Sequence[float] = (0.85,)) -> dict[str, AndersonConfig]:
+    """Plain iteration, damped plain iteration ``x' = b f(x) + (1 - b) x`` for each ``b`` in ``damped`` (same
+    fixed points as f, one evaluation per step and no mixing; it turns a period-2 oscillation into a contraction)
+    and Anderson acceleration with each window ``m`` (damping ``beta``, ``scope``), by label; plain first."""
+    configs = [PLAIN, *(AndersonConfig(m=0, beta=b) for b in damped),
+               *(AndersonConfig(m=m, beta=beta, scope=scope) for m in ms)]
     return {c.label: c for c in configs}
 
 
