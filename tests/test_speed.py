@@ -19,9 +19,12 @@ import torch
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
 from drc_core.experiments.cost import VOCAB_STAT_FLOPS, flop_parts, matmul_flops_per_token
+from drc_core.experiments.fixed_point import fixed_point_costs
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
+    anderson_configs,
+    anderson_table,
     matched_rules,
     measurement_cost,
     measurement_pass,
@@ -394,3 +397,19 @@ def test_bf16_check_rows(model, windows, cfg):
     assert ((frame.same_exit >= 0) & (frame.same_exit <= 1)).all()
     assert frame[frame.rule == f"uniform={cfg.reference_loops}"].avg_loops.eq(cfg.reference_loops).all()
     assert list(kl.loop) == list(range(2, cfg.reference_loops + 1)) and (kl.rel_diff_median >= 0).all()
+
+
+def test_anderson_table_rows_agree_with_fixed_point_costs(model, windows):
+    configs = anderson_configs(ms=(2,), damped=(0.85,))
+    assert list(configs) == ["plain", "plain (beta 0.85)", "anderson m=2 beta=0.7 (sequence)"]
+    t = anderson_table(model, windows, configs, max_evals=5, ref_loops=8, at_evals=3, batch_size=4,
+                       time_rounds=1).set_index("method")
+    assert list(t.index) == list(configs) and t.loc["plain", "x_plain_time_per_eval"] == 1.0
+    with torch.inference_mode():
+        costs = fixed_point_costs(model, windows, configs, max_evals=5, ref_loops=8, batch_size=4)
+    c = costs.curves.set_index(["method", "evals"])
+    for name in configs:
+        assert t.loc[name, "kl_prev_at_5"] == pytest.approx(c.loc[(name, 5), "kl_prev"], rel=1e-6, abs=1e-12)
+        assert t.loc[name, "ce_at_3"] == pytest.approx(c.loc[(name, 3), "ce"], rel=1e-6)
+    with pytest.raises(DrcError, match="at_evals"):
+        anderson_table(model, windows, configs, max_evals=3, at_evals=4)

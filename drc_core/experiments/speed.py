@@ -745,7 +745,8 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
                    time_rounds: int = 3) -> pd.DataFrame:
     """One row per config: mean core evaluations per token until the successive KL stays below 1e-3 and 1e-5
     (:func:`drc_core.experiments.fixed_point.fixed_point_costs`, ``max_evals`` evaluations, reference: plain
-    iteration at ``ref_loops``), CE and KL to the reference after ``at_evals`` evaluations, and seconds per core
+    iteration at ``ref_loops``), CE and KL to the reference after ``at_evals`` evaluations, the mean successive KL
+    at the last evaluation (``kl_prev_at_<max_evals>``: the KL floor, e.g. issue F's target at 2R), and seconds per core
     evaluation on the first batch (:func:`~drc_core.experiments.fixed_point.seconds_per_eval`, no readout).
     ``at_evals`` must not exceed ``max_evals``."""
     if not 1 <= at_evals <= max_evals:
@@ -763,10 +764,12 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
     for name in configs:
         d = costs.depths[costs.depths.method == name].set_index("eps")
         c = costs.curves[(costs.curves.method == name) & (costs.curves.evals == at_evals)].iloc[0]
+        last = costs.curves[(costs.curves.method == name) & (costs.curves.evals == max_evals)].iloc[0]
         rows.append({"method": name, "evals_kl_1e-3": float(d.loc[1e-3, "mean_evals"]),
                      "evals_kl_1e-5": float(d.loc[1e-5, "mean_evals"]),
                      "converged_1e-5": float(d.loc[1e-5, "converged"]), f"ce_at_{at_evals}": float(c.ce),
-                     f"kl_ref_at_{at_evals}": float(c.kl_ref), "seconds_per_eval": secs[name]})
+                     f"kl_ref_at_{at_evals}": float(c.kl_ref), f"kl_prev_at_{max_evals}": float(last.kl_prev),
+                     "seconds_per_eval": secs[name]})
     out = pd.DataFrame(rows)
     out["x_plain_time_per_eval"] = out.seconds_per_eval / out.seconds_per_eval.iloc[0]
     return out
