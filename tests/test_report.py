@@ -174,6 +174,10 @@ def test_lever_effects_are_differences_of_the_grid_rows():
     a, b = grid.loc["d256-m8"], grid.loc["cpu-ref"]
     assert row["d CE@R"] == pytest.approx(b["CE@R"] - a["CE@R"]) and row["gain"] == b["CE(1)-CE(R)"]
     assert row["d gain"] == pytest.approx(b["CE(1)-CE(R)"] - a["CE(1)-CE(R)"])
+    # the gain grew (0.09 -> 0.17) and the deep model improved by more than that: share > 1
+    assert row["deep share"] == pytest.approx(-row["d CE@R"] / row["d gain"]) and row["deep share"] > 1
+    # the backprop lever lowered the gain: no share
+    assert math.isnan(fx.loc["backprop 4 -> 8 loops", "deep share"])
     # a lever whose runs are not both in the grid is left out; none at all is one clear error
     assert "made-up" not in fx.index
     fx2 = lever_effects(grid, [("made-up", "d256-m8", "no-such-run"), ("width", "d128-m8", "d256-m8")])

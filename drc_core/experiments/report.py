@@ -393,7 +393,10 @@ def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = S
     whose two runs are both in ``grid``: the change in validation CE at one loop and at the reference depth R
     (negative: better), in the depth gain CE(1) - CE(R), in the matching uniform depth as a fraction of R, in
     validation - train CE, and the changed run's gain on its training windows beside its validation gain.
-    Issue F asks for a gain that comes from a better deep model: ``d CE@R`` < 0 with ``d gain`` > 0."""
+    Issue F asks for a gain that comes from a better deep model, not a worse shallow one: since ``d gain`` =
+    ``d CE@1`` - ``d CE@R``, ``deep share`` = -``d CE@R`` / ``d gain`` is the part of a gain increase that the
+    deep model's improvement accounts for (> 1: the shallow model improved too; < 0.5: mostly a worse one-loop
+    model; NaN where the gain did not grow)."""
     rows = []
     for lever, base, changed in levers:
         if base not in grid.index or changed not in grid.index:
@@ -402,6 +405,8 @@ def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = S
         rows.append({
             "lever": lever, "from": base, "to": changed, "d CE@1": b["CE@1"] - a["CE@1"],
             "d CE@R": b["CE@R"] - a["CE@R"], "gain": b["CE(1)-CE(R)"], "d gain": b["CE(1)-CE(R)"] - a["CE(1)-CE(R)"],
+            "deep share": (a["CE@R"] - b["CE@R"]) / (b["CE(1)-CE(R)"] - a["CE(1)-CE(R)"])
+            if b["CE(1)-CE(R)"] > a["CE(1)-CE(R)"] else math.nan,
             "d uniform_match/R": b["uniform_match/R"] - a["uniform_match/R"],
             "d val-train": b["val-train"] - a["val-train"], "train gain": b["train CE(1)-CE(R)"],
         })
