@@ -388,18 +388,20 @@ if anderson_windows:
     acc = anderson[anderson.method.str.startswith("anderson")]
     for _, row in anderson[anderson.method.str.startswith("plain (")].iterrows():
         print(
-            f"{row.method}: evaluations to 1e-5 {row['evals_kl_1e-5']:.2f} (plain "
-            f"{plain['evals_kl_1e-5']:.2f}), to 1e-3 {row['evals_kl_1e-3']:.2f} (plain "
-            f"{plain['evals_kl_1e-3']:.2f}); tokens reaching 1e-5: {row['converged_1e-5']:.1%} (plain "
-            f"{plain['converged_1e-5']:.1%}); time per evaluation {row.x_plain_time_per_eval:.2f}x plain"
+            f"{row.method}: evaluations to 1e-5 {row['evals_kl_1e-5']:.2f} "
+            f"(plain {plain['evals_kl_1e-5']:.2f}), to 1e-3 {row['evals_kl_1e-3']:.2f} "
+            f"(plain {plain['evals_kl_1e-3']:.2f}); tokens reaching 1e-5: "
+            f"{row['converged_1e-5']:.1%} (plain {plain['converged_1e-5']:.1%}); "
+            f"time per evaluation {row.x_plain_time_per_eval:.2f}x plain"
         )
     best = acc.loc[(acc["evals_kl_1e-5"] * acc.x_plain_time_per_eval).idxmin()]
+    e5, e3, cost = acc["evals_kl_1e-5"], acc["evals_kl_1e-3"], acc.x_plain_time_per_eval
+    ratio = best["evals_kl_1e-5"] * best.x_plain_time_per_eval / plain["evals_kl_1e-5"]
     print(
-        f"Anderson: evaluations to 1e-5 {acc['evals_kl_1e-5'].min():.2f}-{acc['evals_kl_1e-5'].max():.2f}, "
-        f"to 1e-3 {acc['evals_kl_1e-3'].min():.2f}-{acc['evals_kl_1e-3'].max():.2f}; each evaluation costs "
-        f"{acc.x_plain_time_per_eval.min():.2f}-{acc.x_plain_time_per_eval.max():.2f}x a plain one; time to "
-        f"1e-5, best ({best.method}): "
-        f"{best['evals_kl_1e-5'] * best.x_plain_time_per_eval / plain['evals_kl_1e-5']:.2f}x plain"
+        f"Anderson: evaluations to 1e-5 {e5.min():.2f}-{e5.max():.2f}, "
+        f"to 1e-3 {e3.min():.2f}-{e3.max():.2f}; each evaluation costs "
+        f"{cost.min():.2f}-{cost.max():.2f}x a plain one; "
+        f"time to 1e-5, best ({best.method}): {ratio:.2f}x plain"
     )
 
 # %% [markdown]

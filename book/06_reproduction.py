@@ -41,7 +41,7 @@ levers_dir = "data/levers"  # shipped depth-lever runs (scripts/depth_levers.sh)
 scale_dir = "data/scale"  # shipped depth-scale grid (scripts/depth_scale.py); empty: skip
 previous_reference = "data/experiments/cpu-d128-reference"  # first round's reference; "": skip
 convergence_windows = 64  # notebook 02's n_windows: both models are compared on those windows
-damping_file = "data/fixed_point/damping.json"  # scripts/damped_fixed_point.py on the reference; "": skip
+damping_file = "data/fixed_point/damping.json"  # scripts/damped_fixed_point.py; "": skip
 
 # %% tags=["hide-input"]
 # imports; the parameters' paths resolved against the repository root (any working directory)
@@ -187,8 +187,9 @@ scales, targets = [], None
 if previous_reference:
     prev = open_run(previous_reference)
     prev_curve = loss_by_depth(prev.load_model(), target_windows, loops)
-    if set(loops) <= set(convergence.ce_by_loop) and convergence.n_tokens == target_windows[:, 1:].numel():
-        # notebook 2 read this model at every loop of these windows (same windows, same initial state)
+    same = convergence.n_tokens == target_windows[:, 1:].numel()
+    if set(loops) <= set(convergence.ce_by_loop) and same:
+        # notebook 2 read this model at every loop of these windows (same initial states)
         now_curve = {n: convergence.ce_by_loop[n].value for n in loops}
     else:
         now_curve = loss_by_depth(model, target_windows, loops)
@@ -251,10 +252,10 @@ viz.number_table(effects) if len(effects) else "no lever of the grid has both it
 if len(effects):
     # beyond seed noise (a few hundredths, see below), and mostly from the deep model
     both = effects[(effects["d gain"] > 0.03) & (effects["deep share"] > 0.5)]
+    named = [f"{k} ({r['d CE@R']:+.3f} nats at R, gain {r.gain:.3f})" for k, r in both.iterrows()]
     print(
         "levers that raise the gain by > 0.03 nats, more than half of it from a better deep model: "
-        + (", ".join(f"{k} ({r['d CE@R']:+.3f} nats at R, gain {r.gain:.3f})" for k, r in both.iterrows())
-           or "none")
+        + (", ".join(named) or "none")
     )
     top = grid["CE(1)-CE(R)"].idxmax()
     print(
