@@ -55,6 +55,7 @@ measurement's own overhead is its time over that floor (:func:`measurement_cost`
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -572,31 +573,29 @@ def issue_targets(*frames: pd.DataFrame) -> pd.DataFrame:
     the prelude / coda / head that do not shrink with depth)."""
     rows = []
 
-    def add(setting: str, rule: str, target: str, value: float, threshold: float, met: bool,
-            ceiling: float = 1.0) -> None:
-        reachable = ceiling <= threshold if "<=" in target else (
-            ceiling > threshold if "> 1" in target else ceiling >= threshold)
+    def add(setting: str, rule: str, target: str, value: float, threshold: float,
+            ok: Callable[[float, float], bool], ceiling: float = 1.0) -> None:
+        """``ok(x, threshold)`` is the target's comparison, applied to the measured value and to the ceiling."""
         rows.append({"setting": setting, "rule": rule, "target": target, "value": float(value),
-                     "threshold": threshold, "met": bool(met), "ceiling": float(ceiling),
-                     "reachable": bool(reachable)})
+                     "threshold": threshold, "met": bool(ok(value, threshold)), "ceiling": float(ceiling),
+                     "reachable": bool(ok(ceiling, threshold))})
 
     for frame in frames:
         for r in frame[~frame.baseline].itertuples():
             setting = r.setting if r.setting != "generation" else f"generation, batch {int(r.rows)}"
             if r.family == "uniform":
                 add(setting, r.rule, "time / dense time at equal depth <= 1.05", 1 / r.wallclock_speedup,
-                    TARGET_OVERHEAD, 1 / r.wallclock_speedup <= TARGET_OVERHEAD)
+                    TARGET_OVERHEAD, operator.le)
                 continue
             add(setting, r.rule, "faster than uniform depth (wall-clock speedup > 1)", r.wallclock_speedup, 1.0,
-                r.wallclock_speedup > 1, r.honest_speedup)
-            add(setting, r.rule, "wall / honest FLOPs >= 0.9", r.wall_over_honest, TARGET_HONEST,
-                r.wall_over_honest >= TARGET_HONEST)
+                operator.gt, r.honest_speedup)
+            add(setting, r.rule, "wall / honest FLOPs >= 0.9", r.wall_over_honest, TARGET_HONEST, operator.ge)
             if r.family == "state_delta":
-                add(setting, r.rule, "wall / proxy >= 0.9", r.wall_over_proxy, TARGET_RATIO,
-                    r.wall_over_proxy >= TARGET_RATIO, r.honest_speedup / r.proxy_speedup)
+                add(setting, r.rule, "wall / proxy >= 0.9", r.wall_over_proxy, TARGET_RATIO, operator.ge,
+                    r.honest_speedup / r.proxy_speedup)
             if r.family == "kl" and r.setting == "batched eval":
                 add(setting, r.rule, "wall-clock speedup >= 1.5", r.wallclock_speedup, TARGET_KL_BATCHED,
-                    r.wallclock_speedup >= TARGET_KL_BATCHED, r.honest_speedup)
+                    operator.ge, r.honest_speedup)
     return pd.DataFrame(rows)
 
 
