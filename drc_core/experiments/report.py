@@ -402,11 +402,11 @@ def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = S
         if base not in grid.index or changed not in grid.index:
             continue
         a, b = grid.loc[base], grid.loc[changed]
+        d_deep, d_gain = b["CE@R"] - a["CE@R"], b["CE(1)-CE(R)"] - a["CE(1)-CE(R)"]
         rows.append({
             "lever": lever, "from": base, "to": changed, "d CE@1": b["CE@1"] - a["CE@1"],
-            "d CE@R": b["CE@R"] - a["CE@R"], "gain": b["CE(1)-CE(R)"], "d gain": b["CE(1)-CE(R)"] - a["CE(1)-CE(R)"],
-            "deep share": (a["CE@R"] - b["CE@R"]) / (b["CE(1)-CE(R)"] - a["CE(1)-CE(R)"])
-            if b["CE(1)-CE(R)"] > a["CE(1)-CE(R)"] else math.nan,
+            "d CE@R": d_deep, "gain": b["CE(1)-CE(R)"], "d gain": d_gain,
+            "deep share": -d_deep / d_gain if d_gain > 0 else math.nan,
             "d uniform_match/R": b["uniform_match/R"] - a["uniform_match/R"],
             "d val-train": b["val-train"] - a["val-train"], "train gain": b["train CE(1)-CE(R)"],
         })
