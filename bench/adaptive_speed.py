@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="readout statistics through the compiled kernel (auto: where a C++ compiler exists)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall (perf_counter) or cpu (process time: robust to other jobs with --threads 1)")
+    ap.add_argument("--allocator", choices=("keep", "default"), default="keep",
+                    help="keep: glibc keeps freed memory for reuse while timing (drc_core.experiments.cost."
+                         "keep_freed_memory); default: glibc's own settings (fresh buffers fault, by luck of order)")
     ap.add_argument("--no-presets", action="store_true", help="do not time Huginn's presets")
     ap.add_argument("--no-profile", action="store_true", help="do not profile one batch")
     ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
@@ -138,9 +141,9 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
                f"median seconds over {cfg.rounds} interleaved rounds")
     rows = [[x.rule, x.path, f"{x.avg_loops:.3f}", f"{x.ce:.4f}", f"{x.ce_gap:+.4f}", f"{x.seconds:.3f}",
              f"{x.spread:.0%}", f"{x.proxy_speedup:.2f}x", f"{x.flop_speedup:.2f}x", f"{x.wallclock_speedup:.2f}x",
-             f"{x.wall_over_proxy:.2f}"] for _, x in b.iterrows()]
+             f"{x.wall_over_proxy:.2f}", f"{x.page_faults_per_batch:,.0f}"] for _, x in b.iterrows()]
     out.append(_fmt_table(rows, ["variant", "path", "avg loops", "CE", "dCE", "s", "spread", "proxy",
-                                 "matmul", "wall", "wall/proxy"]))
+                                 "matmul", "wall", "wall/proxy", "faults/batch"]))
     out.append("\n  honest FLOPs (the work each run really did: core + readouts performed + vocabulary-sized "
                "statistics):")
     rows = [[x.family, x.rule, f"{x.avg_loops:.2f}", f"{x.ce_gap:+.4f}", f"{x.proxy_speedup:.2f}x",
@@ -233,12 +236,12 @@ def main(argv: list[str] | None = None) -> int:
                       new_tokens=args.new_tokens, prompt_len=args.prompt_len, gen_rows=args.gen_rows,
                       measure_loops=args.measure_loops, measure_windows=args.measure_windows,
                       more_gen_rows=more_rows, fused=fused, clock=args.clock, presets=not args.no_presets,
-                      profile=not args.no_profile)
+                      profile=not args.no_profile, keep_freed=args.allocator == "keep")
     windows, _ = val_windows_with_docs(corpus, seq_len, args.windows)
     c = model.cfg
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"{platform.processor() or platform.machine()}, load avg {_loadavg()}; clock {cfg.clock}, fused "
-          f"statistics {'on' if cfg.fused else 'off'}")
+          f"statistics {'on' if cfg.fused else 'off'}, allocator {args.allocator}")
     print(f"model {args.run}: {model.num_params() / 1e6:.2f} M params, d={c.d_model}, heads={c.n_heads}, "
           f"P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; corpus {args.data}: {len(windows)} "
           f"validation windows x {seq_len} tokens; uniform depth r={r}")

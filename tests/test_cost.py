@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import mmap
+import sys
 
-from drc_core.experiments.cost import interleaved, median, rotations, spread, train_flops_per_token
+import pytest
+import torch
+
+from drc_core.experiments.cost import (
+    interleaved,
+    keep_freed_memory,
+    median,
+    page_faults,
+    rotations,
+    spread,
+    train_flops_per_token,
+)
 from drc_core.model.lm import DepthRecurrentLM, ModelConfig
 
 
@@ -30,3 +42,28 @@ def test_interleaved_times_every_variant_once_per_round():
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3} and len(lines) == 3
     assert median([3.0, 1.0, 2.0]) == 2.0
     assert spread([1.0, 2.0, 3.0]) == pytest.approx(1.0) and spread([5.0]) == 0.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="getrusage's minor faults: Linux")
+def test_page_faults_counts_first_touches_of_fresh_memory():
+    size = 16 << 20
+    with mmap.mmap(-1, size) as mem:  # a fresh anonymous mapping: each 4 KB page faults when first written
+        before = page_faults()
+        for offset in range(0, size, mmap.PAGESIZE):
+            mem[offset] = 1
+        assert page_faults() - before >= size // mmap.PAGESIZE // 2  # (huge pages would fault less)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_kept_memory_is_reused_without_page_faults():
+    # 64 MB is above glibc's largest dynamic mmap threshold (32 MB): by default every such buffer is a fresh
+    # mapping that faults on each of its 16,384 pages; once freed memory is kept, later ones reuse it (after a
+    # few rounds in which the heap settles: what the process allocated before leaves it fragmented)
+    assert keep_freed_memory()
+    n = 16 << 20  # floats: 64 MB
+    faults = []
+    for _ in range(16):
+        before = page_faults()
+        torch.ones(n)  # allocated, touched and freed
+        faults.append(page_faults() - before)
+    assert faults[-1] < 1000 and faults[-2] < 1000, faults

@@ -77,7 +77,9 @@ def test_frames_have_the_expected_columns(report, cfg):
     assert list(report.matched.table.family) == list(cfg.families)
     common = {"setting", "family", "param", "rule", "path", "baseline", "needs_log_probs", "avg_loops", "seconds",
               "spread", *SPEED_COLS}
-    assert common | {"ce", "ce_uniform", "ce_gap", "within_tolerance", "tokens_per_s"} <= set(report.batched.columns)
+    assert common | {"ce", "ce_uniform", "ce_gap", "within_tolerance", "tokens_per_s", "page_faults_per_batch"} <= set(
+        report.batched.columns)
+    assert (report.batched.page_faults_per_batch >= 0).all()
     assert common | {"ms_per_token", "prompt_ms", "same_tokens", "first_divergence"} <= set(report.generation.columns)
     assert set(report.batched.setting) == {"batched eval"} and set(report.generation.setting) == {"generation"}
     # baseline, Uniform(r) through skip_forward, one row per matched rule

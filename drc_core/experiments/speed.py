@@ -67,7 +67,17 @@ from torch import Tensor
 from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_float, need_int
-from drc_core.experiments.cost import CLOCKS, Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
+from drc_core.experiments.cost import (
+    CLOCKS,
+    Log,
+    honest_flops,
+    interleaved,
+    keep_freed_memory,
+    matmul_flops_per_token,
+    median,
+    page_faults,
+    spread,
+)
 from drc_core.experiments.fixed_point import fixed_point_costs, seconds_per_eval
 from drc_core.halting.anderson import PLAIN, AndersonConfig
 from drc_core.halting.generate import generate, generate_fixed
@@ -127,7 +137,9 @@ class SpeedConfig:
     (:func:`drc_core.halting.skipping.fused_stats_kernel`; needs a C++ compiler). ``clock``: "wall" or "cpu"
     (:func:`drc_core.experiments.cost.interleaved`). ``more_gen_rows``: further batch sizes for generation
     (e.g. (8,)). ``presets``: also time Huginn's presets in batched evaluation. ``profile``: also profile one
-    batch (:func:`profile_batched`).
+    batch (:func:`profile_batched`). ``keep_freed``: before timing, make glibc keep freed memory for reuse
+    (:func:`drc_core.experiments.cost.keep_freed_memory`, for the whole process), so that no variant pays page
+    faults on fresh buffers by the luck of its allocation order.
     """
 
     reference_loops: int = 8
@@ -148,6 +160,7 @@ class SpeedConfig:
     more_gen_rows: tuple[int, ...] = ()
     presets: bool = False
     profile: bool = False
+    keep_freed: bool = True
 
     def __post_init__(self) -> None:
         minimum = {"reference_loops": 1, "rule_max_loops": 1, "batch_size": 1, "rounds": 1, "new_tokens": 2,
@@ -166,6 +179,12 @@ class SpeedConfig:
 
 # ----------------------------------------------------------------------------------------------------------
 # Cost model and timing helpers
+
+
+def _memory(cfg: SpeedConfig) -> None:
+    """Before timing: the allocator setting ``cfg.keep_freed`` asks for."""
+    if cfg.keep_freed:
+        keep_freed_memory()
 
 
 def _skip_path(rule: HaltingRule) -> str:
@@ -311,13 +330,15 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     skipping machinery at equal depth) and every rule. Columns: ``setting`` ("batched eval"), ``family``,
     ``param``, ``rule``, ``path``, ``baseline``, ``needs_log_probs``, ``avg_loops`` (mean exit loop), ``ce``
     (mean next-token CE of exactly the timed outputs), ``ce_uniform``, ``ce_gap``, ``within_tolerance``,
-    ``seconds`` (median over rounds for all windows), ``spread``, ``tokens_per_s``, ``proxy_speedup`` (r /
+    ``seconds`` (median over rounds for all windows), ``spread``, ``page_faults_per_batch`` (minor page faults,
+    median over rounds), ``tokens_per_s``, ``proxy_speedup`` (r /
     avg_loops), ``flop_speedup`` (:func:`~drc_core.experiments.cost.matmul_flops_per_token` ratio),
     ``wallclock_speedup`` and ``wall_over_proxy`` (issue C's target: >= 0.9), ``honest_flops`` (per token:
     :func:`~drc_core.experiments.cost.honest_flops` of the work the run really did; the forward's
     ``flops_per_token(r, T)``), ``honest_speedup`` and ``wall_over_honest`` (issue I's target: >= 0.9).
     """
     cfg = cfg or SpeedConfig()
+    _memory(cfg)
     windows = _on_device(model, windows)
     r = cfg.reference_loops
     specs = _specs(rules, r)
@@ -352,14 +373,18 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
             rows.append({"setting": "batched eval", **info, "avg_loops": loops / n_tok, "ce": ce / n_tok,
                          "honest_flops": flops / n_tok})
 
-        def run(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[], None]:
+        faults: dict[str, list[int]] = {info["rule"]: [] for info, _ in variants}
+
+        def run(name: str, fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[], None]:
             def go() -> None:
+                before = page_faults()
                 for x, _, s0 in batches:
                     fn(x, s0)
+                faults[name].append(page_faults() - before)
             return go
 
-        times = interleaved({info["rule"]: run(fn) for info, fn in variants}, cfg.rounds, log, "batched eval",
-                            cfg.clock)
+        times = interleaved({info["rule"]: run(info["rule"], fn) for info, fn in variants}, cfg.rounds, log,
+                            "batched eval", cfg.clock)
     base = rows[0]
     base_s = median(times[base["rule"]])
     base_flops = matmul_flops_per_token(model, r, t_len, "forward")
@@ -369,6 +394,7 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
         row["within_tolerance"] = row["ce_gap"] <= cfg.ce_tolerance
         row["seconds"] = median(times[row["rule"]])
         row["spread"] = spread(times[row["rule"]])
+        row["page_faults_per_batch"] = median(faults[row["rule"]]) / len(batches)
         row["tokens_per_s"] = n_tok / row["seconds"]
         _speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
     return pd.DataFrame(rows)
@@ -402,6 +428,7 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
     new tokens minus that of 1, over n - 1, per row); ``flop_speedup`` uses a context of T0 + n tokens.
     """
     cfg = cfg or SpeedConfig()
+    _memory(cfg)
     prompt = _on_device(model, prompt, "prompt", targets=False)
     B, t0 = prompt.shape
     n, r = cfg.new_tokens, cfg.reference_loops
@@ -473,6 +500,7 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
     ``target_as_worded`` (``x_forward`` <= 1.2).
     """
     cfg = cfg or SpeedConfig()
+    _memory(cfg)
     windows = _on_device(model, windows)[: cfg.measure_windows]
     L, bs = cfg.measure_loops, cfg.batch_size
 
@@ -634,6 +662,7 @@ def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[Ru
     from torch.profiler import ProfilerActivity, profile
 
     cfg = cfg or SpeedConfig()
+    _memory(cfg)
     windows = _on_device(model, windows)
     r = cfg.reference_loops
     x, _, s0 = _batches(model, windows[: cfg.batch_size], cfg)[0]
@@ -675,6 +704,7 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
     |KL_bf16 - KL_fp32| / KL_fp32 of the successive KL (:func:`drc_core.analysis.loops.iterate_stats` on the
     first batch), and the fp32 median KL: the precision check that the rule's statistic stays within noise."""
     cfg = cfg or SpeedConfig()
+    _memory(cfg)
     windows = _on_device(model, windows)
     r = cfg.reference_loops
     device = windows.device
