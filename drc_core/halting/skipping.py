@@ -42,7 +42,8 @@ over z and the previous z per row). Only the min-p KL (and a rule with ``reads=N
 A rule that reads states only (state change, cosine, acceleration, uniform) runs no readout per loop: a token
 is read out once, at its exit loop (the coda runs on the tokens of its row that are still active at that loop
 and lie at or before the last exiting position, their coda keys/values being what the exiting token sees; the
-last coda block's queries, attention and MLP and the head only on the exiting tokens). A rule with
+last coda block's queries, attention and MLP only on the exiting tokens, whose coda outputs (d wide) are kept;
+the head runs once at the end on every token, as in the dense forward). A rule with
 ``reads=None`` (routers, rules of your own) gets every statistic in the (B, T) layout, as before.
 
 Work actually done is counted (:class:`Work`: token passes through the core, full blocks, key/value-only
@@ -669,7 +670,11 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
     B, width, d = s.shape[0], t1 - t0, s.shape[-1]
     V = model.cfg.vocab_size
     exit_loop = torch.zeros(B, width, dtype=torch.long, device=s.device)
-    logits: Tensor | None = None  # allocated at the first exit (or the head's own output, if all exit at once)
+    # a rule with a per-loop readout: the exiting tokens' logits rows, copied out of the loop's logits buffer;
+    # without: their coda outputs (d wide, not V), and the head runs once at the end on every token, as in the
+    # dense forward. Allocated at the first exit (or the loop's own tensor, if every token exits at once).
+    logits: Tensor | None = None
+    hidden: Tensor | None = None
     flat_exit = exit_loop.view(-1)
     need = stat_fields(rule)
     per_loop = rule.needs_log_probs
@@ -710,16 +715,12 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
             everyone = n_gone == n
             if per_loop:
                 out = tracker.logits_buffer(n) if everyone else tracker.logits_buffer(n).index_select(0, gone)
+                logits = _put_rows(logits, (B, width, V), lin, gone, out.to(s.dtype))
             else:
                 out = _exit_readout(model, x, attn, now, gone, coda_kv, w, full_context=caches.per_loop)
-            if logits is None and n_gone == B * width:  # every token at once, in window order: no copy
-                logits = out.view(B, width, V).to(s.dtype)
-            else:
-                if logits is None:
-                    logits = s.new_empty(B, width, V)
-                logits.view(-1, V).index_copy_(0, lin[gone], out.to(logits.dtype))
+                hidden = _put_rows(hidden, (B, width, d), lin, gone, out)
             flat_exit.index_fill_(0, lin[gone], loop)
-            s.view(-1, d).index_copy_(0, _window_to_seq(lin[gone], width, s.shape[1], t0), x.index_select(0, gone))
+            s.view(-1, d)[_window_to_seq(lin[gone], width, s.shape[1], t0)] = x.index_select(0, gone)
             caches.exited(attn.toks.select(gone), loop)
         elif not per_loop and caches.per_loop and len(model.coda) and loop >= rule.min_loops:
             # generation: later tokens that exit at this loop read these coda keys/values (none exits before
@@ -734,9 +735,24 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
             attn = attn.select(keep)
             tracker.keep(keep)
     w.tokens += B * width
+    if hidden is not None:
+        logits = model.head(hidden).to(s.dtype)
     if logits is None:
         logits = s.new_empty(B, width, V)
     return LoopResult(exit_loop=exit_loop, logits=logits)
+
+
+def _put_rows(buf: Tensor | None, shape: tuple[int, int, int], lin: Tensor, gone: Tensor, rows: Tensor) -> Tensor:
+    """Write ``rows`` (G, k) of the exiting tokens ``gone`` (an index into the active tokens, whose window
+    indices are ``lin``) into ``buf`` (B, W, k), allocated on first use; when every token of the window exits at
+    once, ``rows`` (in window order) becomes the buffer without a copy. (``index_put_``: on a CPU 3x faster than
+    ``index_copy_`` for rows of V = 4096 floats.)"""
+    if buf is None and rows.shape[0] == shape[0] * shape[1]:
+        return rows.view(shape)
+    if buf is None:
+        buf = rows.new_empty(shape)
+    buf.view(-1, shape[2])[lin[gone]] = rows
+    return buf
 
 
 def _window_to_seq(lin: Tensor, width: int, seq_len: int, t0: int) -> Tensor:
@@ -748,10 +764,10 @@ def _window_to_seq(lin: Tensor, width: int, seq_len: int, t0: int) -> Tensor:
 
 def _exit_readout(model: DepthRecurrentLM, x: Tensor, attn: Attn, now: Tensor, gone: Tensor,
                   coda_kv: list[KVSlab], work: Work, *, full_context: bool) -> Tensor:
-    """The logits (G, V) of the tokens that exit now (``now`` (N,) bool, ``gone`` their index, G of them) for a
-    rule without a per-loop readout. The coda context is the active tokens of their rows at or before the last
-    exiting position (every active token with ``full_context``: generation, whose later tokens read these coda
-    keys/values)."""
+    """The coda outputs (G, d) of the tokens that exit now (``now`` (N,) bool, ``gone`` their index, G of them)
+    for a rule without a per-loop readout (the head runs later, once for every token). The coda context is the
+    active tokens of their rows at or before the last exiting position (every active token with
+    ``full_context``: generation, whose later tokens read these coda keys/values)."""
     if gone.numel() == now.numel():  # everyone exits: the whole layout, every token a query
         y = coda(model, x, attn, coda_kv, work=work)
     else:
@@ -764,7 +780,7 @@ def _exit_readout(model: DepthRecurrentLM, x: Tensor, attn: Attn, now: Tensor, g
                 x, now, attn = x.index_select(0, ctx), now.index_select(0, ctx), attn.select(ctx)
         y = coda(model, x, attn, coda_kv, query=now, work=work)
     work.head += y.shape[0]
-    return model.head(y)
+    return y
 
 
 # ----------------------------------------------------------------------------------------------------------
