@@ -43,6 +43,8 @@ from drc_core.experiments.speed import (
     anderson_configs,
     anderson_table,
     bf16_check,
+    decode_loop_cost,
+    decode_prediction,
     measurement_pass,
     run_speed,
     skip_overhead,
@@ -155,12 +157,14 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
     g = rep.generation
     out.append(f"\ngeneration: {cfg.gen_rows} row(s), prompt {cfg.prompt_len} tokens, {cfg.new_tokens} greedy new "
                f"tokens; ms per new token = (t(n) - t(1)) / (n - 1), medians over {cfg.rounds} rounds")
-    rows = [[int(x.rows), x.rule, f"{x.avg_loops:.3f}", f"{x.first_divergence:.0f}", f"{x.same_tokens:.0%}",
+    rows = [[int(x.rows), x.rule, f"{x.avg_loops:.3f}", f"{x.loops_run:.2f}", f"{x.first_divergence:.0f}",
+             f"{x.same_tokens:.0%}",
              f"{x.ms_per_token:.2f}", f"{x.tokens_per_s:.0f}", f"{x.prompt_ms:.1f}",
              f"{x.spread:.0%}", f"{x.proxy_speedup:.2f}x", f"{x.honest_speedup:.2f}x", f"{x.wallclock_speedup:.2f}x",
              f"{x.wall_over_proxy:.2f}", f"{x.wall_over_honest:.2f}"] for _, x in g.iterrows()]
-    out.append(_fmt_table(rows, ["batch", "variant", "avg loops", "1st diff", "same tok", "ms/step", "tokens/s",
-                                 "prompt ms", "spread", "proxy", "honest", "wall", "wall/proxy", "wall/honest"]))
+    out.append(_fmt_table(rows, ["batch", "variant", "avg loops", "loops run", "1st diff", "same tok", "ms/step",
+                                 "tokens/s", "prompt ms", "spread", "proxy", "honest", "wall", "wall/proxy",
+                                 "wall/honest"]))
 
     ms = rep.measurement
     out.append(f"\nmeasurement pass: {ms.windows.iloc[0]} windows, {ms.loops.iloc[0]} loops, medians over "
@@ -248,6 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rep = run_speed(model, windows, cfg, log=None if args.quiet else (lambda s: print("  " + s, flush=True)))
     print(report(rep, r, c.vocab_size))
+    most = max((cfg.gen_rows, *cfg.more_gen_rows))
+    cost = None
+    if most > 1:
+        cost = decode_loop_cost(model, windows[:, : cfg.prompt_len], cfg,
+                                rows=sorted({1, *(2**k for k in range(1, most.bit_length())), most}))
+        print(f"\ndecode loop cost by active rows (fit: {cost.fixed_ms.iloc[0]:.3f} ms per loop + "
+              f"{cost.per_row_ms.iloc[0]:.3f} ms per active row):")
+        print(cost.round(3).to_string(index=False))
+        print("expected core-loop speed-up at that cost (loop_cost_speedup) beside the measured one:")
+        print(decode_prediction(rep.generation, cost).round(3).to_string(index=False))
     bf16 = kl_check = None
     fast = bf16_support(next(model.parameters()).device)
     if args.bf16 == "on" or (args.bf16 == "auto" and fast):
@@ -271,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "run": args.run, "data": args.data,
                "windows": len(windows), "seq_len": seq_len, **rep.to_dict(),
                "anderson": None if anderson is None else anderson.to_dict("records"),
+               "decode_loop_cost": None if cost is None else cost.to_dict("records"),
                "bf16": None if bf16 is None else bf16.to_dict("records"),
                "bf16_kl": None if kl_check is None else kl_check.to_dict("records")}
         print(f"wrote {save_results(json_path.parent, json_path.stem, out)}")

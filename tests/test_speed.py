@@ -25,10 +25,13 @@ from drc_core.experiments.speed import (
     SpeedConfig,
     anderson_configs,
     anderson_table,
+    decode_loop_cost,
+    decode_prediction,
     matched_rules,
     measurement_cost,
     measurement_pass,
     measurement_summary,
+    profile_generation,
     run_speed,
     skip_overhead,
     speedup_table,
@@ -36,6 +39,7 @@ from drc_core.experiments.speed import (
     time_batched,
     time_generation,
 )
+from drc_core.halting.generate import generate
 from drc_core.halting.rules import KLThreshold, StateDelta
 from drc_core.training.evaluate import loss_by_depth
 
@@ -152,6 +156,61 @@ def test_generation_rows(report, cfg):
     assert base.avg_loops == cfg.reference_loops
     assert ((g.same_tokens >= 0) & (g.same_tokens <= 1)).all()
     assert (g.avg_loops <= cfg.rule_max_loops).all() and (g.avg_loops >= 1).all()
+
+
+def test_loops_run_is_the_deepest_exit_per_step(model, windows, cfg):
+    """``loops_run`` of a generation row: mean over new positions of the max exit loop over rows; = avg_loops at
+    batch 1, >= avg_loops at batch > 1, r for the uniform rows."""
+    rules = [StateDelta(3e-1, max_loops=8), KLThreshold(3e-2, max_loops=8)]
+    one = time_generation(model, windows[:1, :6], rules, cfg)
+    assert list(one.loops_run) == pytest.approx(list(one.avg_loops))
+    three = time_generation(model, windows[:3, :6], rules, cfg)
+    assert (three.loops_run >= three.avg_loops - 1e-12).all() and (three.loops_run <= 8).all()
+    assert list(three.loops_run[three.family == "uniform"]) == [cfg.reference_loops] * 2
+    for rule, row in zip(rules, three.iloc[2:].itertuples(), strict=True):
+        res = generate(model, windows[:3, :6], cfg.new_tokens, rule, state=_gen_state(model, cfg, 3, 6),
+                       fused=cfg.fused)
+        assert row.loops_run == pytest.approx(float(res.exit_loop[:, 5:].max(dim=0).values.double().mean()))
+
+
+def _gen_state(model, cfg, rows, t0):
+    """The initial states time_generation draws (seeded by cfg.seed)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    return model.initial_state(torch.zeros(rows, t0 + cfg.new_tokens, model.cfg.d_model), gen)
+
+
+def test_decode_loop_cost_rows_and_fit(model, windows, cfg):
+    cost = decode_loop_cost(model, windows[:, :6], cfg, rows=(1, 2, 4))
+    assert list(cost.rows) == [1, 2, 4] and cost.step_ms.gt(0).all()
+    assert list(cost.loop_ms_per_row) == pytest.approx(list(cost.loop_ms / cost.rows))
+    # the fit is the least-squares line through (rows, loop_ms)
+    slope, icpt = torch.linalg.lstsq(torch.tensor([[1.0, 1], [2, 1], [4, 1]], dtype=torch.float64),
+                                     torch.tensor(cost.loop_ms.tolist(), dtype=torch.float64)[:, None]).solution[:, 0]
+    assert cost.per_row_ms.iloc[0] == pytest.approx(float(slope)) and cost.fixed_ms.iloc[0] == pytest.approx(
+        float(icpt))
+    assert list(cost.fixed_share) == pytest.approx(list(cost.fixed_ms / cost.loop_ms))
+    with pytest.raises(DrcError, match="rows"):
+        decode_loop_cost(model, windows[:2, :6], cfg, rows=(1, 4))
+
+
+def test_decode_prediction_limits():
+    """loop = fixed + per_row x active rows: with no per-row cost the speed-up is r / loops_run, with no fixed
+    cost r / avg_loops (the proxy); in between, r (f + p B) / (f loops_run + p B avg_loops)."""
+    gen = pd.DataFrame([
+        {"rows": 4, "family": "uniform", "baseline": True, "rule": "dense", "avg_loops": 8.0, "loops_run": 8.0,
+         "proxy_speedup": 1.0, "honest_speedup": 1.0, "wallclock_speedup": 1.0},
+        {"rows": 4, "family": "kl", "baseline": False, "rule": "kl", "avg_loops": 4.0, "loops_run": 6.0,
+         "proxy_speedup": 2.0, "honest_speedup": 1.2, "wallclock_speedup": 0.9}])
+
+    def cost(fixed, per_row):
+        return pd.DataFrame({"fixed_ms": [fixed], "per_row_ms": [per_row]})
+
+    assert decode_prediction(gen, cost(1.0, 0.0)).loop_cost_speedup.item() == pytest.approx(8 / 6)
+    assert decode_prediction(gen, cost(0.0, 1.0)).loop_cost_speedup.item() == pytest.approx(2.0)
+    mixed = decode_prediction(gen, cost(1.0, 0.25))
+    assert mixed.loop_cost_speedup.item() == pytest.approx(8 * 2 / (6 + 4))
+    assert list(mixed.columns) == ["rows", "rule", "avg_loops", "loops_run", "proxy_speedup", "honest_speedup",
+                                   "loop_cost_speedup", "wallclock_speedup"]
 
 
 def test_functions_take_plain_rules(model, windows, cfg):
@@ -287,11 +346,13 @@ def test_bench_end_to_end(capsys, tmp_path, corpus, tiny_model_factory):
     text = capsys.readouterr().out
     for needle in ("matched quality", "batched eval", "generation", "measurement pass", "verdicts", "wall/proxy",
                    "cannot hold as worded", "wall/honest", "issue I targets", "profile of one batch", "huginn",
-                   "Anderson acceleration", "anderson m=3", "bf16 autocast against fp32", "rel_diff_median"):
+                   "Anderson acceleration", "anderson m=3", "bf16 autocast against fp32", "rel_diff_median",
+                   "decode loop cost by active rows", "loop_cost_speedup", "loops run"):
         assert needle in text
     data = json.loads(out.read_text())
     assert data["windows"] == 4 and {"batched", "generation", "measurement", "matched", "table", "targets",
-                                     "profile_kinds", "anderson", "bf16", "bf16_kl"} <= set(data)
+                                     "profile_kinds", "anderson", "bf16", "bf16_kl", "decode_loop_cost"} <= set(data)
+    assert [row["rows"] for row in data["decode_loop_cost"]] == [1, 2]
     assert {row["rows"] for row in data["generation"]} == {1, 2}
     assert {row["setting"] for row in data["table"]} == {"batched eval", "generation"}
 
@@ -379,7 +440,20 @@ def test_presets_profile_and_more_rows(model, windows):
     for _, g in kinds.groupby("variant"):
         assert g[g.kind != "total"].ms.sum() == pytest.approx(g[g.kind == "total"].ms.iloc[0], rel=1e-6)
     assert len(rep.profile_ops) > 0 and rep.profile_ops.calls.gt(0).all()
+    for _, g in kinds.groupby("variant"):
+        assert g[g.kind != "total"].calls.sum() == g[g.kind == "total"].calls.iloc[0]
     json.dumps(rep.to_dict(), default=str)
+
+
+def test_profile_generation_variants(model, windows, cfg):
+    rules = [StateDelta(1e-1, max_loops=6), KLThreshold(1e-2, max_loops=6)]
+    kinds, ops = profile_generation(model, windows[:2, :6], rules, cfg, top=5)
+    r = cfg.reference_loops
+    assert list(dict.fromkeys(kinds.variant)) == [f"uniform={r} dense decode", f"uniform={r}", *map(str, rules)]
+    for _, g in kinds.groupby("variant"):
+        assert g[g.kind != "total"].ms.sum() == pytest.approx(g[g.kind == "total"].ms.iloc[0], rel=1e-6)
+        assert "matmul" in set(g.kind)
+    assert ops.groupby("variant").size().le(5).all() and ops.calls.gt(0).all()
 
 
 def test_bad_clock_and_rows_are_one_line():

@@ -96,6 +96,8 @@ __all__ = [
     "anderson_configs",
     "bf16_check",
     "anderson_table",
+    "decode_loop_cost",
+    "decode_prediction",
     "SpeedConfig",
     "SpeedReport",
     "matched_rules",
@@ -105,6 +107,7 @@ __all__ = [
     "issue_targets",
     "preset_specs",
     "profile_batched",
+    "profile_generation",
     "run_speed",
     "skip_overhead",
     "speedup_table",
@@ -411,6 +414,27 @@ def _first_divergence(tokens: Tensor, reference: Tensor) -> float:
     return float(first.double().mean())
 
 
+def _loops_run(exit_loop: Tensor) -> float:
+    """Mean over positions (columns of ``exit_loop``, (B, n)) of the deepest exit among the B rows: the loops a
+    decode step runs while any of its rows is active."""
+    return float(exit_loop.max(dim=0).values.double().mean())
+
+
+def _decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
+    """The prompt (B, T0) on the model's device, checked against ``max_seq_len`` with ``new_tokens`` more, and
+    the initial states (B, T0 + n, d) every generation comparison starts from (seeded by ``cfg.seed``)."""
+    prompt = _on_device(model, prompt, "prompt", targets=False)
+    B, t0 = prompt.shape
+    n = cfg.new_tokens
+    if t0 + n > model.cfg.max_seq_len:
+        raise DrcError(f"prompt length {t0} + new_tokens {n} exceeds max_seq_len={model.cfg.max_seq_len}: "
+                       "shorten the prompt or generate fewer tokens")
+    with torch.inference_mode():
+        gen = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
+        s0 = model.initial_state(torch.zeros(B, t0 + n, model.cfg.d_model, device=prompt.device), gen)
+    return prompt, s0
+
+
 def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
     """Time per new token of greedy :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` against each rule.
@@ -424,28 +448,25 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
     of the n positions whose outputs chose the new tokens, ``ms_per_token``, ``tokens_per_s`` (B new tokens per
     step), ``rows`` (B), ``prompt_ms`` (the prompt pass plus the first token), ``same_tokens`` (fraction of new
     tokens equal to the dense decoder's, position by position), ``first_divergence`` (index of the first new
-    token that differs; n if none; mean over rows) and no CE. ``honest_flops`` is per new token (the work of n
-    new tokens minus that of 1, over n - 1, per row); ``flop_speedup`` uses a context of T0 + n tokens.
+    token that differs; n if none; mean over rows), ``loops_run`` (loops a decode step runs: the mean over the n
+    positions of the deepest exit among the B rows; ``avg_loops`` when B = 1) and no CE. ``honest_flops`` is
+    per new token (the work of n new tokens minus that of 1, over n - 1, per row); ``flop_speedup`` uses a
+    context of T0 + n tokens.
     """
     cfg = cfg or SpeedConfig()
     _memory(cfg)
-    prompt = _on_device(model, prompt, "prompt", targets=False)
+    prompt, s0 = _decode_setup(model, prompt, cfg)
     B, t0 = prompt.shape
     n, r = cfg.new_tokens, cfg.reference_loops
-    if t0 + n > model.cfg.max_seq_len:
-        raise DrcError(f"prompt length {t0} + new_tokens {n} exceeds max_seq_len={model.cfg.max_seq_len}: "
-                       "shorten the prompt or generate fewer tokens")
     specs = [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]
     dense = f"uniform={r} dense decode"
     with torch.inference_mode():
         model.eval()
-        gen = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
-        s0 = model.initial_state(torch.zeros(B, t0 + n, model.cfg.d_model, device=prompt.device), gen)
         dense_tokens = generate_fixed(model, prompt, n, r, state=s0)[:, t0:]
         generate_fixed(model, prompt, 1, r, state=s0[:, : t0 + 1])
         rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": dense,
                  "path": "dense decode", "baseline": True, "needs_log_probs": False, "avg_loops": float(r),
-                 "same_tokens": 1.0, "first_divergence": float(n),
+                 "same_tokens": 1.0, "first_divergence": float(n), "loops_run": float(r),
                  "honest_flops": float(model.flops_per_token(r, t0 + n))}]
         variants = {f"{dense} [n]": lambda: generate_fixed(model, prompt, n, r, state=s0),
                     f"{dense} [1]": lambda: generate_fixed(model, prompt, 1, r, state=s0[:, : t0 + 1])}
@@ -458,6 +479,7 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
                          "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": res.new_avg_depth,
                          "same_tokens": float((res.new_tokens == dense_tokens).double().mean()),
                          "first_divergence": _first_divergence(res.new_tokens, dense_tokens),
+                         "loops_run": _loops_run(res.exit_loop[:, t0 - 1 :]),
                          "honest_flops": work / (B * (n - 1))})
             name = str(spec.rule)
             variants[f"{name} [n]"] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
@@ -480,6 +502,80 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
         path = "forward" if spec is None else _skip_path(spec.rule)
         _speed_columns(row, base["seconds"], r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t0 + n,
                                                                                     path))
+    return pd.DataFrame(rows)
+
+
+def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig | None = None, *,
+                     rows: Sequence[int] = (1, 2, 4, 8, 16), log: Log = None) -> pd.DataFrame:
+    """What one core loop of a decode step costs with B rows active, for each B of ``rows`` (the first B
+    prompts of ``prompt``): the decode step of :func:`~drc_core.halting.generate.generate_fixed` at depth r and
+    at depth 1 (each as in :func:`time_generation`: time of n new tokens - time of 1, over n - 1), and per loop
+    ``loop_ms`` = (step at r - step at 1) / (r - 1), all in one interleaved timing.
+
+    One row per B: ``rows``, ``step_ms`` (depth r), ``loop_ms``, ``loop_ms_per_row``, ``fixed_ms`` and
+    ``per_row_ms`` (the least-squares line loop_ms = fixed + per_row * B over all B, same on every row) and
+    ``fixed_share`` (fixed_ms / loop_ms: the part of a loop that does not shrink when rows exit). A loop over a
+    few rows is latency-bound (one pass over the weights, ~40 small ops), not FLOP-bound: see
+    :func:`decode_prediction`."""
+    cfg = cfg or SpeedConfig()
+    _memory(cfg)
+    n, r = cfg.new_tokens, cfg.reference_loops
+    if r < 2 or n < 2:
+        raise DrcError(f"decode_loop_cost needs reference_loops >= 2 and new_tokens >= 2 (got {r}, {n}): raise them")
+    if max(rows) > len(prompt) or min(rows) < 1:
+        raise DrcError(f"rows {list(rows)} must lie in 1..{len(prompt)} (the prompts given): pass more prompts")
+    prompt, s0 = _decode_setup(model, prompt[: max(rows)], cfg)
+    variants = {}
+    with torch.inference_mode():
+        model.eval()
+        for b in rows:
+            for depth in (1, r):
+                for new in (1, n):
+                    def call(b: int = b, depth: int = depth, new: int = new) -> Tensor:
+                        return generate_fixed(model, prompt[:b], new, depth, state=s0[:b, : prompt.shape[1] + new])
+                    call()  # warm-up
+                    variants[(b, depth, new)] = call
+        named = {f"B={b} r={depth} n={new}": f for (b, depth, new), f in variants.items()}
+        times = interleaved(named, cfg.rounds, log, "decode loop cost", cfg.clock)
+
+    def step(b: int, depth: int) -> float:
+        full, first = median(times[f"B={b} r={depth} n={n}"]), median(times[f"B={b} r={depth} n=1"])
+        return (full - first) / (n - 1)
+
+    out = pd.DataFrame([{"rows": b, "step_ms": 1e3 * step(b, r), "loop_ms": 1e3 * (step(b, r) - step(b, 1)) / (r - 1)}
+                        for b in rows])
+    out["loop_ms_per_row"] = out.loop_ms / out.rows
+    if len(out) > 1:
+        per_row, fixed = (float(v) for v in torch.linalg.lstsq(
+            torch.tensor([[float(b), 1.0] for b in out.rows], dtype=torch.float64),
+            torch.tensor(out.loop_ms.tolist(), dtype=torch.float64)[:, None]).solution[:, 0])
+    else:
+        per_row, fixed = 0.0, float(out.loop_ms.iloc[0])
+    out["fixed_ms"], out["per_row_ms"] = fixed, per_row
+    out["fixed_share"] = fixed / out.loop_ms
+    return out
+
+
+def decode_prediction(generation: pd.DataFrame, cost: pd.DataFrame) -> pd.DataFrame:
+    """The core-loop speed-up each rule of a :func:`time_generation` frame can expect at the decode loop cost
+    measured by :func:`decode_loop_cost` (loop = ``fixed_ms`` + ``per_row_ms`` x active rows), beside its
+    honest-FLOP and measured speed-ups.
+
+    A decode step of B rows with uniform depth r costs r (f + p B); with a rule, loop l costs f + p (rows still
+    active at l), so a step costs f x (deepest exit among its rows) + p x (sum of the rows' exits): on average
+    f ``loops_run`` + p B ``avg_loops``. ``loop_cost_speedup`` = r (f + p B) / (f loops_run + p B avg_loops):
+    r / avg_loops (the proxy) when p dominates, r / loops_run when f does. It counts core loops only: the
+    readouts a rule performs per loop (KL, entropy, ...) come on top, so for those rules it is an upper bound.
+    One row per (rows, rule) of the frame's rules (baselines and ``Uniform(r)`` left out)."""
+    fixed, per_row = float(cost.fixed_ms.iloc[0]), float(cost.per_row_ms.iloc[0])
+    rows = []
+    for g in generation[generation.family != "uniform"].itertuples():
+        base = generation[generation.baseline & (generation.rows == g.rows)].iloc[0]
+        r, b = base.avg_loops, g.rows
+        rows.append({"rows": int(b), "rule": g.rule, "avg_loops": g.avg_loops, "loops_run": g.loops_run,
+                     "proxy_speedup": g.proxy_speedup, "honest_speedup": g.honest_speedup,
+                     "loop_cost_speedup": r * (fixed + per_row * b) / (fixed * g.loops_run + per_row * b * g.avg_loops),
+                     "wallclock_speedup": g.wallclock_speedup})
     return pd.DataFrame(rows)
 
 
@@ -651,16 +747,41 @@ def _op_kind(name: str) -> str:
     return "other (norms, RoPE, MLP activation, adds, copies)"
 
 
+def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``torch.profiler`` over one call of each variant (after an untimed warm-up call): ``(kinds, ops)`` as
+    described in :func:`profile_batched`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kinds, ops = [], []
+    for name, fn in variants.items():
+        fn()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events) / 1e3
+        by_kind: dict[str, list[float]] = {}
+        for e in events:
+            acc = by_kind.setdefault(_op_kind(e.key), [0.0, 0.0])
+            acc[0] += e.self_cpu_time_total / 1e3
+            acc[1] += e.count
+        for kind, (ms, calls) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+            kinds.append({"variant": name, "kind": kind, "ms": ms, "calls": int(calls), "share": ms / total})
+        kinds.append({"variant": name, "kind": "total", "ms": total,
+                      "calls": int(sum(e.count for e in events)), "share": 1.0})
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+            ops.append({"variant": name, "op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count,
+                        "share": e.self_cpu_time_total / 1e3 / total})
+    return pd.DataFrame(kinds), pd.DataFrame(ops)
+
+
 def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, top: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Where the time goes: ``torch.profiler`` over one batch (the first ``batch_size`` windows) of the dense
     forward at depth r, ``skip_forward`` with ``Uniform(r)`` and with each rule (one untimed warm-up call each).
 
     Returns ``(kinds, ops)``: ``kinds`` one row per (variant, kind of op: matmul, attention, readout statistics,
-    gather/scatter, other) with ``ms`` (self CPU time) and ``share``, plus a ``total`` row; ``ops`` the ``top``
-    ops of each variant by self CPU time (``op``, ``ms``, ``calls``, ``share``)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    gather/scatter, other) with ``ms`` (self CPU time), ``calls`` and ``share``, plus a ``total`` row; ``ops`` the
+    ``top`` ops of each variant by self CPU time (``op``, ``ms``, ``calls``, ``share``)."""
     cfg = cfg or SpeedConfig()
     _memory(cfg)
     windows = _on_device(model, windows)
@@ -671,25 +792,29 @@ def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[Ru
         f"uniform={r} via skip_forward": lambda: skip_forward(model, x, Uniform(r), state=s0, fused=cfg.fused)}
     for spec in _specs(rules, r):
         variants[str(spec.rule)] = lambda rule=spec.rule: skip_forward(model, x, rule, state=s0, fused=cfg.fused)
-    kinds, ops = [], []
     with torch.inference_mode():
         model.eval()
-        for name, fn in variants.items():
-            fn()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                fn()
-            events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-            total = sum(e.self_cpu_time_total for e in events) / 1e3
-            by_kind: dict[str, float] = {}
-            for e in events:
-                by_kind[_op_kind(e.key)] = by_kind.get(_op_kind(e.key), 0.0) + e.self_cpu_time_total / 1e3
-            for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-                kinds.append({"variant": name, "kind": kind, "ms": ms, "share": ms / total})
-            kinds.append({"variant": name, "kind": "total", "ms": total, "share": 1.0})
-            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
-                ops.append({"variant": name, "op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count,
-                            "share": e.self_cpu_time_total / 1e3 / total})
-    return pd.DataFrame(kinds), pd.DataFrame(ops)
+        return _profile(variants, top)
+
+
+def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                       cfg: SpeedConfig | None = None, *, top: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where the time of generation goes: ``torch.profiler`` over ``new_tokens`` greedy tokens after ``prompt``
+    (B, T0) with :func:`~drc_core.halting.generate.generate_fixed` at depth r (variant "uniform=r dense
+    decode"), ``generate`` with ``Uniform(r)`` and with each rule; same initial states as
+    :func:`time_generation`. Returns ``(kinds, ops)`` as :func:`profile_batched` does."""
+    cfg = cfg or SpeedConfig()
+    _memory(cfg)
+    prompt, s0 = _decode_setup(model, prompt, cfg)
+    n, r = cfg.new_tokens, cfg.reference_loops
+    with torch.inference_mode():
+        model.eval()
+        variants: dict[str, Callable[[], object]] = {
+            f"uniform={r} dense decode": lambda: generate_fixed(model, prompt, n, r, state=s0)}
+        for spec in [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]:
+            variants[str(spec.rule)] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
+                                                                       fused=cfg.fused)
+        return _profile(variants, top)
 
 
 def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
