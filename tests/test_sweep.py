@@ -16,6 +16,7 @@ from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError
 from drc_core.halting.rules import KLThreshold, Never, Uniform, first_within, masked_forward, offline_exits
 from drc_core.halting.sweep import (
+    CALIBRATED_FAMILIES,
     RuleSpec,
     calibrate,
     calibration_table,
@@ -294,3 +295,9 @@ def test_matching_gap_agrees_with_matching_table_and_brackets_it():
 def test_matching_gap_names_a_missing_family():
     with pytest.raises(DrcError, match="family 'state_delta' is not in the frame"):
         matching_gap(_synthetic_sweep(4), "state_delta", reference=8, ce_tolerance=0.005, n_boot=10)
+
+
+def test_every_training_free_family_is_calibrated():
+    """Notebook 4's held-out calibration covers every family of the default sweep (the new rules included)
+    and both routers."""
+    assert {s.family for s in default_rules(8)} | {"router_linear", "router_mlp"} == set(CALIBRATED_FAMILIES)

@@ -412,8 +412,8 @@ def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: f
 # ----------------------------------------------------------------------------------------------------------
 # The tables of notebook 4
 
-CALIBRATED_FAMILIES = ("kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence",
-                       "router_linear", "router_mlp")
+CALIBRATED_FAMILIES = ("kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence", "minp_kl",
+                       "acceleration", "router_linear", "router_mlp")
 
 
 def uniform_ce(summary: pd.DataFrame, reference: int) -> float:
