@@ -445,9 +445,11 @@ def test_presets_profile_and_more_rows(model, windows):
     json.dumps(rep.to_dict(), default=str)
 
 
-def test_profile_generation_variants(model, windows, cfg):
+def test_profile_generation_variants(model, windows, cfg, capfd):
     rules = [StateDelta(1e-1, max_loops=6), KLThreshold(1e-2, max_loops=6)]
+    capfd.readouterr()
     kinds, ops = profile_generation(model, windows[:2, :6], rules, cfg, top=5)
+    assert "profiler_st" not in capfd.readouterr().err  # torch's C++ start/stop lines stay out of notebooks
     r = cfg.reference_loops
     assert list(dict.fromkeys(kinds.variant)) == [f"uniform={r} dense decode", f"uniform={r}", *map(str, rules)]
     for _, g in kinds.groupby("variant"):

@@ -56,7 +56,10 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import pandas as pd
@@ -747,6 +750,22 @@ def _op_kind(name: str) -> str:
     return "other (norms, RoPE, MLP activation, adds, copies)"
 
 
+@contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the block: torch's C++ profiler writes a ``USDT: ... profiler_start`` /
+    ``profiler_stop`` line there around every profile, which would land in a notebook's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``torch.profiler`` over one call of each variant (after an untimed warm-up call): ``(kinds, ops)`` as
     described in :func:`profile_batched`."""
@@ -755,7 +774,7 @@ def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.Da
     kinds, ops = [], []
     for name, fn in variants.items():
         fn()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
         events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
         total = sum(e.self_cpu_time_total for e in events) / 1e3
