@@ -54,6 +54,7 @@ measurement's own overhead is its time over that floor (:func:`measurement_cost`
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import os
@@ -62,6 +63,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -423,6 +425,13 @@ def _loops_run(exit_loop: Tensor) -> float:
     return float(exit_loop.max(dim=0).values.double().mean())
 
 
+def _step_seconds(full: Sequence[float], first: Sequence[float], n: int) -> float:
+    """Seconds per decode step from the round times of n new tokens and of 1: (median(full) - median(first)) /
+    (n - 1), the prompt pass dropped out; should timer noise make that <= 0, median(full) / n (amortized)."""
+    decode = (median(full) - median(first)) / (n - 1)
+    return decode if decode > 0 else median(full) / n
+
+
 def _decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
     """The prompt (B, T0) on the model's device, checked against ``max_seq_len`` with ``new_tokens`` more, and
     the initial states (B, T0 + n, d) every generation comparison starts from (seeded by ``cfg.seed``)."""
@@ -492,8 +501,7 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
         times = interleaved(variants, cfg.rounds, log, "generation", cfg.clock)
     for row in rows:
         full, first = times[f"{row['rule']} [n]"], times[f"{row['rule']} [1]"]
-        decode = (median(full) - median(first)) / (n - 1)
-        row["seconds"] = decode if decode > 0 else median(full) / n  # timer noise above the decode time: amortize
+        row["seconds"] = _step_seconds(full, first, n)
         row["ms_per_token"] = 1e3 * row["seconds"]
         row["tokens_per_s"] = B / row["seconds"]
         row["rows"] = B
@@ -528,30 +536,24 @@ def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig |
     if max(rows) > len(prompt) or min(rows) < 1:
         raise DrcError(f"rows {list(rows)} must lie in 1..{len(prompt)} (the prompts given): pass more prompts")
     prompt, s0 = _decode_setup(model, prompt[: max(rows)], cfg)
-    variants = {}
+    variants: dict[str, Callable[[], object]] = {}
     with torch.inference_mode():
         model.eval()
-        for b in rows:
-            for depth in (1, r):
-                for new in (1, n):
-                    def call(b: int = b, depth: int = depth, new: int = new) -> Tensor:
-                        return generate_fixed(model, prompt[:b], new, depth, state=s0[:b, : prompt.shape[1] + new])
-                    call()  # warm-up
-                    variants[(b, depth, new)] = call
-        named = {f"B={b} r={depth} n={new}": f for (b, depth, new), f in variants.items()}
-        times = interleaved(named, cfg.rounds, log, "decode loop cost", cfg.clock)
+        for b, depth, new in itertools.product(rows, (1, r), (1, n)):
+            def call(b: int = b, depth: int = depth, new: int = new) -> Tensor:
+                return generate_fixed(model, prompt[:b], new, depth, state=s0[:b, : prompt.shape[1] + new])
+            call()  # warm-up
+            variants[f"B={b} r={depth} n={new}"] = call
+        times = interleaved(variants, cfg.rounds, log, "decode loop cost", cfg.clock)
 
     def step(b: int, depth: int) -> float:
-        full, first = median(times[f"B={b} r={depth} n={n}"]), median(times[f"B={b} r={depth} n=1"])
-        return (full - first) / (n - 1)
+        return _step_seconds(times[f"B={b} r={depth} n={n}"], times[f"B={b} r={depth} n=1"], n)
 
     out = pd.DataFrame([{"rows": b, "step_ms": 1e3 * step(b, r), "loop_ms": 1e3 * (step(b, r) - step(b, 1)) / (r - 1)}
                         for b in rows])
     out["loop_ms_per_row"] = out.loop_ms / out.rows
     if len(out) > 1:
-        per_row, fixed = (float(v) for v in torch.linalg.lstsq(
-            torch.tensor([[float(b), 1.0] for b in out.rows], dtype=torch.float64),
-            torch.tensor(out.loop_ms.tolist(), dtype=torch.float64)[:, None]).solution[:, 0])
+        per_row, fixed = (float(v) for v in np.polyfit(out.rows.to_numpy(float), out.loop_ms.to_numpy(float), 1))
     else:
         per_row, fixed = 0.0, float(out.loop_ms.iloc[0])
     out["fixed_ms"], out["per_row_ms"] = fixed, per_row
