@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from drc_core.data.depth_tasks import DepthTaskConfig
 from drc_core.data.prepare import DEFAULT_OUT, PrepareConfig, PrepareResult, prepare
 from drc_core.data.sources import DEFAULT_SOURCE, KNOWN_SOURCES, SourceSpec
 from drc_core.errors import run_cli
@@ -20,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-files", action="append", default=[],
                    help="fineweb-edu: local parquet shards with FineWeb-Edu's schema instead of the Hub (repeat)")
     p.add_argument("--max-docs", type=int, default=None, help="first N documents per source (fineweb-edu: required)")
+    p.add_argument("--task-docs", type=int, default=DepthTaskConfig.docs,
+                   help=f"depth-tasks: documents to generate (default: {DepthTaskConfig.docs})")
+    p.add_argument("--task-max-k", type=int, default=DepthTaskConfig.max_k,
+                   help=f"depth-tasks: most lookups an answer needs (default: {DepthTaskConfig.max_k})")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents per source in val")
@@ -48,7 +53,8 @@ def describe(res: PrepareResult) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     spec = SourceSpec(name=args.source, paths=tuple(args.path), data_files=tuple(args.data_files),
-                      max_docs=args.max_docs)
+                      max_docs=args.max_docs,
+                      tasks=DepthTaskConfig(docs=args.task_docs, max_k=args.task_max_k, seed=args.seed))
     cfg = PrepareConfig(source=spec, out=args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                         seed=args.seed, seq_len=args.seq_len, force=args.force)
     res = prepare(cfg, progress=not args.quiet)

@@ -5,6 +5,7 @@ Output directory (``PrepareConfig.out``)::
     train.bin, val.bin   token ids, uint16 (uint32 when the vocabulary exceeds 65535), documents joined
                          with <|endoftext|> after each one
     docs.parquet         one row per document: split, source, doc_id, n_chars, tok_start, tok_end
+    labels.parquet       only with the depth-tasks source: one row per answer token (see drc_core.data.labels)
     tokenizer.json       the byte-level BPE
     meta.json            source, counts, vocab size, tokenizer hash, seed and the input fingerprint
 
@@ -29,6 +30,9 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from drc_core.data.depth_tasks import SOURCE_NAME as TASK_SOURCE
+from drc_core.data.depth_tasks import token_labels
+from drc_core.data.labels import LABELS_FILE, write_labels
 from drc_core.data.sources import SourceSpec, fingerprint, load_documents
 from drc_core.data.tokenizer import EOT, check_vocab_size, tokenizer_hash, train_bpe
 from drc_core.errors import DrcError, need_disk
@@ -111,17 +115,24 @@ def is_prepared(out: Path) -> bool:
     return (out / "meta.json").exists()
 
 
-def _encode(tok, texts: list[str], eot_id: int, desc: str, progress: bool) -> tuple[list[np.ndarray], int]:
-    chunks, total = [], 0
+def _encode(tok, texts: list[str], labelled: list[bool], eot_id: int, desc: str,
+            progress: bool) -> tuple[list[np.ndarray], int, list[dict]]:
+    """Token ids of each document (with <|endoftext|> after it), their total, and the depth-task labels of the
+    ``labelled`` documents as rows (``doc`` index in ``texts``, ``pos`` token index in the document, ...)."""
+    chunks, total, labels = [], 0, []
     bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress)
     for start in range(0, len(texts), 64):
-        for enc in tok.encode_batch(texts[start : start + 64]):
+        batch = texts[start : start + 64]
+        for i, enc in enumerate(tok.encode_batch(batch), start=start):
             ids = np.asarray(enc.ids + [eot_id], dtype=np.int64)
             chunks.append(ids)
             total += len(ids)
-        bar.update(min(64, len(texts) - start))
+            if labelled[i]:
+                labels += [{"doc": i, "pos": pos, "k": a.k, "family": a.family, "answer": a.word,
+                            "problem": a.problem} for pos, a in token_labels(texts[i], enc)]
+        bar.update(len(batch))
     bar.close()
-    return chunks, total
+    return chunks, total, labels
 
 
 def _write_split(path: Path, chunks: list[np.ndarray], total: int, dtype) -> None:
@@ -166,19 +177,23 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
 
-    rows, counts = [], {}
+    rows, counts, label_rows = [], {}, []
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)
     try:
         for split, idx in (("train", train_idx), ("val", val_idx)):
-            chunks, total = _encode(tok, [texts[i] for i in idx], eot_id, f"tokenize {split}", progress)
+            chunks, total, labels = _encode(tok, [texts[i] for i in idx], [sources[i] == TASK_SOURCE for i in idx],
+                                            eot_id, f"tokenize {split}", progress)
             if total < cfg.seq_len + 1:
                 raise DrcError(
                     f"{split} split has {total} tokens, fewer than seq_len+1={cfg.seq_len + 1}: add text, raise "
                     "--val-fraction/--max-docs, or lower --seq-len"
                 )
             _write_split(tmp / f"{split}.bin", chunks, total, dtype)
+            starts = np.cumsum([0] + [len(c) for c in chunks])
+            label_rows += [{"split": split, **r, "token": int(starts[r["doc"]] + r["pos"]),
+                            "doc_id": doc_ids[idx[r["doc"]]]} for r in labels]
             pos = 0
             for i, c in zip(idx, chunks, strict=True):
                 rows.append(
@@ -197,6 +212,10 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
         tok.save(str(tmp / "tokenizer.json"))
         frame = pd.DataFrame(rows)
         frame.to_parquet(tmp / "docs.parquet", index=False)
+        files = ["train.bin", "val.bin", "docs.parquet", "tokenizer.json", "meta.json"]
+        if label_rows:
+            write_labels(tmp / LABELS_FILE, pd.DataFrame(label_rows))
+            files.append(LABELS_FILE)
         per_source = {
             f"{split}/{src}": {"documents": int(len(g)), "characters": int(g.n_chars.sum()),
                                "tokens": int((g.tok_end - g.tok_start).sum())}
@@ -217,7 +236,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
             "dtype": np.dtype(dtype).name,
             "tokenizer_sha256": tokenizer_hash(tok),
             "seed": cfg.seed,
-            "files": ["train.bin", "val.bin", "docs.parquet", "tokenizer.json", "meta.json"],
+            "files": files,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _swap_in(tmp, out)

