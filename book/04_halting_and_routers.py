@@ -52,17 +52,8 @@ from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
-from drc_core.halting.router import (
-    LinearRouter,
-    MLPRouter,
-    RouterRule,
-    harvest,
-    router_metrics,
-    split_windows,
-    train_router,
-)
+from drc_core.halting.router import split_windows, trained_router_specs
 from drc_core.halting.sweep import (
-    RuleSpec,
     calibration_table,
     default_rules,
     gap_table,
@@ -97,30 +88,14 @@ print(
 # the state, the loop index and five readout statistics -- a stronger baseline.
 
 # %%
-routers = {}
-for kind, make, kw in [
-    ("linear", lambda d: LinearRouter(d), {}),
-    ("mlp", lambda d: MLPRouter(d, hidden=64), {"loop_feature": "onehot", "readout_stats": True}),
-]:
-    data = harvest(model, windows[calib_idx], rule_max_loops, eps, positions=router_positions, **kw)
-    router = make(data.n_features)
-    log = train_router(router, data, seed=seed)
-    routers[kind] = router
-    print(
-        kind,
-        f"{len(data):,} rows, {data.positive_rate:.1%} positive,",
-        {k: round(v, 3) for k, v in router_metrics(router, data).items()},
-    )
+router_specs, router_info = trained_router_specs(
+    model, windows[calib_idx], rule_max_loops, eps, positions=router_positions, seed=seed
+)
+for kind, info in router_info.items():
+    print(kind, {k: round(v, 3) for k, v in info.items()})
 
 # %%
-specs = default_rules(rule_max_loops)
-for kind, router in routers.items():
-    specs += [
-        RuleSpec(
-            f"router_{kind}", tau, RouterRule(router=router, tau=tau, max_loops=rule_max_loops)
-        )
-        for tau in (0.3, 0.5, 0.7, 0.9, 0.97, 0.99)
-    ]
+specs = default_rules(rule_max_loops) + router_specs
 frame = sweep(model, windows, specs, reference_loops=reference, mode="offline")
 clusters = window_clusters(docs)
 held = summarize(frame, windows=held_idx, clusters=clusters, seed=seed)

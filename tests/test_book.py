@@ -476,6 +476,7 @@ PAPER_TINY = {
     "router_positions": 16, "online_windows": 2, "rounds": 1, "new_tokens": 4,
     "run_preset": "tiny", "run_overrides": ["model.vocab_size=512", "max_steps=4", "eval_every=4", "ckpt_every=4"],
     "seeds": [0, 1], "mean_depths": [2, 4], "seed_mean_depth": 4, "levers_dir": "",
+    "task_docs": 300, "n_task_docs": 8, "extrapolation_docs": 4,
 }
 
 

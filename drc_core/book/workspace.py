@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from drc_core.book.paths import committed_counterpart
+from drc_core.data.depth_tasks import DepthTaskConfig
 from drc_core.data.prepare import PrepareConfig, prepare
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec
@@ -44,11 +45,13 @@ __all__ = [
 ]
 
 def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_docs: int | None = None,
-                  seq_len: int = 256, data_files: Sequence[str | Path] = (), progress: bool = True) -> Corpus:
+                  seq_len: int = 256, data_files: Sequence[str | Path] = (), tasks: DepthTaskConfig | None = None,
+                  progress: bool = True) -> Corpus:
     """Prepare ``corpus_dir`` from ``source`` if it is missing or out of date (a cached no-op otherwise).
     ``data_files``: local parquet shards that stand in for FineWeb-Edu's Hub stream (the same streaming reader;
-    :mod:`drc_core.data.sources`)."""
-    spec = SourceSpec(name=source, max_docs=max_docs, data_files=tuple(str(f) for f in data_files))
+    :mod:`drc_core.data.sources`); ``tasks``: what the ``depth-tasks`` source generates."""
+    spec = SourceSpec(name=source, max_docs=max_docs, data_files=tuple(str(f) for f in data_files),
+                      tasks=tasks or DepthTaskConfig())
     prepare(PrepareConfig(source=spec, out=str(corpus_dir), vocab_size=vocab_size, seq_len=seq_len),
             progress=progress)
     return Corpus.open(corpus_dir)

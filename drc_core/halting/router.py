@@ -46,6 +46,7 @@ from drc_core.analysis.loops import LoopStats, iterate_stats
 from drc_core.analysis.measure import DEFAULT_EPS, depth_from_successive_kl
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import HaltingRule
+from drc_core.halting.sweep import RuleSpec
 from drc_core.model.lm import RecurrentModel, check_token_ids
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
@@ -643,3 +644,30 @@ def load_router(path_dir: str | Path, map_location: str | torch.device = "cpu") 
     router.spec = None if cfg.get("spec") is None else FeatureSpec.from_dict(cfg["spec"])
     router.info = dict(cfg.get("info") or {})
     return router.to(map_location).eval()
+
+
+ROUTER_TAUS = (0.3, 0.5, 0.7, 0.9, 0.97, 0.99)
+
+
+def trained_router_specs(model: RecurrentModel, windows: Tensor, max_loops: int, eps: float = DEFAULT_EPS, *,
+                         positions: int | None = 64, seed: int = 0,
+                         taus: Sequence[float] = ROUTER_TAUS) -> tuple[list, dict[str, dict[str, float]]]:
+    """The book's two learned routers, trained on ``windows`` (the calibration part) and offered as sweep points.
+
+    ``linear`` sees the latent state (the paper's router); ``mlp`` (64 hidden) sees the state, the loop one-hot
+    and the readout statistics. Labels: converged by loop l at ``eps``. Returns the
+    :class:`~drc_core.halting.sweep.RuleSpec` list (families ``router_linear`` and ``router_mlp``, one point per
+    ``tau``, every rule with ``max_loops``) and each router's training metrics (:func:`router_metrics`, plus
+    ``rows`` and ``positive_rate``)."""
+    specs, metrics = [], {}
+    for kind, make, kw in [
+        ("linear", lambda d: LinearRouter(d), {}),
+        ("mlp", lambda d: MLPRouter(d, hidden=64), {"loop_feature": "onehot", "readout_stats": True}),
+    ]:
+        data = harvest(model, windows, max_loops, eps, positions=positions, **kw)
+        router = make(data.n_features)
+        train_router(router, data, seed=seed)
+        metrics[kind] = {"rows": len(data), "positive_rate": data.positive_rate, **router_metrics(router, data)}
+        specs += [RuleSpec(f"router_{kind}", tau, RouterRule(router=router, tau=tau, max_loops=max_loops))
+                  for tau in taus]
+    return specs, metrics

@@ -191,6 +191,28 @@ def sweep(
     return pd.DataFrame(rows)
 
 
+def token_exits(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], *, reference_loops: int = 8,
+                oracle_eps: Sequence[float] = (), batch_size: int = 16,
+                seed: int = EVAL_STATE_SEED) -> dict[str, np.ndarray]:
+    """Per-token exit loops (N, T) of each rule, replayed offline on one uniform trajectory per batch (as
+    :func:`sweep` with ``mode="offline"``), keyed by ``str(rule)``; plus ``oracle(kl<=eps)`` for each
+    ``oracle_eps`` (first loop <= ``reference_loops`` whose KL to the reference output is <= eps)."""
+    windows = check_token_ids(model, windows)
+    rules = list(rules)
+    deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
+    out: dict[str, list[np.ndarray]] = {str(s.rule): [] for s in rules}
+    out.update({f"oracle(kl<={e:g})": [] for e in oracle_eps})
+    for batch in eval_batches(model, windows, batch_size, seed):
+        s0 = batch.initial_state(model)
+        ref = F.log_softmax(logits_at(model, batch.x, reference_loops, state=s0).float(), dim=-1)
+        _, kl_l, exits = _trajectory(model, batch.x, batch.y, s0, ref, deepest, rules)
+        for spec, ex in zip(rules, exits, strict=True):
+            out[str(spec.rule)].append(ex.cpu().numpy())
+        for e in oracle_eps:
+            out[f"oracle(kl<={e:g})"].append(first_within(kl_l[:reference_loops], e)[0].cpu().numpy())
+    return {name: np.concatenate(parts) for name, parts in out.items()}
+
+
 def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor,
                 loops: int, rules: Sequence[RuleSpec]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One uniform ``iterate`` pass of ``loops`` loops: per-loop CE and KL(p_ref || p_l), each (loops, B, T),

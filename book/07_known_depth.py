@@ -1,0 +1,340 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 7. Tokens whose required depth is known
+#
+# On natural text at our scale almost every token needs about the same depth, so no halting rule can show
+# much (notebook 4). Here a second model is trained on the same natural text mixed with generated documents
+# (`drc_core.data.depth_tasks`) in which some tokens need a known number `k` of sequential lookups:
+#
+# - **containers**: chains of "The lamp is in the box." statements, shuffled with a distractor chain;
+#   "Where is the lamp? It is in the *garden*." needs `k` links;
+# - **swaps**: people holding balls swap them; "Which ball does Ann have now? It is the *blue* ball." needs the
+#   swaps on Ann's backward path plus the starting statement;
+# - **hops**: p-hop induction over letters ("Jump 3 times from the last letter: *d*").
+#
+# The label `k` of each answer comes from a solver that parses the text, never from the generator. Every
+# per-token claim of the book is tested against it: does accuracy need loops that grow with `k`, does the
+# convergence depth follow `k`, and do the halting rules give depth to the answers that need it?
+
+# %% tags=["parameters"]
+profile = "reference"
+work_dir = "runs/book/reference"
+results_dir = "papermill_runs/reference/results"
+corpus_dir = "data/corpus/default"  # the natural-text corpus of notebooks 1-6
+task_corpus_dir = ""  # empty: <work_dir>/depth_tasks/corpus
+task_source = "wikipedia+sotu+depth-tasks"
+vocab_size = 4096
+max_docs = 0  # per natural source; 0 means all
+data_files: list[str] = []  # fineweb-edu: local parquet shards instead of the Hub's stream
+task_docs = 12000
+task_max_k = 6
+preset = "cpu"
+train_overrides: list[str] = ["max_steps=6000"]
+task_checkpoint = "data/depth-tasks"  # empty: train here
+retrain = False
+n_task_docs = 300  # validation task documents for the per-k measurements
+n_windows = 64  # mixed validation windows for the rule sweep
+max_loops = 32
+rule_max_loops = 16
+eps = 1e-3
+ce_tolerance = 0.005
+accuracy_level = 0.9
+extrapolation_docs = 150
+router_positions = 64
+seed = 0
+
+# %% tags=["hide-input"]
+# imports; the parameters' paths resolved against the repository root (any working directory)
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from drc_core.analysis.measure import measure_windows, val_windows_with_docs
+from drc_core.book import depth_viz, viz
+from drc_core.book.paths import at_root, results_for
+from drc_core.book.workspace import ensure_corpus, open_model, provide_model, save_results
+from drc_core.data.depth_tasks import DepthTaskConfig, generate_document
+from drc_core.data.sampler import Corpus
+from drc_core.experiments import depth_tasks as dt
+from drc_core.halting.router import split_windows, trained_router_specs
+from drc_core.halting.sweep import (
+    default_rules,
+    gap_table,
+    matching_table,
+    summarize,
+    sweep,
+    window_clusters,
+)
+from drc_core.training.evaluate import loss_by_source
+
+work_dir, corpus_dir, task_checkpoint = at_root(work_dir, corpus_dir, task_checkpoint)
+task_work = str(Path(work_dir) / "depth_tasks")
+task_corpus_dir = at_root(task_corpus_dir) if task_corpus_dir else str(Path(task_work) / "corpus")
+data_files = [at_root(f) for f in data_files]
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+
+# %%
+t0 = time.time()
+tasks = DepthTaskConfig(docs=task_docs, max_k=task_max_k, seed=seed)
+corpus = ensure_corpus(
+    task_corpus_dir,
+    task_source,
+    vocab_size,
+    max_docs=max_docs or None,
+    data_files=data_files,
+    tasks=tasks,
+    progress=False,
+)
+info = provide_model(
+    task_work,
+    corpus,
+    preset_name=preset,
+    overrides=train_overrides,
+    checkpoint=task_checkpoint,
+    retrain=retrain,
+    progress=False,
+)
+model, cfg, metrics = open_model(task_work)
+tokenizer = corpus.tokenizer()
+R = int(round(cfg.recurrence.mean))
+per_source = pd.DataFrame(corpus.meta["per_source"]).T
+task_share = per_source.loc["train/depth-tasks", "tokens"] / per_source.loc[
+    per_source.index.str.startswith("train/"), "tokens"
+].sum()
+print(f"model from {info['kind']} {info['path']}: {model.num_params():,} parameters, trained mean depth {R}")
+print(f"training tokens that are depth tasks: {task_share:.1%}; k = {tasks.min_k}..{tasks.max_k}")
+per_source
+
+# %% [markdown]
+# One document of the validation split, as the model reads it (each problem a paragraph):
+
+# %%
+val_task_docs = corpus.docs[(corpus.docs.split == "val") & (corpus.docs.source == "depth-tasks")]
+example_index = int(val_task_docs.doc_id.iloc[0].split(":")[1])
+print(generate_document(tasks, example_index)[0])
+
+# %% [markdown]
+# ## Accuracy and cross-entropy of the answers, by `k` and loop
+# `n_task_docs` validation documents, each read from its first token (every answer sees its whole problem),
+# at every loop up to `max_loops`; intervals resample documents.
+
+# %%
+tw = dt.corpus_task_windows(corpus, cfg.seq_len, n_task_docs, seed=seed)
+traj = dt.answer_trajectories(model, tw, max_loops)
+acc = dt.accuracy_by_k(traj, seed=seed)
+acc_family = dt.accuracy_by_k(traj, by=("family", "k"), seed=seed)
+print(f"{len(tw.answers):,} answers in {len(tw.windows)} documents")
+depth_viz.accuracy_heatmap(acc)
+
+# %%
+depth_viz.accuracy_heatmap(acc, value="ce")
+
+# %% [markdown]
+# Per family, at one loop, at the training-mean depth `R` and at `max_loops`:
+
+# %%
+shown_loops = sorted({1, 2, 4, R, max_loops})
+acc_family[acc_family.loop.isin(shown_loops)].pivot_table(
+    index=["family", "k"], columns="loop", values="acc"
+).round(3)
+
+# %% [markdown]
+# ## How the loops an answer needs grow with `k`
+# For each `k`, the first loop whose accuracy reaches `accuracy_level`; a line in `k` and a line in `log2 k`
+# fitted to those loops (a model that composes lookups by pointer doubling would need `O(log k)` loops).
+
+# %%
+growth = dt.depth_growth(acc, accuracy_level)
+print(
+    {key: round(v, 3) for key, v in growth.attrs.items()}
+    if growth.attrs
+    else "fewer than 3 values of k reach the level: no fit"
+)
+growth
+
+# %% [markdown]
+# ## Convergence depth, commit loop and `k`
+# Per answer: its convergence depth (notebook 2's definition at ε), the loop from which its argmax never
+# changes again, and the first loop at which it is correct. Spearman's correlation of `k` with the
+# convergence depth, with an interval over documents.
+
+# %%
+depths = dt.answer_depths(traj, eps)
+rho = dt.spearman_ci(depths.k, depths.depth, depths.doc, seed=seed)
+rho_commit = dt.spearman_ci(depths.k, depths.commit, depths.doc, seed=seed)
+print(f"Spearman(k, convergence depth) = {rho[0]:.3f} [{rho[1]:.3f}, {rho[2]:.3f}]")
+print(f"Spearman(k, commit loop)       = {rho_commit[0]:.3f} [{rho_commit[1]:.3f}, {rho_commit[2]:.3f}]")
+by_k = dt.mean_by_k(depths, ["depth", "commit", "first_correct"], seed=seed)
+depth_viz.depth_by_k_figure(by_k, "Convergence depth, commit loop and first correct loop by k")
+
+# %%
+by_k.pivot(index="k", columns="series", values="value").round(2)
+
+# %% [markdown]
+# ## Overthinking
+# The share of answers that are right at some loop and wrong at a later one (up to `max_loops`), by `k`.
+
+# %%
+over = dt.overthinking_by_k(depths, seed=seed)
+over.round(3)
+
+# %% [markdown]
+# ## Halting rules against the uniform depth of equal quality
+# Every training-free rule, the oracle and the two learned routers (trained on the first half of the windows,
+# as in notebook 4), swept offline. Two sets of windows: the mixed validation split (natural text and tasks in
+# the proportion of the corpus) and the task documents alone. Loops saved are against the uniform depth whose
+# CE matches CE(uniform `R`) + `ce_tolerance`, on the held-out half, with intervals over documents.
+
+# %%
+mixed, mixed_docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
+calib_idx, held_idx = split_windows(len(mixed), 0.5, seed=seed)
+router_specs, router_info = trained_router_specs(
+    model, mixed[calib_idx], rule_max_loops, eps, positions=router_positions, seed=seed
+)
+specs = default_rules(rule_max_loops) + router_specs
+gaps, matches = {}, {}
+task_clusters = np.arange(len(tw.windows))  # one document per task window
+for name, windows, clusters in [
+    ("mixed validation", mixed, window_clusters(mixed_docs)),
+    ("task documents", tw.windows, task_clusters),
+]:
+    c_idx, h_idx = (calib_idx, held_idx) if name == "mixed validation" else split_windows(len(windows), 0.5, seed)
+    frame = sweep(model, windows, specs, reference_loops=R, mode="offline")
+    held = summarize(frame, windows=h_idx, clusters=clusters, seed=seed)
+    matches[name] = matching_table(held, R, ce_tolerance, kl_target=0.01)
+    gaps[name] = gap_table(frame, R, ce_tolerance, windows=h_idx, clusters=clusters, seed=seed)
+gap_view = pd.concat(gaps, names=["windows"])[
+    ["family_depth", "uniform_depth", "saved_frac", "saved_frac_lo", "saved_frac_hi"]
+]
+gap_view.round(3)
+
+# %% [markdown]
+# ## Do the rules spend depth where it is needed?
+# The mean exit loop of the answers of each `k` under each family's point that matched the CE target on the
+# task documents (and the oracle at ε), beside each rule's mean exit over all tokens of those documents.
+
+# %%
+matched = matches["task documents"]
+chosen = [
+    s
+    for s in specs
+    if s.family in matched.index
+    and np.isfinite(matched.loc[s.family, "ce_param"])
+    and s.param == matched.loc[s.family, "ce_param"]
+]
+exits = dt.exits_by_k(model, tw, chosen, reference_loops=R, oracle_eps=(eps,), seed=seed)
+exit_table = exits.pivot(index="rule", columns="k", values="exit")
+exit_table.round(2)
+
+# %%
+depth_viz.depth_by_k_figure(
+    exits[exits.k != "all tokens"].rename(columns={"rule": "series", "exit": "value"}).astype({"k": int}),
+    "Exit loop of the answers by k, at each family's matched threshold",
+)
+
+# %% [markdown]
+# ## Depth extrapolation
+# Fresh documents (a seed never trained on) whose answers need `k` = `task_max_k`+1 .. 2·`task_max_k` lookups,
+# read at up to `max_loops` loops.
+
+# %%
+extra = DepthTaskConfig(
+    docs=extrapolation_docs, min_k=task_max_k + 1, max_k=2 * task_max_k, seed=seed + 1000
+)
+tw_extra = dt.generated_task_windows(tokenizer, extra, cfg.seq_len, pad_id=corpus.meta["eot_id"])
+traj_extra = dt.answer_trajectories(model, tw_extra, max_loops)
+acc_extra = dt.accuracy_by_k(traj_extra, seed=seed)
+print(f"{len(tw_extra.answers):,} answers in {len(tw_extra.windows)} documents")
+depth_viz.accuracy_heatmap(acc_extra, title="Answer accuracy beyond the trained k")
+
+# %% [markdown]
+# ## The cost of mixing for natural text
+# Bits per byte on the natural validation documents (the same documents in both corpora) at the training-mean
+# depth, for this model and for the natural-text model of notebooks 1–6 (each on its own windows of its own
+# tokenization; bits per byte make them comparable).
+
+# %%
+natural, natural_cfg, _ = open_model(work_dir)
+natural_corpus = Corpus.open(corpus_dir)
+cost = pd.concat(
+    [
+        loss_by_source(model, corpus, cfg.seq_len, (R,), max_windows=n_windows).assign(model="mixed"),
+        loss_by_source(natural, natural_corpus, natural_cfg.seq_len, (R,), max_windows=n_windows).assign(
+            model="natural only"
+        ),
+    ]
+)
+cost = cost[cost.source != "depth-tasks"].pivot(index="source", columns="model", values="bits_per_byte")
+cost["difference"] = cost["mixed"] - cost["natural only"]
+cost.round(4)
+
+# %% [markdown]
+# ## The depth explorer on a task passage
+# Each token of one validation task document coloured by its successive KL at loop *l*: the answer tokens
+# settle at loops that grow with their `k` where the model has learned the lookups. In JupyterLab,
+# `drc_core.load("data/depth-tasks").trace(text).explorer().widget` is the live version.
+
+# %%
+explorer_frame = measure_windows(model, tw.windows[:1], max_loops)
+viz.depth_slider_figure(explorer_frame, 0, tokenizer, eps=eps, max_tokens=cfg.seq_len)
+
+# %%
+ans0 = depths[depths.window == 0][["pos", "k", "family", "depth", "commit", "first_correct"]]
+ans0.assign(answer=[tokenizer.decode([int(tw.windows[0, p + 1])]) for p in ans0.pos])
+
+# %%
+final = acc[acc.loop == R].set_index("k")
+results = {
+    "profile": profile,
+    "model_source": info,
+    "n_params": model.num_params(),
+    "reference_loops": R,
+    "task_share": float(task_share),
+    "k_range": [tasks.min_k, tasks.max_k],
+    "n_answers": len(tw.answers),
+    "n_documents": len(tw.windows),
+    "accuracy": acc.to_dict("records"),
+    "accuracy_by_family": acc_family.to_dict("records"),
+    "accuracy_at_R": final.acc.to_dict(),
+    "accuracy_at_1": acc[acc.loop == 1].set_index("k").acc.to_dict(),
+    "min_accuracy_at_R": float(final.acc.min()),
+    "growth": growth.to_dict("records"),
+    "growth_fit": dict(growth.attrs),
+    "spearman_depth": list(rho),
+    "spearman_commit": list(rho_commit),
+    "depth_by_k": by_k.to_dict("records"),
+    "overthinking": over.to_dict("records"),
+    "gaps": {name: g.reset_index().to_dict("records") for name, g in gaps.items()},
+    "exits_by_k": exits.to_dict("records"),
+    "routers": router_info,
+    "extrapolation": acc_extra.to_dict("records"),
+    "natural_cost_bpb": cost.reset_index().to_dict("records"),
+    "notebook_seconds": time.time() - t0,
+}
+save_results(results_dir, "07_known_depth", results)
+mixed_gaps = gaps["mixed validation"]
+headline = {
+    "answers measured (documents)": f"{len(tw.answers):,} ({len(tw.windows)})",
+    f"lowest accuracy over k at {R} loops": f"{final.acc.min():.3f}",
+    "Spearman(k, convergence depth)": f"{rho[0]:.3f} [{rho[1]:.3f}, {rho[2]:.3f}]",
+    **{
+        f"{fam}: loops saved vs matched uniform (mixed)": (
+            f"{mixed_gaps.loc[fam, 'saved_frac']:.1%} "
+            f"[{mixed_gaps.loc[fam, 'saved_frac_lo']:.1%}, {mixed_gaps.loc[fam, 'saved_frac_hi']:.1%}]"
+        )
+        for fam in ("oracle", "kl", "state_delta", "router_mlp")
+        if fam in mixed_gaps.index
+    },
+}
+pd.Series(headline, name="value").to_frame()

@@ -1,0 +1,246 @@
+"""Per-token convergence against a known required depth: the answers of the ``depth-tasks`` source.
+
+An answer token of :mod:`drc_core.data.depth_tasks` needs ``k`` sequential lookups. Here it is measured at
+every loop: whether the model predicts it (the argmax at the position before it), its cross-entropy, the
+loop where its output converges (notebook 2's definition, :func:`drc_core.analysis.measure.convergence_depth`),
+the loop where its argmax commits for good, whether a later loop breaks a correct earlier prediction
+(overthinking), and the loop at which each halting rule stops it.
+
+Windows are aligned to document starts (:func:`corpus_task_windows`, :func:`generated_task_windows`), so every
+answer in a window sees its whole problem; every interval resamples documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy import stats as sps
+
+from drc_core.analysis.intervals import bootstrap_ci, cluster_draws
+from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
+from drc_core.data.depth_tasks import DepthTaskConfig, generate_document, token_labels
+from drc_core.data.labels import read_labels
+from drc_core.data.sampler import Corpus
+from drc_core.errors import DrcError, need_int
+from drc_core.halting.sweep import RuleSpec, token_exits
+from drc_core.model.lm import RecurrentModel
+
+__all__ = [
+    "TaskWindows",
+    "accuracy_by_k",
+    "answer_depths",
+    "answer_trajectories",
+    "corpus_task_windows",
+    "depth_growth",
+    "exits_by_k",
+    "generated_task_windows",
+    "mean_by_k",
+    "overthinking_by_k",
+    "spearman_ci",
+]
+
+
+@dataclass
+class TaskWindows:
+    """Windows (N, T+1) that each start at a depth-task document, and their answers: one row per answer with
+    ``window``, ``pos`` (the position whose output predicts the answer: the answer's token index minus one),
+    ``k``, ``family``, ``answer``, ``doc``."""
+
+    windows: torch.Tensor
+    answers: pd.DataFrame
+
+    @property
+    def seq_len(self) -> int:
+        return self.windows.shape[1] - 1
+
+
+def _answers_in_window(labels: pd.DataFrame, seq_len: int) -> pd.DataFrame:
+    """Labels whose predicting position (pos - 1) lies inside a window starting at the document's first token."""
+    keep = (labels.pos >= 1) & (labels.pos - 1 < seq_len)
+    return labels[keep]
+
+
+def corpus_task_windows(corpus: Corpus, seq_len: int, n_docs: int | None = None, split: str = "val",
+                        seed: int = 0) -> TaskWindows:
+    """One window per depth-task document of ``split`` (``n_docs`` of them, drawn at random with ``seed``; all when
+    None), starting at its first token, with the answers that fall inside it."""
+    seq_len = need_int("seq_len", seq_len, 1)
+    labels = read_labels(corpus.path, split)
+    tokens = corpus.tokens(split)
+    docs = corpus.docs[(corpus.docs.split == split) & corpus.docs.doc_id.isin(labels.doc_id.unique())]
+    docs = docs[docs.tok_start + seq_len + 1 <= len(tokens)]
+    if n_docs is not None:
+        n_docs = need_int("n_docs", n_docs, 1)
+        rng = np.random.default_rng(seed)
+        docs = docs.iloc[np.sort(rng.permutation(len(docs))[: min(n_docs, len(docs))])]
+    if docs.empty:
+        raise DrcError(f"corpus '{corpus.path}' has no depth-task documents in its {split} split")
+    starts = docs.tok_start.to_numpy(np.int64)
+    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+    windows = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
+    where = pd.Series(np.arange(len(docs)), index=docs.doc_id.to_numpy())
+    ans = _answers_in_window(labels[labels.doc_id.isin(where.index)], seq_len)
+    answers = pd.DataFrame({"window": where[ans.doc_id].to_numpy(), "pos": ans.pos.to_numpy() - 1,
+                            "k": ans.k.to_numpy(), "family": ans.family.to_numpy(), "answer": ans.answer.to_numpy(),
+                            "doc": ans.doc_id.to_numpy()})
+    return TaskWindows(windows, answers.reset_index(drop=True))
+
+
+def generated_task_windows(tokenizer, cfg: DepthTaskConfig, seq_len: int, pad_id: int) -> TaskWindows:
+    """Windows of freshly generated documents (e.g. ``k`` beyond the training range, a seed never trained on),
+    tokenized with the model's ``tokenizer``; shorter documents are padded with ``pad_id`` (after the answers'
+    positions that count), longer ones cut."""
+    cfg.validate()
+    rows, answers = [], []
+    for i in range(cfg.docs):
+        text, _ = generate_document(cfg, i)
+        enc = tokenizer.encode(text)
+        ids = enc.ids[: seq_len + 1]
+        rows.append(ids + [pad_id] * (seq_len + 1 - len(ids)))
+        for pos, a in token_labels(text, enc):
+            if pos >= 1 and pos - 1 < min(seq_len, len(enc.ids) - 1):
+                answers.append({"window": i, "pos": pos - 1, "k": a.k, "family": a.family, "answer": a.word,
+                                "doc": f"generated:{cfg.seed}:{i}"})
+    return TaskWindows(torch.tensor(rows, dtype=torch.long), pd.DataFrame(answers))
+
+
+def answer_trajectories(model: RecurrentModel, tw: TaskWindows, max_loops: int, *, batch_size: int = 16,
+                        progress: bool = False) -> pd.DataFrame:
+    """Every answer at every loop 1..``max_loops``: the columns of
+    :func:`~drc_core.analysis.measure.measure_windows` (one pass, with the KL to the deepest loop) for the
+    answers' predicting positions, plus ``k``, ``family``, ``doc`` and ``correct`` (argmax == answer)."""
+    frame = measure_windows(model, tw.windows, max_loops, batch_size=batch_size, kl_to_final=True,
+                            progress=progress)
+    keys = tw.answers[["window", "pos", "k", "family", "doc"]]
+    out = frame.merge(keys, on=["window", "pos"], how="inner")
+    out["correct"] = out["argmax"].to_numpy() == out["target"].to_numpy()
+    return out.sort_values(["window", "pos", "loop"]).reset_index(drop=True)
+
+
+def _ci_rows(values: np.ndarray, clusters: np.ndarray, n_boot: int, seed: int) -> tuple[float, float, float]:
+    point, lo, hi = bootstrap_ci(values, clusters, n_boot=n_boot, seed=seed)
+    return float(point[0]), float(lo[0]), float(hi[0])
+
+
+def accuracy_by_k(traj: pd.DataFrame, *, by: tuple[str, ...] = ("k",), n_boot: int = 1000,
+                  seed: int = 0) -> pd.DataFrame:
+    """Answer accuracy and CE per group (``by``, e.g. ``("k",)`` or ``("family", "k")``) and loop, with 95%
+    intervals over documents: columns ``*by, loop, n, acc, acc_lo, acc_hi, ce, ce_lo, ce_hi``."""
+    rows = []
+    for key, g in traj.groupby([*by, "loop"], sort=True):
+        docs = g["doc"].to_numpy()
+        vals = np.stack([g["correct"].to_numpy(float), g["ce"].to_numpy(float)], axis=1)
+        point, lo, hi = bootstrap_ci(vals, docs, n_boot=n_boot, seed=seed)
+        rows.append({**dict(zip([*by, "loop"], key, strict=True)), "n": len(g), "acc": point[0],
+                     "acc_lo": lo[0], "acc_hi": hi[0], "ce": point[1], "ce_lo": lo[1], "ce_hi": hi[1]})
+    return pd.DataFrame(rows)
+
+
+def answer_depths(traj: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFrame:
+    """Per answer: ``depth`` and ``converged`` (:func:`convergence_depth` at ``eps``), ``commit`` (the first loop
+    from which the argmax never changes again up to the deepest loop), ``first_correct`` (0 when never correct),
+    ``correct_final``, and ``overthinks`` (correct at some loop, wrong at a later one)."""
+    depth = convergence_depth(traj, eps)
+    n_loops = int(traj["loop"].max())
+    tok = traj.drop_duplicates(["window", "pos"])[["window", "pos", "k", "family", "doc"]]
+    arg = traj["argmax"].to_numpy().reshape(-1, n_loops)
+    cor = traj["correct"].to_numpy().reshape(-1, n_loops)
+    same = arg == arg[:, -1:]
+    # commit: 1 + the last loop index whose argmax differs from the final one (0-based), i.e. loops after it agree
+    differs = ~same
+    last_diff = np.where(differs.any(1), n_loops - np.argmax(differs[:, ::-1], axis=1), 0)
+    commit = last_diff + 1
+    first_correct = np.where(cor.any(1), cor.argmax(1) + 1, 0)
+    ever = np.maximum.accumulate(cor, axis=1)
+    overthinks = (ever[:, :-1] & ~cor[:, 1:]).any(1)
+    out = tok.reset_index(drop=True)
+    out["depth"] = depth["depth"].to_numpy()
+    out["converged"] = depth["converged"].to_numpy()
+    out["commit"] = commit
+    out["first_correct"] = first_correct
+    out["correct_final"] = cor[:, -1]
+    out["overthinks"] = overthinks
+    out.attrs.update({"eps": eps, "max_loops": n_loops})
+    return out
+
+
+def spearman_ci(x: np.ndarray, y: np.ndarray, clusters: np.ndarray, *, n_boot: int = 1000, seed: int = 0,
+                level: float = 0.95) -> tuple[float, float, float]:
+    """Spearman's rank correlation of ``x`` and ``y`` (``scipy.stats.spearmanr``) with a percentile interval from
+    resampling ``clusters`` (documents) with replacement."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    codes, n_c = np.unique(np.asarray(clusters), return_inverse=True)[1], len(np.unique(clusters))
+    point = float(sps.spearmanr(x, y).statistic)
+    members = [np.flatnonzero(codes == c) for c in range(n_c)]
+    boot = []
+    for block in cluster_draws(n_c, n_boot, seed, chunk=64):
+        for w in block:
+            idx = np.concatenate([np.repeat(members[c], int(m)) for c, m in enumerate(w) if m])
+            boot.append(sps.spearmanr(x[idx], y[idx]).statistic)
+    lo, hi = np.nanpercentile(boot, [50 * (1 - level), 50 * (1 + level)])
+    return point, float(lo), float(hi)
+
+
+def mean_by_k(depths: pd.DataFrame, columns: list[str], *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Mean of each of ``columns`` of :func:`answer_depths` per ``k`` with a 95% interval over documents, as rows
+    ``series, k, value, lo, hi`` (``first_correct`` counts only answers that are ever correct)."""
+    rows = []
+    for col in columns:
+        for k, g in depths.groupby("k"):
+            if col == "first_correct":
+                g = g[g.first_correct > 0]
+            if g.empty:
+                continue
+            p, lo, hi = _ci_rows(g[col].to_numpy(float), g["doc"].to_numpy(), n_boot, seed)
+            rows.append({"series": col, "k": int(k), "value": p, "lo": lo, "hi": hi, "n": len(g)})
+    return pd.DataFrame(rows)
+
+
+def overthinking_by_k(depths: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Share of answers that are correct at some loop and wrong at a later one, per ``k`` (95% CI over docs)."""
+    rows = []
+    for k, g in depths.groupby("k"):
+        p, lo, hi = _ci_rows(g["overthinks"].to_numpy(float), g["doc"].to_numpy(), n_boot, seed)
+        rows.append({"k": k, "n": len(g), "overthinks": p, "lo": lo, "hi": hi})
+    return pd.DataFrame(rows)
+
+
+def depth_growth(acc: pd.DataFrame, level: float = 0.9) -> pd.DataFrame:
+    """Per ``k``: ``loops_needed``, the first loop whose accuracy reaches ``level`` (NaN if none), and how well
+    a line in ``k`` and a line in ``log2 k`` fit those loops (``r2_linear``, ``r2_log`` in ``attrs``)."""
+    rows = []
+    for k, g in acc.groupby("k"):
+        hit = g[g.acc >= level]
+        rows.append({"k": k, "loops_needed": float(hit.loop.min()) if len(hit) else np.nan})
+    out = pd.DataFrame(rows)
+    ok = out.dropna()
+    if len(ok) >= 3:
+        for name, x in (("linear", ok.k.to_numpy(float)), ("log", np.log2(ok.k.to_numpy(float)))):
+            fit = sps.linregress(x, ok.loops_needed.to_numpy(float))
+            out.attrs[f"r2_{name}"] = float(fit.rvalue**2)
+            out.attrs[f"slope_{name}"] = float(fit.slope)
+    return out
+
+
+def exits_by_k(model: RecurrentModel, tw: TaskWindows, specs: list[RuleSpec], *, reference_loops: int,
+               oracle_eps: tuple[float, ...] = (), batch_size: int = 16, n_boot: int = 1000,
+               seed: int = 0) -> pd.DataFrame:
+    """Mean exit loop of the answers of each ``k`` under each rule of ``specs`` (offline replay on one uniform
+    trajectory, :func:`drc_core.halting.sweep.token_exits`), the oracle at each ``oracle_eps``, and the rule's
+    exits on every token of the windows (``all``) for comparison; 95% intervals over documents."""
+    exits = token_exits(model, tw.windows, specs, reference_loops=reference_loops, oracle_eps=oracle_eps,
+                        batch_size=batch_size)
+    a = tw.answers
+    win, pos = a["window"].to_numpy(), a["pos"].to_numpy()
+    rows = []
+    for name, ex in exits.items():
+        at = ex[win, pos].astype(float)
+        for k in sorted(a["k"].unique()):
+            m = a["k"].to_numpy() == k
+            p, lo, hi = _ci_rows(at[m], a["doc"].to_numpy()[m], n_boot, seed)
+            rows.append({"rule": name, "k": int(k), "exit": p, "lo": lo, "hi": hi})
+        rows.append({"rule": name, "k": "all tokens", "exit": float(ex.mean()), "lo": np.nan, "hi": np.nan})
+    return pd.DataFrame(rows)
