@@ -3,23 +3,46 @@ place changes no number."""
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
+import pandas as pd
+import pytest
+import torch
+
+import drc_core
+from drc_core.errors import DrcError
+from drc_core.experiments.speed import SpeedConfig
 from drc_core.halting.rules import (
     RULE_FAMILIES,
     Acceleration,
     ArgmaxPatience,
     Cosine,
     EntropyDelta,
+    HaltingRule,
     KLThreshold,
     MinPKL,
     Never,
+    Oracle,
     SoftmaxConfidence,
     StateDelta,
     Uniform,
     make_rule,
+    rule_classes,
+    unregister_rule,
 )
-from drc_core.halting.sweep import RuleSpec, default_rules
+from drc_core.halting.sweep import (
+    RuleSpec,
+    calibrated_families,
+    calibration_table,
+    default_families,
+    default_rules,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+README_LINE = "Rule families (drc_core.RULE_FAMILIES): "
 
 HALF_DECADES = [1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5]
 # default_rules as it was written out by hand before the registry: family, class and grid, in this order
@@ -66,3 +89,102 @@ def test_rule_families_are_pinned():
     assert make_rule("never", max_loops=8) == Never(max_loops=8)
     assert make_rule("minp_kl", 1e-5) == MinPKL(1e-5)
     assert make_rule("acceleration", tau=0.01) == Acceleration(0.01)
+
+
+def test_every_rule_class_is_exported():
+    names = ["KLThreshold", "StateDelta", "EntropyDelta", "Cosine", "ArgmaxPatience", "SoftmaxConfidence", "MinPKL",
+             "Acceleration", "Uniform", "Never", "Oracle"]
+    assert list(rule_classes()) == names
+    for name in names:
+        assert getattr(drc_core, name) is rule_classes()[name]
+        assert name in drc_core.__all__ and name in dir(drc_core)
+    assert Oracle.family == "oracle" and "oracle" not in RULE_FAMILIES  # exported, not built by name
+    with pytest.raises(DrcError, match="unknown halting rule 'oracle'"):
+        make_rule("oracle")
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("adaptive_speed", ROOT / "bench" / "adaptive_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_rule_defined_in_one_place_is_found_everywhere():
+    pinned = default_rules(12)
+
+    @dataclass
+    class TopTwoGap(HaltingRule):  # the one place: the class, its short name and its grid
+        """Halt once the top probability reaches ``tau`` (a stand-in for a new rule)."""
+
+        family, grid = "test_top_gap", (0.25, 0.75)
+        tau: float
+        reads = frozenset({"top_prob"})
+
+        def criterion(self, stats):
+            return stats.top_prob >= self.tau
+
+    try:
+        assert list(RULE_FAMILIES)[-1] == "test_top_gap" and RULE_FAMILIES["test_top_gap"] is TopTwoGap
+        assert make_rule("test_top_gap", 0.5, max_loops=8) == TopTwoGap(0.5, max_loops=8)
+        specs = default_rules(12)
+        assert specs[:-2] == pinned
+        assert [(s.family, s.param, s.rule) for s in specs[-2:]] == [
+            ("test_top_gap", p, TopTwoGap(p, max_loops=12)) for p in (0.25, 0.75)]
+        assert default_families()[-1] == "test_top_gap" and "test_top_gap" in calibrated_families()
+        assert drc_core.TopTwoGap is TopTwoGap and "TopTwoGap" in drc_core.__all__
+        assert SpeedConfig(families=("test_top_gap",)).families == ("test_top_gap",)  # notebook 5 / the bench
+        args = _bench_module().build_parser().parse_args([])
+        assert args.families.split(",") == default_families()
+    finally:
+        unregister_rule("test_top_gap")
+    assert "test_top_gap" not in RULE_FAMILIES and "test_top_gap" not in default_families()
+    assert not hasattr(drc_core, "TopTwoGap") and "TopTwoGap" not in drc_core.__all__
+    assert default_rules(12) == pinned
+
+
+def test_registry_rejects_a_taken_or_bad_name():
+    with pytest.raises(DrcError, match="family of drc_core.halting.rules.KLThreshold"):
+
+        class AnotherKL(HaltingRule):
+            family = "kl"
+
+    with pytest.raises(DrcError, match="is invalid"):
+
+        class BadName(HaltingRule):
+            family = "Bad Name"
+
+    with pytest.raises(DrcError, match="grid"):
+
+        class BadGrid(HaltingRule):
+            family, grid = "test_bad_grid", [0.1]
+
+    with pytest.raises(DrcError, match="no halting rule is registered"):
+        unregister_rule("test_nothing")
+    assert list(RULE_FAMILIES)[-1] == "never"
+
+    class Unnamed(KLThreshold):  # no family of its own: a variant, not registered
+        pass
+
+    assert "Unnamed" not in rule_classes() and RULE_FAMILIES["kl"] is KLThreshold
+
+
+def test_calibration_table_defaults_to_the_calibrated_families():
+    frames = []
+    for fam in [*calibrated_families(), "uniform"]:
+        frames.append({"family": fam, "param": 8.0 if fam == "uniform" else 0.1, "rule": fam, "avg_depth": 4.0,
+                       "ce": 3.0, "ce_lo": 2.9, "ce_hi": 3.1, "kl_ref": 1e-3, "kl_ref_lo": 0, "kl_ref_hi": 2e-3})
+    summary = pd.DataFrame(frames)
+    table = calibration_table(summary, summary, 8, 0.01, 1e-2)
+    assert list(dict.fromkeys(table.family)) == calibrated_families()
+
+
+def test_readme_lists_every_rule_family():
+    lines = [ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith(README_LINE)]
+    assert len(lines) == 1, f"README.md has no (single) line starting with {README_LINE!r}"
+    assert re.findall(r"`([^`]+)`", lines[0]) == list(drc_core.RULE_FAMILIES)
+
+
+def test_oracle_rule_still_replays_exits():
+    rule = Oracle(exit_loops=torch.tensor([[1, 2]]), max_loops=2)
+    assert rule.avg_depth == 1.5 and rule.name == "oracle"

@@ -16,9 +16,10 @@ from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError
 from drc_core.halting.rules import KLThreshold, Never, Uniform, first_within, masked_forward, offline_exits
 from drc_core.halting.sweep import (
-    CALIBRATED_FAMILIES,
+    ROUTER_FAMILIES,
     RuleSpec,
     calibrate,
+    calibrated_families,
     calibration_table,
     default_rules,
     matching_depth,
@@ -300,4 +301,8 @@ def test_matching_gap_names_a_missing_family():
 def test_every_training_free_family_is_calibrated():
     """Notebook 4's held-out calibration covers every family of the default sweep (the new rules included)
     and both routers."""
-    assert {s.family for s in default_rules(8)} | {"router_linear", "router_mlp"} == set(CALIBRATED_FAMILIES)
+    from drc_core.halting.router import _KINDS
+
+    families = list(dict.fromkeys(s.family for s in default_rules(8)))
+    assert calibrated_families() == [*families, "router_linear", "router_mlp"]
+    assert set(ROUTER_FAMILIES) == {f"router_{kind}" for kind in _KINDS}  # trained_router_specs' families

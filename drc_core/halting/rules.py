@@ -6,9 +6,15 @@ Every rule has ``min_loops`` (no token halts before it) and ``max_loops`` (every
 subclass only supplies :meth:`HaltingRule.criterion`.
 
 Rules: :class:`KLThreshold` (the paper's training-free rule), :class:`StateDelta`, :class:`EntropyDelta`,
-:class:`Cosine`, :class:`ArgmaxPatience`, :class:`SoftmaxConfidence`, :class:`Uniform`, :class:`Never`, and
-:class:`Oracle` -- precomputed exit loops from :func:`oracle_exit`, an offline lower bound on the average
-depth, not a deployable rule.
+:class:`Cosine`, :class:`ArgmaxPatience`, :class:`SoftmaxConfidence`, :class:`MinPKL`, :class:`Acceleration`,
+:class:`Uniform`, :class:`Never`, and :class:`Oracle` -- precomputed exit loops from :func:`oracle_exit`, an
+offline lower bound on the average depth, not a deployable rule.
+
+The registry: a rule class declares its short name (``family``) and its default sweep grid (``grid``) in its
+own body, and defining it registers it. :data:`RULE_FAMILIES` and :func:`make_rule`,
+:func:`drc_core.halting.sweep.default_rules` (every family with a grid, in definition order), the families of
+notebook 5 and of ``bench/adaptive_speed.py``, and the rule classes that ``drc_core`` exports all read it, so a
+new rule is one class here (or anywhere: defining it is enough; :func:`unregister_rule` takes it back).
 
 Direction convention (see :mod:`drc_core.analysis.measure`): the successive KL at loop l is ``KL(p_l || p_{l-1})``;
 the oracle's distance to the reference is ``KL(p_ref || p_l)``.
@@ -46,6 +52,7 @@ __all__ = [
     "Oracle",
     "OracleResult",
     "RULE_FAMILIES",
+    "rule_classes",
     "SoftmaxConfidence",
     "StateDelta",
     "huginn_presets",
@@ -56,11 +63,57 @@ __all__ = [
     "masked_forward",
     "offline_exits",
     "oracle_exit",
+    "unregister_rule",
 ]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Validation and names
+# The registry of rule families
+
+_REGISTRY: dict[str, type[HaltingRule]] = {}  # family -> class, every registered rule (the oracle too)
+RULE_FAMILIES: dict[str, type[HaltingRule]] = {}  # the deployable ones, as the sweeps' family column spells them
+HALF_DECADES = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)  # the grid of the KL-like rules
+
+
+def _register(cls: type[HaltingRule]) -> None:
+    """Enter ``cls`` under ``cls.family`` (a class defined again by the same module and name replaces itself)."""
+    family, grid = cls.family, cls.grid
+    if not isinstance(family, str) or not family.isidentifier() or family != family.lower():
+        raise DrcError(f"{cls.__name__}.family={family!r} is invalid; use a short lower-case name like 'kl'")
+    if not isinstance(grid, tuple) or not all(isinstance(p, int | float) and not isinstance(p, bool) for p in grid):
+        raise DrcError(f"{cls.__name__}.grid={grid!r} is invalid; use a tuple of thresholds (or () for none)")
+
+    def same(other: type) -> bool:
+        return (other.__module__, other.__qualname__) == (cls.__module__, cls.__qualname__)
+
+    for other in _REGISTRY.values():
+        taken = "family" if other.family == family else "class name" if other.__name__ == cls.__name__ else ""
+        if taken and not same(other):
+            raise DrcError(f"{cls.__name__}: the {taken} of {other.__module__}.{other.__qualname__} "
+                           f"(family {other.family!r}) is taken; pick another, or unregister_rule({other.family!r})")
+    _REGISTRY.pop(next((f for f, c in _REGISTRY.items() if same(c)), ""), None)
+    _REGISTRY[family] = cls
+    _sync()
+
+
+def _sync() -> None:
+    RULE_FAMILIES.clear()
+    RULE_FAMILIES.update({f: c for f, c in _REGISTRY.items() if c.deployable})
+
+
+def unregister_rule(family: str) -> type[HaltingRule]:
+    """Take the rule class registered under ``family`` out of the registry (e.g. one a test defined); returns it."""
+    if family not in _REGISTRY:
+        raise DrcError(f"no halting rule is registered as {family!r}: registered are {', '.join(_REGISTRY)}")
+    cls = _REGISTRY.pop(family)
+    _sync()
+    return cls
+
+
+def rule_classes() -> dict[str, type[HaltingRule]]:
+    """Every registered rule class by its class name, in definition order (those of :data:`RULE_FAMILIES` and
+    :class:`Oracle`): the rule classes that ``drc_core`` exports."""
+    return {cls.__name__: cls for cls in _REGISTRY.values()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,12 +140,26 @@ class HaltingRule:
     paths then compute only those statistics, only for the active tokens, and decide on them in their compact
     (1, N) layout. ``None`` (the default, e.g. a router or a rule of your own) means "any field, in the (B, T)
     layout": the skipping paths then compute every statistic.
+
+    The registry (class attributes, set in a subclass's own body): :attr:`family`, the short name -- a
+    subclass that sets it is registered when it is defined (:data:`RULE_FAMILIES`, :func:`make_rule`, the
+    ``drc_core`` exports); :attr:`grid`, the default sweep grid of its first argument (the threshold;
+    :func:`drc_core.halting.sweep.default_rules` sweeps every family with a non-empty one); :attr:`deployable`,
+    False for a rule that :func:`make_rule` cannot build by name (:class:`Oracle`).
     """
 
     min_loops: int = 1
     max_loops: int = 32
     needs_log_probs = True  # a class attribute, not a dataclass field
     reads: ClassVar[frozenset[str] | None] = None  # a class attribute too (see above)
+    family: ClassVar[str | None] = None
+    grid: ClassVar[tuple[float, ...]] = ()
+    deployable: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__:
+            _register(cls)
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -163,6 +230,7 @@ class _BelowThreshold(HaltingRule):
 class KLThreshold(_BelowThreshold):
     """Halt once the successive-output KL(p_l || p_{l-1}) < ``tau`` (the paper's training-free rule)."""
 
+    family, grid = "kl", HALF_DECADES
     _stat = _label = "kl"
 
 
@@ -170,6 +238,7 @@ class KLThreshold(_BelowThreshold):
 class StateDelta(_BelowThreshold):
     """Halt once the relative latent change ||s_l - s_{l-1}|| / ||s_l|| < ``tau``."""
 
+    family, grid = "state_delta", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4)
     _stat, _label = "state_delta", "dstate"
     needs_log_probs = False
 
@@ -178,6 +247,7 @@ class StateDelta(_BelowThreshold):
 class EntropyDelta(_BelowThreshold):
     """Halt once the output entropy changes by less than ``tau`` nats: |H_l - H_{l-1}| < ``tau``."""
 
+    family, grid = "entropy_delta", HALF_DECADES
     _stat, _label = "entropy_delta", "dH"
 
 
@@ -185,6 +255,7 @@ class EntropyDelta(_BelowThreshold):
 class Cosine(HaltingRule):
     """Halt once cos(s_l, s_{l-1}) >= ``tau`` (``tau`` in [-1, 1])."""
 
+    family, grid = "cosine", (0.9, 0.99, 0.999, 0.9999, 0.99999)
     tau: float
     needs_log_probs = False
     reads = frozenset({"cosine"})
@@ -205,6 +276,7 @@ class ArgmaxPatience(HaltingRule):
     """Halt once the argmax has stayed unchanged for ``n`` successive loops, i.e. loops l-n..l share it
     (``argmax_run >= n + 1``); the earliest possible halt is loop n + 1."""
 
+    family, grid = "argmax_patience", (1, 2, 3, 4, 6)
     n: int
     reads = frozenset({"argmax_run"})
 
@@ -223,6 +295,7 @@ class ArgmaxPatience(HaltingRule):
 class SoftmaxConfidence(HaltingRule):
     """Halt once the top probability max_v p_l(v) >= ``tau`` (``tau`` in (0, 1])."""
 
+    family, grid = "confidence", (0.3, 0.5, 0.7, 0.9, 0.95, 0.99)
     tau: float
     reads = frozenset({"top_prob"})
 
@@ -238,9 +311,41 @@ class SoftmaxConfidence(HaltingRule):
 
 
 @dataclass
+class MinPKL(_BelowThreshold):
+    """Halt once the min-p filtered KL(q_{l-1} || q_l) < ``tau`` (Huginn's ``minp-kl`` criterion; see
+    :class:`~drc_core.analysis.loops.LoopStats`)."""
+
+    family, grid = "minp_kl", (*HALF_DECADES, 3e-6, 1e-6)
+    _stat, _label = "minp_kl", "minp-kl"
+
+
+@dataclass
+class Acceleration(HaltingRule):
+    """Halt once the relative second difference of the latent trajectory, ||Δs_l - Δs_{l-1}|| / ||s_l||, has been
+    below ``tau`` at two consecutive loops (l-1 and l): the "acceleration" exit of two-scale latent dynamics
+    (arXiv 2509.23314). Needs no readout; the earliest possible halt is loop 4."""
+
+    family, grid = "acceleration", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4)
+    tau: float
+    needs_log_probs = False
+    reads = frozenset({"accel", "accel_prev"})
+
+    def _validate(self, owner: str) -> None:
+        self.tau = need_float("tau", self.tau, 0.0, math.inf, owner=owner)
+
+    def criterion(self, stats: LoopStats) -> Tensor:
+        return (stats.accel < self.tau) & (stats.accel_prev < self.tau)
+
+    @property
+    def name(self) -> str:
+        return f"accel<{fmt_number(self.tau)}x2"
+
+
+@dataclass
 class Uniform(HaltingRule):
     """Every token halts at loop ``k`` exactly (``min_loops = max_loops = k``): the fixed-depth baseline."""
 
+    family = "uniform"  # no grid: sweeps run every uniform depth themselves
     k: int
     min_loops: int = field(default=1, init=False)
     max_loops: int = field(default=1, init=False)
@@ -267,6 +372,7 @@ class Uniform(HaltingRule):
 class Never(HaltingRule):
     """No token halts before ``max_loops`` (so every token runs the full depth)."""
 
+    family = "never"
     needs_log_probs = False
     reads = frozenset(())
 
@@ -287,6 +393,7 @@ class Oracle(HaltingRule):
     exit loop must be <= ``max_loops``. ``eps`` (optional) is only used in the name.
     """
 
+    family, deployable = "oracle", False  # exported, but make_rule cannot build it by name
     exit_loops: Tensor
     eps: float | None = None
     needs_log_probs = False
@@ -324,49 +431,6 @@ class Oracle(HaltingRule):
         return "oracle" if self.eps is None else f"oracle(kl<={fmt_number(self.eps)})"
 
 
-@dataclass
-class MinPKL(_BelowThreshold):
-    """Halt once the min-p filtered KL(q_{l-1} || q_l) < ``tau`` (Huginn's ``minp-kl`` criterion; see
-    :class:`~drc_core.analysis.loops.LoopStats`)."""
-
-    _stat, _label = "minp_kl", "minp-kl"
-
-
-@dataclass
-class Acceleration(HaltingRule):
-    """Halt once the relative second difference of the latent trajectory, ||Δs_l - Δs_{l-1}|| / ||s_l||, has been
-    below ``tau`` at two consecutive loops (l-1 and l): the "acceleration" exit of two-scale latent dynamics
-    (arXiv 2509.23314). Needs no readout; the earliest possible halt is loop 4."""
-
-    tau: float
-    needs_log_probs = False
-    reads = frozenset({"accel", "accel_prev"})
-
-    def _validate(self, owner: str) -> None:
-        self.tau = need_float("tau", self.tau, 0.0, math.inf, owner=owner)
-
-    def criterion(self, stats: LoopStats) -> Tensor:
-        return (stats.accel < self.tau) & (stats.accel_prev < self.tau)
-
-    @property
-    def name(self) -> str:
-        return f"accel<{fmt_number(self.tau)}x2"
-
-
-RULE_FAMILIES: dict[str, type[HaltingRule]] = {
-    "kl": KLThreshold,
-    "state_delta": StateDelta,
-    "entropy_delta": EntropyDelta,
-    "cosine": Cosine,
-    "argmax_patience": ArgmaxPatience,
-    "confidence": SoftmaxConfidence,
-    "minp_kl": MinPKL,
-    "acceleration": Acceleration,
-    "uniform": Uniform,
-    "never": Never,
-}  # the short names, as the sweeps' family column spells them
-
-
 def huginn_presets(max_loops: int = 32, min_loops: int = 1) -> dict[str, HaltingRule]:
     """Huginn's exit criteria at its documented default thresholds (``exit_threshold="auto"`` of
     ``generate_with_adaptive_compute``, and the 5e-4 KL its paper uses), as rules on this model:
@@ -388,10 +452,9 @@ def huginn_presets(max_loops: int = 32, min_loops: int = 1) -> dict[str, Halting
 
 def make_rule(name: str, *args: float, **kwargs: int) -> HaltingRule:
     """A halting rule by its short name: ``make_rule("kl", 1e-3, max_loops=16)`` is ``KLThreshold(1e-3,
-    max_loops=16)``. Names: ``kl``, ``state_delta``, ``entropy_delta``, ``cosine``, ``argmax_patience``,
-    ``confidence``, ``minp_kl``, ``acceleration`` (threshold first), ``uniform`` (the depth), ``never`` (no
-    parameter). The oracle is not here: it needs the deepest outputs of the very batch it halts
-    (:func:`oracle_exit`)."""
+    max_loops=16)``. Names: the keys of :data:`RULE_FAMILIES` (each class's ``family``); the arguments are the
+    class's (the threshold first; ``uniform`` takes the depth, ``never`` nothing). The oracle is not here: it
+    needs the deepest outputs of the very batch it halts (:func:`oracle_exit`)."""
     if name not in RULE_FAMILIES:
         raise DrcError(f"unknown halting rule {name!r}: choose from {', '.join(RULE_FAMILIES)}")
     try:

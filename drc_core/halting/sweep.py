@@ -38,16 +38,9 @@ from drc_core.analysis.intervals import bootstrap_ci, cluster_codes, cluster_dra
 from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError, need_int, need_level
 from drc_core.halting.rules import (
-    Acceleration,
+    RULE_FAMILIES,
     AdaptiveResult,
-    ArgmaxPatience,
-    Cosine,
-    EntropyDelta,
     HaltingRule,
-    KLThreshold,
-    MinPKL,
-    SoftmaxConfidence,
-    StateDelta,
     first_within,
     masked_forward,
     offline_exits,
@@ -58,12 +51,14 @@ from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 __all__ = [
     "gap_table",
     "matching_gap",
-    "CALIBRATED_FAMILIES",
     "QUALITIES",
+    "ROUTER_FAMILIES",
     "Calibration",
     "RuleSpec",
     "calibrate",
+    "calibrated_families",
     "calibration_table",
+    "default_families",
     "default_rules",
     "matching_depth",
     "matching_table",
@@ -87,25 +82,24 @@ class RuleSpec:
     rule: HaltingRule
 
 
+def default_families() -> list[str]:
+    """The rule families that :func:`default_rules` sweeps, in order: every family of
+    :data:`~drc_core.halting.rules.RULE_FAMILIES` with a default grid (every training-free rule)."""
+    return [family for family, cls in RULE_FAMILIES.items() if cls.grid]
+
+
 def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
     """The threshold grids of every training-free rule (one :class:`RuleSpec` each), ``max_loops`` for all.
 
-    Grids (chosen to span "halts almost at once" to "runs to ``max_loops``" on the reference model):
-    KL and entropy change 1e-1..1e-5 (half-decades), relative state change 3e-1..1e-4, cosine 0.9..0.99999,
-    argmax patience 1..6 loops, top probability 0.3..0.99, min-p KL 1e-1..1e-6 (Huginn's default is 1e-5), the
-    two-loop acceleration 3e-1..3e-4.
+    The families of :func:`default_families`, each over its class's ``grid`` (declared with the class in
+    :mod:`drc_core.halting.rules`, chosen to span "halts almost at once" to "runs to ``max_loops``" on the
+    reference model): KL and entropy change 1e-1..1e-5 (half-decades), relative state change 3e-1..1e-4, cosine
+    0.9..0.99999, argmax patience 1..6 loops, top probability 0.3..0.99, min-p KL 1e-1..1e-6 (Huginn's default is
+    1e-5), the two-loop acceleration 3e-1..3e-4.
     """
     kw = {"min_loops": min_loops, "max_loops": max_loops}
-    half_decades = [1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5]
-    specs = [RuleSpec("kl", t, KLThreshold(t, **kw)) for t in half_decades]
-    specs += [RuleSpec("state_delta", t, StateDelta(t, **kw)) for t in [3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4]]
-    specs += [RuleSpec("entropy_delta", t, EntropyDelta(t, **kw)) for t in half_decades]
-    specs += [RuleSpec("cosine", t, Cosine(t, **kw)) for t in [0.9, 0.99, 0.999, 0.9999, 0.99999]]
-    specs += [RuleSpec("argmax_patience", n, ArgmaxPatience(n, **kw)) for n in [1, 2, 3, 4, 6]]
-    specs += [RuleSpec("confidence", t, SoftmaxConfidence(t, **kw)) for t in [0.3, 0.5, 0.7, 0.9, 0.95, 0.99]]
-    specs += [RuleSpec("minp_kl", t, MinPKL(t, **kw)) for t in [*half_decades, 3e-6, 1e-6]]
-    specs += [RuleSpec("acceleration", t, Acceleration(t, **kw)) for t in [3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4]]
-    return specs
+    return [RuleSpec(family, p, RULE_FAMILIES[family](p, **kw)) for family in default_families()
+            for p in RULE_FAMILIES[family].grid]
 
 
 def _token_quality(logp: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,8 +428,12 @@ def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: f
 # ----------------------------------------------------------------------------------------------------------
 # The tables of notebook 4
 
-CALIBRATED_FAMILIES = ("kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence", "minp_kl",
-                       "acceleration", "router_linear", "router_mlp")
+ROUTER_FAMILIES = ("router_linear", "router_mlp")  # drc_core.halting.router.trained_router_specs's families
+
+
+def calibrated_families() -> list[str]:
+    """The families notebook 4 calibrates: those of :func:`default_rules` and the two learned routers."""
+    return [*default_families(), *ROUTER_FAMILIES]
 
 
 def uniform_ce(summary: pd.DataFrame, reference: int) -> float:
@@ -486,10 +484,12 @@ def gap_table(frame: pd.DataFrame, reference: int, ce_tolerance: float, *, famil
 
 
 def calibration_table(calib: pd.DataFrame, heldout: pd.DataFrame, reference: int, ce_tolerance: float,
-                      kl_target: float, families: Sequence[str] = CALIBRATED_FAMILIES) -> pd.DataFrame:
-    """:func:`calibrate` for each family and both qualities, one row each (the fields of :class:`Calibration`
-    and ``heldout_target``). The CE target is relative: CE(uniform ``reference``) + ``ce_tolerance`` on the
-    calibration split to choose, on the held-out split to check; the KL target is ``kl_target`` on both."""
+                      kl_target: float, families: Sequence[str] | None = None) -> pd.DataFrame:
+    """:func:`calibrate` for each family (default: :func:`calibrated_families`) and both qualities, one row each
+    (the fields of :class:`Calibration` and ``heldout_target``). The CE target is relative: CE(uniform
+    ``reference``) + ``ce_tolerance`` on the calibration split to choose, on the held-out split to check; the KL
+    target is ``kl_target`` on both."""
+    families = calibrated_families() if families is None else families
     ce_heldout = uniform_ce(heldout, reference) + ce_tolerance
     ce_calib = uniform_ce(calib, reference) + ce_tolerance
     rows = []
