@@ -9,7 +9,9 @@ does not import the analysis and plotting layers):
   deepest loop, state change, entropy, CE; token strings; convergence depth at any eps; ``to_frame``,
   ``explorer``);
 - :func:`generate` from a prompt string with per-token halting -> :class:`Generation`;
-- halting rules by short name (:func:`make_rule`, :data:`RULE_FAMILIES`) and the rule classes;
+- halting rules by short name (:func:`make_rule`, :data:`RULE_FAMILIES`) and the rule classes: every class of
+  the registry in :mod:`drc_core.halting.rules` (:func:`~drc_core.halting.rules.rule_classes`, the oracle
+  included), looked up there on each use, so a rule defined later is exported too;
 - :class:`DepthRecurrentLM`, :class:`ModelConfig`, :func:`open_run`, :class:`DrcError`;
 - :class:`RecurrentModel`, the protocol a model of your own implements to use the analysis and halting code,
   and :func:`iterate`, the loop they all run.
@@ -18,6 +20,7 @@ does not import the analysis and plotting layers):
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from typing import Any
 
 __version__ = "0.1.0"
@@ -32,14 +35,6 @@ _EXPORTS = {
     "make_rule": "drc_core.halting.rules",
     "RULE_FAMILIES": "drc_core.halting.rules",
     "HaltingRule": "drc_core.halting.rules",
-    "KLThreshold": "drc_core.halting.rules",
-    "StateDelta": "drc_core.halting.rules",
-    "EntropyDelta": "drc_core.halting.rules",
-    "Cosine": "drc_core.halting.rules",
-    "ArgmaxPatience": "drc_core.halting.rules",
-    "SoftmaxConfidence": "drc_core.halting.rules",
-    "Uniform": "drc_core.halting.rules",
-    "Never": "drc_core.halting.rules",
     "masked_forward": "drc_core.halting.rules",
     "skip_forward": "drc_core.halting.skipping",
     "DepthRecurrentLM": "drc_core.model.lm",
@@ -50,16 +45,30 @@ _EXPORTS = {
     "DrcError": "drc_core.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+_RULES = "drc_core.halting.rules"  # its rule_classes(): the registered rule classes, exported under their names
+
+
+def _rule_classes() -> dict[str, type]:
+    return importlib.import_module(_RULES).rule_classes()
+
+
+def _submodules() -> set[str]:
+    return {m.name for m in pkgutil.iter_modules(__path__)}
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'drc_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+    if name == "__all__":  # computed on use: the registry may grow (and importing it here would load torch)
+        return sorted({*_EXPORTS, *_rule_classes()})
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    # a dunder or a submodule (``from drc_core import errors`` asks here first) is not looked up in the registry,
+    # which would load torch and the halting layer
+    if not name.startswith("__") and name not in _submodules() and name in (classes := _rule_classes()):
+        return classes[name]  # not cached: unregister_rule takes it back
+    raise AttributeError(f"module 'drc_core' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted({*globals(), *_EXPORTS, *_rule_classes()})
