@@ -49,12 +49,10 @@ from drc_core.experiments.speed import (
     run_speed,
     skip_overhead,
 )
+from drc_core.halting.sweep import default_families
 from drc_core.model.lm import DepthRecurrentLM
 from drc_core.model.precision import bf16_support
 from drc_core.training.rundir import open_run
-
-ALL_FAMILIES = ("kl", "state_delta", "entropy_delta", "cosine", "argmax_patience", "confidence", "minp_kl",
-                "acceleration")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="uniform depth r to match and beat (default: the run's training-mean depth, else 8)")
     ap.add_argument("--rounds", type=int, default=3, help="timed interleaved rounds (default 3)")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--families", default=",".join(ALL_FAMILIES),
+    ap.add_argument("--families", default=",".join(default_families()),
                     help="comma-separated rule families of drc_core.halting.sweep.default_rules "
-                         "(default: every training-free family)")
+                         "(default: every training-free family, drc_core.halting.sweep.default_families())")
     ap.add_argument("--rule-max-loops", type=int, default=16, help="every rule's max_loops (default 16)")
     ap.add_argument("--ce-tolerance", type=float, default=0.005, help="matched quality: CE <= CE(uniform r) + this")
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per timed call")

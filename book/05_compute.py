@@ -54,16 +54,7 @@ n_windows = 64
 rounds = 3  # timed, interleaved rounds
 rule_max_loops = 16  # every rule's max_loops (as in notebook 4)
 ce_tolerance = 0.005  # matched quality: CE at most this above uniform depth r, in nats
-families = [  # rule families of drc_core.halting.sweep.default_rules: every training-free rule
-    "kl",
-    "state_delta",
-    "entropy_delta",
-    "cosine",
-    "argmax_patience",
-    "confidence",
-    "minp_kl",
-    "acceleration",
-]
+families: list[str] = []  # families of sweep.default_rules to time; [] = all (default_families())
 new_tokens = 64  # greedy tokens per timed generation
 prompt_len = 32  # the prompt: the first tokens of the first validation window
 max_loops = 32  # depth of the measurement pass (as in notebook 2)
@@ -114,6 +105,7 @@ from drc_core.experiments.speed import (
     time_batched,
     time_generation,
 )
+from drc_core.halting.sweep import default_families
 from drc_core.model.precision import bf16_support
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
@@ -131,7 +123,7 @@ prompt_len = min(prompt_len, cfg.seq_len, model.cfg.max_seq_len - new_tokens)
 speed = SpeedConfig(
     reference_loops=reference,
     rule_max_loops=rule_max_loops,
-    families=tuple(families),
+    families=tuple(families or default_families()),
     ce_tolerance=ce_tolerance,
     rounds=rounds,
     new_tokens=new_tokens,
