@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -26,7 +27,6 @@ from tokenizers import Tokenizer
 
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
-from drc_core.book.viz import DepthExplorer
 from drc_core.data.tokenizer import load_tokenizer
 from drc_core.errors import DrcError, need_int
 from drc_core.halting.generate import generate as generate_ids
@@ -35,6 +35,9 @@ from drc_core.model.lm import DepthRecurrentLM, RecurrentModel
 from drc_core.model.passes import EVAL_STATE_SEED
 from drc_core.training.config import TrainConfig
 from drc_core.training.rundir import RunDir, open_run
+
+if TYPE_CHECKING:  # the explorer needs the book extras (plotly, ipywidgets): imported where one is made
+    from drc_core.book.viz import DepthExplorer
 
 __all__ = ["Generation", "Model", "Trace", "generate", "load", "trace"]
 
@@ -77,7 +80,12 @@ class Trace:
         return self.frame.copy()
 
     def explorer(self, eps: float = DEFAULT_EPS) -> DepthExplorer:
-        """The live per-token depth explorer (JupyterLab widgets; display ``.widget``)."""
+        """The live per-token depth explorer (JupyterLab widgets; display ``.widget``). Needs the book extras
+        (``pip install drc-book[book]``: plotly, ipywidgets)."""
+        try:
+            from drc_core.book.viz import DepthExplorer
+        except ImportError as exc:
+            raise DrcError(f"Trace.explorer needs the book extras ({exc}): pip install 'drc-book[book]'") from None
         return DepthExplorer(self.frame, self.tokenizer, window=0, eps=eps, max_tokens=max(len(self.ids), 1))
 
 
