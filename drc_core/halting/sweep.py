@@ -91,11 +91,9 @@ def default_families() -> list[str]:
 def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
     """The threshold grids of every training-free rule (one :class:`RuleSpec` each), ``max_loops`` for all.
 
-    The families of :func:`default_families`, each over its class's ``grid`` (declared with the class in
-    :mod:`drc_core.halting.rules`, chosen to span "halts almost at once" to "runs to ``max_loops``" on the
-    reference model): KL and entropy change 1e-1..1e-5 (half-decades), relative state change 3e-1..1e-4, cosine
-    0.9..0.99999, argmax patience 1..6 loops, top probability 0.3..0.99, min-p KL 1e-1..1e-6 (Huginn's default is
-    1e-5), the two-loop acceleration 3e-1..3e-4.
+    The families of :func:`default_families` in order, each over its class's ``grid`` (declared with the class
+    in :mod:`drc_core.halting.rules`, chosen to span "halts almost at once" to "runs to ``max_loops``" on the
+    reference model), the grid's value as the rule's first argument and as :attr:`RuleSpec.param`.
     """
     kw = {"min_loops": min_loops, "max_loops": max_loops}
     return [RuleSpec(family, p, RULE_FAMILIES[family](p, **kw)) for family in default_families()
