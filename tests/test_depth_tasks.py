@@ -189,3 +189,43 @@ def test_depth_growth_tells_linear_from_logarithmic():
     acc2 = acc.assign(acc=[float(lp >= 1 + np.ceil(np.log2(k))) for k in range(1, 9) for lp in range(1, 12)])
     g2 = dt.depth_growth(acc2)
     assert g2.attrs["r2_log"] > g2.attrs["r2_linear"]
+
+
+def test_answer_weights_sit_on_the_targets_that_are_answers(mixed_corpus):
+    from drc_core.data.sampler import WindowSampler
+    from drc_core.training.train import answer_weights
+
+    assert answer_weights(mixed_corpus, 1.0) is None
+    w = answer_weights(mixed_corpus, 7.0)
+    labels = read_labels(mixed_corpus.path, "train")
+    assert (w == 7.0).sum() == len(labels) and set(np.unique(w)) == {1.0, 7.0}
+    tokens = mixed_corpus.tokens("train")
+    sampler = WindowSampler(tokens, 64, 8, seed=3)
+    x, y = sampler.batch(5)
+    tw = sampler.target_weights(5, w)
+    answer_ids = {int(tokens[t]) for t in labels.token}
+    assert tw.shape == y.shape and (tw == 7.0).any()
+    assert all(int(t) in answer_ids for t in y[tw == 7.0])
+
+
+def test_weighted_loss_is_the_weighted_mean_of_token_losses():
+    from drc_core.training.train import weighted_loss
+
+    torch.manual_seed(0)
+    logits, y = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    w = torch.ones(2, 5)
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    assert torch.allclose(weighted_loss(logits, y, w), plain)
+    w[0, 2] = 10.0
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    assert torch.allclose(weighted_loss(logits, y, w), (ce * w.flatten()).sum() / w.sum())
+
+
+def test_training_with_answer_weights_runs(mixed_corpus, tmp_path, one_thread):
+    from drc_core.training.config import apply_overrides, preset
+    from drc_core.training.train import train
+
+    cfg = apply_overrides(preset("tiny"), [f"model.vocab_size={mixed_corpus.vocab_size}", "max_steps=3",
+                                           "eval_every=3", "ckpt_every=3", "answer_weight=10"])
+    train(cfg, mixed_corpus.path, tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -115,6 +115,13 @@ class WindowSampler:
         w = torch.from_numpy(win)
         return w[:, :-1], w[:, 1:]
 
+    def target_weights(self, step: int, weights: np.ndarray) -> torch.Tensor:
+        """Per-token weights (B, T) of this rank's targets at ``step``: ``weights`` is one float per token of the
+        split, and a window's targets are its tokens 1..T (the same windows as :meth:`batch`)."""
+        local = self.batch_size // self.world_size
+        starts = self.starts(step)[self.rank * local : (self.rank + 1) * local]
+        return torch.from_numpy(np.stack([weights[s + 1 : s + self.seq_len + 1] for s in starts]))
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.batch(self.step)
         self.step += 1

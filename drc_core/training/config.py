@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,8 @@ class TrainConfig:
     seed: int = 0
     compile: str = "auto"  # "auto" | "true" | "false" (drc_core.model.precision.choose resolves "auto")
     autocast: str = "none"  # "none" | "bf16" | "auto" (bf16 where fast); fp32 by default: see README "Numeric path"
+    answer_weight: float = 1.0  # loss weight of the depth-task answer tokens (the corpus's labels.parquet); 1: plain LM
+
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "max_steps", "eval_every", "eval_windows", "ckpt_every",
@@ -54,6 +57,10 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise DrcError(f"{name}={v!r} must be an integer >= 0")
+        if not (isinstance(self.answer_weight, int | float) and math.isfinite(self.answer_weight)
+                and self.answer_weight > 0):
+            raise DrcError(f"answer_weight={self.answer_weight!r} must be a positive finite number (1: every token "
+                           "weighs the same)")
         for name in ("lr", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise DrcError(f"{name}={getattr(self, name)!r} must be positive")

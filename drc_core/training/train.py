@@ -32,11 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
+from drc_core.data.labels import read_labels
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
 from drc_core.errors import DrcError, Interrupted, first_line, need_disk, run_cli
 from drc_core.model import precision
@@ -130,6 +133,23 @@ def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainCo
     for old in checkpoints(out)[: -cfg.keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def answer_weights(corpus: Corpus, answer_weight: float) -> np.ndarray | None:
+    """One loss weight per training token: ``answer_weight`` on the depth-task answers of ``labels.parquet``, 1
+    elsewhere; None when ``answer_weight`` is 1 (the plain language-model loss)."""
+    if answer_weight == 1:
+        return None
+    w = np.ones(len(corpus.tokens("train")), dtype=np.float32)
+    w[read_labels(corpus.path, "train").token.to_numpy()] = answer_weight
+    return w
+
+
+def weighted_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy averaged with per-token ``weights`` (B, T): sum(w * ce) / sum(w)."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    w = weights.flatten().to(ce.dtype)
+    return (ce * w).sum() / w.sum()
 
 
 def checkpoint_bytes(model: DepthRecurrentLM, optimizer: bool = True) -> int:
@@ -257,6 +277,7 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
         (out / CORPUS_RECORD).write_text(json.dumps(corpus_record(corpus), indent=2) + "\n")
 
     val = eval_windows(corpus.tokens("val"), cfg.seq_len, cfg.eval_windows)
+    weights = answer_weights(corpus, cfg.answer_weight)
     path = precision.choose(cfg.autocast, cfg.compile, device)
     if d.main and progress:
         tqdm.write(path.why, file=sys.stderr)
@@ -278,8 +299,12 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
             sampler.step = step + 1
             x, y = x.to(device), y.to(device)
             with autocast:
-                _, loss = net(x, n, n_grad_loops=recur.n_grad_loops(n),
-                              state=initial_state(cfg, step, d, device), targets=y)
+                if weights is None:
+                    _, loss = net(x, n, n_grad_loops=recur.n_grad_loops(n),
+                                  state=initial_state(cfg, step, d, device), targets=y)
+                else:
+                    logits = net(x, n, n_grad_loops=recur.n_grad_loops(n), state=initial_state(cfg, step, d, device))
+                    loss = weighted_loss(logits, y, sampler.target_weights(step, weights).to(device))
             if not torch.isfinite(loss):
                 where = f"the last good checkpoint is {good}" if good else "no checkpoint was written yet"
                 raise DrcError(f"loss became {loss.item()} at step {step}: training stopped and {where}; lower "
