@@ -9,7 +9,7 @@
 # ---
 
 # %% [markdown]
-# # 6. Reproduction: the paper's claims beside ours
+# # 7. Reproduction: the paper's claims beside ours
 #
 # Claim by claim, the paper's number, ours on the reference model (with 95% bootstrap intervals over
 # documents where the notebook that measured it gives one), the mean and t-interval across seeds of a
@@ -57,12 +57,14 @@ from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import load_results, open_model, provide_run, save_results
 from drc_core.data.sampler import Corpus
-from drc_core.experiments.handoff import Convergence, Halting, TokenTypes, Training
+from drc_core.experiments.handoff import Convergence, Halting, KnownDepth, TokenTypes, Training
 from drc_core.experiments.report import (
     across_seeds,
     depth_curve,
+    depth_gain_side_by_side,
     explain,
     headline_numbers,
+    known_depth_targets,
     lever_effects,
     ours_from,
     reference_targets,
@@ -84,6 +86,7 @@ handed = [
     c.from_results(load_results(results_dir, c.NOTEBOOK))
     for c in (Training, Convergence, TokenTypes, Halting)
 ]
+known = KnownDepth.from_results(load_results(results_dir, KnownDepth.NOTEBOOK))
 model, cfg, _ = open_model(work_dir)
 corpus = Corpus.open(corpus_dir)
 tokenizer = corpus.tokenizer()
@@ -151,6 +154,26 @@ seed_stats[["n", "mean", "std", "lo", "hi"]].map(lambda v: f"{v:.4g}")
 table = reproduction_table(ours, seeds=seed_stats, notes=explain(ours, scale), intervals=intervals)
 with pd.option_context("display.max_colwidth", None):
     display(table.style.hide(axis="index"))
+
+# %% [markdown]
+# ## Natural text and controlled depth side by side
+# The central question -- does halting each token at its own loop save compute against simply running fewer
+# loops for everyone? -- on natural text (notebook 4) and on the model trained with tokens whose required depth
+# is known (notebook 6: its mixed validation windows, and its task documents alone). Each cell: the share of
+# loops a family saves against the uniform depth of equal quality, with its 95% interval over documents.
+
+# %%
+side_by_side = depth_gain_side_by_side(handed[3], known)
+with pd.option_context("display.max_colwidth", None):
+    display(side_by_side.style.hide(axis="index"))
+
+# %% [markdown]
+# The controlled-depth targets, measured by notebook 6:
+
+# %%
+known_targets = known_depth_targets(known)
+with pd.option_context("display.max_colwidth", None):
+    display(known_targets.style.hide(axis="index"))
 
 # %% [markdown]
 # ## Does depth beyond the training mean help?
@@ -309,6 +332,8 @@ results = {
     "intervals": intervals,
     "scale": scale,
     "table": table.to_dict("records"),
+    "side_by_side": side_by_side.to_dict("records"),
+    "known_depth_targets": known_targets.to_dict("records"),
     "seeds": {
         "runs": names,
         "per_seed": per_seed,

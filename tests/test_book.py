@@ -112,7 +112,7 @@ def test_landing_page_table_from_the_results(tmp_path: Path) -> None:
     from drc_core.book.runner import reproduction_markdown
 
     assert "No reproduction table yet" in reproduction_markdown(tmp_path)
-    (tmp_path / "06_reproduction.json").write_text(json.dumps({"table": [
+    (tmp_path / "07_reproduction.json").write_text(json.dumps({"table": [
         {"claim": "KL | at loop 2", "paper": "3.9e-1", "ours": "0.18 [0.17, 0.19]", "verdict": "agree"}]}))
     lines = reproduction_markdown(tmp_path).splitlines()
     assert lines == ["| claim | paper | ours [95% CI] | verdict |", "|---|---|---|---|",

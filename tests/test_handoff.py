@@ -1,5 +1,5 @@
 """The typed records between notebooks: every field is a key its producing notebook writes, the reference book's
-results parse, and notebook 06's numbers come out of them unchanged."""
+results parse, and notebook 07's numbers come out of them unchanged."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_notebook_06_numbers_come_out_unchanged():
     profiles = tomllib.loads((ROOT / "book" / "profiles.toml").read_text())
     max_loops = profiles["profiles"]["reference"]["parameters"]["max_loops"]
     ours, intervals, scale = ours_from(*records, max_loops=max_loops)
-    saved = json.loads((RESULTS / "06_reproduction.json").read_text())
+    saved = json.loads((RESULTS / "07_reproduction.json").read_text())
     assert set(ours) == set(saved["ours"]) and scale == saved["scale"]
     for key, value in saved["ours"].items():
         if isinstance(value, list):

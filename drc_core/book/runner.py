@@ -322,11 +322,11 @@ def _md_cell(value: object) -> str:
 
 
 def reproduction_markdown(results_dir: str | Path) -> str:
-    """The reproduction table of ``results_dir/06_reproduction.json`` as a Markdown table (claim, paper, ours,
+    """The reproduction table of ``results_dir/07_reproduction.json`` as a Markdown table (claim, paper, ours,
     across seeds, verdict), or a sentence saying which notebook to run when there is none."""
-    path = Path(results_dir) / "06_reproduction.json"
+    path = Path(results_dir) / "07_reproduction.json"
     if not path.is_file():
-        return f"*No reproduction table yet: {path} is written by notebook 06_reproduction of this profile.*\n"
+        return f"*No reproduction table yet: {path} is written by notebook 07_reproduction of this profile.*\n"
     rows = json.loads(path.read_text()).get("table") or []
     if not rows:
         return f"*{path} holds no reproduction table.*\n"
@@ -340,7 +340,7 @@ def reproduction_markdown(results_dir: str | Path) -> str:
 
 def _write_landing(spec: BookSpec, profile: str, root_dir: Path) -> None:
     """_static/reproduction.md: the profile's reproduction table, included by the root page."""
-    results_dir = spec.profile(profile).parameters_for("06_reproduction").get(
+    results_dir = spec.profile(profile).parameters_for("07_reproduction").get(
         "results_dir", f"{DEFAULT_OUT.as_posix()}/{profile}/results")
     results_dir = Path(results_dir) if Path(results_dir).is_absolute() else root_dir / results_dir
     dst = root_dir / REPRODUCTION_MD
@@ -348,7 +348,7 @@ def _write_landing(spec: BookSpec, profile: str, root_dir: Path) -> None:
     shown = results_dir.relative_to(root_dir) if results_dir.is_relative_to(root_dir) else results_dir
     dst.write_text(f"<!-- written by `python -m drc_core.book build --profile {profile}` -->\n\n"
                    + reproduction_markdown(results_dir)
-                   + f"\n*The `{profile}` profile's table, from `{shown.as_posix()}/06_reproduction.json`.*\n")
+                   + f"\n*The `{profile}` profile's table, from `{shown.as_posix()}/07_reproduction.json`.*\n")
 
 
 def _present_executed(spec: BookSpec, profile: str, out: str | Path) -> None:

@@ -1,4 +1,4 @@
-"""The numbers one notebook hands to a later one, as typed records: the only way notebook 06 reads 01-04.
+"""The numbers one notebook hands to a later one, as typed records: the only way notebook 07 reads 01-04 and 06.
 
 Each notebook writes its results as JSON (``drc_core.book.workspace.save_results``, integer keys become
 strings). A class here names the fields a later notebook reads from one of those files and parses them
@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from drc_core.errors import DrcError
 
-__all__ = ["HANDOFFS", "Convergence", "Cycles", "Halting", "Interval", "TokenTypes", "Training"]
+__all__ = ["HANDOFFS", "Convergence", "Cycles", "Halting", "Interval", "KnownDepth", "TokenTypes", "Training"]
 
 
 def _num(x: Any) -> float:
@@ -144,4 +144,33 @@ class Halting:
         return self.matching.get(family, math.nan)
 
 
-HANDOFFS = (Training, Convergence, TokenTypes, Halting)
+@dataclass(frozen=True)
+class KnownDepth:
+    """From 06_known_depth (the model trained on natural text mixed with depth tasks): its training-mean depth
+    ``reference_loops``, the share of its training tokens that are tasks, the range of lookups ``k_range``, the
+    lowest answer accuracy over ``k`` at ``reference_loops`` loops, Spearman's correlation of ``k`` with the
+    answers' convergence depth, and the loops each family saves against the uniform depth of equal quality
+    (``gaps``: window set -> family -> stat, as in :class:`Halting`)."""
+
+    NOTEBOOK: ClassVar[str] = "06_known_depth"
+    reference_loops: int
+    task_share: float
+    k_range: list[int]
+    min_accuracy_at_R: float
+    spearman_depth: Interval
+    gaps: dict[str, dict[str, dict[str, Interval]]]
+
+    @classmethod
+    def from_results(cls, r: Mapping[str, Any]) -> KnownDepth:
+        _need(r, cls)
+        stats = ("family_depth", "uniform_depth", "saved", "saved_frac")
+        p, lo, hi = (_num(x) for x in r["spearman_depth"])
+        return cls(reference_loops=int(r["reference_loops"]), task_share=_num(r["task_share"]),
+                   k_range=[int(k) for k in r["k_range"]], min_accuracy_at_R=_num(r["min_accuracy_at_R"]),
+                   spearman_depth=Interval(p, lo, hi),
+                   gaps={name: {str(g["family"]): {k: Interval(_num(g[k]), _num(g[f"{k}_lo"]), _num(g[f"{k}_hi"]))
+                                                   for k in stats} for g in rows}
+                         for name, rows in r["gaps"].items()})
+
+
+HANDOFFS = (Training, Convergence, TokenTypes, Halting, KnownDepth)
