@@ -1,0 +1,205 @@
+"""The README's "Headline results" block, generated from the executed reference book's results.
+
+    .venv/bin/python scripts/readme_tables.py            # print the block
+    .venv/bin/python scripts/readme_tables.py --write    # rewrite README.md between the markers
+    .venv/bin/python scripts/readme_tables.py --check    # exit 1 if README.md's block is not what this prints
+
+Every number comes from ``papermill_runs/reference/results/*.json`` (what ``make book`` writes); the table names
+the file and key of each row. ``tests/test_readme.py`` checks that README.md holds exactly this block.
+
+**Adding a table** (for instance a second model's): write one function ``def name(res: Results) -> str | None``
+below the others and decorate it with ``@section``; the block is the sections' outputs in definition order,
+separated by blank lines. ``res.get("NN_name")`` is the parsed ``NN_name.json`` or None when that file does not
+exist, so a section for a notebook that has not been run returns None and leaves its part out;
+``res.need("NN_name")`` is for files a section cannot do without (it raises, naming the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "papermill_runs" / "reference" / "results"
+README = ROOT / "README.md"
+START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+# the halting-rule families and routers in words (the results files use drc_core.RULE_FAMILIES's short names)
+NAMES = {
+    "kl": "KL",
+    "state_delta": "state change",
+    "entropy_delta": "entropy change",
+    "cosine": "cosine",
+    "argmax_patience": "argmax patience",
+    "confidence": "top probability",
+    "minp_kl": "min-p KL",
+    "acceleration": "acceleration",
+    "router_linear": "linear router",
+    "router_mlp": "MLP router",
+    "oracle": "oracle",
+    "uniform": "uniform depth",
+}
+
+
+class Results:
+    """The JSON files of one results directory, read on first use."""
+
+    def __init__(self, directory: Path = RESULTS) -> None:
+        self.directory = Path(directory)
+        self._cache: dict[str, dict | None] = {}
+
+    def get(self, name: str) -> dict | None:
+        if name not in self._cache:
+            path = self.directory / f"{name}.json"
+            self._cache[name] = json.loads(path.read_text()) if path.is_file() else None
+        return self._cache[name]
+
+    def need(self, name: str) -> dict:
+        data = self.get(name)
+        if data is None:
+            raise FileNotFoundError(f"{self.directory / (name + '.json')} is missing: run `make book` first")
+        return data
+
+
+Section = Callable[[Results], "str | None"]
+SECTIONS: list[Section] = []
+
+
+def section(fn: Section) -> Section:
+    """Register a table of the block (in definition order)."""
+    SECTIONS.append(fn)
+    return fn
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def name(family: str) -> str:
+    return NAMES.get(family, family)
+
+
+def sci(x: float) -> str:
+    """1e-3 rather than 0.001."""
+    mantissa, exponent = f"{x:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def pct(x: float) -> str:
+    return f"{x * 100:.0f}%".replace("-", "−")
+
+
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def speedups(entries: list[dict], families: set[str]) -> list[tuple[str, float]]:
+    """(rule, wall-clock speed-up over the baseline) for the matched rules, fastest first."""
+    rows = [(e["family"], e["wallclock_speedup"]) for e in entries if not e["baseline"] and e["family"] in families]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+# ----------------------------------------------------------------------------------------------------- sections
+
+
+@section
+def reference_model(res: Results) -> str:
+    """The reference model (data/reference) as the reference book measured it."""
+    train, conv = res.need("01_training"), res.need("02_convergence")
+    halt, speed = res.need("04_halting_and_routers"), res.need("05_compute")
+    ce = train["ce_by_loops"]
+    gaps = {g["family"]: g for g in halt["gaps"]}
+    ref = halt["reference_loops"]
+    uniform = next(m for m in halt["matching"] if m["family"] == "uniform")
+
+    def saved(family: str) -> str:
+        g = gaps[family]
+        return (f"{g['family_depth']:.2f} loops: {pct(g['saved_frac'])} [{pct(g['saved_frac_lo'])}, "
+                f"{pct(g['saved_frac_hi'])}] fewer than uniform depth")
+
+    others = sorted((g["family_depth"], f) for f, g in gaps.items() if f not in ("kl", "oracle"))
+    matched = {m["family"] for m in speed["matched"]}
+    batched = speedups(speed["batched"], matched)
+    faster = [f"{name(f)} {x:.2f}x" for f, x in batched if x >= 1.0]
+    slower = [x for _, x in batched if x < 1.0]
+    if slower:
+        faster.append(f"the other {len(slower)}: {min(slower):.2f}–{max(slower):.2f}x")
+    best_gen = []
+    for rows in sorted({e["rows"] for e in speed["generation"]}):
+        f, x = speedups([e for e in speed["generation"] if e["rows"] == rows], matched)[0]
+        best_gen.append(f"{name(f)} {x:.2f}x with {rows} row{'s' if rows > 1 else ''}")
+    tol = halt["ce_tolerance"]
+    rows = [
+        ("the model", f"{train['n_params'] / 1e6:.2f} M parameters, {train['train_tokens'] / 1e6:.1f} M training "
+                      f"tokens, {train['train_minutes']:.0f} minutes of training",
+         "`01_training.json`: `n_params`, `train_tokens`, `train_minutes`"),
+        ("validation loss at 1 / 8 / 32 loops", f"{ce['1']:.3f} / {ce['8']:.3f} / {ce['32']:.3f} nats per token",
+         "`01_training.json`: `ce_by_loops`"),
+        ("gain from depth, CE(1) − CE(8)", f"{train['ce_gain_1_to_8']:.3f} nats",
+         "`01_training.json`: `ce_gain_1_to_8`"),
+        (f"median loop at which a token's successive KL falls below {sci(conv['eps'])}",
+         f"{conv['median_depth']['value']:.0f}; {conv['frac_updating']['value'] * 100:.1f}% of tokens still "
+         f"updating at loop {conv['train_mean_depth']:.0f}",
+         "`02_convergence.json`: `median_depth`, `frac_updating`"),
+        (f"uniform depth with the loss of depth {ref} (within {tol:g} nats)",
+         f"{uniform['ce_depth_interp']:.2f} loops", "`04_halting_and_routers.json`: `matching`"),
+        ("KL halting rule at that loss", saved("kl"), "`04_halting_and_routers.json`: `gaps`"),
+        ("per-token oracle (offline bound) at that loss", saved("oracle"), "`04_halting_and_routers.json`: `gaps`"),
+        ("the other rules and routers at that loss, loops",
+         ", ".join(f"{name(f)} {d:.2f}" for d, f in others), "`04_halting_and_routers.json`: `gaps`"),
+        (f"wall-clock speed-up over uniform depth {ref} at its loss, batched evaluation, "
+         f"{speed['threads']} CPU threads", ", ".join(faster), "`05_compute.json`: `batched`"),
+        (f"the same in KV-cached generation, best rule against the dense decoder at depth {ref}",
+         "; ".join(best_gen), "`05_compute.json`: `generation`"),
+    ]
+    return table(("result", "reference model", "from `papermill_runs/reference/results/`"), rows)
+
+
+# --------------------------------------------------------------------------------------------------- the block
+
+
+def render(results: Path | Results = RESULTS, sections: list[Section] | None = None) -> str:
+    """The block between the markers: each section's markdown, blank-line separated; None leaves a section out."""
+    res = results if isinstance(results, Results) else Results(results)
+    parts = [text.strip() for fn in (SECTIONS if sections is None else sections) if (text := fn(res))]
+    return "\n" + "\n\n".join(parts) + "\n"
+
+
+def readme_block(text: str) -> str:
+    """What README.md holds between the markers."""
+    if text.count(START) != 1 or text.count(END) != 1:
+        raise ValueError(f"README.md must hold {START} and {END} once each")
+    return text.split(START, 1)[1].split(END, 1)[0]
+
+
+def rewrite(text: str, block: str) -> str:
+    head, rest = text.split(START, 1)
+    return head + START + block + END + rest.split(END, 1)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--write", action="store_true", help="rewrite README.md between the markers")
+    group.add_argument("--check", action="store_true", help="exit 1 if README.md's block differs")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="results directory (default: the reference's)")
+    args = ap.parse_args(argv)
+    block = render(args.results)
+    if args.write:
+        README.write_text(rewrite(README.read_text(), block))
+        print(f"rewrote the headline block of {README}")
+    elif args.check:
+        if readme_block(README.read_text()) != block:
+            print("README.md's headline block is stale: run scripts/readme_tables.py --write", file=sys.stderr)
+            return 1
+    else:
+        print(block.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
