@@ -62,10 +62,11 @@ print("library OK from", drc_core.__file__)
 """
 
 
-def _run(python: str | Path, code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+def _run(python: str | Path, code: str, cwd: Path, timeout: int, reference: Path = REFERENCE
+         ) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     env["OMP_NUM_THREADS"] = "1"
-    argv = [str(python), "-c", code, str(REFERENCE), ",".join(BOOK_EXTRAS)]
+    argv = [str(python), "-c", code, str(reference), ",".join(BOOK_EXTRAS)]
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -88,6 +89,7 @@ def test_pip_install_without_extras_in_a_fresh_venv(tmp_path: Path):
     heavy = {".git", ".venv", "runs", "data", "papermill_runs", "_build", "node_modules", "build", "dist"}
     shutil.copytree(ROOT, src, ignore=lambda d, names: [
         n for n in names if (Path(d) == ROOT and n in heavy) or n == "__pycache__" or n.endswith(".egg-info")])
+    reference = shutil.copytree(REFERENCE, tmp_path / "reference")  # the model of the same moment as the code
     env_dir = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
     py = env_dir / "bin" / "python"
@@ -102,6 +104,6 @@ def test_pip_install_without_extras_in_a_fresh_venv(tmp_path: Path):
         assert f"\n{extra}==" not in f"\n{listed}", f"{extra} was installed without the [book] extra"
     work = tmp_path / "elsewhere"  # not the repository: drc_core must come from the venv
     work.mkdir()
-    out = _run(py, CALLS, work, timeout=600)
+    out = _run(py, CALLS, work, timeout=600, reference=reference)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"library OK from {env_dir}" in out.stdout
