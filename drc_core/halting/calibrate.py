@@ -1,0 +1,271 @@
+"""Halting thresholds with a stated guarantee: Learn then Test (Angelopoulos et al. 2021, arXiv 2110.01052).
+
+A rule family's thresholds are tested one by one, from the one that halts latest to the one that halts earliest
+(the registry's grids are listed from earliest to latest halting, so the order is fixed before any data is seen).
+For each threshold the null hypothesis is "the risk exceeds ``alpha``"; its p-value is the Hoeffding-Bentkus
+p-value of the calibration risk, and fixed-sequence testing rejects nulls while ``p <= delta``. The most
+aggressive rejected threshold is returned with its certificate: with probability at least ``1 - delta`` over
+the draw of the calibration documents, its risk on new documents from the same distribution is at most
+``alpha``.
+
+Risks, per token, relative to the model's own output at ``reference_loops`` (uniform depth R):
+
+- ``top1``: the argmax at the token's exit differs from the argmax at depth R;
+- ``ce``: the cross-entropy at the exit exceeds the one at depth R by more than ``tolerance`` nats.
+
+**Units.** Tokens of one document are not independent, so the unit of the test is the *document*: a unit's loss
+is the share of its tokens that violate (a number in [0, 1]) and the risk controlled is the expected
+per-document share, over documents drawn like the calibration ones. The Hoeffding-Bentkus p-value is valid
+for any loss bounded in [0, 1], so no independence between tokens is assumed; the price is that ``n`` is the
+number of documents. With few documents no threshold can be certified at a small ``alpha`` (the certificate
+then says so: ``threshold`` is None).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy import stats as sps
+
+from drc_core.analysis.measure import measure_windows
+from drc_core.errors import DrcError, need_float, need_int
+from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, Uniform
+from drc_core.halting.sweep import RuleSpec, token_exits
+from drc_core.model.lm import RecurrentModel
+from drc_core.model.passes import EVAL_STATE_SEED
+
+__all__ = [
+    "RISKS",
+    "CalibratedRule",
+    "Certificate",
+    "calibrate",
+    "hb_pvalue",
+    "learn_then_test",
+    "loss_table",
+    "token_losses",
+    "validity",
+    "unit_risks",
+]
+
+RISKS = ("top1", "ce")
+
+
+def hb_pvalue(risk_hat: float, n: int, alpha: float) -> float:
+    """The Hoeffding-Bentkus p-value of the null "risk > ``alpha``" from the mean ``risk_hat`` of ``n`` independent
+    losses in [0, 1]: ``min(exp(-n h(min(risk_hat, alpha), alpha)), e * P(Binom(n, alpha) <= ceil(n risk_hat)))``
+    with ``h(a, b) = a log(a/b) + (1-a) log((1-a)/(1-b))`` (LTT, Proposition 3)."""
+    n = need_int("n", n, 1)
+    if not 0 < alpha < 1:
+        raise DrcError(f"alpha={alpha!r} must lie strictly between 0 and 1")
+    r = min(max(float(risk_hat), 0.0), 1.0)
+    a = min(r, alpha)
+    h = (a * math.log(a / alpha) if a > 0 else 0.0) + (1 - a) * math.log((1 - a) / (1 - alpha))
+    hoeffding = math.exp(-n * h)
+    bentkus = math.e * float(sps.binom.cdf(math.ceil(n * r - 1e-12), n, alpha))
+    return min(hoeffding, bentkus, 1.0)
+
+
+def learn_then_test(unit_losses: np.ndarray, alpha: float, delta: float) -> tuple[int, np.ndarray]:
+    """Fixed-sequence testing over thresholds ordered from the most conservative (row 0) to the most aggressive.
+
+    ``unit_losses`` (m thresholds, n units), each in [0, 1]. Returns ``(k, pvalues)``: the first ``k`` nulls are
+    rejected (rows 0..k-1 are certified; k = 0: none is) and every row's p-value."""
+    losses = np.asarray(unit_losses, dtype=float)
+    if losses.ndim != 2 or losses.shape[1] < 1:
+        raise DrcError(f"unit_losses must be (thresholds, units) with at least one unit; got shape {losses.shape}")
+    if np.isnan(losses).any() or (losses < 0).any() or (losses > 1).any():
+        raise DrcError("unit losses must lie in [0, 1]: pass per-unit shares of violating tokens")
+    need_float("delta", delta, 0.0)
+    if not 0 < delta < 1:
+        raise DrcError(f"delta={delta!r} must lie strictly between 0 and 1")
+    n = losses.shape[1]
+    pvalues = np.array([hb_pvalue(r, n, alpha) for r in losses.mean(axis=1)])
+    failed = np.flatnonzero(pvalues > delta)
+    return (int(failed[0]) if len(failed) else len(pvalues)), pvalues
+
+
+def token_losses(argmax: np.ndarray, ce: np.ndarray, exits: np.ndarray, reference_loops: int, risk: str,
+                 tolerance: float = 0.0) -> np.ndarray:
+    """Per-token violations (N, T) of one rule: ``argmax`` and ``ce`` (N, T, L) per loop, ``exits`` (N, T) the exit
+    loop of each token. ``top1``: argmax at the exit != argmax at ``reference_loops``; ``ce``: CE at the exit >
+    CE at ``reference_loops`` + ``tolerance``."""
+    if risk not in RISKS:
+        raise DrcError(f"risk={risk!r} is not supported; use one of {', '.join(RISKS)}")
+    idx = (np.asarray(exits, dtype=np.int64) - 1)[..., None]
+    ref = reference_loops - 1
+    if risk == "top1":
+        return np.take_along_axis(argmax, idx, axis=-1)[..., 0] != argmax[..., ref]
+    return np.take_along_axis(ce, idx, axis=-1)[..., 0] > ce[..., ref] + tolerance
+
+
+def unit_risks(losses: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per unit, the share of its tokens that violate: ``losses`` (..., N, T) and ``units`` (N, T) ids (negative:
+    no unit, ignored). Returns ``(risks (..., n_units), unit ids)``."""
+    u = np.asarray(units).reshape(-1)
+    keep = u >= 0
+    ids, codes = np.unique(u[keep], return_inverse=True)
+    flat = np.asarray(losses, dtype=float).reshape(*np.shape(losses)[:-2], -1)[..., keep]
+    counts = np.bincount(codes, minlength=len(ids))
+    sums = np.stack([np.bincount(codes, weights=row, minlength=len(ids)) for row in flat.reshape(-1, flat.shape[-1])])
+    return (sums / counts).reshape(*flat.shape[:-1], len(ids)), ids
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """What :func:`calibrate` guarantees: ``threshold`` (None: no threshold of the grid could be certified), the
+    risk and its ``alpha``, ``delta``, the ``n_units`` calibration documents, the calibration risk and mean exit loop
+    at the chosen threshold, its p-value, and how many thresholds were tested."""
+
+    family: str
+    risk: str
+    alpha: float
+    delta: float
+    n_units: int
+    threshold: float | None
+    calibration_risk: float
+    avg_loops: float
+    p_value: float
+    reference_loops: int
+    tested: int
+
+    def __str__(self) -> str:
+        what = ("of tokens whose top prediction differs from depth" if self.risk == "top1"
+                else "of tokens whose cross-entropy exceeds that of depth")
+        if self.threshold is None:
+            return (f"{self.family}: no threshold certified at alpha={self.alpha:g}, delta={self.delta:g} with "
+                    f"{self.n_units} calibration documents (the most conservative one's p-value is above delta)")
+        return (f"{self.family} at {self.threshold:g}: with probability >= {1 - self.delta:.0%} over the "
+                f"{self.n_units} calibration documents, the expected per-document share {what} {self.reference_loops} "
+                f"is <= {self.alpha:g} (calibration: {self.calibration_risk:.4f} at {self.avg_loops:.2f} loops on "
+                f"average; p = {self.p_value:.2g}, {self.tested} thresholds tested)")
+
+
+@dataclass(frozen=True)
+class CalibratedRule:
+    """A rule with its certificate (``rule`` is None where no threshold was certified)."""
+
+    rule: HaltingRule | None
+    certificate: Certificate
+
+
+def family_specs(family: str, max_loops: int, reference_loops: int) -> list[RuleSpec]:
+    """The family's grid as rules, ordered from the latest-halting threshold to the earliest (registry grids are
+    listed earliest first); ``uniform`` is depths ``reference_loops`` down to 1."""
+    if family == "uniform":
+        return [RuleSpec("uniform", float(u), Uniform(u)) for u in range(reference_loops, 0, -1)]
+    classes = RULE_FAMILIES
+    if family not in classes or not classes[family].grid:
+        raise DrcError(f"family {family!r} has no threshold grid; calibrate one of "
+                       f"{', '.join(f for f, c in classes.items() if c.grid)} or 'uniform'")
+    cls = classes[family]
+    return [RuleSpec(family, float(t), cls(t, max_loops=max_loops)) for t in reversed(cls.grid)]
+
+
+@dataclass
+class LossTable:
+    """Per-unit losses of every threshold of some families on some windows: ``risks[family]`` (thresholds, units)
+    ordered conservative first, ``loops[family]`` (thresholds, units) mean exit loop per unit, ``specs[family]``,
+    the unit ids and their token counts. Built once by :func:`loss_table`; calibration and its validity check
+    (random splits of the units) reuse it."""
+
+    risks: dict[str, np.ndarray]
+    loops: dict[str, np.ndarray]
+    specs: dict[str, list[RuleSpec]]
+    units: np.ndarray
+    tokens: np.ndarray
+    risk: str
+    reference_loops: int
+
+    def certify(self, family: str, alpha: float, delta: float, subset: np.ndarray | None = None) -> Certificate:
+        """Learn then Test on the units ``subset`` (indices into :attr:`units`; all when None)."""
+        cols = slice(None) if subset is None else np.asarray(subset)
+        losses, loops = self.risks[family][:, cols], self.loops[family][:, cols]
+        k, p = learn_then_test(losses, alpha, delta)
+        chosen = None if k == 0 else k - 1
+        spec = None if chosen is None else self.specs[family][chosen]
+        return Certificate(family=family, risk=self.risk, alpha=alpha, delta=delta, n_units=losses.shape[1],
+                           threshold=None if spec is None else spec.param,
+                           calibration_risk=math.nan if chosen is None else float(losses[chosen].mean()),
+                           avg_loops=math.nan if chosen is None else float(loops[chosen].mean()),
+                           p_value=float(p[0] if chosen is None else p[chosen]),
+                           reference_loops=self.reference_loops, tested=min(k + 1, len(p)))
+
+
+@torch.no_grad()
+def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, families: Sequence[str], *,
+               risk: str = "top1", tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
+               batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> LossTable:
+    """One measurement pass (argmax and CE per loop) and one offline replay of every threshold of ``families``
+    (plus ``uniform``) on ``windows`` (N, T+1); ``units`` (N, T) the document of each input position."""
+    reference_loops = need_int("reference_loops", reference_loops, 1)
+    max_loops = need_int("max_loops", max(max_loops, reference_loops), 1)
+    units = np.asarray(units)
+    n, t_len = windows.shape[0], windows.shape[1] - 1
+    if units.shape != (n, t_len):
+        raise DrcError(f"units must give a document per input position, shape ({n}, {t_len}); got {units.shape}")
+    frame = measure_windows(model, windows, max_loops, batch_size=batch_size, seed=seed, kl_to_final=False)
+    argmax = frame["argmax"].to_numpy().reshape(n, t_len, max_loops)
+    ce = frame["ce"].to_numpy(np.float64).reshape(n, t_len, max_loops)
+    specs = {f: family_specs(f, max_loops, reference_loops) for f in dict.fromkeys([*families, "uniform"])}
+    flat = [s for group in specs.values() for s in group if s.family != "uniform"]
+    exits = token_exits(model, windows, flat, reference_loops=reference_loops, batch_size=batch_size, seed=seed)
+    risks, loops, ids, tokens = {}, {}, None, None
+    for fam, group in specs.items():
+        ex = [np.full((n, t_len), int(s.param)) if fam == "uniform" else exits[str(s.rule)] for s in group]
+        viol = np.stack([token_losses(argmax, ce, e, reference_loops, risk, tolerance) for e in ex])
+        risks[fam], ids = unit_risks(viol, units)
+        loops[fam], _ = unit_risks(np.stack(ex).astype(float), units)
+    keep = units.reshape(-1) >= 0
+    tokens = np.bincount(np.unique(units.reshape(-1)[keep], return_inverse=True)[1])
+    return LossTable(risks, loops, specs, ids, tokens, risk, reference_loops)
+
+
+def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, family: str, *, alpha: float = 0.05,
+              delta: float = 0.1, risk: str = "top1", tolerance: float = 0.0, reference_loops: int = 8,
+              max_loops: int = 16, seed: int = EVAL_STATE_SEED) -> CalibratedRule:
+    """Choose ``family``'s threshold on the calibration ``windows`` (``units``: each position's document) so that
+    its ``risk`` is at most ``alpha`` with probability ``1 - delta`` (Learn then Test over documents); the rule
+    and its printable :class:`Certificate`."""
+    table = loss_table(model, windows, units, [family], risk=risk, tolerance=tolerance,
+                       reference_loops=reference_loops, max_loops=max_loops, seed=seed)
+    cert = table.certify(family, alpha, delta)
+    rule = None
+    if cert.threshold is not None:
+        rule = next(s.rule for s in table.specs[family] if s.param == cert.threshold)
+    return CalibratedRule(rule, cert)
+
+
+def validity(table: LossTable, family: str, alphas: Sequence[float], delta: float, *, n_splits: int = 100,
+             seed: int = 0, calib: np.ndarray | None = None, test: np.ndarray | None = None):
+    """Is the guarantee kept? For each ``alpha``: ``n_splits`` random halvings of the units (or the one given
+    split ``calib``/``test``, e.g. calibrate on one source and test on another); on each, certify ``family`` and
+    ``uniform`` on the calibration half and measure on the test half. Returns one row per (alpha, split):
+    ``certified``, the test risk and ``violated`` (test risk > alpha) of the certified threshold, its mean loops
+    on the test half, the certified uniform depth and the share of loops the rule saves against it."""
+    import pandas as pd
+
+    n = len(table.units)
+    rng = np.random.default_rng(seed)
+    splits = ([(np.asarray(calib), np.asarray(test))] if calib is not None
+              else [np.split(rng.permutation(n), [n // 2]) for _ in range(need_int("n_splits", n_splits, 1))])
+    rows = []
+    for alpha in alphas:
+        for i, (c, t) in enumerate(splits):
+            cert = table.certify(family, alpha, delta, c)
+            uni = table.certify("uniform", alpha, delta, c)
+            row = {"alpha": alpha, "split": i, "certified": cert.threshold is not None, "threshold": cert.threshold,
+                   "uniform_depth": uni.threshold, "test_risk": math.nan, "violated": False, "loops": math.nan,
+                   "saved_frac": math.nan}
+            if cert.threshold is not None:
+                j = [s.param for s in table.specs[family]].index(cert.threshold)
+                row["test_risk"] = float(table.risks[family][j, t].mean())
+                row["violated"] = row["test_risk"] > alpha
+                row["loops"] = float(table.loops[family][j, t].mean())
+                if uni.threshold is not None:
+                    row["saved_frac"] = 1 - row["loops"] / uni.threshold
+            rows.append(row)
+    return pd.DataFrame(rows)

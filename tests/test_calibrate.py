@@ -1,0 +1,125 @@
+"""Risk-controlled halting thresholds (Learn then Test): p-values against scipy and exact computations, fixed-
+sequence testing, a synthetic check where the true risk is known, and calibration on a tiny model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+from drc_core.errors import DrcError
+from drc_core.halting.calibrate import (
+    family_specs,
+    hb_pvalue,
+    learn_then_test,
+    loss_table,
+    token_losses,
+    unit_risks,
+    validity,
+)
+from drc_core.halting.rules import RULE_FAMILIES
+
+
+@pytest.mark.parametrize("n,r,alpha", [(50, 0.0, 0.1), (200, 0.05, 0.1), (30, 0.2, 0.1), (1000, 0.011, 0.02)])
+def test_hb_pvalue_is_the_smaller_of_hoeffding_and_bentkus(n, r, alpha):
+    a = min(r, alpha)
+    h = (a * math.log(a / alpha) if a else 0.0) + (1 - a) * math.log((1 - a) / (1 - alpha))
+    expected = min(math.exp(-n * h), math.e * sps.binom.cdf(math.ceil(n * r), n, alpha), 1.0)
+    assert hb_pvalue(r, n, alpha) == pytest.approx(expected, rel=1e-12)
+
+
+def test_hb_pvalue_small_cases_by_hand():
+    # no violation among 50 units, alpha 0.1: Hoeffding's exp(-50 log(1/0.9)) = 0.9**50 beats e * 0.9**50
+    assert hb_pvalue(0.0, 50, 0.1) == pytest.approx(0.9**50)
+    assert hb_pvalue(0.5, 10, 0.1) == 1.0  # far above alpha: no evidence
+    assert hb_pvalue(0.0, 10, 0.1) > 0.1  # ten units cannot certify 10% at delta 0.1
+
+
+def test_hb_pvalue_is_valid_under_the_null():
+    """Losses in [0, 1] with mean exactly alpha (the boundary of the null): P(p <= delta) <= delta."""
+    rng = np.random.default_rng(0)
+    alpha, n, delta = 0.1, 80, 0.1
+    ps = [hb_pvalue(float(rng.beta(1, 9, size=n).mean()), n, alpha) for _ in range(4000)]
+    assert np.mean(np.array(ps) <= delta) <= delta + 0.015
+
+
+def test_fixed_sequence_stops_at_the_first_failure():
+    losses = np.array([[0.0] * 100, [0.01] * 100, [0.5] * 100, [0.0] * 100])
+    k, p = learn_then_test(losses, alpha=0.1, delta=0.1)
+    assert k == 2 and p[2] > 0.1 and p[3] <= 0.1  # row 3 would pass alone but comes after a failure
+
+
+def test_learn_then_test_controls_the_risk_on_a_synthetic_family():
+    """Thresholds whose true per-unit risk grows along the sequence; over many calibration draws the chosen
+    threshold's true risk exceeds alpha at most delta of the time."""
+    rng = np.random.default_rng(1)
+    true = np.linspace(0.0, 0.3, 16)  # true mean loss of each threshold, conservative first
+    alpha, delta, n = 0.1, 0.1, 60
+    bad = 0
+    trials = 600
+    for _ in range(trials):
+        losses = rng.binomial(20, true[:, None], size=(16, n)) / 20  # a unit's share of 20 tokens
+        k, _ = learn_then_test(losses, alpha, delta)
+        if k and true[k - 1] > alpha:
+            bad += 1
+    assert bad / trials <= delta
+    # and it is not vacuous: with this many units it certifies thresholds near alpha
+    losses = rng.binomial(20, true[:, None], size=(16, 2000)) / 20
+    k, _ = learn_then_test(losses, alpha, delta)
+    assert true[k - 1] > 0.05
+
+
+def test_bad_inputs_are_one_line_errors():
+    with pytest.raises(DrcError):
+        learn_then_test(np.array([[1.5]]), 0.1, 0.1)
+    with pytest.raises(DrcError):
+        learn_then_test(np.zeros((2, 3)), 0.1, 1.0)
+    with pytest.raises(DrcError):
+        hb_pvalue(0.1, 10, 0.0)
+    with pytest.raises(DrcError):
+        family_specs("no_such_rule", 8, 4)
+
+
+def test_token_losses_and_unit_risks():
+    argmax = np.array([[[1, 2, 2, 2], [5, 5, 6, 6]]])  # (N=1, T=2, L=4)
+    ce = np.array([[[3.0, 2.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.5]]])
+    exits = np.array([[2, 1]])
+    top1 = token_losses(argmax, ce, exits, reference_loops=3, risk="top1")
+    assert top1.tolist() == [[False, True]]
+    ce_loss = token_losses(argmax, ce, exits, reference_loops=3, risk="ce", tolerance=0.5)
+    assert ce_loss.tolist() == [[True, False]]
+    risks, ids = unit_risks(np.array([[[1.0, 0.0, 1.0, 1.0]]]).reshape(1, 2, 2), np.array([[0, 0], [7, -1]]))
+    assert ids.tolist() == [0, 7] and risks.tolist() == [[0.5, 1.0]]
+
+
+def test_grids_run_from_earliest_to_latest_halting(tiny_model_factory, one_thread):
+    """The order Learn then Test relies on: along each registered grid the mean exit loop does not fall."""
+    torch.manual_seed(0)
+    model = tiny_model_factory(64, core_scale=3.0)
+    windows = torch.randint(0, 64, (4, 17))
+    units = np.repeat(np.arange(4), 16).reshape(4, 16)
+    fams = [f for f, c in RULE_FAMILIES.items() if c.grid]
+    table = loss_table(model, windows, units, fams, reference_loops=4, max_loops=8)
+    for fam in fams:
+        depth = table.loops[fam].mean(axis=1)  # conservative first: non-increasing
+        assert (np.diff(depth) <= 1e-9).all(), fam
+    assert table.risks["uniform"][0].max() == 0.0  # depth R against itself
+    cert = table.certify("kl", alpha=0.5, delta=0.5)
+    assert cert.n_units == 4 and "kl" in str(cert)
+
+
+def test_validity_splits_and_a_given_split(tiny_model_factory, one_thread):
+    torch.manual_seed(1)
+    model = tiny_model_factory(64, core_scale=3.0)
+    windows = torch.randint(0, 64, (8, 17))
+    units = np.repeat(np.arange(8), 16).reshape(8, 16)
+    table = loss_table(model, windows, units, ["kl"], reference_loops=4, max_loops=8)
+    v = validity(table, "kl", [0.3, 0.6], delta=0.4, n_splits=5)
+    assert len(v) == 10 and set(v.alpha) == {0.3, 0.6}
+    certified = v[v.certified]
+    assert (certified.violated == (certified.test_risk > certified.alpha)).all()
+    one = validity(table, "kl", [0.6], delta=0.4, calib=np.arange(4), test=np.arange(4, 8))
+    assert len(one) == 1
