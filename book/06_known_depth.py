@@ -112,10 +112,14 @@ model, cfg, metrics = open_model(task_work)
 tokenizer = corpus.tokenizer()
 R = int(round(cfg.recurrence.mean))
 per_source = pd.DataFrame(corpus.meta["per_source"]).T
-task_share = per_source.loc["train/depth-tasks", "tokens"] / per_source.loc[
-    per_source.index.str.startswith("train/"), "tokens"
-].sum()
-print(f"model from {info['kind']} {info['path']}: {model.num_params():,} parameters, trained mean depth {R}")
+task_share = (
+    per_source.loc["train/depth-tasks", "tokens"]
+    / per_source.loc[per_source.index.str.startswith("train/"), "tokens"].sum()
+)
+print(
+    f"model from {info['kind']} {info['path']}: {model.num_params():,} parameters, "
+    f"trained mean depth {R}"
+)
 print(f"training tokens that are depth tasks: {task_share:.1%}; k = {tasks.min_k}..{tasks.max_k}")
 per_source
 
@@ -177,7 +181,10 @@ depths = dt.answer_depths(traj, eps)
 rho = dt.spearman_ci(depths.k, depths.depth, depths.doc, seed=seed)
 rho_commit = dt.spearman_ci(depths.k, depths.commit, depths.doc, seed=seed)
 print(f"Spearman(k, convergence depth) = {rho[0]:.3f} [{rho[1]:.3f}, {rho[2]:.3f}]")
-print(f"Spearman(k, commit loop)       = {rho_commit[0]:.3f} [{rho_commit[1]:.3f}, {rho_commit[2]:.3f}]")
+print(
+    f"Spearman(k, commit loop)       = {rho_commit[0]:.3f} "
+    f"[{rho_commit[1]:.3f}, {rho_commit[2]:.3f}]"
+)
 by_k = dt.mean_by_k(depths, ["depth", "commit", "first_correct"], seed=seed)
 depth_viz.depth_by_k_figure(by_k, "Convergence depth, commit loop and first correct loop by k")
 
@@ -212,7 +219,11 @@ for name, windows, clusters in [
     ("mixed validation", mixed, window_clusters(mixed_docs)),
     ("task documents", tw.windows, task_clusters),
 ]:
-    c_idx, h_idx = (calib_idx, held_idx) if name == "mixed validation" else split_windows(len(windows), 0.5, seed)
+    c_idx, h_idx = (
+        (calib_idx, held_idx)
+        if name == "mixed validation"
+        else split_windows(len(windows), 0.5, seed)
+    )
     frame = sweep(model, windows, specs, reference_loops=R, mode="offline")
     held = summarize(frame, windows=h_idx, clusters=clusters, seed=seed)
     matches[name] = matching_table(held, R, ce_tolerance, kl_target=0.01)
@@ -242,7 +253,9 @@ exit_table.round(2)
 
 # %%
 depth_viz.depth_by_k_figure(
-    exits[exits.k != "all tokens"].rename(columns={"rule": "series", "exit": "value"}).astype({"k": int}),
+    exits[exits.k != "all tokens"]
+    .rename(columns={"rule": "series", "exit": "value"})
+    .astype({"k": int}),
     "Exit loop of the answers by k, at each family's matched threshold",
 )
 
@@ -272,13 +285,17 @@ natural, natural_cfg, _ = open_model(work_dir)
 natural_corpus = Corpus.open(corpus_dir)
 cost = pd.concat(
     [
-        loss_by_source(model, corpus, cfg.seq_len, (R,), max_windows=n_windows).assign(model="mixed"),
-        loss_by_source(natural, natural_corpus, natural_cfg.seq_len, (R,), max_windows=n_windows).assign(
-            model="natural only"
+        loss_by_source(model, corpus, cfg.seq_len, (R,), max_windows=n_windows).assign(
+            model="mixed"
         ),
+        loss_by_source(
+            natural, natural_corpus, natural_cfg.seq_len, (R,), max_windows=n_windows
+        ).assign(model="natural only"),
     ]
 )
-cost = cost[cost.source != "depth-tasks"].pivot(index="source", columns="model", values="bits_per_byte")
+cost = cost[cost.source != "depth-tasks"].pivot(
+    index="source", columns="model", values="bits_per_byte"
+)
 cost["difference"] = cost["mixed"] - cost["natural only"]
 cost.round(4)
 
@@ -335,7 +352,8 @@ headline = {
     **{
         f"{fam}: loops saved vs matched uniform (mixed)": (
             f"{mixed_gaps.loc[fam, 'saved_frac']:.1%} "
-            f"[{mixed_gaps.loc[fam, 'saved_frac_lo']:.1%}, {mixed_gaps.loc[fam, 'saved_frac_hi']:.1%}]"
+            f"[{mixed_gaps.loc[fam, 'saved_frac_lo']:.1%}, "
+            f"{mixed_gaps.loc[fam, 'saved_frac_hi']:.1%}]"
         )
         for fam in ("oracle", "kl", "state_delta", "router_mlp")
         if fam in mixed_gaps.index

@@ -159,6 +159,37 @@ def reference_model(res: Results) -> str:
     return table(("result", "reference model", "from `papermill_runs/reference/results/`"), rows)
 
 
+@section
+def controlled_depth(res: Results) -> str | None:
+    """Natural text beside the model trained with tokens whose required depth is known (data/depth-tasks)."""
+    known, halt = res.get("06_known_depth"), res.get("04_halting_and_routers")
+    if known is None or halt is None:
+        return None
+    sets = {"natural text (reference)": {g["family"]: g for g in halt["gaps"]}}
+    sets.update({f"controlled depth: {w}": {g["family"]: g for g in rows} for w, rows in known["gaps"].items()})
+
+    def cell(gaps: dict, family: str) -> str:
+        if family not in gaps:
+            return "—"
+        g = gaps[family]
+        return f"{pct(g['saved_frac'])} [{pct(g['saved_frac_lo'])}, {pct(g['saved_frac_hi'])}]"
+
+    first = next(iter(sets.values()))
+    rows = [("uniform depth of equal quality, loops",
+             *(f"{next(iter(g.values()))['uniform_depth']:.2f}" for g in sets.values()))]
+    rows += [(f"{name(f)}: loops saved against it", *(cell(g, f) for g in sets.values()))
+             for f in ("oracle", "kl", "state_delta", "cosine", "router_mlp") if f in first or f in known["gaps"]]
+    rho = known["spearman_depth"]
+    lo, hi = known["k_range"]
+    head = (f"Controlled depth (`06_known_depth.json`): a second model trained on the same text mixed with generated "
+            f"documents ({pct(known['task_share'])} of its training tokens) whose answers need k = {lo}..{hi} "
+            f"lookups. Answer accuracy at {known['reference_loops']} loops, lowest over k: "
+            f"{known['min_accuracy_at_R'] * 100:.1f}%; Spearman(k, convergence depth) {rho[0]:.2f} "
+            f"[{rho[1]:.2f}, {rho[2]:.2f}]. Loops saved against the uniform depth of equal quality "
+            f"(`04_halting_and_routers.json`, `06_known_depth.json`: `gaps`):")
+    return head + "\n\n" + table(("", *sets), rows)
+
+
 # --------------------------------------------------------------------------------------------------- the block
 
 
