@@ -172,7 +172,7 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
     out.append(_fmt_table(rows, ["pass", "s", "spread", "x forward", "x readout pass"]))
 
     if rep.targets is not None:
-        out.append("\nissue I targets (matched quality):")
+        out.append("\nspeed targets (matched quality):")
         rows = [[x.setting, x.rule, x.target, f"{x.value:.3f}", f"{x.threshold:g}", "MET" if x.met else "NOT met"]
                 for _, x in rep.targets.iterrows()]
         out.append(_fmt_table(rows, ["setting", "rule", "target", "value", "threshold", "verdict"]))
@@ -196,7 +196,7 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
     mw, ro = measurement_pass(ms, "measure_kl_final"), measurement_pass(ms, "readout")
     met = "MET" if mw.x_forward <= TARGET_MEASURE else "NOT met"
     out.append(f"measurement pass (kl_to_final=True) = {mw.x_forward:.2f}x one depth-{mw.loops} forward "
-               f"(issue target as worded: <= {TARGET_MEASURE}x -> {met}); = {mw.x_readout_pass:.2f}x the bare "
+               f"(target as worded: <= {TARGET_MEASURE}x -> {met}); = {mw.x_readout_pass:.2f}x the bare "
                "every-loop readout pass.")
     out.append(f"  The bare readout pass alone costs {ro.x_forward:.2f}x a depth-{mw.loops} forward: per-loop "
                f"statistics need the coda, the {vocab}-way head and a log-softmax at "

@@ -17,7 +17,7 @@ the preset's vocabulary. Variants:
 
 * ``baseline``      eager, fp32, full backprop through every loop (``n_grad_loops=None``)
 * ``fp32-eager``    eager, fp32, truncated backprop: the plain path (``--set autocast=none --set compile=false``),
-  the trainer's default before issue F
+  the trainer's default before the fast path
 * ``compile-core``  as ``fp32-eager`` plus ``block.compile()`` on the core blocks only
 * ``bf16``          as ``fp32-eager`` under ``torch.autocast(bfloat16)``, eager
 * ``compile-core+bf16``  both
@@ -67,7 +67,7 @@ from drc_core.training.train import Dist, initial_state, make_optimizer
 # is part of what the bf16 variant measures, so say it once in the docs instead of at every call.
 warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
 
-TARGET_MFU = 0.3  # of the peak of the dtype actually used (issue F)
+TARGET_MFU = 0.3  # of the peak of the dtype actually used (the fast path's throughput target)
 TARGET_SPEEDUP = 2.5  # against fp32-eager, the trainer's default before the fast path, at the same model size
 
 

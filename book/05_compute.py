@@ -92,7 +92,6 @@ from drc_core.experiments.speed import (
     bf16_check,
     decode_loop_cost,
     decode_prediction,
-    issue_targets,
     matched_rules,
     measurement_cost,
     measurement_summary,
@@ -100,6 +99,7 @@ from drc_core.experiments.speed import (
     profile_batched,
     profile_generation,
     skip_overhead,
+    speed_targets,
     speedup_table,
     targets_met,
     time_batched,
@@ -291,7 +291,7 @@ viz.speedup_bars(table)
 table.round(3)
 
 # %% [markdown]
-# ## Issue I's targets
+# ## Speed targets at matched quality
 # At matched quality: the skipping path at equal depth within 1.05× the dense time, every training-free
 # rule faster than uniform depth `r`, wall-clock ≥ 0.9× the honest-FLOP speed-up for every rule, the
 # state-change rule ≥ 0.9× its loop proxy, the KL rule ≥ 1.5× in batched evaluation. `ceiling` is the value
@@ -300,7 +300,7 @@ table.round(3)
 # reachable is bound by the implementation; one that is not reachable, by the work the rule asks for.
 
 # %%
-targets = issue_targets(batched[batched.family != "huginn"], generation)
+targets = speed_targets(batched[batched.family != "huginn"], generation)
 display(targets.round(3))
 missed = targets[~targets.met]
 print(
@@ -499,7 +499,7 @@ results = {
     "table": table.to_dict("records"),
     "skip_overhead_at_equal_depth": skip_overhead(batched),
     "target_met": targets_met(batched[batched.family != "huginn"], generation),
-    "issue_targets": targets.to_dict("records"),
+    "speed_targets": targets.to_dict("records"),
     "anderson": anderson.to_dict("records") if anderson_windows else None,
     "decode_loop_cost": decode_cost.to_dict("records"),
     "decode_prediction": prediction.to_dict("records"),

@@ -200,7 +200,8 @@ plateau.round(4)
 # ## Two scales side by side, and the targets for the reference
 # The first round's reference (d=128, 1.35 M parameters, 12.3 M tokens, fp32) and this one, read at every
 # loop on the same validation windows as notebook 2 (`convergence_windows`). Then the targets set for the
-# reference model (issue F), measured by notebooks 2 and 4: a target that is not met says so.
+# reference model (depth gain, a better deep model, uniform depth needs loops, a fixed point), measured by
+# notebooks 2 and 4: a target that is not met says so.
 
 # %%
 convergence, halting = handed[1], handed[3]
@@ -262,10 +263,10 @@ viz.number_table(grid) if len(grid) else "no depth-scale runs shipped"
 
 # %% [markdown]
 # What each lever changes, one change at a time (`drc_core.experiments.report.lever_effects`; `d` is changed
-# run minus baseline, so a negative `d CE@R` is a better deep model). Issue F asks for a gain that comes from a
-# better deep model, not a worse shallow one: `deep share` is the part of a gain increase that the deep
-# model's improvement accounts for (−`d CE@R` / `d gain`; below 0.5, mostly a worse one-loop model). `train
-# gain` is the changed run's CE(1) − CE(R) on training windows, beside its validation `gain`.
+# run minus baseline, so a negative `d CE@R` is a better deep model). The depth-gain target asks for a gain
+# that comes from a better deep model, not a worse shallow one: `deep share` is the part of a gain increase
+# that the deep model's improvement accounts for (−`d CE@R` / `d gain`; below 0.5, mostly a worse one-loop
+# model). `train gain` is the changed run's CE(1) − CE(R) on training windows, beside its validation `gain`.
 
 # %%
 effects = lever_effects(grid) if len(grid) else pd.DataFrame()
@@ -283,7 +284,7 @@ if len(effects):
     top = grid["CE(1)-CE(R)"].idxmax()
     print(
         f"largest validation gain in the grid: {top}, {grid.loc[top, 'CE(1)-CE(R)']:.3f} nats "
-        f"(issue F's target: 0.3); largest matching uniform depth: "
+        f"(depth-gain target: 0.3); largest matching uniform depth: "
         f"{grid['uniform_match/R'].max():.2f} R (target 0.6 R)"
     )
 
@@ -299,7 +300,7 @@ if len(effects):
 # - **A higher training-mean depth raises the gain mostly by making one loop worse.** From mean 8 to 12 and
 #   16 the one-loop loss rises by 0.07–0.13 nats, the loss at depth falls by 0.01–0.03, and uniform depth
 #   still matches at about a third of R; the gain is a worse shallow model, as the first round found at
-#   d = 64, which issue F rules out as a route to its target.
+#   d = 64, which the depth-gain target rules out as a route to it.
 # - **Backprop depth is not the cap**: backprop through all 8 loops instead of the last 4 changes nothing
 #   beyond noise, for more time per step.
 # - **Tokens are the lever that moves both**, and they run out: from ×1 to ×5 tokens the loss at depth falls

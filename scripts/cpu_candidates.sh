@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The measurements behind the `cpu` preset and the default corpus mix (see the book and README).
+# The measurements behind the `cpu` preset and the default corpus mix (see the book, docs/training.md
+# "How the `cpu` preset was chosen" and docs/data.md "Which corpus mix").
 # Sequential on purpose: two cores, one run at a time. Budgeted by steps, so load elsewhere only slows it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

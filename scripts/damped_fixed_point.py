@@ -1,4 +1,4 @@
-"""Issue F, target 4: can inference-time damping close the reference's 2-cycle KL floor?
+"""The fixed-point target: can inference-time damping close the reference's 2-cycle KL floor?
 
 On the d=256 reference the mean successive KL at loop 2R = 16 is ~4e-5 against the 1e-5 target, and ~98% of it is
 carried by the ~2.5% of tokens whose state alternates between two points (notebook 02). A 2-cycle of the map f is

@@ -1,4 +1,4 @@
-"""Issue F, part 2: what makes a CPU-scale depth-recurrent model use depth? Short runs side by side.
+"""What makes a CPU-scale depth-recurrent model use depth? Short runs side by side.
 
     .venv/bin/python scripts/depth_scale.py                 # train + evaluate every run not yet done (resumable)
     .venv/bin/python scripts/depth_scale.py --only d256-m16 # one run

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue F's loss parity: the small preset, seeds 0-2, on the fast path (bf16 autocast + compiled blocks, the
+# Loss parity: the small preset, seeds 0-2, on the fast path (bf16 autocast + compiled blocks, the
 # default on a bf16 CPU) against the shipped fp32-eager runs of the same preset and seeds
 # (data/experiments/small-mean8-seed*, made by scripts/small_experiments.sh with autocast=none compile=false).
 # Sequential, resumable (a finished run is skipped). Evaluations (fp32, same windows) and metrics go to

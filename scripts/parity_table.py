@@ -1,4 +1,4 @@
-"""Issue F's loss parity table: fp32 eager vs bf16 + compile, small preset, seeds 0-2.
+"""The loss parity table: fp32 eager vs bf16 + compile, small preset, seeds 0-2.
 
     .venv/bin/python scripts/parity_table.py
 

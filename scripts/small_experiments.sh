@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue E's small-preset experiments: 3 seeds at training-mean depth 8, and mean depth 4 and 12 (seed 0).
+# The small-preset experiments: 3 seeds at training-mean depth 8, and mean depth 4 and 12 (seed 0).
 # One thread, sequential, resumable (--resume; a finished run is skipped). The final weights, config,
 # metrics and evaluation are copied to data/experiments/<name>/ so the book reads them without retraining.
 set -euo pipefail

@@ -345,7 +345,7 @@ def test_bench_end_to_end(capsys, tmp_path, corpus, tiny_model_factory):
     assert run_cli(_bench().main, argv) == 0
     text = capsys.readouterr().out
     for needle in ("matched quality", "batched eval", "generation", "measurement pass", "verdicts", "wall/proxy",
-                   "cannot hold as worded", "wall/honest", "issue I targets", "profile of one batch", "huginn",
+                   "cannot hold as worded", "wall/honest", "speed targets", "profile of one batch", "huginn",
                    "Anderson acceleration", "anderson m=3", "bf16 autocast against fp32", "rel_diff_median",
                    "decode loop cost by active rows", "loop_cost_speedup", "loops run"):
         assert needle in text
@@ -400,7 +400,7 @@ def test_honest_flops_columns(report, model):
     assert sd.honest_flops >= matmul_flops_per_token(model, sd.avg_loops, T, "skip_states") * (1 - 1e-9)
 
 
-def test_issue_targets_rows(report):
+def test_speed_targets_rows(report):
     t = report.targets
     assert {"setting", "rule", "target", "value", "threshold", "met", "ceiling", "reachable"} <= set(t.columns)
     assert (t.met == [v <= th if "<=" in tg else (v > th if "> 1" in tg else v >= th)

@@ -1,4 +1,4 @@
-"""Per-token, per-loop convergence measurements and their summaries (issue C).
+"""Per-token, per-loop convergence measurements and their summaries.
 
 Direction conventions, used everywhere in this project:
 

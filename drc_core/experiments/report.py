@@ -316,9 +316,10 @@ def ours_from(training: Training, convergence: Convergence, token_types: TokenTy
 
 def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce: float,
                       previous: str = "the previous reference") -> pd.DataFrame:
-    """Issue F's targets for a reference model, from what notebooks 02 and 04 measured: one row per target with
-    the criterion, the measured value and whether it is met (the last row, the KL rule against the uniform depth
-    of equal quality, has no threshold: it is the headline, whatever it is).
+    """The targets for a reference model (depth gain, a better deep model, uniform depth needs loops, a fixed
+    point), from what notebooks 02 and 04 measured: one row per target with the criterion, the measured value and
+    whether it is met (the last row, the KL rule against the uniform depth of equal quality, has no threshold: it
+    is the headline, whatever it is).
 
     R is the reference depth of notebook 04 (the training-mean depth). ``previous_ce``: CE at depth 8 of
     ``previous`` on the same windows, which the new model's CE(R) must beat by 0.1 nats."""
@@ -395,9 +396,9 @@ def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = S
     whose two runs are both in ``grid``: the change in validation CE at one loop and at the reference depth R
     (negative: better), in the depth gain CE(1) - CE(R), in the matching uniform depth as a fraction of R, in
     validation - train CE, and the changed run's gain on its training windows beside its validation gain.
-    Issue F asks for a gain that comes from a better deep model, not a worse shallow one: since ``d gain`` =
-    ``d CE@1`` - ``d CE@R``, ``deep share`` = -``d CE@R`` / ``d gain`` is the part of a gain increase that the
-    deep model's improvement accounts for (> 1: the shallow model improved too; < 0.5: mostly a worse one-loop
+    The depth-gain target asks for a gain that comes from a better deep model, not a worse shallow one: since
+    ``d gain`` = ``d CE@1`` - ``d CE@R``, ``deep share`` = -``d CE@R`` / ``d gain`` is the part of a gain increase
+    that the deep model's improvement accounts for (> 1: the shallow model improved too; < 0.5: mostly a worse one-loop
     model; NaN where the gain did not grow)."""
     rows = []
     for lever, base, changed in levers:

@@ -1,4 +1,4 @@
-"""Realized speedup of per-token halting: the FLOP proxy beside measured wall-clock (issue C), and what the
+"""Realized speedup of per-token halting: the FLOP proxy beside measured wall-clock, and what the
 32-loop measurement pass costs.
 
 The FLOP proxy of a halting rule is ``r / a``: uniform depth r against the rule's average exit loop a,
@@ -19,9 +19,9 @@ same process, what that becomes on the clock:
   r with no halting machinery) against :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` and with
   each matched rule: same prompts, same number of new tokens, greedy. Time per step = (time of n new tokens -
   time of 1) / (n - 1), so the prompt pass drops out; tokens/s = rows / time per step.
-- honest FLOPs (issue I): every skipping run counts the work it did (:class:`~drc_core.halting.skipping.Work`),
+- honest FLOPs: every skipping run counts the work it did (:class:`~drc_core.halting.skipping.Work`),
   priced by :func:`drc_core.experiments.cost.honest_flops`; ``wall_over_honest`` beside ``wall_over_proxy``;
-  :func:`issue_targets` checks issue I's targets, :func:`profile_batched` shows where the time goes,
+  :func:`speed_targets` checks the speed targets at matched quality, :func:`profile_batched` shows where the time goes,
   :func:`bf16_check` compares bf16 autocast with fp32, :func:`anderson_table` measures Anderson acceleration.
 - :func:`measurement_cost`: :func:`drc_core.analysis.measure.measure_windows` at ``max_loops`` = 32 against one
   depth-32 forward and against a bare pass that reads out (log-softmax) at every loop.
@@ -109,20 +109,20 @@ __all__ = [
     "measurement_cost",
     "measurement_pass",
     "measurement_summary",
-    "issue_targets",
     "preset_specs",
     "profile_batched",
     "profile_generation",
     "run_speed",
     "skip_overhead",
+    "speed_targets",
     "speedup_table",
     "targets_met",
     "time_batched",
     "time_generation",
 ]
 
-TARGET_RATIO = 0.9  # issue C: wall-clock speedup >= 0.9 x the FLOP proxy at matched quality
-TARGET_MEASURE = 1.2  # issue C, as worded: the measurement pass <= 1.2 x one depth-32 forward
+TARGET_RATIO = 0.9  # wall-clock speedup >= 0.9 x the FLOP proxy at matched quality
+TARGET_MEASURE = 1.2  # the measurement pass <= 1.2 x one depth-32 forward (the target as worded)
 
 
 @dataclass(frozen=True)
@@ -337,9 +337,9 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     ``seconds`` (median over rounds for all windows), ``spread``, ``page_faults_per_batch`` (minor page faults,
     median over rounds), ``tokens_per_s``, ``proxy_speedup`` (r /
     avg_loops), ``flop_speedup`` (:func:`~drc_core.experiments.cost.matmul_flops_per_token` ratio),
-    ``wallclock_speedup`` and ``wall_over_proxy`` (issue C's target: >= 0.9), ``honest_flops`` (per token:
+    ``wallclock_speedup`` and ``wall_over_proxy`` (target: >= 0.9), ``honest_flops`` (per token:
     :func:`~drc_core.experiments.cost.honest_flops` of the work the run really did; the forward's
-    ``flops_per_token(r, T)``), ``honest_speedup`` and ``wall_over_honest`` (issue I's target: >= 0.9).
+    ``flops_per_token(r, T)``), ``honest_speedup`` and ``wall_over_honest`` (target: >= 0.9).
     """
     cfg = cfg or SpeedConfig()
     _memory(cfg)
@@ -677,18 +677,18 @@ def targets_met(*frames: pd.DataFrame) -> dict[str, bool]:
     return {f"{r.setting}: {r.rule}": bool(r.wall_over_proxy >= TARGET_RATIO) for r in rules.itertuples()}
 
 
-TARGET_OVERHEAD = 1.05  # issue I: the skipping path at equal depth <= 1.05 x the dense forward / decoder
-TARGET_HONEST = 0.9  # issue I: wall-clock speedup >= 0.9 x the honest-FLOP speedup, every rule
-TARGET_KL_BATCHED = 1.5  # issue I: the KL rule >= 1.5 x faster than uniform depth r in batched evaluation
+TARGET_OVERHEAD = 1.05  # the skipping path at equal depth <= 1.05 x the dense forward / decoder
+TARGET_HONEST = 0.9  # wall-clock speedup >= 0.9 x the honest-FLOP speedup, every rule
+TARGET_KL_BATCHED = 1.5  # the KL rule >= 1.5 x faster than uniform depth r in batched evaluation
 
 
-def issue_targets(*frames: pd.DataFrame) -> pd.DataFrame:
-    """Issue I's targets, one row per (frame, rule, target) of :func:`time_batched` / :func:`time_generation`
-    frames: ``setting`` (generation labelled with its batch size), ``rule``, ``target``, ``value``, ``threshold``,
-    ``met``, ``ceiling`` and ``reachable``. Targets: the skipping path at equal depth (``Uniform(r)`` row) takes
-    <= 1.05 x the dense time; every rule is faster than uniform depth r (wall-clock speedup > 1) and reaches
-    >= 0.9 x its honest-FLOP speedup; the state-change rule >= 0.9 x its FLOP proxy; the KL rule >= 1.5 x in
-    batched evaluation.
+def speed_targets(*frames: pd.DataFrame) -> pd.DataFrame:
+    """The speed targets at matched quality, one row per (frame, rule, target) of :func:`time_batched` /
+    :func:`time_generation` frames: ``setting`` (generation labelled with its batch size), ``rule``, ``target``,
+    ``value``, ``threshold``, ``met``, ``ceiling`` and ``reachable``. Targets: the skipping path at equal depth
+    (``Uniform(r)`` row) takes <= 1.05 x the dense time; every rule is faster than uniform depth r (wall-clock
+    speedup > 1) and reaches >= 0.9 x its honest-FLOP speedup; the state-change rule >= 0.9 x its FLOP proxy; the
+    KL rule >= 1.5 x in batched evaluation.
 
     ``ceiling`` is the value the target's quantity would take if the wall clock followed the rule's honest FLOPs
     exactly (wall / honest = 1, the best any implementation of the same work can do): the honest-FLOP speedup for
@@ -917,8 +917,9 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
     """One row per config: mean core evaluations per token until the successive KL stays below 1e-3 and 1e-5
     (:func:`drc_core.experiments.fixed_point.fixed_point_costs`, ``max_evals`` evaluations, reference: plain
     iteration at ``ref_loops``), CE and KL to the reference after ``at_evals`` evaluations, the mean successive KL
-    at the last evaluation (``kl_prev_at_<max_evals>``: the KL floor, e.g. issue F's target at 2R), and seconds per core
-    evaluation on the first batch (:func:`~drc_core.experiments.fixed_point.seconds_per_eval`, no readout).
+    at the last evaluation (``kl_prev_at_<max_evals>``: the KL floor, e.g. for the reference model's fixed-point
+    target at 2R), and seconds per core evaluation on the first batch
+    (:func:`~drc_core.experiments.fixed_point.seconds_per_eval`, no readout).
     ``at_evals`` must not exceed ``max_evals``."""
     if not 1 <= at_evals <= max_evals:
         raise DrcError(f"at_evals={at_evals} must lie in 1..max_evals={max_evals}: compare the methods at an "
@@ -963,7 +964,7 @@ def speedup_table(*frames: pd.DataFrame) -> pd.DataFrame:
 class SpeedReport:
     """What :func:`run_speed` returns: the config, the matching (:class:`Matched`), the batched frame (matched
     rules, then Huginn's presets if asked), the generation frame (one block of rows per batch size), the
-    measurement pass, issue I's targets (:func:`issue_targets`) and, if asked, the profile
+    measurement pass, the speed targets (:func:`speed_targets`) and, if asked, the profile
     (:func:`profile_batched`: ``profile_kinds``, ``profile_ops``)."""
 
     config: SpeedConfig
@@ -996,7 +997,7 @@ def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None 
     """:func:`matched_rules`, then :func:`time_batched` with the matched rules (and Huginn's presets,
     :func:`preset_specs`, with ``presets``), :func:`time_generation` with the matched rules for ``gen_rows`` and
     each of ``more_gen_rows`` prompts (the first ``prompt_len`` tokens of the first windows), then
-    :func:`measurement_cost`, :func:`issue_targets` and, with ``profile``, :func:`profile_batched`."""
+    :func:`measurement_cost`, :func:`speed_targets` and, with ``profile``, :func:`profile_batched`."""
     cfg = cfg or SpeedConfig()
     windows = _on_device(model, windows)
     most = max((cfg.gen_rows, *cfg.more_gen_rows))
@@ -1009,7 +1010,7 @@ def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None 
     generation = pd.concat([time_generation(model, windows[:rows, : cfg.prompt_len], matched.specs, cfg, log=log)
                             for rows in dict.fromkeys((cfg.gen_rows, *cfg.more_gen_rows))], ignore_index=True)
     measurement = measurement_cost(model, windows, cfg, log=log)
-    targets = issue_targets(batched[batched.family != "huginn"], generation)
+    targets = speed_targets(batched[batched.family != "huginn"], generation)
     kinds = ops = None
     if cfg.profile:
         kinds, ops = profile_batched(model, windows, matched.specs, cfg)

@@ -1,4 +1,5 @@
-"""Per-token halting that really skips the halted tokens' compute (the "realized speedup" of issues C and I).
+"""Per-token halting that really skips the halted tokens' compute (the "realized speedup": wall-clock against the
+FLOP proxy and the honest FLOPs).
 
 :func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.rules.masked_forward`
 computes (to float tolerance, with the same exit loops), but at loop l it runs the core only on the tokens

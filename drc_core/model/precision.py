@@ -8,8 +8,8 @@
   precision: it only fuses.
 * ``autocast="auto"``: bf16 autocast on a CUDA device that supports bf16 (``torch.cuda.is_bf16_supported()``) or a
   CPU whose flags include ``amx_bf16`` or ``avx512_bf16`` (Linux ``/proc/cpuinfo``); fp32 elsewhere (bf16 there is
-  emulated and slower). It is opt-in: the default is ``"none"`` (fp32), because the loss-parity runs (README,
-  "Numeric path") found bf16 training worse at one loop by 0.02 nats, outside the fp32 seeds' spread.
+  emulated and slower). It is opt-in: the default is ``"none"`` (fp32), because the loss-parity runs (docs/training.md,
+  "Why bf16 is not the default") found bf16 training worse at one loop by 0.02 nats, outside the fp32 seeds' spread.
 
 An explicit ``"bf16"`` / ``"true"`` is always honoured. The returned :class:`NumericPath` carries one line saying
 what was chosen and why, which the trainer prints.

@@ -43,7 +43,8 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     compile: str = "auto"  # "auto" | "true" | "false" (drc_core.model.precision.choose resolves "auto")
-    autocast: str = "none"  # "none" | "bf16" | "auto" (bf16 where fast); fp32 by default: see README "Numeric path"
+    # "none" | "bf16" | "auto" (bf16 where fast); fp32 by default: see docs/training.md "Numeric path"
+    autocast: str = "none"
     answer_weight: float = 1.0  # loss weight of the depth-task answer tokens (the corpus's labels.parquet); 1: plain LM
 
 
@@ -122,9 +123,9 @@ def _cpu() -> TrainConfig:
     d=256, 4 heads, prelude 1 / core 2 / coda 1 (4.34 M parameters), mean depth 8, backprop through the last 4
     loops, 5000 steps of 16 x 256 tokens (20.5 M tokens, ~5.9 passes over the 3.46 M training tokens), bf16
     autocast + compiled blocks where the CPU has AMX / AVX-512 bf16 (``auto``; fp32 elsewhere), ~1 hour on the
-    2-core development machine. Chosen with ``scripts/depth_scale.py`` (README "What makes a CPU-scale model use
-    depth"): on the fast path d=256 trains at the tokens/s of the d=128 fp32 trainer and is better at 1 and 8
-    loops at equal tokens; backprop through 8 loops cost 1.22x the time for no better loss. The d=128 fp32
+    2-core development machine. Chosen with ``scripts/depth_scale.py`` (docs/results.md "What makes a CPU-scale
+    model use depth?"): on the fast path d=256 trains at the tokens/s of the d=128 fp32 trainer and is better at 1
+    and 8 loops at equal tokens; backprop through 8 loops cost 1.22x the time for no better loss. The d=128 fp32
     reference of the first round (1.35 M parameters, 12.3 M tokens) is kept under
     ``data/experiments/cpu-d128-reference``: ``--set model.d_model=128 --set max_steps=3000 --set lr=3e-3
     --set autocast=none --set compile=false``.
@@ -140,7 +141,7 @@ def _cpu() -> TrainConfig:
 
 def _small() -> TrainConfig:
     """Minutes on 2 CPU cores, on the default corpus (vocab 4096): for seed replicates and the training-mean
-    depth experiment (issue E), where several models must be trained side by side.
+    depth experiment (which mean depth to train at), where several models must be trained side by side.
 
     d=64, 2 heads, prelude 1 / core 2 / coda 1, mean depth 8, backprop through the last 4 loops, 1200 steps of
     16 x 128 tokens (2.5 M tokens).
@@ -159,7 +160,7 @@ def _paper_135m() -> TrainConfig:
 
     d=768, 12 heads, prelude 2 / core 4 / coda 2: 8 distinct blocks (85M) + tied 49152x768 embedding (38M) +
     concat adapter (1.2M) = ~124M parameters; at the training-mean depth 8 a token passes 36 block
-    applications. 16k steps of 256 x 1024 tokens = 4.2B tokens; see the README for GPU-hours.
+    applications. 16k steps of 256 x 1024 tokens = 4.2B tokens; see docs/gpu.md "The paper-135m preset" for GPU-hours.
     """
     return TrainConfig(
         model=ModelConfig(vocab_size=49152, d_model=768, n_heads=12, n_prelude=2, n_core=4, n_coda=2,
