@@ -119,9 +119,9 @@ def test_prepared_labels_sit_on_the_answer_tokens(mixed_corpus):
         for r in lab.itertuples():
             assert tok.decode([int(ids[r.token])]) == " " + r.answer
             assert r.token == docs.loc[r.doc_id, "tok_start"] + r.pos
-    # every depth-task document's answers are all labelled: as many as the solver finds in its text
-    n_docs = (mixed_corpus.docs.source == "depth-tasks").sum()
-    assert labels.doc_id.nunique() == n_docs
+    # every answer the solver finds in the documents' texts is labelled
+    tasks = DepthTaskConfig(docs=200, problems=3)
+    assert len(labels) == sum(len(solve(generate_document(tasks, i)[0])) for i in range(tasks.docs))
 
 
 def test_a_corpus_without_tasks_has_no_labels(tmp_path):
@@ -229,3 +229,13 @@ def test_training_with_answer_weights_runs(mixed_corpus, tmp_path, one_thread):
                                            "eval_every=3", "ckpt_every=3", "answer_weight=10"])
     train(cfg, mixed_corpus.path, tmp_path / "run", progress=False)
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_repeats_are_said_twice_and_carry_no_label():
+    cfg = DepthTaskConfig(docs=20, families=("repeats",))
+    for i in range(cfg.docs):
+        text, problems = generate_document(cfg, i)
+        assert solve(text) == [] and all(p.answers == [] for p in problems)
+        for par in text.split("\n\n"):
+            first, second = re.fullmatch(r"Repeat: (.*) \. Again: (.*) \.", par).groups()
+            assert first == second and 8 <= len(first.split()) <= 24

@@ -15,6 +15,12 @@ Each document is a few *problems* (paragraphs separated by a blank line), each f
     ``Letters: c a d b a c d b . Jump 3 times from the last letter: a.`` A jump goes from a position to the
     one after the previous occurrence of its letter; the answer is the letter after ``k`` jumps.
 
+Documents also hold unlabelled ``repeats`` paragraphs (``Repeat: harbor lamp Ann ... . Again: harbor lamp Ann
+...``): a random word sequence said twice, whose second half is predictable only by copying from context. They
+carry no ``k``; they are there because in-context copying (an induction head) is the step every lookup builds on,
+and a model of this size trained on natural text alone never learns it (a repeated random sequence is no easier
+the second time for the natural-text reference model).
+
 Every answer is one word that the byte-level BPE keeps as one token (a place, a colour or a letter, each
 after a space). The label ``k`` of an answer is computed by :func:`solve`, a parser that reads only the
 document's text (never the generator's bookkeeping); :func:`generate_problem` records its own ``k`` too, and
@@ -33,7 +39,8 @@ import numpy as np
 
 from drc_core.errors import DrcError
 
-FAMILIES = ("containers", "swaps", "hops")
+FAMILIES = ("containers", "swaps", "hops")  # the labelled families
+REPEATS = "repeats"  # unlabelled in-context copying
 SOURCE_NAME = "depth-tasks"
 
 OBJECTS = (
@@ -71,7 +78,7 @@ class DepthTaskConfig:
     min_k: int = 1
     max_k: int = 6
     problems: int = 4
-    families: tuple[str, ...] = FAMILIES
+    families: tuple[str, ...] = (*FAMILIES, REPEATS)
     seed: int = 0
 
     def validate(self) -> None:
@@ -81,10 +88,10 @@ class DepthTaskConfig:
             raise DrcError(f"depth-tasks k range {self.min_k}..{self.max_k} must satisfy 1 <= min_k <= max_k <= 15")
         if self.problems < 1:
             raise DrcError(f"depth-tasks problems={self.problems} must be >= 1 per document")
-        unknown = [f for f in self.families if f not in FAMILIES]
+        unknown = [f for f in self.families if f not in (*FAMILIES, REPEATS)]
         if not self.families or unknown:
             raise DrcError(f"depth-tasks families {list(self.families)} must be a non-empty subset of "
-                           f"{', '.join(FAMILIES)}")
+                           f"{', '.join((*FAMILIES, REPEATS))}")
         if self.seed < 0:
             raise DrcError(f"depth-tasks seed={self.seed} must be >= 0")
 
@@ -204,10 +211,19 @@ def _hops(rng: np.random.Generator, k: int) -> Problem:
     return Problem(text=text, family="hops", answers=[(str(answer), k)])
 
 
+def _repeats(rng: np.random.Generator) -> Problem:
+    """A random sequence of 8..24 words from every pool, said twice (no labels)."""
+    pool = OBJECTS + PLACES + PEOPLE + COLOURS + LETTERS
+    words = [pool[int(i)] for i in rng.integers(len(pool), size=int(rng.integers(8, 25)))]
+    return Problem(text=f"Repeat: {' '.join(words)} . Again: {' '.join(words)} .", family=REPEATS)
+
+
 def generate_problem(rng: np.random.Generator, family: str, cfg: DepthTaskConfig, objects: list[str],
                      people: list[str]) -> Problem:
     """One problem of ``family`` with its answers' k drawn uniformly from ``cfg.min_k..cfg.max_k``."""
     draw = lambda: int(rng.integers(cfg.min_k, cfg.max_k + 1))  # noqa: E731
+    if family == REPEATS:
+        return _repeats(rng)
     if family == "containers":
         return _containers(rng, [draw() for _ in range(3)], objects)
     if family == "swaps":
