@@ -275,14 +275,33 @@ print(f"{len(tw_extra.answers):,} answers in {len(tw_extra.windows)} documents")
 depth_viz.accuracy_heatmap(acc_extra, title="Answer accuracy beyond the trained k")
 
 # %% [markdown]
+# ## In-context copying
+# Every lookup above rests on one step: finding an earlier occurrence of a word and reading what came with it.
+# Generated `repeats` paragraphs (a random word sequence said twice, never trained on) measure it directly: the
+# share of the second saying's tokens predicted exactly, for this model and for the natural-text model of
+# notebooks 1–5.
+
+# %%
+natural, natural_cfg, _ = open_model(work_dir)
+natural_corpus = Corpus.open(corpus_dir)
+copy_loops = sorted({1, R, max_loops})
+copying = pd.concat(
+    [
+        dt.copy_accuracy(model, tokenizer, copy_loops, max_len=cfg.seq_len).assign(model="mixed"),
+        dt.copy_accuracy(
+            natural, natural_corpus.tokenizer(), copy_loops, max_len=natural_cfg.seq_len
+        ).assign(model="natural only"),
+    ]
+)
+copying.round(3)
+
+# %% [markdown]
 # ## The cost of mixing for natural text
 # Bits per byte on the natural validation documents (the same documents in both corpora) at the training-mean
 # depth, for this model and for the natural-text model of notebooks 1–5 (each on its own windows of its own
 # tokenization; bits per byte make them comparable).
 
 # %%
-natural, natural_cfg, _ = open_model(work_dir)
-natural_corpus = Corpus.open(corpus_dir)
 cost = pd.concat(
     [
         loss_by_source(model, corpus, cfg.seq_len, (R,), max_windows=n_windows).assign(
@@ -340,6 +359,7 @@ results = {
     "routers": router_info,
     "extrapolation": acc_extra.to_dict("records"),
     "natural_cost_bpb": cost.reset_index().to_dict("records"),
+    "copying": copying.to_dict("records"),
     "notebook_seconds": time.time() - t0,
 }
 save_results(results_dir, "06_known_depth", results)

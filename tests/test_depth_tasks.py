@@ -239,3 +239,21 @@ def test_repeats_are_said_twice_and_carry_no_label():
         for par in text.split("\n\n"):
             first, second = re.fullmatch(r"Repeat: (.*) \. Again: (.*) \.", par).groups()
             assert first == second and 8 <= len(first.split()) <= 24
+
+
+def test_copy_accuracy_reads_the_second_saying(mixed_corpus, monkeypatch, one_thread):
+    torch.manual_seed(0)
+    model = DepthRecurrentLM(ModelConfig(vocab_size=mixed_corpus.vocab_size, d_model=32, n_heads=2, n_prelude=1,
+                                         n_core=1, n_coda=1, max_seq_len=128)).eval()
+    table = dt.copy_accuracy(model, mixed_corpus.tokenizer(), [1, 2], docs=4, max_len=128)
+    assert table.loop.tolist() == [1, 2] and ((table.copy_acc >= 0) & (table.copy_acc <= 1)).all()
+    assert (table.n == 4).all()
+
+    def oracle(_model, x, loops):  # the true next token everywhere it is known
+        out = torch.zeros(1, x.shape[1], mixed_corpus.vocab_size)
+        out[0, torch.arange(x.shape[1] - 1), x[0, 1:]] = 1.0
+        return out
+
+    monkeypatch.setattr(dt, "logits_at", oracle)
+    perfect = dt.copy_accuracy(model, mixed_corpus.tokenizer(), [1], docs=6, max_len=128, seed=5)
+    assert perfect.copy_acc.item() == 1.0  # the span is exactly the repeated words, each scored once

@@ -12,6 +12,7 @@ answer in a window sees its whole problem; every interval resamples documents.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,18 +22,19 @@ from scipy import stats as sps
 
 from drc_core.analysis.intervals import bootstrap_ci, cluster_draws
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
-from drc_core.data.depth_tasks import DepthTaskConfig, generate_document, token_labels
+from drc_core.data.depth_tasks import REPEATS, DepthTaskConfig, generate_document, token_labels
 from drc_core.data.labels import read_labels
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, need_int
 from drc_core.halting.sweep import RuleSpec, token_exits
-from drc_core.model.lm import RecurrentModel
+from drc_core.model.lm import RecurrentModel, logits_at
 
 __all__ = [
     "TaskWindows",
     "accuracy_by_k",
     "answer_depths",
     "answer_trajectories",
+    "copy_accuracy",
     "corpus_task_windows",
     "depth_growth",
     "exits_by_k",
@@ -105,6 +107,34 @@ def generated_task_windows(tokenizer, cfg: DepthTaskConfig, seq_len: int, pad_id
                 answers.append({"window": i, "pos": pos - 1, "k": a.k, "family": a.family, "answer": a.word,
                                 "doc": f"generated:{cfg.seed}:{i}"})
     return TaskWindows(torch.tensor(rows, dtype=torch.long), pd.DataFrame(answers))
+
+
+def copy_accuracy(model: RecurrentModel, tokenizer, loops: Sequence[int], *, docs: int = 64, seed: int = 999,
+                  max_len: int | None = None) -> pd.DataFrame:
+    """In-context copying: generated ``repeats`` paragraphs (a random word sequence said twice); per loop, the share
+    of the second saying's tokens predicted exactly (each is predictable only by copying from the first), with a
+    95% interval over paragraphs. ``tokenizer`` is the model's; words it splits into several tokens count each."""
+    cfg = DepthTaskConfig(docs=docs, families=(REPEATS,), problems=1, seed=seed)
+    loops = sorted({need_int("loops", lp, 1) for lp in loops})
+    hits: dict[int, list[float]] = {lp: [] for lp in loops}
+    with torch.no_grad():
+        for i in range(cfg.docs):
+            text, _ = generate_document(cfg, i)
+            enc = tokenizer.encode(text)
+            ids = enc.ids[: max_len or len(enc.ids)]
+            second = text.index(" Again:") + len(" Again:")
+            start = next(j for j, (a, _) in enumerate(enc.offsets) if a >= second)
+            x = torch.tensor([ids[:-1]])
+            target = torch.tensor(ids[1:])
+            span = slice(start, len(ids) - 2)  # the repeated words, not the closing " ."
+            for lp in loops:
+                pred = logits_at(model, x, lp)[0].argmax(-1)
+                hits[lp].append(float((pred[span] == target[span]).float().mean()))
+    rows = []
+    for lp, v in hits.items():
+        p, lo, hi = _ci_rows(np.asarray(v), np.arange(len(v)), 1000, 0)
+        rows.append({"loop": lp, "copy_acc": p, "lo": lo, "hi": hi, "n": len(v)})
+    return pd.DataFrame(rows)
 
 
 def answer_trajectories(model: RecurrentModel, tw: TaskWindows, max_loops: int, *, batch_size: int = 16,
