@@ -35,7 +35,7 @@ task_source = "wikipedia+sotu+depth-tasks"
 vocab_size = 4096
 max_docs = 0  # per natural source; 0 means all
 data_files: list[str] = []  # fineweb-edu: local parquet shards instead of the Hub's stream
-task_docs = 12000
+task_docs = 20000
 task_max_k = 6
 preset = "cpu"
 train_overrides: list[str] = ["max_steps=6000"]
@@ -266,7 +266,11 @@ depth_viz.depth_by_k_figure(
 
 # %%
 extra = DepthTaskConfig(
-    docs=extrapolation_docs, min_k=task_max_k + 1, max_k=2 * task_max_k, seed=seed + 1000
+    docs=extrapolation_docs,
+    min_k=task_max_k + 1,
+    max_k=2 * task_max_k,
+    seed=seed + 1000,
+    repeat_share=0.0,
 )
 tw_extra = dt.generated_task_windows(tokenizer, extra, cfg.seq_len, pad_id=corpus.meta["eot_id"])
 traj_extra = dt.answer_trajectories(model, tw_extra, max_loops)

@@ -32,7 +32,7 @@ from drc_core.model.lm import DepthRecurrentLM, ModelConfig
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k_range", [(1, 6), (7, 12), (15, 15)])
 def test_solver_agrees_with_generator(family, k_range):
-    cfg = DepthTaskConfig(docs=40, min_k=k_range[0], max_k=k_range[1], families=(family,))
+    cfg = DepthTaskConfig(docs=40, min_k=k_range[0], max_k=k_range[1], families=(family,), repeat_share=0.0)
     seen = set()
     for i in range(cfg.docs):
         text, problems = generate_document(cfg, i)
@@ -84,7 +84,7 @@ def test_solver_recomputes_instead_of_trusting_the_text():
 
 
 def test_hops_answers_differ_at_every_shorter_jump_count():
-    cfg = DepthTaskConfig(docs=30, families=("hops",), max_k=10)
+    cfg = DepthTaskConfig(docs=30, families=("hops",), max_k=10, repeat_share=0.0)
     for i in range(cfg.docs):
         text, _ = generate_document(cfg, i)
         for m in re.finditer(r"Letters: ((?:\w )+)\. Jump (\d+) times", text):
@@ -95,7 +95,8 @@ def test_hops_answers_differ_at_every_shorter_jump_count():
 
 def test_config_is_checked():
     for bad in (DepthTaskConfig(docs=1), DepthTaskConfig(min_k=0), DepthTaskConfig(min_k=5, max_k=4),
-                DepthTaskConfig(max_k=16), DepthTaskConfig(families=("riddles",)), DepthTaskConfig(problems=0)):
+                DepthTaskConfig(max_k=16), DepthTaskConfig(families=("riddles",)), DepthTaskConfig(problems=0),
+                DepthTaskConfig(repeat_share=1.5), DepthTaskConfig(families=(), repeat_share=0.5)):
         with pytest.raises(DrcError):
             bad.validate()
 
@@ -232,7 +233,7 @@ def test_training_with_answer_weights_runs(mixed_corpus, tmp_path, one_thread):
 
 
 def test_repeats_are_said_twice_and_carry_no_label():
-    cfg = DepthTaskConfig(docs=20, families=("repeats",))
+    cfg = DepthTaskConfig(docs=20, families=(), repeat_share=1.0)
     for i in range(cfg.docs):
         text, problems = generate_document(cfg, i)
         assert solve(text) == [] and all(p.answers == [] for p in problems)

@@ -70,15 +70,17 @@ class DepthTaskConfig:
     """What the ``depth-tasks`` source generates.
 
     ``min_k..max_k``: the range of lookups an answer needs (uniform over the range in every family);
-    ``problems``: problems per document; ``families``: which families to draw from (uniformly);
+    ``problems``: problems per document; ``families``: which labelled families to draw from (uniformly);
+    ``repeat_share``: the probability that a problem is an unlabelled ``repeats`` paragraph instead;
     ``docs``: how many documents; ``seed``: the generator's seed.
     """
 
-    docs: int = 12_000
+    docs: int = 20_000
     min_k: int = 1
     max_k: int = 6
     problems: int = 4
-    families: tuple[str, ...] = (*FAMILIES, REPEATS)
+    families: tuple[str, ...] = FAMILIES
+    repeat_share: float = 0.5
     seed: int = 0
 
     def validate(self) -> None:
@@ -88,10 +90,12 @@ class DepthTaskConfig:
             raise DrcError(f"depth-tasks k range {self.min_k}..{self.max_k} must satisfy 1 <= min_k <= max_k <= 15")
         if self.problems < 1:
             raise DrcError(f"depth-tasks problems={self.problems} must be >= 1 per document")
-        unknown = [f for f in self.families if f not in (*FAMILIES, REPEATS)]
-        if not self.families or unknown:
-            raise DrcError(f"depth-tasks families {list(self.families)} must be a non-empty subset of "
-                           f"{', '.join((*FAMILIES, REPEATS))}")
+        unknown = [f for f in self.families if f not in FAMILIES]
+        if unknown or not (self.families or self.repeat_share == 1):
+            raise DrcError(f"depth-tasks families {list(self.families)} must be a subset of {', '.join(FAMILIES)} "
+                           "(empty only with repeat_share=1)")
+        if not 0 <= self.repeat_share <= 1:
+            raise DrcError(f"depth-tasks repeat_share={self.repeat_share} must lie in [0, 1]: e.g. 0.5")
         if self.seed < 0:
             raise DrcError(f"depth-tasks seed={self.seed} must be >= 0")
 
@@ -239,7 +243,8 @@ def generate_document(cfg: DepthTaskConfig, index: int) -> tuple[str, list[Probl
     people: list[str] = []
     problems = []
     for _ in range(cfg.problems):
-        family = cfg.families[int(rng.integers(len(cfg.families)))]
+        repeat = rng.random() < cfg.repeat_share
+        family = REPEATS if repeat else cfg.families[int(rng.integers(len(cfg.families)))]
         if len(objects) < 4 * (cfg.max_k + 1) + cfg.max_k:
             objects = [OBJECTS[int(i)] for i in rng.permutation(len(OBJECTS))]
         if len(people) < 4:

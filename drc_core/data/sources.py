@@ -45,7 +45,7 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 KNOWN_SOURCES = ("fineweb-edu", "local", "wikipedia", "sotu", "depth-tasks")
 COLUMNS = ("text", "source", "doc_id")
 
-TASKS_VERSION = 2  # bump when depth_tasks would write other text for the same config
+TASKS_VERSION = 3  # bump when depth_tasks would write other text for the same config
 _WIKI_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 

@@ -22,7 +22,7 @@ from scipy import stats as sps
 
 from drc_core.analysis.intervals import bootstrap_ci, cluster_draws
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
-from drc_core.data.depth_tasks import REPEATS, DepthTaskConfig, generate_document, token_labels
+from drc_core.data.depth_tasks import DepthTaskConfig, generate_document, token_labels
 from drc_core.data.labels import read_labels
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, need_int
@@ -114,7 +114,7 @@ def copy_accuracy(model: RecurrentModel, tokenizer, loops: Sequence[int], *, doc
     """In-context copying: generated ``repeats`` paragraphs (a random word sequence said twice); per loop, the share
     of the second saying's tokens predicted exactly (each is predictable only by copying from the first), with a
     95% interval over paragraphs. ``tokenizer`` is the model's; words it splits into several tokens count each."""
-    cfg = DepthTaskConfig(docs=docs, families=(REPEATS,), problems=1, seed=seed)
+    cfg = DepthTaskConfig(docs=docs, families=(), repeat_share=1.0, problems=1, seed=seed)
     loops = sorted({need_int("loops", lp, 1) for lp in loops})
     hits: dict[int, list[float]] = {lp: [] for lp in loops}
     with torch.no_grad():
