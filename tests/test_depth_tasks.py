@@ -258,3 +258,12 @@ def test_copy_accuracy_reads_the_second_saying(mixed_corpus, monkeypatch, one_th
     monkeypatch.setattr(dt, "logits_at", oracle)
     perfect = dt.copy_accuracy(model, mixed_corpus.tokenizer(), [1], docs=6, max_len=128, seed=5)
     assert perfect.copy_acc.item() == 1.0  # the span is exactly the repeated words, each scored once
+
+
+def test_a_small_vocabulary_leaves_split_answers_out_and_counts_them(tmp_path, one_thread):
+    spec = SourceSpec(name="sotu+depth-tasks", max_docs=3, tasks=DepthTaskConfig(docs=40, problems=3))
+    res = prepare(PrepareConfig(source=spec, out=str(tmp_path / "c"), vocab_size=300, seq_len=64), progress=False)
+    counts = res.meta["depth_task_answers"]
+    found = sum(len(solve(generate_document(spec.tasks, i)[0])) for i in range(spec.tasks.docs))
+    assert sum(counts["labelled"].values()) + sum(counts["split_answers"].values()) == found
+    assert sum(counts["split_answers"].values()) > 0  # 300 symbols cannot hold every answer word whole

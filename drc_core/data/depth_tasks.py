@@ -343,9 +343,10 @@ def solve(text: str) -> list[Answer]:
 # -------------------------------------------------------------------------------------------- token alignment
 
 
-def token_labels(text: str, encoding) -> list[tuple[int, Answer]]:
+def token_labels(text: str, encoding, strict: bool = True) -> list[tuple[int, Answer]]:
     """``(token index, answer)`` for each answer of ``text``, given its ``tokenizers`` encoding: the answer must
-    be exactly one token (its word, with the space before it). A split answer is a :class:`DrcError`."""
+    be exactly one token (its word, with the space before it). A split answer is a :class:`DrcError`, or, with
+    ``strict=False``, left out (a small vocabulary may not hold every answer word as one token)."""
     starts = {}
     for i, (a, b) in enumerate(encoding.offsets):
         starts.setdefault(b, []).append((i, a))
@@ -353,6 +354,8 @@ def token_labels(text: str, encoding) -> list[tuple[int, Answer]]:
     for ans in solve(text):
         hit = [i for i, a in starts.get(ans.end, []) if a <= ans.start and a >= ans.start - 1]
         if len(hit) != 1:
+            if not strict:
+                continue
             raise DrcError(f"answer '{ans.word}' at character {ans.start} is not one token in this tokenizer: train "
                            "the BPE with more depth-task text (a larger --vocab-size or more documents)")
         out.append((hit[0], ans))

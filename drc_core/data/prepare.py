@@ -31,7 +31,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from drc_core.data.depth_tasks import SOURCE_NAME as TASK_SOURCE
-from drc_core.data.depth_tasks import token_labels
+from drc_core.data.depth_tasks import solve, token_labels
 from drc_core.data.labels import LABELS_FILE, write_labels
 from drc_core.data.sources import SourceSpec, fingerprint, load_documents
 from drc_core.data.tokenizer import EOT, check_vocab_size, tokenizer_hash, train_bpe
@@ -116,10 +116,11 @@ def is_prepared(out: Path) -> bool:
 
 
 def _encode(tok, texts: list[str], labelled: list[bool], eot_id: int, desc: str,
-            progress: bool) -> tuple[list[np.ndarray], int, list[dict]]:
-    """Token ids of each document (with <|endoftext|> after it), their total, and the depth-task labels of the
-    ``labelled`` documents as rows (``doc`` index in ``texts``, ``pos`` token index in the document, ...)."""
-    chunks, total, labels = [], 0, []
+            progress: bool) -> tuple[list[np.ndarray], int, list[dict], int]:
+    """Token ids of each document (with <|endoftext|> after it), their total, the depth-task labels of the
+    ``labelled`` documents as rows (``doc`` index in ``texts``, ``pos`` token index in the document, ...), and how
+    many answers were left unlabelled because the tokenizer splits them."""
+    chunks, total, labels, split_answers = [], 0, [], 0
     bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress)
     for start in range(0, len(texts), 64):
         batch = texts[start : start + 64]
@@ -128,11 +129,13 @@ def _encode(tok, texts: list[str], labelled: list[bool], eot_id: int, desc: str,
             chunks.append(ids)
             total += len(ids)
             if labelled[i]:
+                found = token_labels(texts[i], enc, strict=False)
                 labels += [{"doc": i, "pos": pos, "k": a.k, "family": a.family, "answer": a.word,
-                            "problem": a.problem} for pos, a in token_labels(texts[i], enc)]
+                            "problem": a.problem} for pos, a in found]
+                split_answers += len(solve(texts[i])) - len(found)
         bar.update(len(batch))
     bar.close()
-    return chunks, total, labels
+    return chunks, total, labels, split_answers
 
 
 def _write_split(path: Path, chunks: list[np.ndarray], total: int, dtype) -> None:
@@ -177,14 +180,15 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
 
-    rows, counts, label_rows = [], {}, []
+    rows, counts, label_rows, unlabelled = [], {}, [], {}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)
     try:
         for split, idx in (("train", train_idx), ("val", val_idx)):
-            chunks, total, labels = _encode(tok, [texts[i] for i in idx], [sources[i] == TASK_SOURCE for i in idx],
-                                            eot_id, f"tokenize {split}", progress)
+            chunks, total, labels, n_split = _encode(tok, [texts[i] for i in idx],
+                                                     [sources[i] == TASK_SOURCE for i in idx], eot_id,
+                                                     f"tokenize {split}", progress)
             if total < cfg.seq_len + 1:
                 raise DrcError(
                     f"{split} split has {total} tokens, fewer than seq_len+1={cfg.seq_len + 1}: add text, raise "
@@ -209,6 +213,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
                 )
                 pos += len(c)
             counts[split] = total
+            unlabelled[split] = n_split
         tok.save(str(tmp / "tokenizer.json"))
         frame = pd.DataFrame(rows)
         frame.to_parquet(tmp / "docs.parquet", index=False)
@@ -216,6 +221,10 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
         if label_rows:
             write_labels(tmp / LABELS_FILE, pd.DataFrame(label_rows))
             files.append(LABELS_FILE)
+        if TASK_SOURCE in cfg.source.parts():
+            # answers of depth-task documents: labelled, and left out because the tokenizer splits the word
+            tasks_meta = {"labelled": {s: int(sum(r["split"] == s for r in label_rows)) for s in ("train", "val")},
+                          "split_answers": unlabelled}
         per_source = {
             f"{split}/{src}": {"documents": int(len(g)), "characters": int(g.n_chars.sum()),
                                "tokens": int((g.tok_end - g.tok_start).sum())}
@@ -237,6 +246,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
             "tokenizer_sha256": tokenizer_hash(tok),
             "seed": cfg.seed,
             "files": files,
+            **({"depth_task_answers": tasks_meta} if TASK_SOURCE in cfg.source.parts() else {}),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _swap_in(tmp, out)
