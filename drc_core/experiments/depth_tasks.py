@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 from scipy import stats as sps
 
+from drc_core.analysis.dynamics import commit_loop, overthinks
 from drc_core.analysis.intervals import bootstrap_ci, cluster_draws
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
 from drc_core.data.depth_tasks import DepthTaskConfig, generate_document, token_labels
@@ -178,21 +179,15 @@ def answer_depths(traj: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFrame:
     tok = traj.drop_duplicates(["window", "pos"])[["window", "pos", "k", "family", "doc"]]
     arg = traj["argmax"].to_numpy().reshape(-1, n_loops)
     cor = traj["correct"].to_numpy().reshape(-1, n_loops)
-    same = arg == arg[:, -1:]
-    # commit: 1 + the last loop index whose argmax differs from the final one (0-based), i.e. loops after it agree
-    differs = ~same
-    last_diff = np.where(differs.any(1), n_loops - np.argmax(differs[:, ::-1], axis=1), 0)
-    commit = last_diff + 1
+    commit = commit_loop(arg)
     first_correct = np.where(cor.any(1), cor.argmax(1) + 1, 0)
-    ever = np.maximum.accumulate(cor, axis=1)
-    overthinks = (ever[:, :-1] & ~cor[:, 1:]).any(1)
     out = tok.reset_index(drop=True)
     out["depth"] = depth["depth"].to_numpy()
     out["converged"] = depth["converged"].to_numpy()
     out["commit"] = commit
     out["first_correct"] = first_correct
     out["correct_final"] = cor[:, -1]
-    out["overthinks"] = overthinks
+    out["overthinks"] = overthinks(cor)
     out.attrs.update({"eps": eps, "max_loops": n_loops})
     return out
 

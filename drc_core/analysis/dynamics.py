@@ -1,0 +1,124 @@
+"""What each token's latent state does on its way to the fixed point: contraction, 2-cycles, drift, norm growth,
+the loop where the prediction commits, and overthinking.
+
+One uniform-depth pass (:func:`token_dynamics`) keeps, per token and loop, the state norm ``||s_l||``, the step
+``||s_l - s_{l-1}||``, the two-loop step ``||s_l - s_{l-2}||`` and the argmax. From them:
+
+- the empirical **contraction factor** ``rho_l = ||s_{l+1} - s_l|| / ||s_l - s_{l-1}||`` (:meth:`Dynamics.contraction`);
+- a **class** per token (:func:`classify`), read over the last ``tail`` loops of the pass:
+
+  * ``settled``: the relative step ``||s_L - s_{L-1}|| / ||s_L||`` is below ``tol`` (the state has stopped moving);
+  * ``oscillating``: not settled, and the two-loop step is below ``cycle_ratio`` times the one-loop step at L
+    (the state alternates between two points: a 2-cycle);
+  * ``contracting``: neither, and the geometric-mean contraction factor over the tail is below ``rho_max``
+    (still moving, but converging geometrically);
+  * ``drifting``: none of these (steps that do not shrink, and no 2-cycle);
+
+- the **commit loop** (:func:`commit_loop`): the first loop from which the argmax never changes again up to L;
+- **overthinking** (:func:`overthinks`): a prediction that is right at some loop and wrong at a later one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from drc_core.analysis.loops import iterate_stats
+from drc_core.errors import DrcError, need_int
+from drc_core.model.lm import RecurrentModel, check_token_ids
+from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
+
+__all__ = ["CLASSES", "Dynamics", "classify", "commit_loop", "overthinks", "token_dynamics"]
+
+CLASSES = ("settled", "oscillating", "contracting", "drifting")
+
+
+def commit_loop(argmax: np.ndarray) -> np.ndarray:
+    """Per row of ``argmax`` (n, L): the first loop (1-based) from which the argmax equals its value at loop L for
+    every later loop."""
+    a = np.asarray(argmax)
+    if a.ndim != 2 or a.shape[1] < 1:
+        raise DrcError(f"argmax must be (tokens, loops); got shape {a.shape}")
+    differs = a != a[:, -1:]
+    n_loops = a.shape[1]
+    last_diff = np.where(differs.any(1), n_loops - np.argmax(differs[:, ::-1], axis=1), 0)
+    return last_diff + 1
+
+
+def overthinks(correct: np.ndarray) -> np.ndarray:
+    """Per row of ``correct`` (n, L) bool: right at some loop and wrong at a later one."""
+    c = np.asarray(correct, dtype=bool)
+    ever = np.maximum.accumulate(c, axis=1)
+    return (ever[:, :-1] & ~c[:, 1:]).any(1)
+
+
+@dataclass
+class Dynamics:
+    """Per token (N, T) and loop 1..L: ``norm`` = ||s_l||, ``step`` = ||s_l - s_{l-1}|| (NaN at loop 1), ``step2`` =
+    ||s_l - s_{l-2}|| (NaN at loops 1-2), ``argmax``; float32 / int64 arrays of shape (N, T, L)."""
+
+    norm: np.ndarray
+    step: np.ndarray
+    step2: np.ndarray
+    argmax: np.ndarray
+
+    @property
+    def max_loops(self) -> int:
+        return self.norm.shape[-1]
+
+    def contraction(self) -> np.ndarray:
+        """rho_l = step_{l+1} / step_l for l = 2..L-1, as (N, T, L-2) (column j is l = j + 2)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.step[..., 2:] / self.step[..., 1:-1]
+
+    def relative_step(self) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.step / self.norm
+
+
+@torch.no_grad()
+def token_dynamics(model: RecurrentModel, windows: torch.Tensor, max_loops: int = 32, *, batch_size: int = 16,
+                   seed: int = EVAL_STATE_SEED) -> Dynamics:
+    """One uniform pass of ``max_loops`` loops over ``windows`` (N, T+1; inputs ``[:, :-1]``), initial states as in
+    every evaluation pass (same ``seed`` and ``batch_size`` as :func:`~drc_core.analysis.measure.measure_windows`
+    give the same trajectories)."""
+    windows = check_token_ids(model, windows)
+    max_loops = need_int("max_loops", max_loops, 3)
+    parts: dict[str, list[np.ndarray]] = {"norm": [], "step": [], "step2": [], "argmax": []}
+    for batch in eval_batches(model, windows, batch_size, seed):
+        per: dict[str, list[torch.Tensor]] = {k: [] for k in parts}
+        prev_step = None
+        for st in iterate_stats(model, batch.x, max_loops, state=batch.initial_state(model)):
+            s = st.state.float()
+            step = st.state_step.float()
+            per["norm"].append(s.norm(dim=-1))
+            nan = torch.full(s.shape[:-1], float("nan"))
+            per["step"].append(step.norm(dim=-1) if st.loop > 1 else nan)
+            per["step2"].append((step + prev_step).norm(dim=-1) if st.loop > 2 else nan)
+            per["argmax"].append(st.argmax)
+            prev_step = step
+        for k, v in per.items():
+            parts[k].append(torch.stack(v, dim=-1).cpu().numpy())
+    out = {k: np.concatenate(v) for k, v in parts.items()}
+    return Dynamics(norm=out["norm"].astype(np.float32), step=out["step"].astype(np.float32),
+                    step2=out["step2"].astype(np.float32), argmax=out["argmax"].astype(np.int64))
+
+
+def classify(dyn: Dynamics, *, tol: float = 1e-3, cycle_ratio: float = 0.1, rho_max: float = 0.95,
+             tail: int = 8) -> np.ndarray:
+    """Each token's class (N, T) of :data:`CLASSES` by the rule in the module docstring, read at the last loop L
+    and over the last ``tail`` contraction factors."""
+    if dyn.max_loops < tail + 2:
+        raise DrcError(f"classify needs at least tail + 2 = {tail + 2} loops; the pass has {dyn.max_loops}")
+    rel = dyn.relative_step()[..., -1]
+    settled = rel < tol
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cycle = dyn.step2[..., -1] < cycle_ratio * dyn.step[..., -1]
+        rho = np.exp(np.nanmean(np.log(dyn.contraction()[..., -tail:]), axis=-1))
+    out = np.full(rel.shape, "drifting", dtype=object)
+    out[rho < rho_max] = "contracting"
+    out[cycle] = "oscillating"
+    out[settled] = "settled"
+    return out

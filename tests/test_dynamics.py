@@ -1,0 +1,57 @@
+"""Per-token dynamics: the class rule on made-up trajectories, commit loop and overthinking, and the pass against
+the measurement frame's relative state change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from drc_core.analysis.dynamics import Dynamics, classify, commit_loop, overthinks, token_dynamics
+from drc_core.analysis.measure import measure_windows
+from drc_core.errors import DrcError
+
+
+def _dyn_from_states(states: np.ndarray) -> Dynamics:
+    """Dynamics of made-up trajectories: states (n, L, d) -> arrays (1, n, L)."""
+    norm = np.linalg.norm(states, axis=-1)
+    step = np.full(norm.shape, np.nan)
+    step[:, 1:] = np.linalg.norm(np.diff(states, axis=1), axis=-1)
+    step2 = np.full(norm.shape, np.nan)
+    step2[:, 2:] = np.linalg.norm(states[:, 2:] - states[:, :-2], axis=-1)
+    arg = np.zeros(norm.shape, dtype=np.int64)
+    return Dynamics(norm[None], step[None], step2[None], arg[None])
+
+
+def test_classify_tells_the_four_kinds_apart():
+    L, d = 16, 4
+    loops = np.arange(L)[:, None]
+    base = np.ones((L, d))
+    settled = base + 0.5**loops * np.eye(d)[0]  # steps halve: relative step tiny at L
+    cycle = base + 0.3 * ((-1.0) ** loops) * np.eye(d)[1]  # alternates between two points
+    contracting = base + 0.9**loops * np.eye(d)[2] * 5  # shrinks geometrically, not settled by L
+    drifting = base + loops * np.eye(d)[3]  # constant steps, growing norm
+    dyn = _dyn_from_states(np.stack([settled, cycle, contracting, drifting]))
+    assert classify(dyn, tol=1e-3).tolist() == [["settled", "oscillating", "contracting", "drifting"]]
+    with pytest.raises(DrcError):
+        classify(dyn, tail=20)
+
+
+def test_commit_loop_and_overthinking():
+    arg = np.array([[1, 2, 2, 2], [3, 3, 3, 3], [1, 2, 1, 2]])
+    assert commit_loop(arg).tolist() == [2, 1, 4]
+    correct = np.array([[False, True, False, True], [True, True, True, True], [False, False, True, True]])
+    assert overthinks(correct).tolist() == [True, False, False]
+
+
+def test_the_pass_agrees_with_the_measurement_frame(tiny_model_factory, one_thread):
+    torch.manual_seed(0)
+    model = tiny_model_factory(64, core_scale=3.0)
+    windows = torch.randint(0, 64, (3, 9))
+    dyn = token_dynamics(model, windows, 6, batch_size=2)
+    frame = measure_windows(model, windows, 6, batch_size=2, kl_to_final=False)
+    rel = frame.state_delta.to_numpy().reshape(3, 8, 6)
+    np.testing.assert_allclose(dyn.relative_step()[..., 1:], rel[..., 1:], rtol=1e-4, atol=1e-6)
+    assert (dyn.argmax == frame.argmax.to_numpy().reshape(3, 8, 6)).all()
+    assert np.isnan(dyn.step[..., 0]).all() and np.isnan(dyn.step2[..., :2]).all()
+    assert dyn.contraction().shape == (3, 8, 4)
