@@ -81,9 +81,11 @@ from drc_core.halting.sweep import (
 )
 from drc_core.training.evaluate import loss_by_source
 
-work_dir, corpus_dir, task_checkpoint = at_root(work_dir, corpus_dir, task_checkpoint)
+work_dir, corpus_dir, task_checkpoint, task_corpus_dir = at_root(
+    work_dir, corpus_dir, task_checkpoint, task_corpus_dir
+)
 task_work = str(Path(work_dir) / "depth_tasks")
-task_corpus_dir = at_root(task_corpus_dir) if task_corpus_dir else str(Path(task_work) / "corpus")
+task_corpus = task_corpus_dir or str(Path(task_work) / "corpus")
 data_files = [at_root(f) for f in data_files]
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
@@ -91,7 +93,7 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 t0 = time.time()
 tasks = DepthTaskConfig(docs=task_docs, max_k=task_max_k, seed=seed)
 corpus = ensure_corpus(
-    task_corpus_dir,
+    task_corpus,
     task_source,
     vocab_size,
     max_docs=max_docs or None,

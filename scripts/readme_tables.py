@@ -181,12 +181,18 @@ def controlled_depth(res: Results) -> str | None:
              for f in ("oracle", "kl", "state_delta", "cosine", "router_mlp") if f in first or f in known["gaps"]]
     rho = known["spearman_depth"]
     lo, hi = known["k_range"]
-    head = (f"Controlled depth (`06_known_depth.json`): a second model trained on the same text mixed with generated "
-            f"documents ({pct(known['task_share'])} of its training tokens) whose answers need k = {lo}..{hi} "
-            f"lookups. Answer accuracy at {known['reference_loops']} loops, lowest over k: "
-            f"{known['min_accuracy_at_R'] * 100:.1f}%; Spearman(k, convergence depth) {rho[0]:.2f} "
+    shipped = ROOT / known["model_source"]["path"]
+    steps = [json.loads(ln)["step"] for ln in (shipped / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    planned = json.loads((shipped / "train_config.json").read_text())["max_steps"]
+    stage = "" if max(steps) >= planned else f" (an interim checkpoint: step {max(steps):,} of {planned:,})"
+    verdict = ("the lookups are learned" if known["min_accuracy_at_R"] >= 0.9
+               else "the lookups are not learned yet: the target is 90%")
+    head = (f"Controlled depth (`06_known_depth.json`): a second model{stage} trained on the same text mixed with "
+            f"generated documents ({pct(known['task_share'])} of its training tokens) whose answers need k = "
+            f"{lo}..{hi} lookups. Answer accuracy at {known['reference_loops']} loops, lowest over k: "
+            f"{known['min_accuracy_at_R'] * 100:.1f}% ({verdict}); Spearman(k, convergence depth) {rho[0]:.2f} "
             f"[{rho[1]:.2f}, {rho[2]:.2f}]. Loops saved against the uniform depth of equal quality "
-            f"(`04_halting_and_routers.json`, `06_known_depth.json`: `gaps`):")
+            "(`04_halting_and_routers.json`, `06_known_depth.json`: `gaps`):")
     return head + "\n\n" + table(("", *sets), rows)
 
 

@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"depth-tasks: documents to generate (default: {DepthTaskConfig.docs})")
     p.add_argument("--task-max-k", type=int, default=DepthTaskConfig.max_k,
                    help=f"depth-tasks: most lookups an answer needs (default: {DepthTaskConfig.max_k})")
+    p.add_argument("--task-repeat-share", type=float, default=DepthTaskConfig.repeat_share,
+                   help="depth-tasks: share of problems that are unlabelled repeats (default: "
+                        f"{DepthTaskConfig.repeat_share})")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents per source in val")
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     spec = SourceSpec(name=args.source, paths=tuple(args.path), data_files=tuple(args.data_files),
                       max_docs=args.max_docs,
-                      tasks=DepthTaskConfig(docs=args.task_docs, max_k=args.task_max_k, seed=args.seed))
+                      tasks=DepthTaskConfig(docs=args.task_docs, max_k=args.task_max_k,
+                                            repeat_share=args.task_repeat_share, seed=args.seed))
     cfg = PrepareConfig(source=spec, out=args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                         seed=args.seed, seq_len=args.seq_len, force=args.force)
     res = prepare(cfg, progress=not args.quiet)
