@@ -351,5 +351,5 @@ results = {
     "claims": len(table),
     "notebook_seconds": time.time() - t0,
 }
-save_results(results_dir, "06_reproduction", results)
+save_results(results_dir, "07_reproduction", results)
 print(f"{results['agree']} of {results['claims']} claims agree (plateau depths: the table above)")

@@ -95,7 +95,7 @@ def corpus_task_windows(corpus: Corpus, seq_len: int, n_docs: int | None = None,
 def generated_task_windows(tokenizer, cfg: DepthTaskConfig, seq_len: int, pad_id: int) -> TaskWindows:
     """Windows of freshly generated documents (e.g. ``k`` beyond the training range, a seed never trained on),
     tokenized with the model's ``tokenizer``; shorter documents are padded with ``pad_id`` (after the answers'
-    positions that count), longer ones cut."""
+    positions that count), longer ones cut. Answers the tokenizer splits into several tokens are left out."""
     cfg.validate()
     rows, answers = [], []
     for i in range(cfg.docs):
@@ -103,7 +103,7 @@ def generated_task_windows(tokenizer, cfg: DepthTaskConfig, seq_len: int, pad_id
         enc = tokenizer.encode(text)
         ids = enc.ids[: seq_len + 1]
         rows.append(ids + [pad_id] * (seq_len + 1 - len(ids)))
-        for pos, a in token_labels(text, enc):
+        for pos, a in token_labels(text, enc, strict=False):
             if pos >= 1 and pos - 1 < min(seq_len, len(enc.ids) - 1):
                 answers.append({"window": i, "pos": pos - 1, "k": a.k, "family": a.family, "answer": a.word,
                                 "doc": f"generated:{cfg.seed}:{i}"})
