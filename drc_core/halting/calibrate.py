@@ -169,14 +169,13 @@ def family_specs(family: str, max_loops: int, reference_loops: int) -> list[Rule
 class LossTable:
     """Per-unit losses of every threshold of some families on some windows: ``risks[family]`` (thresholds, units)
     ordered conservative first, ``loops[family]`` (thresholds, units) mean exit loop per unit, ``specs[family]``,
-    the unit ids and their token counts. Built once by :func:`loss_table`; calibration and its validity check
+    and the unit ids. Built once by :func:`loss_table`; calibration and its validity check
     (random splits of the units) reuse it."""
 
     risks: dict[str, np.ndarray]
     loops: dict[str, np.ndarray]
     specs: dict[str, list[RuleSpec]]
     units: np.ndarray
-    tokens: np.ndarray
     risk: str
     reference_loops: int
 
@@ -213,15 +212,13 @@ def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, 
     specs = {f: family_specs(f, max_loops, reference_loops) for f in dict.fromkeys([*families, "uniform"])}
     flat = [s for group in specs.values() for s in group if s.family != "uniform"]
     exits = token_exits(model, windows, flat, reference_loops=reference_loops, batch_size=batch_size, seed=seed)
-    risks, loops, ids, tokens = {}, {}, None, None
+    risks, loops, ids = {}, {}, None
     for fam, group in specs.items():
         ex = [np.full((n, t_len), int(s.param)) if fam == "uniform" else exits[str(s.rule)] for s in group]
         viol = np.stack([token_losses(argmax, ce, e, reference_loops, risk, tolerance) for e in ex])
         risks[fam], ids = unit_risks(viol, units)
         loops[fam], _ = unit_risks(np.stack(ex).astype(float), units)
-    keep = units.reshape(-1) >= 0
-    tokens = np.bincount(np.unique(units.reshape(-1)[keep], return_inverse=True)[1])
-    return LossTable(risks, loops, specs, ids, tokens, risk, reference_loops)
+    return LossTable(risks, loops, specs, ids, risk, reference_loops)
 
 
 def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, family: str, *, alpha: float = 0.05,
