@@ -33,9 +33,11 @@ from tqdm.auto import tqdm
 from drc_core.data.depth_tasks import SOURCE_NAME as TASK_SOURCE
 from drc_core.data.depth_tasks import solve, token_labels
 from drc_core.data.labels import LABELS_FILE, write_labels
+from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec, fingerprint, load_documents
 from drc_core.data.tokenizer import EOT, check_vocab_size, tokenizer_hash, train_bpe
 from drc_core.errors import DrcError, need_disk
+from drc_core.guard import exclusive, remove_leftovers
 
 FORMAT_VERSION = 2
 DEFAULT_OUT = "data/corpus/default"
@@ -57,8 +59,8 @@ class PrepareConfig:
             raise DrcError(f"val fraction {self.val_fraction} must be strictly between 0 and 1: e.g. 0.1")
         if self.seq_len < 1:
             raise DrcError(f"seq_len {self.seq_len} must be positive: e.g. --seq-len 256")
-        if self.seed < 0:
-            raise DrcError(f"seed {self.seed} must be >= 0: e.g. --seed 0")
+        if self.seed < 0 or self.seed > 2**63 - 1:
+            raise DrcError(f"seed {self.seed} must be >= 0 and < 2**63: e.g. --seed 0")
         if self.source.max_docs is not None and self.source.max_docs < 1:
             raise DrcError(f"--max-docs {self.source.max_docs} must be >= 1 (documents per source), or left out to "
                            "read every document")
@@ -115,6 +117,15 @@ def is_prepared(out: Path) -> bool:
     return (out / "meta.json").exists()
 
 
+CORPUS_FILES = frozenset({"train.bin", "val.bin", "docs.parquet", "tokenizer.json", "meta.json", LABELS_FILE})
+
+
+def foreign_files(out: Path) -> list[str]:
+    """The entries of ``out`` that :func:`prepare` never writes (a run, notes, another tool's files): a directory
+    holding any is not verifiably a corpus of ours, so it is never replaced."""
+    return sorted(p.name for p in out.iterdir() if p.name not in CORPUS_FILES) if out.is_dir() else []
+
+
 def _encode(tok, texts: list[str], labelled: list[bool], eot_id: int, desc: str,
             progress: bool) -> tuple[list[np.ndarray], int, list[dict], int]:
     """Token ids of each document (with <|endoftext|> after it), their total, the depth-task labels of the
@@ -148,12 +159,20 @@ def _write_split(path: Path, chunks: list[np.ndarray], total: int, dtype) -> Non
 
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
-    """Build (or find cached) the prepared corpus described by ``cfg``."""
+    """Build (or find cached) the prepared corpus described by ``cfg``. One writer at a time per ``out`` (a lock
+    beside it, :func:`drc_core.guard.exclusive`); temporary directories a killed run left beside ``out`` are removed.
+    ``out`` is replaced only when it holds nothing but a corpus's own files (:func:`foreign_files`)."""
     t0 = time.perf_counter()
     cfg.validate()
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise DrcError(f"output '{out}' is a file: pass a directory to --out")
+    with exclusive(out, "corpus directory"):
+        remove_leftovers(out)
+        return _prepare(cfg, out, progress, t0)
+
+
+def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> PrepareResult:
     if out.is_dir() and any(out.iterdir()) and not is_prepared(out):
         raise DrcError(f"output '{out}' holds files that are not a prepared corpus: choose an empty --out")
     fp = cfg.fingerprint()
@@ -165,7 +184,13 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
             raise DrcError(f"'{out}' holds a damaged prepared corpus (meta.json: {exc}): rebuild it with --force, or "
                            "choose another --out") from None
         if meta.get("fingerprint") == fp and all((out / f).exists() for f in files):
+            Corpus.open(out)  # up to date only if intact: sizes, the tokenizer's hash, the token ids
             return PrepareResult(out, meta, cached=True, seconds=time.perf_counter() - t0)
+    foreign = foreign_files(out)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise DrcError(f"output '{out}' holds a prepared corpus and other files ({shown}) that rebuilding it would "
+                       "delete: move them out of it, or choose another --out (nothing was changed)")
 
     docs = load_documents(cfg.source)
     texts: list[str] = docs["text"]

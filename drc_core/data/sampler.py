@@ -15,6 +15,7 @@ from drc_core.data.tokenizer import load_tokenizer
 from drc_core.errors import DrcError
 
 CORPUS_META_KEYS = ("vocab_size", "dtype", "tokens", "fingerprint", "tokenizer_sha256")
+TOKEN_DTYPES = ("uint16", "uint32")
 
 
 @dataclass
@@ -28,7 +29,9 @@ class Corpus:
     def open(cls, path: str | Path) -> Corpus:
         """Open and check a prepared corpus: ``meta.json`` readable with its required fields, and ``train.bin`` /
         ``val.bin`` / ``tokenizer.json`` / ``docs.parquet`` present, each token file exactly as long as ``meta.json``
-        says. Any problem is a one-line :class:`DrcError` that says to prepare the corpus again."""
+        says, ``tokenizer.json`` the one whose sha256 ``meta.json`` records, and every token id below the vocabulary
+        size (one pass over each memmap; nothing is cached). Any problem is a one-line :class:`DrcError` that says to
+        prepare the corpus again."""
         p = Path(path)
         again = f"prepare it again: `python -m drc_core.data prepare --force --out {p}` (with its original options)"
         if not p.is_dir():
@@ -46,6 +49,9 @@ class Corpus:
         for name in ("tokenizer.json", "docs.parquet"):
             if not (p / name).is_file():
                 raise DrcError(f"corpus '{p}' lacks {name}: {again}")
+        if meta["dtype"] not in TOKEN_DTYPES:
+            raise DrcError(f"corpus '{p}' has a meta.json with dtype {meta['dtype']!r}, not one of "
+                           f"{', '.join(TOKEN_DTYPES)}: {again}")
         for split in ("train", "val"):
             f = p / f"{split}.bin"
             want = int(meta["tokens"][split]) * np.dtype(meta["dtype"]).itemsize
@@ -53,7 +59,15 @@ class Corpus:
             if have != want:
                 state = "is missing" if have is None else f"has {have} bytes, not the {want} meta.json records"
                 raise DrcError(f"corpus '{p}': {split}.bin {state}: {again}")
-        return cls(p, meta)
+        load_tokenizer(p, str(meta["tokenizer_sha256"]))  # the tokenizer file is the one meta.json records
+        corpus = cls(p, meta)
+        for split in ("train", "val"):  # one vectorised pass per split: every id must be in the vocabulary
+            tokens = corpus.tokens(split)
+            top = int(tokens.max()) if len(tokens) else -1
+            if top >= corpus.vocab_size:
+                raise DrcError(f"corpus '{p}': {split}.bin holds token id {top} but the vocabulary has "
+                               f"{corpus.vocab_size} ids (0..{corpus.vocab_size - 1}): the file is damaged; {again}")
+        return corpus
 
     @property
     def tokenizer_hash(self) -> str:
@@ -81,7 +95,8 @@ class Corpus:
                            f"again with `python -m drc_core.data prepare --force --out {self.path}`") from None
 
     def tokenizer(self):
-        return load_tokenizer(self.path)
+        """The corpus's tokenizer, read (and its sha256 checked against ``meta.json``) on every call."""
+        return load_tokenizer(self.path, self.tokenizer_hash)
 
 
 class WindowSampler:

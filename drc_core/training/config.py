@@ -15,10 +15,13 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from drc_core.errors import MAX_LOOPS, DrcError, check_fields, need_loops
+from drc_core.errors import MAX_LOOPS, DrcError, check_fields, need_float, need_loops
 from drc_core.model.lm import ModelConfig
 from drc_core.model.precision import AUTOCAST_CHOICES, COMPILE_CHOICES
 from drc_core.model.recurrence import RecurrenceConfig
+
+
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer
 
 
 @dataclass
@@ -62,11 +65,15 @@ class TrainConfig:
                 and self.answer_weight > 0):
             raise DrcError(f"answer_weight={self.answer_weight!r} must be a positive finite number (1: every token "
                            "weighs the same)")
+        if self.seed > MAX_SEED:
+            raise DrcError(f"seed={self.seed} is above the largest seed {MAX_SEED} (2**63 - 1): pass a smaller seed")
+        # every number finite and in range before any work starts (AdamW and torch would fail deep inside)
         for name in ("lr", "grad_clip"):
-            if not getattr(self, name) > 0:
-                raise DrcError(f"{name}={getattr(self, name)!r} must be positive")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise DrcError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+            need_float(name, getattr(self, name), 0.0, lo_open=True)
+        need_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        need_float("weight_decay", self.weight_decay, 0.0)
+        for name in ("beta1", "beta2"):  # AdamW: 0 <= beta < 1
+            need_float(name, getattr(self, name), 0.0, 1.0, hi_open=True)
         if not self.eval_loops:
             raise DrcError(f"eval_loops={self.eval_loops!r} must be a non-empty list of loop counts >= 1")
         for n in self.eval_loops:
@@ -75,6 +82,10 @@ class TrainConfig:
             need_loops("recurrence.max_loops", self.recurrence.max_loops)
         if self.recurrence.mean > MAX_LOOPS:
             raise DrcError(f"recurrence.mean={self.recurrence.mean} is above the limit of {MAX_LOOPS} loops")
+        if self.recurrence.scheme == "uniform":
+            need_loops("recurrence.high", self.recurrence.high)
+        need_float("recurrence.mean", self.recurrence.mean, 1.0)
+        need_float("recurrence.sigma", self.recurrence.sigma, 0.0)
         if isinstance(self.compile, bool):  # configs written before "auto" existed stored a bool
             self.compile = "true" if self.compile else "false"
         if self.autocast not in AUTOCAST_CHOICES:

@@ -9,7 +9,6 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.errors import DrcError, need_loops, run_cli
+from drc_core.guard import owned_file, write_owned_json
 from drc_core.model.lm import RecurrentModel, iterate
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 from drc_core.training.rundir import open_run
@@ -114,6 +114,10 @@ def parse_loops(text: str) -> tuple[int, ...]:
     return loops
 
 
+EVAL_WRITER = "drc_core.training.evaluate"  # the owner mark of the --json files it writes
+EVAL_KEYS = frozenset({"run", "params", "unigram_loss", "loss_all", "by_source", "successive_kl"})  # before the mark
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m drc_core.training.evaluate --run DIR --data DIR``: loss by depth (per source) and successive KL."""
     ap = argparse.ArgumentParser(prog="python -m drc_core.training.evaluate", description=main.__doc__)
@@ -122,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", required=True, help="the prepared corpus the run was trained on")
     ap.add_argument("--loops", default="1,2,4,8,16,32")
     ap.add_argument("--windows", type=int, default=128, help="validation windows per source")
-    ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--json", default=None,
+                    help="also write the results to this file (a new file, or one an earlier evaluate wrote)")
     args = ap.parse_args(argv)
     loops = parse_loops(args.loops)  # every argument is checked before anything is loaded
     if args.windows < 1:
         raise DrcError(f"--windows {args.windows} must be >= 1")
+    if args.json:
+        owned_file(args.json, EVAL_WRITER, "--json", EVAL_KEYS)  # never replaces a file evaluate did not write
     run = open_run(args.run)
     corpus = Corpus.open(args.data)
     run.check_corpus(corpus)
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     kl = result["successive_kl"]
     print("successive KL(p_l || p_l-1): " + "  ".join(f"{n}:{kl[n]:.2e}" for n in (2, 4, 8, 16, 32) if n in kl))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_owned_json(args.json, result, EVAL_WRITER, EVAL_KEYS)
     print(json.dumps({"loss_all": result["loss_all"]}), file=sys.stdout)
     return 0
 

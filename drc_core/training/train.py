@@ -29,6 +29,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from tqdm.auto import tqdm
 from drc_core.data.labels import read_labels
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
 from drc_core.errors import DrcError, Interrupted, first_line, need_disk, run_cli
+from drc_core.guard import exclusive
 from drc_core.model import precision
 from drc_core.model.lm import DepthRecurrentLM, load_state
 from drc_core.model.recurrence import RecurrenceSampler
@@ -227,9 +229,16 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = False,
           progress: bool = True) -> dict:
-    """Train (or resume) and return a summary: final step, last eval losses, tokens/s."""
+    """Train (or resume) and return a summary: final step, last eval losses, tokens/s. One trainer at a time per
+    run directory: the main rank holds its lock (:func:`drc_core.guard.exclusive`) from the checks to the end."""
     d, device = init_distributed()
     out = Path(out)
+    with exclusive(out, "run directory") if d.main else nullcontext():
+        return _train(cfg, data, out, resume, progress, d, device)
+
+
+def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress: bool, d: Dist,
+           device: torch.device) -> dict:
     corpus = Corpus.open(data)
     if corpus.vocab_size != cfg.model.vocab_size:
         raise DrcError(
@@ -307,8 +316,9 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
                     loss = weighted_loss(logits, y, sampler.target_weights(step, weights).to(device))
             if not torch.isfinite(loss):
                 where = f"the last good checkpoint is {good}" if good else "no checkpoint was written yet"
-                raise DrcError(f"loss became {loss.item()} at step {step}: training stopped and {where}; lower "
-                               "lr or raise warmup_steps, then rerun (with --resume to continue from it)")
+                raise DrcError(f"loss became {loss.item()} at step {step}: training stopped and {where}; train "
+                               "again into a new --out with a lower lr or more warmup_steps (--resume continues "
+                               "only with the same config, which would diverge again)")
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             lr = sched.get_last_lr()[0]  # the lr of this update (sched.step() moves on to the next one)
