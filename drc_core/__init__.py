@@ -9,6 +9,8 @@ does not import the analysis and plotting layers):
   deepest loop, state change, entropy, CE; token strings; convergence depth at any eps; ``to_frame``,
   ``explorer``);
 - :func:`generate` from a prompt string with per-token halting -> :class:`Generation`;
+- :func:`calibrate` a halting rule's threshold on documents with a stated guarantee (Learn then Test) ->
+  :class:`CalibratedRule` (the rule and its printable :class:`Certificate`);
 - halting rules by short name (:func:`make_rule`, :data:`RULE_FAMILIES`) and the rule classes: every class of
   the registry in :mod:`drc_core.halting.rules` (:func:`~drc_core.halting.rules.rule_classes`, the oracle
   included), looked up there on each use, so a rule defined later is exported too;
@@ -32,6 +34,9 @@ _EXPORTS = {
     "Model": "drc_core.api",
     "Trace": "drc_core.api",
     "Generation": "drc_core.api",
+    "calibrate": "drc_core.api",
+    "CalibratedRule": "drc_core.halting.calibrate",
+    "Certificate": "drc_core.halting.calibrate",
     "make_rule": "drc_core.halting.rules",
     "RULE_FAMILIES": "drc_core.halting.rules",
     "HaltingRule": "drc_core.halting.rules",

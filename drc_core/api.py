@@ -7,6 +7,7 @@ generate with per-token halting.
     tr.convergence_depth(eps=1e-3)                      # per token: text, depth, converged
     tr.to_frame()                                       # token x loop: kl_prev, kl_final, state_delta, entropy, ce
     lm.generate("The president", max_new_tokens=8, rule=drc_core.make_rule("kl", 1e-3)).text
+    drc_core.calibrate(lm, documents, "kl", alpha=0.1, delta=0.1).certificate  # a threshold with a guarantee
 
 A trace is one :func:`drc_core.analysis.measure.measure_windows` pass (plus its deepest-output pre-pass): memory
 O(L x T) for the statistics and at most three (T, V) distributions at a time, never the L x T x V outputs.
@@ -27,8 +28,11 @@ from tokenizers import Tokenizer
 
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
+from drc_core.data.sampler import eval_windows
 from drc_core.data.tokenizer import load_tokenizer
 from drc_core.errors import DrcError, need_int
+from drc_core.halting.calibrate import CalibratedRule
+from drc_core.halting.calibrate import calibrate as calibrate_windows
 from drc_core.halting.generate import generate as generate_ids
 from drc_core.halting.rules import HaltingRule, make_rule
 from drc_core.model.lm import DepthRecurrentLM, RecurrentModel
@@ -39,7 +43,7 @@ from drc_core.training.rundir import RunDir, open_run
 if TYPE_CHECKING:  # the explorer needs the book extras (plotly, ipywidgets): imported where one is made
     from drc_core.book.viz import DepthExplorer
 
-__all__ = ["Generation", "Model", "Trace", "generate", "load", "trace"]
+__all__ = ["Generation", "Model", "Trace", "calibrate", "generate", "load", "trace"]
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -166,6 +170,53 @@ def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new
                       exit_loops=exits, avg_depth=float(out.new_avg_depth))
 
 
+def document_windows(tokenizer: Tokenizer | None, documents: Sequence[str | Path | Sequence[int]], seq_len: int,
+                     windows_per_doc: int = 1) -> tuple[torch.Tensor, np.ndarray]:
+    """``windows_per_doc`` windows of ``seq_len + 1`` tokens from each document (a text, a text file's path or token
+    ids), evenly spaced over it; a document shorter than one window is left out. Returns the windows (N, seq_len+1)
+    and each input position's document number (N, seq_len), the unit of :func:`calibrate`."""
+    seq_len = need_int("seq_len", seq_len, 1)
+    windows_per_doc = need_int("windows_per_doc", windows_per_doc, 1)
+    parts, units = [], []
+    for i, doc in enumerate(documents):
+        if isinstance(doc, Path):
+            doc = doc.read_text(encoding="utf-8")
+        ids = _encode(tokenizer, doc)
+        if len(ids) < seq_len + 1:
+            continue
+        w = eval_windows(ids, seq_len, windows_per_doc, spread=True)
+        parts.append(w)
+        units.append(np.full((len(w), seq_len), i, dtype=np.int64))
+    if not parts:
+        raise DrcError(f"no document holds {seq_len + 1} tokens: pass longer documents or a smaller seq_len")
+    return torch.cat(parts), np.concatenate(units)
+
+
+def calibrate(model: Model | RecurrentModel, documents: Sequence[str | Path | Sequence[int]], family: str = "kl", *,
+              alpha: float = 0.05, delta: float = 0.1, risk: str = "top1", tolerance: float = 0.0,
+              reference_loops: int | None = None, max_loops: int = 16, tokenizer: Tokenizer | None = None,
+              seq_len: int | None = None, windows_per_doc: int = 1, seed: int = EVAL_STATE_SEED) -> CalibratedRule:
+    """A halting threshold of ``family`` with a stated guarantee: with probability ``1 - delta`` over the draw of
+    the calibration ``documents``, the expected share of a new document's tokens whose top prediction differs from
+    depth ``reference_loops`` (``risk="top1"``; ``"ce"``: whose CE exceeds it by more than ``tolerance``) is at most
+    ``alpha`` (Learn then Test, :mod:`drc_core.halting.calibrate`). The documents are the test's units: each gives
+    ``windows_per_doc`` windows of ``seq_len`` tokens (default the model's ``max_seq_len``, at most 256), so certifying
+    a small ``alpha`` needs many documents (the certificate says when none of the grid could be certified).
+    ``model``: a loaded :class:`Model` (its tokenizer, its training mean depth as ``reference_loops``) or any
+    :class:`~drc_core.model.lm.RecurrentModel` with ``tokenizer`` (``reference_loops`` then defaults to 8).
+    Returns the rule (None if nothing was certified) and its printable ``certificate``."""
+    if isinstance(model, Model):
+        tokenizer = tokenizer or model.tokenizer
+        if reference_loops is None and model.config is not None:
+            reference_loops = int(round(model.config.recurrence.mean))
+        model = model.model
+    reference_loops = 8 if reference_loops is None else reference_loops
+    seq_len = min(int(model.max_seq_len), 256) if seq_len is None else seq_len
+    windows, units = document_windows(tokenizer, documents, seq_len, windows_per_doc)
+    return calibrate_windows(model, windows, units, family, alpha=alpha, delta=delta, risk=risk, tolerance=tolerance,
+                             reference_loops=reference_loops, max_loops=max_loops, seed=seed)
+
+
 @dataclass
 class Model:
     """A loaded model with its tokenizer and training config (None for a bare weights copy); see :func:`load`."""
@@ -182,6 +233,11 @@ class Model:
     def generate(self, prompt: str, max_new_tokens: int = 32, **kwargs) -> Generation:
         """:func:`generate` with this model and tokenizer."""
         return generate(self.model, self.tokenizer, prompt, max_new_tokens, **kwargs)
+
+    def calibrate(self, documents: Sequence[str | Path | Sequence[int]], family: str = "kl", **kwargs
+                  ) -> CalibratedRule:
+        """:func:`calibrate` with this model, its tokenizer and its training mean depth as reference."""
+        return calibrate(self, documents, family, **kwargs)
 
 
 def load(path: str | Path, *, corpus: str | Path | None = None, map_location: str = "cpu") -> Model:

@@ -35,13 +35,58 @@ def _readme_example() -> str:
     return blocks[0]
 
 
+def _readme_parts() -> tuple[str, str]:
+    """The example up to the calibration, and the calibration: its last three lines (they use ``lm``)."""
+    lines = _readme_example().rstrip("\n").split("\n")
+    return "\n".join(lines[:-3]) + "\n", "\n".join(lines[-3:]) + "\n"
+
+
 def test_readme_example_runs(monkeypatch, capsys, one_thread):
-    code = _readme_example()
+    code, _ = _readme_parts()
     assert "drc_core.load(" in code and ".trace(" in code and ".generate(" in code
     monkeypatch.chdir(ROOT)
     exec(compile(code, "README.md:From Python", "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
     assert "depth" in out and "converged" in out
+
+
+def test_readme_calibration_runs_on_a_tiny_model(tiny_model_factory, capsys, one_thread):
+    """The README's three calibration lines, exactly, with ``lm`` a tiny model behind the reference tokenizer."""
+    _, code = _readme_parts()
+    assert "drc_core.calibrate(" in code and "print(" in code
+    tokenizer = drc_core.load(REFERENCE).tokenizer
+    tiny = tiny_model_factory(tokenizer.get_vocab_size(), core_scale=3.0).eval()
+    lm = drc_core.Model(model=tiny, tokenizer=tokenizer, config=None, run=None)
+    namespace = {"__name__": "readme", "drc_core": drc_core, "lm": lm}
+    exec(compile(code, "README.md:From Python (calibration)", "exec"), namespace)
+    out = capsys.readouterr().out
+    cal = namespace["cal"]
+    assert isinstance(cal, drc_core.CalibratedRule) and str(cal.certificate) in out
+    assert cal.certificate.family == "kl" and cal.certificate.n_units == len(namespace["docs"]) > 20
+    assert (cal.rule is None) == (cal.certificate.threshold is None)
+
+
+def test_calibrate_takes_documents_as_units(tiny_model_factory, one_thread):
+    """drc_core.calibrate cuts each document into windows that share its unit, leaves out documents shorter than a
+    window, and certifies exactly as halting.calibrate does on those windows."""
+    from drc_core.api import document_windows
+    from drc_core.halting.calibrate import calibrate as calibrate_windows
+
+    torch.manual_seed(0)
+    model = tiny_model_factory(64, core_scale=3.0).eval()
+    docs = [list(torch.randint(0, 64, (n,)).tolist()) for n in (40, 5, 80, 40, 60, 33)]
+    windows, units = document_windows(None, docs, 16, windows_per_doc=2)
+    assert windows.shape == (10, 17) and sorted(set(units.ravel().tolist())) == [0, 2, 3, 4, 5]
+    assert (windows[0] == torch.tensor(docs[0][:17])).all() and (units[:2] == 0).all()
+    kw = dict(alpha=0.4, delta=0.3, reference_loops=4, max_loops=8)
+    got = drc_core.calibrate(model, docs, "kl", seq_len=16, windows_per_doc=2, **kw)
+    want = calibrate_windows(model, windows, units, "kl", **kw)
+    assert got.certificate == want.certificate and got.certificate.n_units == 5
+    assert str(got) == str(got.certificate)
+    with pytest.raises(DrcError, match="no document"):
+        drc_core.calibrate(model, [[1, 2, 3]], "kl", seq_len=16)
+    with pytest.raises(DrcError, match="tokenizer"):
+        drc_core.calibrate(model, ["a text"], "kl", seq_len=16)
 
 
 def test_every_exported_name_resolves():

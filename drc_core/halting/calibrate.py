@@ -31,12 +31,11 @@ import numpy as np
 import torch
 from scipy import stats as sps
 
-from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, Uniform
 from drc_core.halting.sweep import RuleSpec, token_exits
-from drc_core.model.lm import RecurrentModel
-from drc_core.model.passes import EVAL_STATE_SEED
+from drc_core.model.lm import RecurrentModel, check_token_ids, iterate
+from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = [
     "RISKS",
@@ -151,6 +150,9 @@ class CalibratedRule:
     rule: HaltingRule | None
     certificate: Certificate
 
+    def __str__(self) -> str:
+        return str(self.certificate)
+
 
 def family_specs(family: str, max_loops: int, reference_loops: int) -> list[RuleSpec]:
     """The family's grid as rules, ordered from the latest-halting threshold to the earliest (registry grids are
@@ -195,6 +197,23 @@ class LossTable:
 
 
 @torch.no_grad()
+def _argmax_and_ce(model: RecurrentModel, windows: torch.Tensor, max_loops: int, batch_size: int,
+                   seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per token and loop (N, T, L): the argmax and the CE of the next token, on the uniform trajectories every
+    evaluation pass runs (same initial states as :func:`~drc_core.analysis.measure.measure_windows`)."""
+    windows = check_token_ids(model, windows)
+    arg_parts, ce_parts = [], []
+    for batch in eval_batches(model, windows, batch_size, seed):
+        args, ces = [], []
+        for out in iterate(model, batch.x, max_loops, readout="log_probs", state=batch.initial_state(model)):
+            args.append(out.out.argmax(-1))
+            ces.append(-out.out.gather(-1, batch.y[..., None])[..., 0])
+        arg_parts.append(torch.stack(args, -1).cpu().numpy())
+        ce_parts.append(torch.stack(ces, -1).double().cpu().numpy())
+    return np.concatenate(arg_parts), np.concatenate(ce_parts)
+
+
+@torch.no_grad()
 def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, families: Sequence[str], *,
                risk: str = "top1", tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
                batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> LossTable:
@@ -206,9 +225,7 @@ def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, 
     n, t_len = windows.shape[0], windows.shape[1] - 1
     if units.shape != (n, t_len):
         raise DrcError(f"units must give a document per input position, shape ({n}, {t_len}); got {units.shape}")
-    frame = measure_windows(model, windows, max_loops, batch_size=batch_size, seed=seed, kl_to_final=False)
-    argmax = frame["argmax"].to_numpy().reshape(n, t_len, max_loops)
-    ce = frame["ce"].to_numpy(np.float64).reshape(n, t_len, max_loops)
+    argmax, ce = _argmax_and_ce(model, windows, max_loops, batch_size, seed)
     specs = {f: family_specs(f, max_loops, reference_loops) for f in dict.fromkeys([*families, "uniform"])}
     flat = [s for group in specs.values() for s in group if s.family != "uniform"]
     exits = token_exits(model, windows, flat, reference_loops=reference_loops, batch_size=batch_size, seed=seed)
