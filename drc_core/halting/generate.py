@@ -84,6 +84,11 @@ def _check(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, 
         raise DrcError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
     check_token_ids(model, prompt_ids, "prompt_ids", targets=False)
     total, limit = prompt_ids.shape[1] + max_new_tokens, model.cfg.max_seq_len
+    if prompt_ids.shape[1] >= limit:
+        raise DrcError(
+            f"the prompt has {prompt_ids.shape[1]} tokens, which leaves no room to generate within the model's "
+            f"max_seq_len={limit}; shorten the prompt to at most {limit - 1} tokens"
+        )
     if total > limit:
         raise DrcError(
             f"prompt length {prompt_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} exceeds "

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.analysis.loops import LoopStats, loop_stats
-from drc_core.errors import DrcError, fmt_number, need_float, need_int
+from drc_core.errors import MAX_LOOPS, DrcError, fmt_number, need_float, need_int
 from drc_core.model.lm import HaltFn, LoopOutput, RecurrentModel, iterate
 from drc_core.model.passes import kl_successive
 
@@ -165,6 +165,9 @@ class HaltingRule:
         owner = type(self).__name__
         need_int("min_loops", self.min_loops, 1, owner)
         need_int("max_loops", self.max_loops, 1, owner)
+        if self.max_loops > MAX_LOOPS:  # the same 1..MAX_LOOPS bound as every loop count (masked_forward, the CLIs)
+            raise DrcError(f"{owner}: max_loops={self.max_loops} is above the limit of {MAX_LOOPS} loops: the state "
+                           f"converges within tens of loops; use at most {MAX_LOOPS}")
         if self.min_loops > self.max_loops:
             raise DrcError(
                 f"{owner}: min_loops={self.min_loops} > max_loops={self.max_loops} is invalid; "

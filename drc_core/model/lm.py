@@ -391,7 +391,9 @@ class DepthRecurrentLM(nn.Module):
         return self.lm_head(self.norm(x))
 
     def embed(self, idx: Tensor) -> Tensor:
-        """Token ids (B, T) -> the prelude output e (B, T, d)."""
+        """Token ids (B, T) -> the prelude output e (B, T, d). Every public path (forward, iterate, masked_forward,
+        skip_forward, anderson) starts here, so the ids are checked here once (:func:`check_token_ids`)."""
+        check_token_ids(self, idx, "idx (token ids)", targets=False)
         cos, sin = self._rope(idx.shape[1])
         x = self.token_embedding(idx)
         for block in self.prelude:
@@ -469,7 +471,7 @@ class DepthRecurrentLM(nn.Module):
         ):
             raise DrcError(f"n_grad_loops={n_grad_loops!r} is invalid; use an integer >= 1 or None")
         e = self.embed(idx)
-        s = self.initial_state(e, generator) if state is None else state
+        s = self.initial_state(e, generator) if state is None else check_initial_state(state, e)
         n_free = 0 if n_grad_loops is None else max(n_loops - n_grad_loops, 0)
         if n_free:
             with torch.no_grad():
@@ -562,6 +564,16 @@ def check_token_ids(model: RecurrentModel, ids: object, what: str = "windows", *
     if positions > model.max_seq_len:
         raise DrcError(f"{what} have T={positions} positions but the model's max_seq_len is {model.max_seq_len}")
     return ids
+
+
+def check_initial_state(state: object, e: Tensor) -> Tensor:
+    """``state`` unchanged if it is a floating tensor shaped like the prelude output ``e`` (B, T, d_model), else a
+    one-line :class:`DrcError`."""
+    if not isinstance(state, Tensor) or tuple(state.shape) != tuple(e.shape) or not state.dtype.is_floating_point:
+        shown = f"{tuple(state.shape)} {state.dtype}" if isinstance(state, Tensor) else type(state).__name__
+        raise DrcError(f"state must be a float tensor of shape (B, T, d_model) = {tuple(e.shape)}; got {shown}: "
+                       "pass s_0 for every position, or state=None to draw it")
+    return state
 
 
 def _kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
@@ -665,7 +677,7 @@ def iterate(
     if readout not in _READOUTS:
         raise DrcError(f"readout={readout!r} is not supported; use one of {_READOUTS}")
     e = model.embed(idx)
-    s = model.initial_state(e, generator) if state is None else state
+    s = model.initial_state(e, generator) if state is None else check_initial_state(state, e)
     halted = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
     exit_loop = torch.zeros(idx.shape, dtype=torch.long, device=idx.device)
     core_kv = FrozenKV() if halt is not None else None
