@@ -137,3 +137,45 @@ def test_the_loss_pass_agrees_with_the_measurement_frame(tiny_model_factory, one
     frame = measure_windows(model, windows, 6, batch_size=2, seed=7, kl_to_final=False)
     assert (argmax == frame.argmax.to_numpy().reshape(5, 8, 6)).all()
     np.testing.assert_allclose(ce, frame.ce.to_numpy().reshape(5, 8, 6), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("alpha,delta", [(0.1, 0.1), (0.05, 0.1), (0.01, 0.1), (0.2, 0.05)])
+def test_min_units_is_the_first_n_that_can_certify(alpha, delta):
+    from drc_core.halting.calibrate import min_units
+
+    n = min_units(alpha, delta)
+    assert hb_pvalue(0.0, n, alpha) <= delta < hb_pvalue(0.0, n - 1, alpha) if n > 1 else True
+    k, _ = learn_then_test(np.zeros((1, n - 1)), alpha, delta)
+    assert k == 0  # one unit fewer: not even a zero-risk threshold
+    assert min_units(0.1, 0.1) == 22 and min_units(0.05, 0.1) == 45
+
+
+def test_validity_summary_counts_violations_with_their_error():
+    import pandas as pd
+
+    from drc_core.halting.calibrate import validity_summary
+
+    rows = pd.DataFrame({"family": "kl", "alpha": 0.1, "split": range(10), "n_calib": 20, "n_test": 20,
+                         "certified": [True] * 8 + [False] * 2, "threshold": 0.01, "uniform_depth": 4.0,
+                         "test_risk": [0.05] * 6 + [0.2] * 2 + [np.nan] * 2,
+                         "violated": [False] * 6 + [True] * 2 + [False] * 2, "loops": 3.0, "saved_frac": 0.25})
+    s = validity_summary(rows, delta=0.1).iloc[0]
+    assert s.splits == 10 and s.certified == 0.8 and s.violation == 0.2
+    assert s.violation_se == pytest.approx(math.sqrt(0.2 * 0.8 / 10))
+    assert s.violation_lo == pytest.approx(sps.beta.ppf(0.025, 2, 9)) and s.violation_hi > 0.2
+    assert s.kept and s.loops == 3.0 and s.saved_frac == 0.25 and s.test_risk == pytest.approx(0.0875)
+
+
+def test_loss_tables_share_one_pass(tiny_model_factory, one_thread):
+    from drc_core.halting.calibrate import loss_tables
+
+    torch.manual_seed(3)
+    model = tiny_model_factory(64, core_scale=3.0)
+    windows = torch.randint(0, 64, (4, 13))
+    units = np.repeat(np.arange(4), 12).reshape(4, 12)
+    both = loss_tables(model, windows, units, ["kl"], reference_loops=4, max_loops=8, tolerance=0.1)
+    for risk in ("top1", "ce"):
+        one = loss_table(model, windows, units, ["kl"], risk=risk, reference_loops=4, max_loops=8, tolerance=0.1)
+        np.testing.assert_array_equal(both[risk].risks["kl"], one.risks["kl"])
+        np.testing.assert_array_equal(both[risk].loops["kl"], one.loops["kl"])
+    assert both["ce"].risk == "ce" and both["top1"].units.tolist() == [0, 1, 2, 3]

@@ -45,8 +45,11 @@ __all__ = [
     "hb_pvalue",
     "learn_then_test",
     "loss_table",
+    "loss_tables",
+    "min_units",
     "token_losses",
     "validity",
+    "validity_summary",
     "unit_risks",
 ]
 
@@ -66,6 +69,18 @@ def hb_pvalue(risk_hat: float, n: int, alpha: float) -> float:
     hoeffding = math.exp(-n * h)
     bentkus = math.e * float(sps.binom.cdf(math.ceil(n * r - 1e-12), n, alpha))
     return min(hoeffding, bentkus, 1.0)
+
+
+def min_units(alpha: float, delta: float) -> int:
+    """The fewest units with which any threshold can be certified at ``alpha``, ``delta``: even a calibration risk
+    of 0 has the p-value ``hb_pvalue(0, n, alpha) = (1 - alpha)^n``, which reaches ``delta`` only from
+    ``n = ceil(log(delta) / log(1 - alpha))`` units on (22 at alpha = delta = 0.1, 45 at alpha 0.05)."""
+    if not 0 < alpha < 1 or not 0 < delta < 1:
+        raise DrcError(f"alpha={alpha!r} and delta={delta!r} must lie strictly between 0 and 1")
+    n = max(1, math.ceil(math.log(delta) / math.log1p(-alpha) - 1e-9))
+    while hb_pvalue(0.0, n, alpha) > delta:  # guards the rounding of the closed form
+        n += 1
+    return n
 
 
 def learn_then_test(unit_losses: np.ndarray, alpha: float, delta: float) -> tuple[int, np.ndarray]:
@@ -214,28 +229,46 @@ def _argmax_and_ce(model: RecurrentModel, windows: torch.Tensor, max_loops: int,
 
 
 @torch.no_grad()
-def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, families: Sequence[str], *,
-               risk: str = "top1", tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
-               batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> LossTable:
+def loss_tables(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, families: Sequence[str], *,
+                risks: Sequence[str] = RISKS, tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
+                batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[str, LossTable]:
     """One measurement pass (argmax and CE per loop) and one offline replay of every threshold of ``families``
-    (plus ``uniform``) on ``windows`` (N, T+1); ``units`` (N, T) the document of each input position."""
+    (plus ``uniform``) on ``windows`` (N, T+1); ``units`` (N, T) the document of each input position. One
+    :class:`LossTable` per risk of ``risks``, all from the same trajectories."""
     reference_loops = need_int("reference_loops", reference_loops, 1)
     max_loops = need_int("max_loops", max(max_loops, reference_loops), 1)
     units = np.asarray(units)
     n, t_len = windows.shape[0], windows.shape[1] - 1
     if units.shape != (n, t_len):
         raise DrcError(f"units must give a document per input position, shape ({n}, {t_len}); got {units.shape}")
+    for r in risks:
+        if r not in RISKS:
+            raise DrcError(f"risk={r!r} is not supported; use one of {', '.join(RISKS)}")
     argmax, ce = _argmax_and_ce(model, windows, max_loops, batch_size, seed)
     specs = {f: family_specs(f, max_loops, reference_loops) for f in dict.fromkeys([*families, "uniform"])}
     flat = [s for group in specs.values() for s in group if s.family != "uniform"]
     exits = token_exits(model, windows, flat, reference_loops=reference_loops, batch_size=batch_size, seed=seed)
-    risks, loops, ids = {}, {}, None
-    for fam, group in specs.items():
-        ex = [np.full((n, t_len), int(s.param)) if fam == "uniform" else exits[str(s.rule)] for s in group]
-        viol = np.stack([token_losses(argmax, ce, e, reference_loops, risk, tolerance) for e in ex])
-        risks[fam], ids = unit_risks(viol, units)
-        loops[fam], _ = unit_risks(np.stack(ex).astype(float), units)
-    return LossTable(risks, loops, specs, ids, risk, reference_loops)
+    loops, ids = {}, None
+    ex = {fam: [np.full((n, t_len), int(s.param)) if fam == "uniform" else exits[str(s.rule)] for s in group]
+          for fam, group in specs.items()}
+    for fam in specs:
+        loops[fam], ids = unit_risks(np.stack(ex[fam]).astype(float), units)
+    out = {}
+    for r in risks:
+        table = {fam: unit_risks(np.stack([token_losses(argmax, ce, e, reference_loops, r, tolerance)
+                                           for e in ex[fam]]), units)[0] for fam in specs}
+        out[r] = LossTable(table, loops, specs, ids, r, reference_loops)
+    return out
+
+
+def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, families: Sequence[str], *,
+               risk: str = "top1", tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
+               batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> LossTable:
+    """:func:`loss_tables` for one ``risk``."""
+    if risk not in RISKS:
+        raise DrcError(f"risk={risk!r} is not supported; use one of {', '.join(RISKS)}")
+    return loss_tables(model, windows, units, families, risks=(risk,), tolerance=tolerance,
+                       reference_loops=reference_loops, max_loops=max_loops, batch_size=batch_size, seed=seed)[risk]
 
 
 def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, family: str, *, alpha: float = 0.05,
@@ -271,7 +304,8 @@ def validity(table: LossTable, family: str, alphas: Sequence[float], delta: floa
         for i, (c, t) in enumerate(splits):
             cert = table.certify(family, alpha, delta, c)
             uni = table.certify("uniform", alpha, delta, c)
-            row = {"alpha": alpha, "split": i, "certified": cert.threshold is not None, "threshold": cert.threshold,
+            row = {"family": family, "alpha": alpha, "split": i, "n_calib": len(c), "n_test": len(t),
+                   "certified": cert.threshold is not None, "threshold": cert.threshold,
                    "uniform_depth": uni.threshold, "test_risk": math.nan, "violated": False, "loops": math.nan,
                    "saved_frac": math.nan}
             if cert.threshold is not None:
@@ -283,3 +317,26 @@ def validity(table: LossTable, family: str, alphas: Sequence[float], delta: floa
                     row["saved_frac"] = 1 - row["loops"] / uni.threshold
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+def validity_summary(rows, delta: float, level: float = 0.95):
+    """Per family and ``alpha``, from :func:`validity`'s rows: ``splits``, ``certified`` (share of splits with a
+    certified threshold), ``violation`` (share of splits whose certified threshold's test risk exceeds alpha; a split
+    without a certificate cannot violate), its Monte-Carlo standard error ``violation_se`` and Clopper-Pearson
+    ``level`` interval ``violation_lo``/``violation_hi``, ``delta``, ``kept`` (the interval's lower end is <= delta),
+    and over the certified splits the mean ``test_risk``, ``loops``, ``uniform_depth`` and ``saved_frac``."""
+    import pandas as pd
+
+    out = []
+    for (fam, alpha), g in rows.groupby(["family", "alpha"], sort=False):
+        n, k = len(g), int(g.violated.sum())
+        lo = 0.0 if k == 0 else float(sps.beta.ppf((1 - level) / 2, k, n - k + 1))
+        hi = 1.0 if k == n else float(sps.beta.ppf((1 + level) / 2, k + 1, n - k))
+        cert = g[g.certified]
+        out.append({"family": fam, "alpha": alpha, "splits": n, "n_calib": int(g.n_calib.iloc[0]),
+                    "certified": float(g.certified.mean()), "violation": k / n,
+                    "violation_se": math.sqrt(k / n * (1 - k / n) / n), "violation_lo": lo, "violation_hi": hi,
+                    "delta": delta, "kept": lo <= delta, "test_risk": float(cert.test_risk.mean()),
+                    "loops": float(cert.loops.mean()), "uniform_depth": float(cert.uniform_depth.astype(float).mean()),
+                    "saved_frac": float(cert.saved_frac.mean())})
+    return pd.DataFrame(out)
