@@ -1,0 +1,180 @@
+"""Does per-token halting make generation faster at batch > 1? The dense KV-cached decoder at depth r, the
+step-synchronous :func:`~drc_core.halting.generate.generate` and continuous depth batching
+(:func:`~drc_core.halting.continuous.generate_continuous`), timed side by side.
+
+- :func:`time_decoders`: for each batch size, one interleaved timing of the three decoders for ``Uniform(r)``
+  (the machinery's cost at equal depth) and each rule; tokens/s, the wall-clock speed-up over the dense
+  decoder, the honest-FLOP speed-up (:func:`drc_core.experiments.cost.honest_flops` of the work each path did)
+  and the **realization ratio** = wall-clock speed-up / honest-FLOP speed-up (1 = the clock gets all the
+  compute the rule saves).
+- :func:`serving_latency`: requests queued behind a fixed number of slots; per-request latency percentiles of
+  continuous depth batching (a finished row's slot takes the next request at once) against the step-synchronous
+  decoder run batch after batch.
+
+Timing as in :mod:`drc_core.experiments.speed`: time per decode step = (time of n new tokens - time of 1) /
+(n - 1), medians over interleaved rounds, the same prompts and initial states for every variant.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from drc_core.errors import DrcError
+from drc_core.experiments.cost import Log, honest_flops, interleaved, median, spread
+from drc_core.experiments.speed import RuleSpec, SpeedConfig, _decode_setup, _memory, _specs, _step_seconds
+from drc_core.halting.continuous import generate_continuous
+from drc_core.halting.generate import generate, generate_fixed
+from drc_core.halting.rules import HaltingRule, Uniform
+from drc_core.model.lm import DepthRecurrentLM
+
+__all__ = ["PATHS", "decoder_targets", "serving_latency", "time_decoders"]
+
+PATHS = ("dense decode", "generate", "continuous")
+TARGET_REALIZATION = 0.9  # the state rules realize >= 0.9 of their honest-FLOP speed-up at batch 8 and 32
+TARGET_OVERHEAD = 1.05  # continuous batching at equal depth costs <= 1.05x the dense decoder
+
+
+def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                  cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (1, 8, 32), log: Log = None
+                  ) -> pd.DataFrame:
+    """One row per (batch, rule, path): greedy decoding of ``cfg.new_tokens`` tokens after the first B prompts of
+    ``prompt`` (B in ``batches``), by the dense decoder (``generate_fixed`` at ``cfg.reference_loops`` r), by
+    ``generate`` and by ``generate_continuous`` with ``Uniform(r)`` and each rule.
+
+    Columns: ``batch``, ``rule``, ``family``, ``path``, ``avg_loops`` (mean exit loop of the new tokens),
+    ``ms_per_step`` (one decode step of all B rows), ``tokens_per_s``, ``x_dense`` (wall-clock speed-up over the
+    dense decoder), ``honest_flops`` (per new token), ``flop_speedup`` (the dense decoder's honest FLOPs over
+    the path's), ``realization`` (x_dense / flop_speedup), ``same_as_generate`` (continuous only: every request's
+    tokens and exit loops equal ``generate``'s), ``spread`` and ``steps`` (core steps of the continuous decode
+    phase)."""
+    cfg = cfg or SpeedConfig()
+    _memory(cfg)
+    prompt, s0 = _decode_setup(model, prompt, cfg)
+    if not batches or min(batches) < 1 or max(batches) > prompt.shape[0]:
+        raise DrcError(f"batches {list(batches)} must lie in 1..{prompt.shape[0]} (the prompts given); pass more "
+                       "prompts or smaller batches")
+    n, r = cfg.new_tokens, cfg.reference_loops
+    specs = [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]
+    rows = []
+    with torch.inference_mode():
+        model.eval()
+        for b in batches:
+            p, s = prompt[:b], s0[:b]
+            t0 = p.shape[1]
+            s1 = s[:, : t0 + 1]  # the initial states of a call that generates one token
+            dense_flops = float(model.flops_per_token(r, t0 + n))
+            variants: dict[str, Callable[[], object]] = {
+                "dense [n]": lambda p=p, s=s: generate_fixed(model, p, n, r, state=s),
+                "dense [1]": lambda p=p, s1=s1: generate_fixed(model, p, 1, r, state=s1)}
+            for v in variants.values():
+                v()  # warm-up
+            meta = [{"batch": b, "rule": f"uniform={r}", "family": "uniform", "path": "dense decode",
+                     "avg_loops": float(r), "honest_flops": dense_flops, "key": "dense"}]
+            for spec in specs:
+                name = str(spec.rule)
+                full = generate(model, p, n, spec.rule, state=s, fused=cfg.fused)
+                one = generate(model, p, 1, spec.rule, state=s1, fused=cfg.fused)
+                cont = generate_continuous(model, p, n, spec.rule, states=s, fused=cfg.fused, keep_logits=False)
+                cone = generate_continuous(model, p, 1, spec.rule, states=s1, fused=cfg.fused, keep_logits=False)
+                same = all(torch.equal(c.tokens, full.tokens[i]) and torch.equal(c.exit_loop, full.exit_loop[i])
+                           for i, c in enumerate(cont.completions))
+                per_token = b * (n - 1)
+                for path, res_n, res_1, key in (("generate", full, one, f"gen {name}"),
+                                                ("continuous", cont, cone, f"cont {name}")):
+                    work = honest_flops(model, res_n.work, t0 + n) - honest_flops(model, res_1.work, t0 + n)
+                    meta.append({"batch": b, "rule": name, "family": spec.family, "path": path,
+                                 "avg_loops": full.new_avg_depth, "honest_flops": work / per_token, "key": key,
+                                 **({"same_as_generate": same, "steps": cont.steps} if path == "continuous" else {})})
+                variants[f"gen {name} [n]"] = lambda p=p, s=s, rule=spec.rule: generate(
+                    model, p, n, rule, state=s, fused=cfg.fused)
+                variants[f"gen {name} [1]"] = lambda p=p, s1=s1, rule=spec.rule: generate(
+                    model, p, 1, rule, state=s1, fused=cfg.fused)
+                variants[f"cont {name} [n]"] = lambda p=p, s=s, rule=spec.rule: generate_continuous(
+                    model, p, n, rule, states=s, fused=cfg.fused, keep_logits=False)
+                variants[f"cont {name} [1]"] = lambda p=p, s1=s1, rule=spec.rule: generate_continuous(
+                    model, p, 1, rule, states=s1, fused=cfg.fused, keep_logits=False)
+            times = interleaved(variants, cfg.rounds, log, f"decoders, batch {b}", cfg.clock)
+            base = _step_seconds(times["dense [n]"], times["dense [1]"], n)
+            for row in meta:
+                key = row.pop("key")
+                sec = _step_seconds(times[f"{key} [n]"], times[f"{key} [1]"], n)
+                row.update(ms_per_step=1e3 * sec, tokens_per_s=b / sec, x_dense=base / sec,
+                           flop_speedup=dense_flops / row["honest_flops"], spread=spread(times[f"{key} [n]"]))
+                row["realization"] = row["x_dense"] / row["flop_speedup"]
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] = ("state_delta", "cosine", "acceleration"),
+                    batches: Sequence[int] = (8, 32)) -> pd.DataFrame:
+    """The targets on a :func:`time_decoders` table: at each batch of ``batches``, (1) every state rule's continuous
+    decoder beats the dense decoder (``x_dense`` > 1) and (2) realizes >= 0.9 of its honest-FLOP speed-up, and (3)
+    continuous batching at equal depth (``Uniform(r)``) costs <= 1.05x the dense decoder. One row per check with
+    the measured ``value``, the ``target`` and ``met``."""
+    out = []
+    cont = table[table.path == "continuous"]
+    for b in batches:
+        at = cont[cont.batch == b]
+        for fam in state_families:
+            for _, row in at[at.family == fam].iterrows():
+                out.append({"batch": b, "check": f"{row.rule}: faster than the dense decoder", "value": row.x_dense,
+                            "target": "> 1", "met": bool(row.x_dense > 1)})
+                out.append({"batch": b, "check": f"{row.rule}: realization", "value": row.realization,
+                            "target": f">= {TARGET_REALIZATION}", "met": bool(row.realization >= TARGET_REALIZATION)})
+        for _, row in at[at.family == "uniform"].iterrows():
+            cost = 1 / row.x_dense
+            out.append({"batch": b, "check": "continuous at equal depth: time / dense decoder", "value": cost,
+                        "target": f"<= {TARGET_OVERHEAD}", "met": bool(cost <= TARGET_OVERHEAD)})
+    return pd.DataFrame(out)
+
+
+def serving_latency(model: DepthRecurrentLM, prompt: Tensor, rule: HaltingRule, *, slots: int,
+                    new_tokens: Sequence[int], cfg: SpeedConfig | None = None, log: Log = None) -> pd.DataFrame:
+    """Requests (the prompts of ``prompt``, request i asking for ``new_tokens[i % len(new_tokens)]`` tokens) all
+    arrive at once and are served ``slots`` at a time: by continuous depth batching (a slot freed by a finished
+    request takes the next one) and by step-synchronous ``generate`` (batches of ``slots`` requests, each batch
+    generating its longest request's length). One row per path with per-request latency percentiles (``p50``,
+    ``p90``, ``p99``, seconds to the request's last token), ``seconds`` (all requests) and ``tokens_per_s`` (new
+    tokens asked for, per second); medians over ``cfg.rounds`` interleaved rounds."""
+    cfg = cfg or SpeedConfig()
+    n_max = max(new_tokens)
+    prompt, s0 = _decode_setup(model, prompt, SpeedConfig(**{**cfg.__dict__, "new_tokens": n_max}))
+    n_req, t0 = prompt.shape
+    asks = [new_tokens[i % len(new_tokens)] for i in range(n_req)]
+    states = [s0[i, : t0 + asks[i]] for i in range(n_req)]
+    latencies: dict[str, list[list[float]]] = {"continuous": [], "generate": []}
+
+    def continuous() -> None:
+        res = generate_continuous(model, list(prompt), asks, rule, slots=slots, states=states, keep_logits=False)
+        latencies["continuous"].append([c.finished for c in res.completions])
+
+    def batched() -> None:
+        done: list[float] = []
+        t_start = time.perf_counter()
+        for i in range(0, n_req, slots):
+            n = max(asks[i : i + slots])
+            generate(model, prompt[i : i + slots], n, rule, state=s0[i : i + slots, : t0 + n], fused=cfg.fused)
+            done += [time.perf_counter() - t_start] * len(asks[i : i + slots])
+        latencies["generate"].append(done)
+
+    with torch.inference_mode():
+        model.eval()
+        continuous()
+        batched()  # warm-up
+        for v in latencies.values():
+            v.clear()
+        times = interleaved({"continuous": continuous, "generate": batched}, cfg.rounds, log, "serving", cfg.clock)
+    rows = []
+    for path, lat in latencies.items():
+        arr = np.median(np.array(lat), axis=0)  # per request, median over rounds
+        sec = median(times[path])
+        rows.append({"path": path, "rule": str(rule), "slots": slots, "requests": n_req, "seconds": sec,
+                     "tokens_per_s": sum(asks) / sec,
+                     **{f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}})
+    return pd.DataFrame(rows)

@@ -1,0 +1,176 @@
+"""Continuous depth batching: every request decoded together, each row at its own loop, gives the tokens and exit
+loops of decoding that request alone with generate (and its logits to float tolerance), for prompts of
+different lengths, requests of different lengths, fewer slots than requests, and every kind of rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from drc_core.analysis.loops import iterate_stats
+from drc_core.errors import DrcError
+from drc_core.halting.continuous import generate_continuous
+from drc_core.halting.generate import generate
+from drc_core.halting.rules import (
+    Acceleration,
+    ArgmaxPatience,
+    Cosine,
+    HaltingRule,
+    KLThreshold,
+    MinPKL,
+    Never,
+    StateDelta,
+    Uniform,
+)
+from drc_core.model.lm import DepthRecurrentLM, ModelConfig
+
+V, L = 64, 6
+ATOL, RTOL = 2e-5, 1e-4
+LENGTHS = (3, 7, 5, 2, 9)  # prompt lengths
+NEW = (6, 3, 8, 1, 5)  # tokens to generate: the rows finish at different steps
+
+
+@pytest.fixture(scope="module")
+def model(one_thread) -> DepthRecurrentLM:
+    """Two core and two coda blocks, the core scaled up so that tokens keep changing for several loops."""
+    torch.manual_seed(0)
+    m = DepthRecurrentLM(ModelConfig(vocab_size=V, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=2,
+                                     max_seq_len=32, injection="add"))
+    with torch.no_grad():
+        for p in m.core.parameters():
+            p.mul_(4.0)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def requests(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (t,), generator=g) for t in LENGTHS]
+    states = [model.initial_state(torch.zeros(1, t + n, 32), g)[0] for t, n in zip(LENGTHS, NEW, strict=True)]
+    return prompts, states
+
+
+def _median(values: torch.Tensor) -> float:
+    return float(values[torch.isfinite(values)].median())
+
+
+@pytest.fixture(scope="module")
+def rules(model) -> dict[str, object]:
+    """Thresholds at the median loop-3 statistic of a uniform run, so that tokens exit at different loops."""
+    idx = torch.randint(0, V, (4, 12), generator=torch.Generator().manual_seed(7))
+    stats = list(iterate_stats(model, idx, L, generator=torch.Generator().manual_seed(1)))
+    st, st4 = stats[2], stats[3]
+    return {
+        "kl": KLThreshold(_median(st.kl), max_loops=L),
+        "state_delta": StateDelta(_median(st.state_delta), max_loops=L),
+        "state_delta min 3": StateDelta(_median(st.state_delta), min_loops=3, max_loops=L),
+        "cosine": Cosine(_median(st.cosine), max_loops=L),
+        "acceleration": Acceleration(_median(torch.maximum(st4.accel, st4.accel_prev)), max_loops=L),
+        "argmax_patience": ArgmaxPatience(1, max_loops=L),
+        "minp_kl": MinPKL(_median(st.minp_kl), max_loops=L),
+        "uniform": Uniform(3),
+        "never": Never(max_loops=4),
+    }
+
+
+@pytest.mark.parametrize("family", ["kl", "state_delta", "state delta min 3", "cosine", "acceleration",
+                                    "argmax_patience", "minp_kl", "uniform", "never"])
+@pytest.mark.parametrize("slots", [None, 2])
+def test_every_request_decodes_as_it_would_alone(model, requests, rules, family, slots):
+    rule = rules[family.replace("state delta", "state_delta")]
+    prompts, states = requests
+    got = generate_continuous(model, prompts, list(NEW), rule, slots=slots, states=states)
+    assert got.slots == (len(prompts) if slots is None else slots)
+    depths = set()
+    for prompt, n, s0, c in zip(prompts, NEW, states, got.completions, strict=True):
+        alone = generate(model, prompt[None], n, rule, state=s0[None])
+        assert torch.equal(c.tokens, alone.tokens[0])
+        assert torch.equal(c.exit_loop, alone.exit_loop[0])
+        torch.testing.assert_close(c.logits, alone.logits[0], atol=ATOL, rtol=RTOL)
+        assert c.prompt_len == prompt.shape[0] and torch.equal(c.new_tokens, alone.new_tokens[0])
+        assert 0 <= c.admitted <= c.first_token <= c.finished <= got.seconds
+        depths |= set(c.exit_loop.tolist())
+    if family not in ("uniform", "never"):
+        assert len(depths) >= 2, "the rule must exit tokens at different loops to test anything"
+    assert got.steps > 0 and got.work.core > 0
+
+
+def test_rows_advance_on_their_own(model, requests, rules):
+    """The decode phase runs about the total depth of the deepest row's tokens, not the sum over rows of each
+    step's deepest token: one core step serves every row."""
+    prompts, states = requests
+    rule = rules["state_delta"]
+    got = generate_continuous(model, prompts, list(NEW), rule, states=states)
+    per_row = [int(c.exit_loop[c.prompt_len :].sum()) for c in got.completions]  # decode-phase loops per row
+    assert got.steps == max(per_row)
+    prompt_loops = sum(int(c.exit_loop[: c.prompt_len].sum()) for c in got.completions)
+    assert got.work.core == sum(per_row) + prompt_loops
+
+
+def test_serving_latency_and_sampling(model, requests, rules):
+    prompts, _ = requests
+    got = generate_continuous(model, prompts, 4, rules["kl"], slots=2, temperature=1.0,
+                              generator=torch.Generator().manual_seed(0), keep_logits=False)
+    assert [c.new_tokens.shape[0] for c in got.completions] == [4] * len(prompts)
+    assert all(c.logits is None for c in got.completions)
+    lat = got.latency()
+    assert 0 < lat["ttft p50"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= got.seconds
+    # serving: the later requests wait for a slot
+    assert got.completions[-1].admitted >= min(c.finished for c in got.completions[:2])
+
+
+def test_a_batch_tensor_and_drawn_states(model, rules):
+    prompt = torch.randint(0, V, (3, 4), generator=torch.Generator().manual_seed(5))
+    got = generate_continuous(model, prompt, 3, rules["cosine"], generator=torch.Generator().manual_seed(2))
+    for row, c in zip(prompt, got.completions, strict=True):
+        alone = generate(model, row[None], 3, rules["cosine"], state=c.initial_state[None])
+        assert torch.equal(c.tokens, alone.tokens[0])
+
+
+@dataclass
+class _Undeclared(HaltingRule):
+    """A rule of one's own that does not say what it reads (it could look at other tokens)."""
+
+    def criterion(self, stats):
+        return stats.kl < stats.kl.mean()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"prompts": []}, "prompts is empty"),
+    ({"prompts": torch.zeros(2, 3, 1, dtype=torch.long)}, "pass \\(B, T0\\) token ids"),
+    ({"max_new_tokens": [2, 2]}, "max_new_tokens has 2 entries for 1 prompts"),
+    ({"slots": 0}, "slots=0 is invalid"),
+    ({"rule": _Undeclared(max_loops=4)}, "does not declare the statistics"),
+    ({"max_new_tokens": 40}, "exceeds max_seq_len"),
+    ({"states": [torch.zeros(4, 32)]}, "state has shape \\(4, 32\\) but must be"),
+])
+def test_bad_arguments_are_one_line_errors(model, kwargs, match):
+    args = {"prompts": [torch.tensor([1, 2, 3])], "max_new_tokens": 2, "rule": Uniform(2)} | kwargs
+    with pytest.raises(DrcError, match=match):
+        generate_continuous(model, args.pop("prompts"), args.pop("max_new_tokens"), args.pop("rule"), **args)
+
+
+def test_decoder_timing_table(model, rules):
+    from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
+    from drc_core.experiments.speed import SpeedConfig
+
+    cfg = SpeedConfig(reference_loops=4, new_tokens=4, rounds=1, keep_freed=False)
+    prompt = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(9))
+    table = time_decoders(model, prompt, [rules["state_delta"]], cfg, batches=(1, 3))
+    assert len(table) == 2 * (1 + 2 * 2)  # per batch: dense, and generate + continuous for uniform and the rule
+    cont = table[table.path == "continuous"]
+    assert cont.same_as_generate.all() and (cont.steps > 0).all()
+    dense = table[table.path == "dense decode"]
+    assert (dense.x_dense == 1).all() and (dense.flop_speedup == 1).all()
+    assert (table.realization == table.x_dense / table.flop_speedup).all()
+    # the two halting decoders do the same work, token for token (the scheduling differs, not the compute)
+    work = table[table.path != "dense decode"].pivot_table(index=["batch", "rule"], columns="path",
+                                                          values="honest_flops")
+    assert (work.generate == work.continuous).all()
+    targets = decoder_targets(table, state_families=("StateDelta",), batches=(3,))
+    assert set(targets.target) == {"> 1", ">= 0.9", "<= 1.05"} and targets.met.dtype == bool
+    lat = serving_latency(model, prompt, rules["state_delta"], slots=2, new_tokens=[2, 4], cfg=cfg)
+    assert list(lat.path) == ["continuous", "generate"]
+    assert (lat.p50 <= lat.p99).all() and (lat.p99 <= lat.seconds * 1.5).all()
