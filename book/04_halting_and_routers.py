@@ -42,19 +42,32 @@ router_positions = 64  # harvested positions per window (all loops 1..L-1 of eac
 online_windows = (
     16  # held-out windows for the online (true per-token halting) check of the matched points
 )
+risk_alphas = [0.01, 0.02, 0.05, 0.1, 0.2]  # risk levels of the guarantee (share of tokens off depth `reference`)
+risk_delta = 0.1  # the guarantee holds with probability 1 - risk_delta over the calibration documents
+risk_splits = 100  # random halvings of the documents for the validity check
+risk_windows_per_doc = 4  # windows taken from each validation document for the guarantee
+risk_max_docs = 0  # at most this many validation documents, evenly spaced (0: all)
+risk_ce_tolerance = 0.1  # the CE risk: a token counts when its CE exceeds depth `reference`'s by more (nats)
 
 # %% tags=["hide-input"]
 # imports; the parameters' paths resolved against the repository root (any working directory)
 import time
 
+import numpy as np
+import pandas as pd
+from IPython.display import display
+
 from drc_core.analysis.measure import val_windows_with_docs
+from drc_core.api import document_windows
 from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
+from drc_core.halting.calibrate import loss_tables, min_units, validity, validity_summary
 from drc_core.halting.router import split_windows, trained_router_specs
 from drc_core.halting.sweep import (
     calibration_table,
+    default_families,
     default_rules,
     gap_table,
     matching_table,
@@ -182,6 +195,157 @@ cal[
 ].round(4)
 
 # %% [markdown]
+# ## Halting with a stated guarantee
+# The calibration above picks a threshold on one split and checks it on the other: no promise beyond that split.
+# Learn then Test (Angelopoulos et al. 2021; `drc_core.halting.calibrate`) gives one: for each family it tests the
+# grid's thresholds from the one that halts latest to the one that halts earliest, and returns the most aggressive
+# threshold whose risk it can certify, such that **with probability ≥ 1 − δ over the calibration documents, the
+# expected share of a new document's tokens whose top prediction differs from depth `reference` is ≤ α** (risk
+# `top1`; risk `ce`: whose CE exceeds depth `reference`'s by more than `risk_ce_tolerance`). Tokens of one document
+# are not independent, so the unit of the test is the document (its share of violating tokens, a number in
+# [0, 1], with a Hoeffding–Bentkus p-value): the price is that `n` counts documents, not tokens. Even a threshold
+# that never disagrees with depth `reference` is certified only from `min_units(α, δ)` documents on.
+
+#
+# Every validation document counts here (not only those the windows above reach; at most `risk_max_docs` where
+# set): `risk_windows_per_doc` windows spread over each one (`drc_core.api.document_windows`).
+
+# %%
+val_docs = corpus.docs[corpus.docs.split == "val"].sort_values("tok_start")
+if risk_max_docs and len(val_docs) > risk_max_docs:
+    val_docs = val_docs.iloc[np.linspace(0, len(val_docs) - 1, risk_max_docs).round().astype(int)]
+val_tokens = corpus.tokens("val")
+risk_windows, risk_units = document_windows(
+    None,
+    [val_tokens[a:b] for a, b in zip(val_docs.tok_start, val_docs.tok_end, strict=True)],
+    cfg.seq_len,
+    risk_windows_per_doc,
+)
+risk_families = default_families()
+tables = loss_tables(
+    model, risk_windows, risk_units, risk_families, tolerance=risk_ce_tolerance,
+    reference_loops=reference, max_loops=rule_max_loops,
+)
+top1 = tables["top1"]
+n_docs = len(top1.units)
+doc_source = val_docs.source.to_numpy()[top1.units]
+need = {a: min_units(a, risk_delta) for a in risk_alphas}
+print(
+    f"{n_docs} validation documents ({len(risk_windows)} windows of {cfg.seq_len} tokens; "
+    f"{pd.Series(doc_source).value_counts().to_dict()}); "
+    f"a half holds {n_docs // 2}"
+)
+for a, n_min in need.items():
+    verdict = "enough" if n_docs >= n_min else "too few: no certificate is possible"
+    half = "enough" if n_docs // 2 >= n_min else "too few"
+    print(f"alpha={a:g}, delta={risk_delta:g}: needs >= {n_min} documents; all {n_docs}: {verdict}; "
+          f"a half: {half}")
+
+# %% [markdown]
+# ### Certificates on every document
+# Each family calibrated on all the documents of these windows, per α (printed as the library prints them).
+
+# %%
+certs = []
+for risk_name, table in tables.items():
+    for a in risk_alphas:
+        row = [table.certify(fam, a, risk_delta) for fam in [*risk_families, "uniform"]]
+        certs += row
+        for cert in row:
+            if cert.threshold is not None:
+                print(f"[{risk_name}] {cert}")
+        none = [c.family for c in row if c.threshold is None]
+        if none:
+            print(f"[{risk_name}] alpha={a:g}: no threshold certified for {', '.join(none)} "
+                  f"(e.g. {row[[c.family for c in row].index(none[0])]})")
+cert_frame = pd.DataFrame([c.__dict__ for c in certs])
+certified = cert_frame[cert_frame.threshold.notna()]
+print(
+    f"\n{len(certified)} of {len(cert_frame)} (risk, alpha, family) settings certified; "
+    f"smallest alpha certified: "
+    f"{certified.alpha.min() if len(certified) else 'none'}"
+)
+cert_frame.pivot_table(
+    index="family", columns=["risk", "alpha"], values="avg_loops", aggfunc="first", dropna=False
+).round(2)
+
+# %% [markdown]
+# ### Is the guarantee kept? Random document splits
+# `risk_splits` random halvings of the documents: certify on one half (the family and, for comparison, uniform
+# depth), measure on the other. A split *violates* when the certified threshold's risk on the test half exceeds α
+# (the test half's risk is itself an estimate, so this overstates violations near α); a split without a
+# certificate cannot violate. The promise: at most δ of the splits violate, up to the Monte-Carlo error of
+# `risk_splits` splits (`violation_lo`–`violation_hi`: Clopper–Pearson 95%). `loops`: the certified rule's mean
+# exit loop on the test half; `saved_frac`: the share of loops it saves against the certified uniform depth.
+
+# %%
+rows = pd.concat(
+    [validity(top1, fam, risk_alphas, risk_delta, n_splits=risk_splits, seed=seed) for fam in risk_families]
+)
+valid = validity_summary(rows, risk_delta)
+kept = valid[valid.certified > 0]
+broken = valid[~valid.kept]
+print(
+    f"{len(valid)} (family, alpha) settings over {risk_splits} splits of {n_docs} documents "
+    f"({int(valid.n_calib.iloc[0])} for calibration): certified in at least one split: {len(kept)}; "
+    f"violation rate above delta beyond Monte-Carlo error: {len(broken)}"
+)
+for a in risk_alphas:
+    g = valid[valid.alpha == a]
+    print(f"alpha={a:g}: certified in {g.certified.mean():.0%} of splits (mean over families), "
+          f"highest violation rate {g.violation.max():.3f} (delta {risk_delta:g})")
+valid[["family", "alpha", "certified", "violation", "violation_lo", "violation_hi", "test_risk", "loops",
+       "uniform_depth", "saved_frac"]].round(3)
+
+# %%
+viz.risk_validity(valid)
+
+# %% [markdown]
+# ### Under shift: calibrate on Wikipedia, test on State of the Union
+# The guarantee assumes new documents come from the calibration documents' distribution. Here the calibration
+# documents are the Wikipedia ones and the test documents the State of the Union ones (and the reverse). Whether
+# a certificate is possible at all depends on how many documents each source has; the per-source risk of every
+# threshold shows the shift whether or not anything is certified.
+
+# %%
+wiki = np.flatnonzero(doc_source == "wikipedia")
+sotu = np.flatnonzero(doc_source == "sotu")
+shift_rows = []
+for name, cal_idx, test_idx in (("wikipedia -> sotu", wiki, sotu), ("sotu -> wikipedia", sotu, wiki)):
+    if len(cal_idx) == 0 or len(test_idx) == 0:
+        print(f"{name}: no documents of one source in these windows")
+        continue
+    for fam in risk_families:
+        r = validity(top1, fam, risk_alphas, risk_delta, calib=cal_idx, test=test_idx)
+        shift_rows.append(r.assign(direction=name))
+shift = pd.concat(shift_rows) if shift_rows else pd.DataFrame()
+if len(shift):
+    got = shift[shift.certified]
+    print(
+        f"{len(got)} of {len(shift)} (direction, family, alpha) settings certified; of those, "
+        f"{int(got.violated.sum())} exceed alpha on the other source"
+    )
+    for (d, a), g in got.groupby(["direction", "alpha"]):
+        print(f"  {d}, alpha={a:g}: {len(g)} families certified, test risk "
+              f"{g.test_risk.min():.3f}-{g.test_risk.max():.3f}, {int(g.violated.sum())} violate")
+    display(got[["direction", "family", "alpha", "n_calib", "n_test", "threshold", "test_risk", "violated",
+                 "loops"]].round(4))
+
+# %%
+# the same thresholds' mean per-document risk on each source (all documents; KL and state-change families)
+by_source = []
+for fam in [f for f in ("kl", "state_delta") if f in risk_families]:
+    for j, spec in enumerate(top1.specs[fam]):
+        row = {"family": fam, "threshold": spec.param}
+        for src, idx in (("wikipedia", wiki), ("sotu", sotu)):
+            if len(idx):
+                row[f"risk_{src}"] = float(top1.risks[fam][j, idx].mean())
+                row[f"loops_{src}"] = float(top1.loops[fam][j, idx].mean())
+        by_source.append(row)
+by_source = pd.DataFrame(by_source)
+by_source.round(4)
+
+# %% [markdown]
 # ## Offline replay versus true per-token halting
 # The point of each family that matched the CE target above, rerun online on `online_windows` held-out
 # windows: frozen states, exit-loop keys/values offered to later tokens (the semantics of
@@ -223,6 +387,15 @@ results = {
     "online_check": online[
         ["family", "param", "avg_depth_offline", "avg_depth_online", "ce_offline", "ce_online"]
     ].to_dict("records"),
+    "risk_control": {
+        "delta": risk_delta,
+        "alphas": risk_alphas,
+        "n_documents": n_docs,
+        "min_documents": {f"{a:g}": n for a, n in need.items()},
+        "certificates": cert_frame.to_dict("records"),
+        "validity": valid.to_dict("records"),
+        "shift": [] if not len(shift) else shift.to_dict("records"),
+    },
     "notebook_seconds": time.time() - t0,
 }
 save_results(results_dir, "04_halting_and_routers", results)

@@ -52,6 +52,7 @@ from drc_core.errors import DrcError, need_eps, need_int
 __all__ = [
     "LOG_FLOOR",
     "NAN_COLOR",
+    "CLASS_COLORS",
     "DepthExplorer",
     "class_depth_bars",
     "depth_histogram",
@@ -60,6 +61,7 @@ __all__ = [
     "loss_vs_depth",
     "per_loop_figure",
     "quality_vs_depth",
+    "risk_validity",
     "speedup_bars",
     "token_strip_html",
 ]
@@ -388,6 +390,39 @@ def speedup_bars(table: pd.DataFrame) -> go.Figure:
                   xaxis_title="setting / rule", yaxis_title="speed-up (x)", legend={"orientation": "h", "y": -0.25})
 
 
+def risk_validity(summary: pd.DataFrame) -> go.Figure:
+    """Risk-controlled halting over random document splits, per family against ``alpha``: left, the share of splits
+    whose certified threshold's test risk exceeds alpha (Clopper-Pearson interval) beside the promised ``delta``;
+    right, the loops it saves against the certified uniform depth. Columns of
+    :func:`drc_core.halting.calibrate.validity_summary`."""
+    _need_columns(summary, ("family", "alpha", "violation", "violation_lo", "violation_hi", "delta", "saved_frac",
+                            "certified"), "validity_summary(...) rows")
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=("splits whose test risk exceeds alpha", "loops saved vs certified uniform"))
+    alphas = sorted(summary["alpha"].unique())
+    for i, (fam, g) in enumerate(summary.groupby("family", sort=False)):
+        color = _PALETTE[i % len(_PALETTE)]
+        x = [f"{a:g}" for a in g["alpha"]]
+        v = _floats(g["violation"])
+        err = {"type": "data", "symmetric": False, "array": _floats(g["violation_hi"]) - v,
+               "arrayminus": v - _floats(g["violation_lo"])}
+        hover = "alpha %{x}<br>%{y:.3f}<br>certified in %{customdata:.0%} of splits<extra>" + html.escape(fam) + \
+            "</extra>"
+        fig.add_trace(go.Scatter(x=x, y=v, error_y=err, mode="markers+lines", name=fam, legendgroup=fam,
+                                 marker_color=color, customdata=_floats(g["certified"]), hovertemplate=hover),
+                      row=1, col=1)
+        fig.add_trace(go.Scatter(x=x, y=_floats(g["saved_frac"]), mode="markers+lines", name=fam, legendgroup=fam,
+                                 showlegend=False, marker_color=color, customdata=_floats(g["certified"]),
+                                 hovertemplate=hover.replace("%{y:.3f}", "%{y:.1%} fewer loops")), row=1, col=2)
+    delta = float(summary["delta"].iloc[0])
+    fig.add_trace(go.Scatter(x=[f"{a:g}" for a in alphas], y=[delta] * len(alphas), mode="lines",
+                             name=f"delta = {delta:g}", line={"color": "grey", "dash": "dash"}), row=1, col=1)
+    fig.update_xaxes(title_text="alpha (risk level)", type="category")
+    fig.update_yaxes(title_text="share of splits", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="share of loops saved", tickformat=".0%", row=1, col=2)
+    return _style(fig, "Is the guarantee kept? Random halvings of the documents", height=HEIGHT + 40)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The per-token depth explorer: shared pieces
 
@@ -405,17 +440,32 @@ _MODES = {
     "kl": _Mode("kl", "kl_prev", "KL(p_l ‖ p_{l−1})", "nats", True),
     "state": _Mode("state", "state_delta", "state change ‖s_l − s_{l−1}‖/‖s_l‖", "relative", True),
     "entropy": _Mode("entropy", "entropy", "entropy H(p_l)", "nats", False),
+    "contraction": _Mode("contraction", "contraction", "contraction ‖s_l − s_{l−1}‖/‖s_{l−1} − s_{l−2}‖", "ratio",
+                         True),
+    "commit": _Mode("commit", "commit_loop", "commit loop (the argmax no longer changes from it on)", "loop", False),
+    "class": _Mode("class", None, "dynamics class (settled / oscillating / contracting / drifting)", "", False),
     "converged": _Mode("converged", None, "converged / still updating", "", False),
 }
-_ALIASES = {"kl_prev": "kl", "state_delta": "state"}
+_ALIASES = {"kl_prev": "kl", "state_delta": "state", "commit_loop": "commit", "dyn_class": "class"}
+_CATEGORICAL = ("class", "converged")  # colours by category, not on a scale
+# the dynamics columns of a drc_core.trace frame (analysis.dynamics); a frame without them has no such modes
+_DYNAMICS_MODES = {"contraction": "contraction", "commit": "commit_loop", "class": "dyn_class"}
+CLASS_COLORS = {"settled": "#1a9850", "contracting": "#a6d96a", "oscillating": "#8073ac", "drifting": "#d73027"}
 
 
 def _mode(mode: str, allow_converged: bool = True) -> _Mode:
     key = _ALIASES.get(mode, mode) if isinstance(mode, str) else mode
-    options = [k for k in _MODES if allow_converged or k != "converged"]
+    options = [k for k in _MODES if allow_converged or k not in _CATEGORICAL]
     if key not in options:
         raise DrcError(f"unknown metric/mode {mode!r}; use one of {options} (or 'kl_prev', 'state_delta')")
     return _MODES[key]
+
+
+def _need_mode(p: _Passage, mode: _Mode) -> None:
+    column = _DYNAMICS_MODES.get(mode.key)
+    if column is not None and column not in p.values and not (mode.key == "class" and p.classes is not None):
+        raise DrcError(f"colour by {mode.key!r} needs the frame's {column!r} column: trace with drc_core.trace "
+                       "(it keeps the per-token dynamics)")
 
 
 def _visible(text: str) -> str:
@@ -454,6 +504,7 @@ class _Passage:
     values: dict[str, np.ndarray]  # column -> (n, L)
     depth: np.ndarray  # (n,) convergence depth
     settled: np.ndarray  # (n,) converged within the frame's loops
+    classes: np.ndarray | None = None  # (n,) dynamics class, where the frame has ``dyn_class``
 
     def loop_index(self, loop: object) -> int:
         if isinstance(loop, bool) or not isinstance(loop, int | np.integer) or int(loop) not in self.loops:
@@ -484,7 +535,8 @@ def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tok
     li = np.searchsorted(loops, sub["loop"].to_numpy())
     if len(sub) != len(pos) * len(loops) or len(np.unique(pi * len(loops) + li)) != len(sub):
         raise DrcError(f"window {window} does not have exactly one row per (pos, loop); pass a measure_windows frame")
-    columns = ["kl_prev", "state_delta", "entropy", *(c for c in ("kl_final", "ce") if c in sub.columns)]
+    optional = ("kl_final", "ce", "norm", "contraction", "commit_loop")
+    columns = ["kl_prev", "state_delta", "entropy", *(c for c in optional if c in sub.columns)]
     values = {}
     for c in columns:
         m = np.full((len(pos), len(loops)), math.nan)
@@ -492,9 +544,13 @@ def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tok
         values[c] = m
     ids = np.zeros(len(pos), np.int64)
     ids[pi] = sub["token"].to_numpy(np.int64)
+    classes = None
+    if "dyn_class" in sub.columns:
+        classes = np.full(len(pos), None, dtype=object)
+        classes[pi] = sub["dyn_class"].to_numpy(object)
     depths = convergence_depth(sub, float(eps))  # sorted by window, pos like ``pos``
     return _Passage(int(window), float(eps), pos, ids, token_texts(tokenizer, ids), loops, values,
-                    depths["depth"].to_numpy(np.int64), depths["converged"].to_numpy(bool))
+                    depths["depth"].to_numpy(np.int64), depths["converged"].to_numpy(bool), classes)
 
 
 def _color_range(p: _Passage, mode: _Mode) -> tuple[np.ndarray, float, float, list[list]]:
@@ -505,8 +561,8 @@ def _color_range(p: _Passage, mode: _Mode) -> tuple[np.ndarray, float, float, li
         v = np.log10(np.maximum(raw, LOG_FLOOR)) if mode.log else raw.copy()
     finite = v[np.isfinite(v)]
     lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    if mode.key == "kl":
-        mid = math.log10(p.eps)
+    if mode.key in ("kl", "contraction"):  # diverging: around eps (KL), around 1 (contraction: shrinking steps)
+        mid = math.log10(p.eps) if mode.key == "kl" else 0.0
         lo, hi = min(lo, mid - 1), max(hi, mid + 1)
         f = (mid - lo) / (hi - lo)
         scale = [[0.0, _KL_SCALE[0]], [f, _KL_SCALE[1]], [1.0, _KL_SCALE[2]]]
@@ -539,9 +595,14 @@ def _strip_parts(p: _Passage, loop: int, mode: _Mode) -> tuple[str, list[str], l
     """The passage at ``loop`` in ``mode``: the header line (window, loop, colour legend) as HTML, and per token
     its background colour and its hover text (values at that loop, depth, status)."""
     j = p.loop_index(loop)
+    _need_mode(p, mode)
     kl, sd, ent = p.values["kl_prev"][:, j], p.values["state_delta"][:, j], p.values["entropy"][:, j]
     conv = p.converged_at(int(loop))
-    if mode.column is None:
+    if mode.key == "class":
+        colors = [CLASS_COLORS.get(c, NAN_COLOR) for c in p.classes]
+        legend = " ".join(f"<span style='background:{c};color:{_ink(c)}'>&nbsp;{k}&nbsp;</span>"
+                          for k, c in CLASS_COLORS.items()) + " (over the traced loops; grey: too few loops)"
+    elif mode.column is None:
         colors = [CONVERGED_COLOR if c else UPDATING_COLOR for c in conv]
         legend = (f"<span style='background:{CONVERGED_COLOR}'>&nbsp;converged&nbsp;</span> "
                   f"<span style='background:{UPDATING_COLOR}'>&nbsp;still updating&nbsp;</span> "
@@ -560,8 +621,15 @@ def _strip_parts(p: _Passage, loop: int, mode: _Mode) -> tuple[str, list[str], l
     titles = []
     for i, text in enumerate(p.texts):
         status = "converged" if conv[i] else "still updating"
+        dyn = ""
+        if "contraction" in p.values:
+            dyn += f", contraction {_fmt(p.values['contraction'][i, j])}"
+        if "commit_loop" in p.values:
+            dyn += f", commits at loop {_fmt(p.values['commit_loop'][i, j])}"
+        if p.classes is not None:
+            dyn += f", {p.classes[i]}"
         titles.append(f"pos {int(p.pos[i])} {text!r}: KL {_fmt(kl[i])} nats, state change {_fmt(sd[i])}, "
-                      f"entropy {_fmt(ent[i])} nats, depth {int(p.depth[i])}, {status}")
+                      f"entropy {_fmt(ent[i])} nats, depth {int(p.depth[i])}, {status}{dyn}")
     header = (f"<div style='font-size:90%;margin-bottom:4px'>window {p.window}, loop {int(loop)} of "
               f"{int(p.loops[-1])}: {legend}</div>")
     return header, colors, titles
@@ -587,7 +655,10 @@ def token_strip_html(frame: pd.DataFrame, window: int, loop: int, tokenizer, eps
     """The first ``max_tokens`` tokens of ``window`` as HTML, one ``<span>`` per token coloured at ``loop``.
 
     ``mode``: ``"kl"`` (successive KL, log scale, yellow at ``eps``), ``"state"`` (state change, log scale),
-    ``"entropy"`` or ``"converged"`` (green: converged by ``loop``, red: still updating). Colour ranges are
+    ``"entropy"`` or ``"converged"`` (green: converged by ``loop``, red: still updating); for a
+    :func:`drc_core.trace` frame also the per-token dynamics: ``"contraction"`` (the factor by which the step
+    into loop l shrank, log scale, yellow at 1), ``"commit"`` (the commit loop) and ``"class"``
+    (:data:`CLASS_COLORS`). Colour ranges are
     fixed over the passage's loops. Each span's ``title`` gives the token's values; text is HTML-escaped and
     newlines show as ↵ plus a line break.
     """
@@ -610,6 +681,7 @@ def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float 
     mode = _mode(metric, allow_converged=False)
     need_int("line_chars", line_chars, 8)
     p = _passage(frame, window, tokenizer, eps, max_tokens)
+    _need_mode(p, mode)
     v, lo, hi, scale = _color_range(p, mode)
     rows, starts, widths = _wrap(p.texts, line_chars)
     n_rows = int(rows.max()) + 1
@@ -668,7 +740,9 @@ class DepthExplorer:
       token x loop frame, window 0, e.g. ``lambda s: drc_core.trace(model, s, 32, tokenizer=tok).frame``) and
       shown in this same explorer; :meth:`show_text` does the same from code, and ``text=`` does it at once;
     - ``slider`` (``IntSlider`` over the passage's loops, the full width of the output, one step per loop) and
-      ``metric`` (``ToggleButtons``: ``"kl"``, ``"state"``, ``"entropy"``, ``"converged"``), which redraw
+      ``metric`` (``ToggleButtons``, colour by: ``"kl"``, ``"state"``, ``"entropy"``, and where the frame comes
+      from :func:`drc_core.trace` the per-token dynamics ``"contraction"``, ``"commit"`` (commit loop) and
+      ``"class"`` (settled / oscillating / contracting / drifting), then ``"converged"``), which redraw
       ``text`` (an ``HTML`` header: window, loop and colour legend) and recolour ``token_buttons``;
     - ``tokens``: the passage itself, one ``Button`` per token (``token_buttons``) coloured as
       :func:`token_strip_html` colours its spans, with that token's values as tooltip; clicking one selects it;
@@ -696,9 +770,8 @@ class DepthExplorer:
         self.passage = _passage(frame, window, tokenizer, eps, max_tokens)
         self.slider = widgets.IntSlider(value=1, min=1, max=2, step=1, description="loop", continuous_update=True,
                                         layout=full(), style={"description_width": "initial"})
-        self.metric = widgets.ToggleButtons(
-            options=[("KL", "kl"), ("state change", "state"), ("entropy", "entropy"),
-                     ("converged?", "converged")], value="kl", description="colour")
+        self.metric = widgets.ToggleButtons(options=self._metric_options(self.passage), value="kl",
+                                            description="colour")
         self.text = widgets.HTML(layout=full())
         self.text.add_class("drc-explorer-header")
         self.tokens = widgets.Box(layout=widgets.Layout(display="flex", flex_flow="row wrap", width="100%",
@@ -763,10 +836,28 @@ class DepthExplorer:
                              f"{int(passage.loops[-1])} loops")
         self._show(passage)
 
+    @staticmethod
+    def _metric_options(p: _Passage) -> list[tuple[str, str]]:
+        """The colour-by choices: the statistics, then the per-token dynamics where the frame has them."""
+        options = [("KL", "kl"), ("state change", "state"), ("entropy", "entropy")]
+        dynamics = [("contraction", "contraction"), ("commit loop", "commit"), ("class", "class")]
+        present = {"contraction": "contraction" in p.values, "commit": "commit_loop" in p.values,
+                   "class": p.classes is not None}
+        return [*options, *(o for o in dynamics if present[o[1]]), ("converged?", "converged")]
+
     def _show(self, passage: _Passage) -> None:
         """Make ``passage`` the explorer's: slider range, one button per token, first token selected, redraw."""
         widgets = self._widgets
         self.passage = p = passage
+        options = self._metric_options(p)
+        if list(self.metric.options) != options:
+            self._quiet = True
+            try:
+                value = self.metric.value if self.metric.value in dict(options).values() else "kl"
+                self.metric.options = options
+                self.metric.value = value
+            finally:
+                self._quiet = False
         first = int(p.loops[1]) if len(p.loops) > 1 else int(p.loops[0])
         self._quiet = True
         try:
