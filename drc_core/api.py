@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 from tokenizers import Tokenizer
 
+from drc_core.analysis.dynamics import classify, commit_loop, token_dynamics
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
 from drc_core.data.sampler import eval_windows
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # the explorer needs the book extras (plotly, ipywidgets): im
 __all__ = ["Generation", "Model", "Trace", "calibrate", "generate", "load", "trace"]
 
 TOKENIZER_FILE = "tokenizer.json"
+MATRIX_COLUMNS = ("kl_prev", "kl_final", "state_delta", "entropy", "ce", "norm", "contraction")
 
 
 @dataclass
@@ -57,6 +59,13 @@ class Trace:
     loop 1), ``kl_final`` = KL(p_L || p_l) (0 at loop L), ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l||,
     ``entropy`` (nats), ``ce`` = -log p_l(next token) -- NaN at the last position, whose next token is
     unknown, and everywhere when ``targets=False``. :meth:`matrix` gives one column as a (T, L) array.
+
+    The per-token dynamics (:mod:`drc_core.analysis.dynamics`, from a pass with the same initial state): per loop
+    ``norm`` = ||s_l|| and ``contraction`` = ||s_l - s_{l-1}|| / ||s_{l-1} - s_{l-2}|| (the factor rho_{l-1} by which
+    the step into loop l shrank; NaN at loops 1-2); per token (the same on every loop's row) ``dyn_class``, one of
+    settled / oscillating / contracting / drifting (:func:`~drc_core.analysis.dynamics.classify` over the last
+    ``min(8, L - 2)`` factors), and ``commit_loop``, the loop from which its argmax no longer changes up to L.
+    :meth:`dynamics` gives them one row per token.
     """
 
     ids: np.ndarray
@@ -67,9 +76,26 @@ class Trace:
 
     def matrix(self, column: str) -> np.ndarray:
         """``column`` of :attr:`frame` as a (T, L) float array (row = position, column = loop - 1)."""
-        if column not in ("kl_prev", "kl_final", "state_delta", "entropy", "ce"):
-            raise DrcError(f"column={column!r} is not a statistic; use kl_prev, kl_final, state_delta, entropy or ce")
+        if column not in MATRIX_COLUMNS:
+            raise DrcError(f"column={column!r} is not a statistic; use {', '.join(MATRIX_COLUMNS)}")
         return self.frame[column].to_numpy(np.float64).reshape(len(self.ids), self.max_loops)
+
+    def dynamics(self) -> pd.DataFrame:
+        """Per token: ``pos``, ``text``, ``dyn_class``, ``commit_loop``, ``contraction`` (the geometric mean of the
+        contraction factors over the last ``min(8, L - 2)`` loops, as :func:`~drc_core.analysis.dynamics.classify`
+        reads them), ``norm_first`` and ``norm_last`` (||s_1||, ||s_L||)."""
+        tail = min(8, self.max_loops - 2)
+        gm = np.full(len(self.ids), np.nan)
+        if tail > 0:
+            with np.errstate(divide="ignore"):
+                log_rho = np.log(self.matrix("contraction")[:, -tail:])
+            ok = np.isfinite(log_rho).any(axis=1)  # a token whose steps vanished has no factor
+            gm[ok] = np.exp(np.nanmean(log_rho[ok], axis=1))
+        first = self.frame[self.frame["loop"] == 1].sort_values("pos")
+        norm = self.matrix("norm")
+        return pd.DataFrame({"pos": np.arange(len(self.ids)), "text": self.tokens,
+                             "dyn_class": first["dyn_class"].to_numpy(), "commit_loop": first["commit_loop"].to_numpy(),
+                             "contraction": gm, "norm_first": norm[:, 0], "norm_last": norm[:, -1]})
 
     def convergence_depth(self, eps: float = DEFAULT_EPS) -> pd.DataFrame:
         """Per token: ``pos``, ``text``, ``depth`` (the first loop after which KL(p_l || p_{l-1}) stays below
@@ -122,6 +148,27 @@ def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torc
     return ids
 
 
+def _add_dynamics(frame: pd.DataFrame, model: RecurrentModel, window: torch.Tensor, max_loops: int, seed: int) -> None:
+    """The :class:`Trace` dynamics columns, in place (frame rows are ordered by pos, then loop)."""
+    t_len = window.shape[1] - 1
+    if max_loops < 3:  # no contraction factor yet: nothing to classify
+        frame["norm"], frame["contraction"] = np.float32(math.nan), np.float32(math.nan)
+        frame["dyn_class"], frame["commit_loop"] = None, -1
+        return
+    dyn = token_dynamics(model, window, max_loops, seed=seed)
+    order = np.lexsort((frame["loop"].to_numpy(), frame["pos"].to_numpy()))
+    if not (order == np.arange(len(frame))).all():
+        raise DrcError("the trace frame is not ordered by position and loop")  # measure_windows' order
+    contraction = np.full((t_len, max_loops), np.nan, np.float32)
+    contraction[:, 2:] = dyn.contraction()[0]  # rho_{l-1} = step_l / step_{l-1} at loop l
+    cls = classify(dyn, tail=min(8, max_loops - 2))[0]
+    commit = commit_loop(dyn.argmax[0])
+    frame["norm"] = dyn.norm[0].reshape(-1)
+    frame["contraction"] = contraction.reshape(-1)
+    frame["dyn_class"] = np.repeat(cls, max_loops)
+    frame["commit_loop"] = np.repeat(commit, max_loops)
+
+
 def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, *,
           tokenizer: Tokenizer | None = None, targets: bool = True, seed: int = EVAL_STATE_SEED) -> Trace:
     """Run a text (with ``tokenizer``) or token ids through ``max_loops`` loops of ``model`` and keep, per
@@ -141,6 +188,7 @@ def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor
         frame["target"] = -1
     texts = token_texts(tokenizer, ids.tolist())
     frame["text"] = [texts[int(p)] for p in frame["pos"]]
+    _add_dynamics(frame, model, window, max_loops, seed)
     return Trace(ids=ids, tokens=texts, frame=frame, tokenizer=tokenizer, max_loops=max_loops)
 
 

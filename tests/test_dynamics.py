@@ -55,3 +55,34 @@ def test_the_pass_agrees_with_the_measurement_frame(tiny_model_factory, one_thre
     assert (dyn.argmax == frame.argmax.to_numpy().reshape(3, 8, 6)).all()
     assert np.isnan(dyn.step[..., 0]).all() and np.isnan(dyn.step2[..., :2]).all()
     assert dyn.contraction().shape == (3, 8, 4)
+
+
+def test_trace_keeps_the_per_token_dynamics(tiny_model_factory, one_thread):
+    """drc_core.trace adds norm and contraction per loop, class and commit loop per token: the same numbers
+    token_dynamics, classify and commit_loop give on that sequence."""
+    import drc_core
+
+    torch.manual_seed(1)
+    model = tiny_model_factory(64, core_scale=3.0)
+    ids = torch.randint(0, 64, (10,))
+    tr = drc_core.trace(model, ids, 12)
+    window = torch.cat([ids, ids[-1:]])[None]
+    dyn = token_dynamics(model, window, 12)
+    np.testing.assert_allclose(tr.matrix("norm"), dyn.norm[0], rtol=1e-6)
+    rho = tr.matrix("contraction")
+    assert np.isnan(rho[:, :2]).all()
+    np.testing.assert_allclose(rho[:, 2:], dyn.contraction()[0], rtol=1e-5)
+    # the step into loop l over the step into loop l-1
+    np.testing.assert_allclose(rho[:, 5], dyn.step[0, :, 5] / dyn.step[0, :, 4], rtol=1e-5)
+    per_token = tr.dynamics()
+    assert per_token["dyn_class"].tolist() == classify(dyn, tail=8)[0].tolist()
+    assert per_token["commit_loop"].tolist() == commit_loop(dyn.argmax[0]).tolist()
+    assert per_token["text"].tolist() == tr.tokens and len(per_token) == 10
+    np.testing.assert_allclose(per_token["contraction"],
+                               np.exp(np.nanmean(np.log(dyn.contraction()[0, :, -8:]), axis=1)), rtol=1e-5)
+    # every loop's row of a token carries its class and commit loop
+    assert (tr.frame.groupby("pos")["dyn_class"].nunique() == 1).all()
+    short = drc_core.trace(model, ids, 4)  # tail shrinks to the loops there are
+    assert short.dynamics()["dyn_class"].isin(["settled", "oscillating", "contracting", "drifting"]).all()
+    two = drc_core.trace(model, ids, 2)  # no contraction factor: nothing to classify
+    assert np.isnan(two.matrix("contraction")).all() and two.dynamics()["dyn_class"].isna().all()

@@ -369,3 +369,41 @@ def test_number_table_keeps_small_kl_values_readable():
     html = viz.number_table(df).to_html()
     assert "5.92e-05" in html and "2.79e-05" in html  # DataFrame.round(4) would show 0.0001 and 0.0000
     assert ">256<" in html and "3.750" in html and ">a<" in html
+
+
+def test_explorer_colours_by_the_per_token_dynamics(tok, tiny_model_factory, frame):
+    """A drc_core.trace frame carries contraction, commit loop and class: the explorer offers them as colour-by
+    options, colours as token_strip_html does, and names them in each token's tooltip; a measure_windows frame
+    has no such options, and asking for one is a one-line error."""
+    import drc_core
+
+    model = tiny_model_factory(tok.get_vocab_size(), core_scale=3.0)
+    tr = drc_core.trace(model, "The dog ran after the cat, and the cat ran up the tree.", 12, tokenizer=tok)
+    ex = viz.DepthExplorer(tr.frame, tok, eps=EPS)
+    values = [v for _, v in ex.metric.options]
+    assert values == ["kl", "state", "entropy", "contraction", "commit", "class", "converged"]
+    per_token = tr.dynamics()
+    ex.metric.value = "class"
+    colours = [b.style.button_color for b in ex.token_buttons]
+    assert colours == [viz.CLASS_COLORS[c] for c in per_token["dyn_class"]]
+    assert colours == span_colors(viz.token_strip_html(tr.frame, 0, 2, tok, eps=EPS, mode="class"))
+    assert "oscillating" in ex.text.value and per_token["dyn_class"][0] in ex.token_buttons[0].tooltip
+    for mode in ("commit", "contraction"):
+        ex.metric.value = mode
+        ex.slider.value = 6
+        assert [b.style.button_color for b in ex.token_buttons] == span_colors(
+            viz.token_strip_html(tr.frame, 0, 6, tok, eps=EPS, mode=mode))
+    commit = per_token["commit_loop"].to_numpy()
+    ex.metric.value = "commit"
+    first = [b.style.button_color for b, c in zip(ex.token_buttons, commit, strict=True) if c == commit.min()]
+    assert len(set(first)) == 1  # one commit loop, one colour
+    assert f"commits at loop {commit[0]}" in ex.token_buttons[0].tooltip
+    fig = viz.depth_slider_figure(tr.frame, 0, tok, eps=EPS, metric="contraction")
+    assert len(fig.frames) == 12
+    # the measured frame has none of these: the options stay the statistics, a request is refused
+    plain = viz.DepthExplorer(frame, tok, window=0, eps=EPS, max_tokens=8)
+    assert [v for _, v in plain.metric.options] == ["kl", "state", "entropy", "converged"]
+    with pytest.raises(DrcError, match="needs the frame's 'dyn_class' column"):
+        viz.token_strip_html(frame, 0, 2, tok, mode="class")
+    with pytest.raises(DrcError, match="unknown metric/mode 'class'"):
+        viz.depth_slider_figure(tr.frame, 0, tok, metric="class")
