@@ -155,6 +155,24 @@ def last_ckpt(s: Site) -> Path:
     return sorted((s.run / "checkpoints").glob("step-*"))[-1]
 
 
+def swap_tokenizer(s: Site) -> None:
+    """Replace the corpus's tokenizer.json by another corpus's (same vocabulary size, another BPE)."""
+    shutil.copy(s.other / "tokenizer.json", s.corpus / "tokenizer.json")
+
+
+def poke_token(path: Path, value: int = 65535) -> None:
+    """Set one token id of a uint16 token file to ``value`` (above a vocabulary of 512)."""
+    raw = bytearray(path.read_bytes())
+    raw[2:4] = value.to_bytes(2, "little")
+    path.write_bytes(bytes(raw))
+
+
+def add_foreign(s: Site) -> None:
+    """A user's file and a training run inside the prepared corpus directory."""
+    write(s.corpus / "notes.txt", "mine")
+    shutil.copytree(s.run, s.corpus / "my-run")
+
+
 @dataclass(frozen=True)
 class Row:
     id: str
@@ -200,6 +218,12 @@ ROWS = [
         setup=lambda s: ((s.tmp / "d").mkdir(), write(s.tmp / "d" / "notes.txt", "mine"))),
     Row("prepare-damaged-meta", DATA, lambda s: prepare_args(s.corpus), ("damaged prepared corpus", "--force"),
         setup=lambda s: write(s.corpus / "meta.json", "")),
+    Row("prepare-rebuild-would-delete-foreign-files", DATA, lambda s: prepare_args(s.corpus, "--seed", "1"),
+        ("holds a prepared corpus and other files", "my-run, notes.txt", "move them out"), setup=add_foreign),
+    Row("prepare-force-would-delete-foreign-files", DATA, lambda s: prepare_args(s.corpus, "--force"),
+        ("holds a prepared corpus and other files", "nothing was changed"), setup=add_foreign),
+    Row("prepare-cached-tokenizer-swapped", DATA, lambda s: prepare_args(s.corpus),
+        ("not the tokenizer recorded", "restore it"), setup=swap_tokenizer),
     # ---- train
     Row("train-out-not-empty", TRAIN, lambda s: train_args(s, out=s.tmp / "d"), ("is not empty", "--resume"),
         setup=lambda s: ((s.tmp / "d").mkdir(), write(s.tmp / "d" / "notes.txt", "mine"))),
@@ -252,6 +276,20 @@ ROWS = [
     Row("train-vocab-mismatch", TRAIN, lambda s: train_args(s, "model.vocab_size=1024", out=s.tmp / "r"),
         ("vocab 512", "model.vocab_size=512")),
     Row("train-negative-seed", TRAIN, lambda s: train_args(s, "seed=-1", out=s.tmp / "r"), ("seed=-1", ">= 0")),
+    Row("train-tokenizer-swapped", TRAIN, lambda s: train_args(s, out=s.tmp / "r"),
+        ("not the tokenizer recorded", "restore it"), setup=swap_tokenizer),
+    Row("train-token-id-above-vocab", TRAIN, lambda s: train_args(s, out=s.tmp / "r"),
+        ("train.bin holds token id 65535", "prepare it again"), setup=lambda s: poke_token(s.corpus / "train.bin")),
+    Row("train-set-beta2-above-one", TRAIN, lambda s: train_args(s, "beta2=1.5", out=s.tmp / "r"),
+        ("beta2=1.5", "[0, 1)")),
+    Row("train-set-lr-inf", TRAIN, lambda s: train_args(s, "lr=inf", out=s.tmp / "r"), ("lr=inf", "finite")),
+    Row("train-set-weight-decay-nan", TRAIN, lambda s: train_args(s, "weight_decay=nan", out=s.tmp / "r"),
+        ("weight_decay=nan", "finite")),
+    Row("train-set-huge-seed", TRAIN, lambda s: train_args(s, f"seed={2**64}", out=s.tmp / "r"),
+        ("largest seed", "smaller seed")),
+    Row("train-set-uniform-high-unbounded", TRAIN,
+        lambda s: train_args(s, "recurrence.scheme=uniform", "recurrence.high=100000", out=s.tmp / "r"),
+        ("recurrence.high=100000", "limit of 1024")),
     # ---- evaluate
     Row("eval-loops-negative", EVAL, lambda s: eval_args(s, "--loops=-2,0,4"), ("--loops=-2", ">= 1")),
     Row("eval-loops-word", EVAL, lambda s: eval_args(s, "--loops", "abc"), ("--loops 'abc'", "e.g. --loops 1,4,8")),
@@ -275,6 +313,15 @@ ROWS = [
         setup=lambda s: truncate(s.corpus / "val.bin")),
     Row("eval-json-into-missing-dir", EVAL, lambda s: eval_args(s, "--json", str(s.tmp / "no" / "x.json")),
         ("does not exist",)),
+    Row("eval-json-onto-the-runs-config", EVAL, lambda s: eval_args(s, "--json", str(s.run / "config.json")),
+        ("exists and was not written by", "choose a new file name")),
+    Row("eval-json-onto-a-users-file", EVAL, lambda s: eval_args(s, "--json", str(s.tmp / "notes.json")),
+        ("exists and was not written by",), setup=lambda s: write(s.tmp / "notes.json", '{"mine": 1}')),
+    Row("eval-json-is-a-directory", EVAL, lambda s: eval_args(s, "--json", str(s.tmp)), ("is a directory",)),
+    Row("eval-tokenizer-swapped", EVAL, lambda s: eval_args(s), ("not the tokenizer recorded", "restore it"),
+        setup=swap_tokenizer),
+    Row("eval-token-id-above-vocab", EVAL, lambda s: eval_args(s), ("val.bin holds token id 65535",),
+        setup=lambda s: poke_token(s.corpus / "val.bin")),
     # ---- book
     Row("book-unknown-profile", BOOK, lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "nope"],
         ("unknown profile 'nope'", "choose from smoke")),
@@ -413,3 +460,178 @@ def test_sigint_during_training_is_one_line_and_resumes(site):
     resumed = run_cli(TRAIN, [*train_args(site, "max_steps=400", "ckpt_every=5", out=out, resume=True)])
     assert resumed.returncode == 0, resumed.stderr
     assert (out / "final" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------------- what a CLI may replace, and leftovers
+
+
+def test_evaluate_json_rewrites_only_its_own_file(site):
+    out = site.tmp / "eval.json"
+    for _ in range(2):  # a new file, then the file it wrote itself
+        proc = run_cli(EVAL, eval_args(site, "--loops", "1,2", "--json", str(out)))
+        assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["written_by"] == "drc_core.training.evaluate"
+
+
+def test_prepare_removes_what_a_killed_run_left_beside_its_output(site):
+    out = site.tmp / "c"
+    (site.tmp / ".c.tmp-killed").mkdir()
+    write(site.tmp / ".c.tmp-killed" / "train.bin", b"\x00" * 64)
+    (site.tmp / ".c.old-4242").mkdir()
+    keep = site.tmp / ".other.tmp-x"  # another path's temporary directory is not ours to remove
+    keep.mkdir()
+    proc = run_cli(DATA, prepare_args(out))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in site.tmp.iterdir()) == [".other.tmp-x", "c"]
+
+
+def test_prepare_force_rebuilds_its_own_corpus(site):
+    before = digest([site.corpus])
+    proc = run_cli(DATA, prepare_args(site.corpus, "--force", "--seed", "1"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((site.corpus / "meta.json").read_text())["seed"] == 1
+    assert digest([site.corpus]) != before
+
+
+# ----------------------------------------------------------------------------------- one writer at a time
+
+
+HOLD = ("import sys, time\nfrom drc_core.guard import exclusive\nwith exclusive(sys.argv[1], 'test'):\n"
+        "    print('held', flush=True)\n    time.sleep(120)\n")
+
+
+@pytest.fixture()
+def holder():
+    """Start a process that holds the lock of a path (the lock a CLI takes on its output directory)."""
+    procs = []
+
+    def start(path: Path) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "held"
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+LOCKED = {  # a CLI, its arguments, and the directory whose lock it takes
+    "train": (TRAIN, lambda s: train_args(s, out=s.tmp / "r"), lambda s: s.tmp / "r"),
+    "train-resume": (TRAIN, lambda s: train_args(s, resume=True), lambda s: s.run),
+    "prepare": (DATA, lambda s: prepare_args(s.corpus, "--force"), lambda s: s.corpus),
+    "book-run": (BOOK, lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "smoke", "--only", "01_training"],
+                 lambda s: s.tmp / "pm" / "smoke"),
+}
+
+
+@pytest.mark.parametrize("case", LOCKED)
+def test_second_writer_is_refused_with_the_holders_pid(site, holder, case):
+    cli, args, locked = LOCKED[case]
+    if case == "train-resume":
+        strip_final(site)
+    lock = holder(locked(site))
+    watched = [site.tmp, site.corpus, site.run]
+    before = digest(watched)
+    proc = run_cli(cli, args(site))
+    assert_one_error_line(proc, 2, ("is being written by another process", f"pid {lock.pid}", "wait for it"))
+    after = digest(watched)
+    assert {k: v for k, v in after.items() if k in before} == before
+
+
+def test_a_killed_writers_lock_is_no_obstacle(site, holder):
+    """The OS drops a dead process's flock: the lock file it leaves behind does not block the next run."""
+    lock = holder(site.tmp / "c")
+    lock.kill()
+    lock.wait()
+    assert (site.tmp / ".c.lock").exists()
+    proc = run_cli(DATA, prepare_args(site.tmp / "c"))
+    assert proc.returncode == 0, proc.stderr
+    assert not (site.tmp / ".c.lock").exists()
+
+
+def test_two_trainers_into_one_new_directory(site):
+    """Two real trainers started into the same new --out: the second is refused while the first writes."""
+    out = site.tmp / "r"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-m", TRAIN, *train_args(site, "max_steps=100000", out=out)],
+                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists():  # past the checks, writing
+            assert first.poll() is None, first.stderr.read() if first.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        second = run_cli(TRAIN, train_args(site, "max_steps=100000", out=out))
+        assert_one_error_line(second, 2, ("run directory", "is being written by another process",
+                                          f"pid {first.pid}"))
+        resume = run_cli(TRAIN, train_args(site, "max_steps=100000", out=out, resume=True))
+        assert_one_error_line(resume, 2, (f"pid {first.pid}",))
+    finally:
+        first.kill()
+        first.wait()
+
+
+# ------------------------------------------------------------------------------------------- the book runner
+
+
+BOOK_FIXTURES = REPO / "tests" / "book_fixtures"
+
+
+@pytest.fixture()
+def book_site(tmp_path) -> Path:
+    """A repository-shaped directory with the fixture notebooks; results go to papermill_runs/p/results."""
+    shutil.copytree(BOOK_FIXTURES, tmp_path / "book")
+    shutil.copy(REPO / "_config.yml", tmp_path / "_config.yml")
+    (tmp_path / "book" / "profiles.toml").write_text(
+        '[book]\nroot = "00_overview"\nnotebooks = ["01_pass", "04_write_then_fail"]\n\n'
+        '[profiles.p]\ndescription = "fixture"\n[profiles.p.parameters]\nresults_dir = "papermill_runs/p/results"\n'
+        'work_dir = "work"\n')
+    return tmp_path
+
+
+def run_book_cli(site: Path, *args: str, **popen) -> subprocess.CompletedProcess | subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "DRC_BOOK_ROOT": str(site)}
+    env.pop("DRC_DEBUG", None)
+    argv = [sys.executable, "-m", BOOK, *args]
+    if popen:
+        return subprocess.Popen(argv, cwd=site, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                **popen)
+    return subprocess.run(argv, cwd=site, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_failed_notebook_changes_no_output(book_site):
+    first = run_book_cli(book_site, "run", "--profile", "p", "--only", "01_pass", "--quiet")
+    assert first.returncode == 0, first.stderr
+    watched = [book_site / "papermill_runs" / "p" / "results", book_site / "work"]
+    before = digest(watched)
+    assert before  # 01_pass wrote its result
+    proc = run_book_cli(book_site, "run", "--profile", "p", "--only", "04_write_then_fail", "--quiet")
+    assert_one_error_line(proc, 1, ("notebook 04_write_then_fail failed", "fixture failure after writing",
+                                    "were undone"))
+    assert digest(watched) == before  # the rewritten result restored, the new result and frame removed
+
+
+def test_out_governs_every_output(book_site, tmp_path):
+    out = tmp_path / "elsewhere"
+    proc = run_book_cli(book_site, "--out", str(out), "run", "--profile", "p", "--only", "01_pass", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "p" / "01_pass.ipynb").is_file() and (out / "p" / "results" / "01_pass.json").is_file()
+    assert not (book_site / "papermill_runs").exists()
+
+
+def test_ctrl_c_during_a_notebook_is_one_line_and_undone(book_site):
+    proc = run_book_cli(book_site, "run", "--profile", "p", "--only", "04_write_then_fail", "--set", "sleep_s=60",
+                        "--quiet", start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (book_site / "work" / "frame.parquet").exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C reaches the runner and its kernel
+    out, err = proc.communicate(timeout=120)
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert_one_error_line(proc, 1, ("interrupted (Ctrl-C) during notebook 04_write_then_fail", "undone"))
+    assert not (book_site / "work" / "frame.parquet").exists()
+    assert not (book_site / "papermill_runs" / "p" / "results" / "04_write_then_fail.json").exists()

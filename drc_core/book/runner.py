@@ -10,7 +10,12 @@ profile table serves every notebook.
 A failing cell stops the run: the command prints one ``error:`` line naming the notebook, the cell and the
 exception, exits 1, and keeps the partial output at ``papermill_runs/<profile>/failed/<name>.ipynb``; the
 executed notebook of an earlier successful run stays untouched (a notebook is moved into place only once it
-has run to the end).
+has run to the end), and so do the outputs the failed notebook had rewritten: every file under its
+``results_dir`` and directly in its ``work_dir`` is put back as it was and the files it added there are removed.
+Ctrl-C does the same and prints one line (exit 1). One runner at a time per profile (a lock beside
+``OUT/<profile>``, :func:`drc_core.guard.exclusive`); ``--out`` also moves a parameter that points under
+``papermill_runs/`` (the profile's ``results_dir``) under ``OUT``. The kernel's own stderr goes to a log (kept
+beside a failed notebook's partial output), not into the error line.
 
 ``python -m drc_core.book build --profile reference`` renders the executed notebooks with Jupyter Book v1
 (never re-executing them) into ``_build/html`` (the ``reference`` profile, whose table of contents is the
@@ -36,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from drc_core.book.paths import RUN_ENV
-from drc_core.errors import DrcError
+from drc_core.errors import DrcError, Interrupted
+from drc_core.guard import exclusive
 
 __all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
            "load_profiles", "present", "render_png", "reproduction_markdown", "run_book", "toc_for"]
@@ -203,6 +209,71 @@ def _failure_line(name: str, exc: Exception) -> str:
     return f"notebook {name} failed at {where}: {ename}: {evalue}"
 
 
+def under_out(value: Any, out: str | Path) -> Any:
+    """A parameter value that names a path under the default output folder (``papermill_runs/...``, e.g. the
+    profile's ``results_dir``) moved under ``out``, so that ``--out`` governs every output; anything else as is."""
+    if not isinstance(value, str) or Path(out) == DEFAULT_OUT:
+        return value
+    parts = Path(value).parts
+    if Path(value).is_absolute() or not parts or parts[0] != DEFAULT_OUT.name:
+        return value
+    return str(Path(out).joinpath(*parts[1:]))
+
+
+OUTPUT_PARAMETERS = ("results_dir", "work_dir")  # where a notebook writes: its results, figures and frames
+
+
+class _Rollback:
+    """What a notebook may change, kept so that a failed or interrupted notebook changes nothing: every file under
+    its ``results_dir`` (results, figure JSON) and the files directly in its ``work_dir`` (frames), copied before
+    it runs; :meth:`undo` puts them back and removes the files it added there. (The directories below ``work_dir``
+    -- the model, training runs -- are written atomically and under their own locks.)"""
+
+    def __init__(self, dirs: list[tuple[Path, bool]], backup: Path) -> None:
+        self.dirs, self.backup, self.kept = dirs, backup, {}
+        shutil.rmtree(backup, ignore_errors=True)
+        backup.mkdir(parents=True)
+        for i, (d, recursive) in enumerate(dirs):
+            for f in self._files(d, recursive):
+                copy = backup / str(i) / f.relative_to(d)
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, copy)
+                self.kept[f] = copy
+
+    @staticmethod
+    def _files(d: Path, recursive: bool) -> list[Path]:
+        if not d.is_dir():
+            return []
+        found = d.rglob("*") if recursive else d.iterdir()
+        return [f for f in found if f.is_file() and not f.is_symlink()]
+
+    def undo(self) -> None:
+        for d, recursive in self.dirs:
+            for f in self._files(d, recursive):
+                if f not in self.kept:
+                    f.unlink()
+        for f, copy in self.kept.items():
+            f.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(copy, f)
+
+    def close(self) -> None:
+        shutil.rmtree(self.backup, ignore_errors=True)
+
+
+def _kernel_log_manager(log: Path) -> type:
+    """A kernel manager whose kernel writes its stderr to ``log`` instead of the runner's: jupyter's start-up
+    warnings and a kernel's own tracebacks when it is shut down (e.g. on Ctrl-C) stay out of the one-line error."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class KernelLogManager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw: Any) -> None:
+            with open(log, "ab") as f:  # the kernel keeps its own copy of the descriptor
+                kw["stderr"] = f
+                await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    return KernelLogManager
+
+
 def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, only: list[str] | None = None,
              overrides: dict[str, Any] | None = None, cwd: str | Path = ".", progress: bool = True,
              kernel: str = "python3") -> dict[str, float]:
@@ -210,9 +281,6 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
     for every notebook that declares them) into ``out/<profile>/``; returns seconds per notebook and writes
     them to ``out/<profile>/timings.json``. A failing cell raises :class:`DrcError` (see the module doc)."""
     import jupytext
-    import nbformat
-    import papermill as pm
-    from papermill.exceptions import PapermillExecutionError
 
     prof = spec.profile(profile)
     names = list(spec.notebooks)
@@ -232,6 +300,18 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
     if stray:
         raise DrcError(f"--set {sorted(stray)}: no notebook run here declares it; see their parameters cells")
     dest = Path(out) / profile
+    with exclusive(dest, "book profile"):  # one runner per profile: they would share .running/ and the results
+        return _run(notebooks, declared, names, prof, profile, out, dest, overrides, cwd, progress, kernel)
+
+
+def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof: Profile, profile: str,
+         out: str | Path, dest: Path, overrides: dict[str, Any] | None, cwd: str | Path, progress: bool,
+         kernel: str) -> dict[str, float]:
+    import jupytext
+    import nbformat
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
     dest.mkdir(parents=True, exist_ok=True)
     failed_dir, work = dest / "failed", dest / ".running"
     # RUN_ENV tells the notebooks that the runner executes them: only then do results go to the committed
@@ -247,20 +327,37 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
             nb.metadata["kernelspec"] = {"name": kernel, "display_name": "Python 3", "language": "python"}
             work.mkdir(exist_ok=True)
             src, partial = work / f"{name}.src.ipynb", work / f"{name}.ipynb"
+            kernel_log = work / f"{name}.kernel.log"
             jupytext.write(nb, src)
-            params = {k: v for k, v in {**prof.parameters_for(name), **(overrides or {})}.items()
+            params = {k: under_out(v, out) for k, v in {**prof.parameters_for(name), **(overrides or {})}.items()
                       if k in declared[name]}
+            rollback = _Rollback([(Path(cwd) / params[k], k == "results_dir") for k in OUTPUT_PARAMETERS
+                                  if isinstance(params.get(k), str) and params[k]], work / "rollback")
             print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
                   flush=True)
             t0 = time.perf_counter()
             try:
                 pm.execute_notebook(str(src), str(partial), parameters=params, kernel_name=kernel,
-                                    cwd=str(cwd), progress_bar=progress, log_output=False)
+                                    cwd=str(cwd), progress_bar=progress, log_output=False,
+                                    kernel_manager_class=_kernel_log_manager(kernel_log))
+            except KeyboardInterrupt:
+                rollback.undo()
+                raise Interrupted(f"interrupted (Ctrl-C) during notebook {name}: what it wrote was undone and the "
+                                  "notebooks before it are kept; rerun the command (with --only to continue)") from None
             except PapermillExecutionError as exc:
+                rollback.undo()
+                if getattr(exc, "ename", "") == "KeyboardInterrupt":  # the kernel got the Ctrl-C first
+                    raise Interrupted(f"interrupted (Ctrl-C) during notebook {name}: what it wrote was undone and "
+                                      "the notebooks before it are kept; rerun the command (with --only to continue)"
+                                      ) from None
                 failed_dir.mkdir(exist_ok=True)
                 kept = failed_dir / f"{name}.ipynb"
                 shutil.move(str(partial), kept)
-                raise NotebookFailed(f"{_failure_line(name, exc)}; partial output kept at {kept}") from None
+                if kernel_log.is_file() and kernel_log.stat().st_size:
+                    shutil.move(str(kernel_log), failed_dir / kernel_log.name)
+                raise NotebookFailed(f"{_failure_line(name, exc)}; partial output kept at {kept} (its results and "
+                                     "frames were undone)") from None
+            rollback.close()
             seconds = time.perf_counter() - t0
             executed = nbformat.read(partial, as_version=4)
             if present(executed):
@@ -338,10 +435,10 @@ def reproduction_markdown(results_dir: str | Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_landing(spec: BookSpec, profile: str, root_dir: Path) -> None:
+def _write_landing(spec: BookSpec, profile: str, root_dir: Path, out: str | Path = DEFAULT_OUT) -> None:
     """_static/reproduction.md: the profile's reproduction table, included by the root page."""
-    results_dir = spec.profile(profile).parameters_for("07_reproduction").get(
-        "results_dir", f"{DEFAULT_OUT.as_posix()}/{profile}/results")
+    results_dir = under_out(spec.profile(profile).parameters_for("07_reproduction").get(
+        "results_dir", f"{DEFAULT_OUT.as_posix()}/{profile}/results"), out)
     results_dir = Path(results_dir) if Path(results_dir).is_absolute() else root_dir / results_dir
     dst = root_dir / REPRODUCTION_MD
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -380,7 +477,7 @@ def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root
     _present_executed(spec, profile, out)
     _copy_plotly(root_dir)
     _copy_css(spec, root_dir)
-    _write_landing(spec, profile, root_dir)
+    _write_landing(spec, profile, root_dir, out)
     exe = Path(sys.executable).with_name("jupyter-book")
     cmd = [str(exe) if exe.is_file() else "jupyter-book", "build", str(root_dir), "--toc", str(toc),
            "--config", str(config or root_dir / "_config.yml"), "--all", "-q"]
