@@ -13,7 +13,12 @@ point, offline sweep checked online); then, interleaved over ``--rounds`` rounds
 * generation: ``generate`` with ``Uniform(r)`` against ``generate`` with each matched rule, same prompt, same
   number of greedy new tokens; time per new token with the prompt pass subtracted;
 * the measurement pass: ``measure_windows`` at 32 loops against one depth-32 forward and a bare pass that
-  reads out at every loop.
+  reads out at every loop;
+* decoders (``--decoders 1,8,32``): the dense KV-cached decoder at depth r, step-synchronous ``generate`` and
+  continuous depth batching (``generate_continuous``) for ``Uniform(r)`` and the matched KL, state-change,
+  cosine and acceleration rules, at each batch size; the realization ratio and its targets; then serving
+  (``--serving-slots``): the first windows as requests of mixed lengths behind that many slots, per-request
+  latency percentiles. ``--only-decoders`` matches the rules and runs just this part.
 
 It prints the FLOP proxy (r / average exit loop), the matmul-FLOP model of ``drc_core.halting.skipping``, the
 wall-clock speedup and wall-clock / proxy against the issue's target (>= 0.9), and the measurement-pass ratios.
@@ -35,6 +40,7 @@ from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
+from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
 from drc_core.experiments.speed import (
     TARGET_MEASURE,
     TARGET_RATIO,
@@ -45,6 +51,7 @@ from drc_core.experiments.speed import (
     bf16_check,
     decode_loop_cost,
     decode_prediction,
+    matched_rules,
     measurement_pass,
     run_speed,
     skip_overhead,
@@ -93,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="windows for the Anderson-acceleration table (0: skip it)")
     ap.add_argument("--measure-windows", type=int, default=8, help="windows for the measurement-pass comparison")
     ap.add_argument("--measure-loops", type=int, default=32, help="loops of the measurement pass (default 32)")
+    ap.add_argument("--decoders", default="1,8,32", help="batch sizes for the decoder comparison ('' none)")
+    ap.add_argument("--serving-slots", type=int, default=8, help="slots of the serving comparison (0: none)")
+    ap.add_argument("--only-decoders", action="store_true", help="match the rules, then only the decoder comparison")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
     ap.add_argument("--quiet", action="store_true", help="no per-round lines")
@@ -205,6 +215,37 @@ def report(rep: SpeedReport, r: int, vocab: int) -> str:
     return "\n".join(out)
 
 
+def decoders(model: DepthRecurrentLM, windows: torch.Tensor, specs: list, cfg: SpeedConfig, batches: tuple[int, ...],
+             slots: int) -> dict:
+    """The decoder comparison and serving latency, printed; returns them for the JSON."""
+    out: dict = {}
+    rules = [sp for sp in specs if sp.family in ("kl", "state_delta", "cosine", "acceleration")]
+    prompt = windows[:, : cfg.prompt_len]
+    batches = tuple(b for b in batches if b <= len(prompt))
+    if batches:
+        table = time_decoders(model, prompt, rules, cfg, batches=batches)
+        cols = ["batch", "rule", "path", "avg_loops", "ms_per_step", "tokens_per_s", "x_dense", "flop_speedup",
+                "realization"]
+        print(f"\ndecoders: {cfg.new_tokens} greedy tokens after {cfg.prompt_len}-token prompts; time per decode step "
+              f"(prompt pass subtracted), medians of {cfg.rounds} interleaved rounds:")
+        print(table[cols].round(3).to_string(index=False))
+        if "same_as_generate" in table:
+            same = table.same_as_generate.dropna()
+            print(f"continuous batching gives generate's tokens and exit loops: {bool(same.all())} ({len(same)} runs)")
+        targets = decoder_targets(table, batches=[b for b in batches if b > 1])
+        print(targets.round(3).to_string(index=False))
+        out.update(decoders=table.to_dict("records"), decoder_targets=targets.to_dict("records"))
+    state = [sp for sp in rules if sp.family == "state_delta"]
+    if slots > 0 and state and len(prompt) > slots:
+        short = max(1, cfg.new_tokens // 4)
+        lat = serving_latency(model, prompt, state[0].rule, slots=slots, new_tokens=(short, cfg.new_tokens), cfg=cfg)
+        print(f"\nserving {len(prompt)} requests ({short} or {cfg.new_tokens} new tokens each) with "
+              f"{slots} slots, {state[0].rule}: latency (s) to each request's last token")
+        print(lat.round(3).to_string(index=False))
+        out["serving"] = lat.to_dict("records")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("windows", "rounds", "new_tokens", "prompt_len", "measure_windows"):
@@ -248,6 +289,19 @@ def main(argv: list[str] | None = None) -> int:
           f"P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; corpus {args.data}: {len(windows)} "
           f"validation windows x {seq_len} tokens; uniform depth r={r}")
     t0 = time.perf_counter()
+    try:
+        decoder_batches = tuple(int(v) for v in args.decoders.split(",") if v.strip())
+    except ValueError:
+        raise DrcError(f"--decoders {args.decoders!r} is invalid: give batch sizes like 8 or 1,8,32") from None
+    if args.only_decoders:
+        matched = matched_rules(model, windows, cfg)
+        print(matched.table.round(4).to_string(index=False))
+        out = decoders(model, windows, matched.specs, cfg, decoder_batches, args.serving_slots)
+        print(f"total {time.perf_counter() - t0:.0f} s")
+        if json_path is not None:
+            out["matched"] = matched.table.to_dict("records")
+            print(f"wrote {save_results(json_path.parent, json_path.stem, out)}")
+        return 0
     rep = run_speed(model, windows, cfg, log=None if args.quiet else (lambda s: print("  " + s, flush=True)))
     print(report(rep, r, c.vocab_size))
     most = max((cfg.gen_rows, *cfg.more_gen_rows))
@@ -278,10 +332,11 @@ def main(argv: list[str] | None = None) -> int:
               "0.7; mean core evaluations per token until the successive KL stays below eps; reference: plain "
               "iteration at 32 loops):")
         print(anderson.round(6).to_string(index=False))
+    dec = decoders(model, windows, rep.matched.specs, cfg, decoder_batches, args.serving_slots)
     print(f"total {time.perf_counter() - t0:.0f} s")
     if json_path is not None:
-        out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "run": args.run, "data": args.data,
-               "windows": len(windows), "seq_len": seq_len, **rep.to_dict(),
+        out = {**dec, "torch": torch.__version__, "threads": torch.get_num_threads(), "run": args.run,
+               "data": args.data, "windows": len(windows), "seq_len": seq_len, **rep.to_dict(),
                "anderson": None if anderson is None else anderson.to_dict("records"),
                "decode_loop_cost": None if cost is None else cost.to_dict("records"),
                "bf16": None if bf16 is None else bf16.to_dict("records"),

@@ -341,17 +341,20 @@ def test_bench_end_to_end(capsys, tmp_path, corpus, tiny_model_factory):
             "--rule-max-loops", "8", "--rounds", "1", "--batch-size", "2", "--new-tokens", "3", "--prompt-len", "6",
             "--measure-windows", "1", "--measure-loops", "4", "--threads", "1", "--quiet", "--ce-tolerance", "0.05",
             "--families", "kl,state_delta,acceleration", "--more-gen-rows", "2", "--fused", "off",
-            "--anderson-windows", "2", "--bf16", "on", "--json", str(out)]
+            "--anderson-windows", "2", "--bf16", "on", "--json", str(out), "--decoders", "1,2", "--serving-slots", "2"]
     assert run_cli(_bench().main, argv) == 0
     text = capsys.readouterr().out
     for needle in ("matched quality", "batched eval", "generation", "measurement pass", "verdicts", "wall/proxy",
                    "cannot hold as worded", "wall/honest", "speed targets", "profile of one batch", "huginn",
                    "Anderson acceleration", "anderson m=3", "bf16 autocast against fp32", "rel_diff_median",
-                   "decode loop cost by active rows", "loop_cost_speedup", "loops run"):
+                   "decode loop cost by active rows", "loop_cost_speedup", "loops run", "decoders:", "realization",
+                   "gives generate's tokens and exit loops: True", "serving 4 requests"):
         assert needle in text
     data = json.loads(out.read_text())
     assert data["windows"] == 4 and {"batched", "generation", "measurement", "matched", "table", "targets",
-                                     "profile_kinds", "anderson", "bf16", "bf16_kl", "decode_loop_cost"} <= set(data)
+                                     "profile_kinds", "anderson", "bf16", "bf16_kl", "decode_loop_cost",
+                                     "decoders", "decoder_targets", "serving"} <= set(data)
+    assert {row["path"] for row in data["decoders"]} == {"dense decode", "generate", "continuous"}
     assert [row["rows"] for row in data["decode_loop_cost"]] == [1, 2]
     assert {row["rows"] for row in data["generation"]} == {1, 2}
     assert {row["setting"] for row in data["table"]} == {"batched eval", "generation"}
