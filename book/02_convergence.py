@@ -26,12 +26,25 @@ n_windows = 64
 max_loops = 32
 seed = 0
 eps = 1e-3  # convergence threshold on KL(p_l || p_{l-1}), see the sensitivity table
+rule_max_loops = 16  # every halting rule's max_loops (the dynamics section)
 
 # %% tags=["hide-input"]
 # imports; the parameters' paths resolved against the repository root (any working directory)
 import time
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+
+from drc_core.analysis.dynamics import (
+    class_shares,
+    classify,
+    commit_loop,
+    group_shares,
+    norm_percentiles,
+    overthinks,
+    token_dynamics,
+)
 from drc_core.analysis.measure import (
     convergence_depth,
     depth_summary,
@@ -43,10 +56,12 @@ from drc_core.analysis.measure import (
     save_frame,
     val_windows_with_docs,
 )
+from drc_core.analysis.tokens import classify_sequence
 from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
+from drc_core.halting.sweep import default_rules, token_exits
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
@@ -148,6 +163,134 @@ sens = eps_sensitivity(frame, (1e-2, 1e-3, 1e-4, 1e-5), train_mean, seed=seed)
 sens.pivot(index="stat", columns="eps", values="value").round(3)
 
 
+# %% [markdown]
+# ## What each token does on its way to the fixed point
+# One more uniform pass of `max_loops` loops keeps, per token and loop, the state norm `‖s_l‖`, the step
+# `‖s_l − s_{l−1}‖` and the two-loop step `‖s_l − s_{l−2}‖` (`drc_core.analysis.dynamics`). From them: the
+# empirical contraction factor `ρ_l = ‖s_{l+1} − s_l‖ / ‖s_l − s_{l−1}‖` and a class per token, read over the
+# last 8 loops (`classify`): **settled** (relative step below 1e-3 at loop L), **oscillating** (a 2-cycle: the
+# two-loop step below a tenth of the one-loop step), **contracting** (still moving, geometric-mean ρ below 0.95),
+# **drifting** (none of these). Shares with 95% intervals over documents, overall and by token type (notebook 3's
+# types).
+
+# %%
+dyn = token_dynamics(model, windows, max_loops)
+dyn_class = classify(dyn).reshape(-1)
+doc_of = docs.numpy().reshape(-1)
+token_type = np.asarray(classify_sequence(tokenizer, windows[:, :-1].numpy())).reshape(-1)
+shares = class_shares(dyn_class, token_type, doc_of, seed=seed)
+overall = shares[shares.group == "all"].set_index("class")
+print(
+    "overall: "
+    + ", ".join(
+        f"{c} {r.share:.1%} [{r.ci_low:.1%}, {r.ci_high:.1%}]" for c, r in overall.iterrows()
+    )
+)
+shares.pivot(index="group", columns="class", values="share").round(3)
+
+# %%
+shares.assign(
+    interval=[f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(shares.ci_low, shares.ci_high, strict=True)]
+)[["group", "class", "n_tokens", "share", "interval"]].round(3)
+
+# %% [markdown]
+# ### Does the state grow?
+# Percentiles over tokens of the state norm at each loop, and the median token's norm relative to its loop-1
+# norm. An RMSNorm readout hides the norm from the output, so a norm that keeps growing need not show in the KL.
+
+# %%
+norms = norm_percentiles(dyn)
+growth_last = float(norms.median_growth.iloc[-1])
+print(
+    f"median norm {norms.p50.iloc[0]:.3g} at loop 1, {norms.p50.iloc[-1]:.3g} at loop {max_loops}; "
+    f"the median token's norm is {growth_last:.2f}x its loop-1 norm at loop {max_loops} "
+    f"(p99 {norms.p99.iloc[-1]:.3g})"
+)
+viz.norm_by_loop(norms)
+
+# %% [markdown]
+# ### When the prediction commits, against when the output converges
+# A token's commit loop is the first loop from which its argmax no longer changes up to `max_loops`; its
+# convergence depth (above) is where its successive KL stays below ε. The top prediction can commit long before
+# the distribution settles, or (rarely) after.
+
+# %%
+commit = commit_loop(dyn.argmax.reshape(-1, max_loops))
+conv = depths["depth"].to_numpy()  # ordered by window, pos like the dynamics' tokens
+before = float(np.mean(commit < conv))
+same = float(np.mean(commit == conv))
+print(
+    f"commit loop before the convergence depth for {before:.1%} of tokens, at it for {same:.1%}, "
+    f"after it for {1 - before - same:.1%}; median commit loop {np.median(commit):.0f}, "
+    f"median convergence depth "
+    f"{np.median(conv):.0f}"
+)
+viz.commit_vs_convergence(commit, conv, max_loops)
+
+# %% [markdown]
+# ### Overthinking
+# A token is *overthought* when its prediction is right (argmax = the next token) at some loop and wrong at a
+# later loop ≤ 4R (`overthinks`; R the training mean depth), by token type with 95% intervals over documents.
+
+# %%
+horizon = min(4 * R, max_loops)
+targets = windows[:, 1:].numpy().reshape(-1, 1)
+correct = dyn.argmax.reshape(-1, max_loops)[:, :horizon] == targets
+over = overthinks(correct)
+ever_right = correct.any(axis=1)
+over_shares = group_shares(
+    {"overthought": over, "right at some loop": ever_right}, token_type, doc_of, seed=seed
+)
+o = over_shares[(over_shares.group == "all") & (over_shares.flag == "overthought")].iloc[0]
+print(
+    f"{o.share:.2%} [{o.ci_low:.2%}, {o.ci_high:.2%}] of tokens are overthought within "
+    f"{horizon} loops "
+    f"({over.sum() / max(ever_right.sum(), 1):.1%} of the tokens right at some loop)"
+)
+over_shares.pivot(index="group", columns="flag", values="share").round(4)
+
+# %% [markdown]
+# ### Do halting rules stop oscillating or drifting tokens early or late?
+# Each training-free rule at the threshold whose mean exit loop on these windows is closest to R, replayed
+# offline on the same trajectories (`token_exits`): its mean exit loop per dynamics class, and that of the
+# oscillating, contracting and drifting tokens relative to the settled ones (> 1: stopped later).
+
+# %%
+specs = default_rules(rule_max_loops)
+exits = token_exits(model, windows, specs, reference_loops=R)
+rows = []
+for spec in specs:
+    e = exits[str(spec.rule)].reshape(-1)
+    rows.append(
+        {
+            "family": spec.family,
+            "param": spec.param,
+            "avg": e.mean(),
+            **{
+                c: e[dyn_class == c].mean() if (dyn_class == c).any() else np.nan
+                for c in overall.index
+            },
+        }
+    )
+by_rule = pd.DataFrame(rows)
+near_r = by_rule.loc[(by_rule.avg - R).abs().groupby(by_rule.family).idxmin()].set_index("family")
+for c in ("oscillating", "contracting", "drifting"):
+    near_r[f"{c}/settled"] = near_r[c] / near_r["settled"]
+for c in ("oscillating", "contracting", "drifting"):
+    ratio = near_r[f"{c}/settled"].dropna()
+    if ratio.empty:
+        print(f"{c}: no such tokens (or no settled ones) in these windows")
+        continue
+    later, earlier = ratio[ratio > 1].index.tolist(), ratio[ratio < 1].index.tolist()
+    print(
+        f"{c} tokens ({(dyn_class == c).mean():.1%}): stopped later than settled ones by "
+        f"{len(later)} of {len(ratio)} rules ({', '.join(later) or 'none'}), "
+        f"earlier by {len(earlier)}; "
+        f"ratio {ratio.min():.2f}-{ratio.max():.2f}"
+    )
+near_r.round(2).assign(param=near_r.param.map("{:g}".format))
+
+
 # %%
 def at(loop: int) -> dict:
     row = summary.set_index("loop").loc[loop]
@@ -189,6 +332,16 @@ results = {
     },
     "eps_sensitivity": {
         f"{e:g}": dict(zip(g.stat, g.value, strict=True)) for e, g in sens.groupby("eps")
+    },
+    "dynamics": {
+        "class_shares": shares.to_dict("records"),
+        "norm_percentiles": norms.to_dict("records"),
+        "commit_before_convergence": before,
+        "commit_at_convergence": same,
+        "commit_loop_median": float(np.median(commit)),
+        "overthinking_horizon": horizon,
+        "overthinking": over_shares.to_dict("records"),
+        "exit_by_class": near_r.reset_index().to_dict("records"),
     },
     "notebook_seconds": time.time() - t0,
 }

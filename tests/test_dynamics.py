@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from drc_core.analysis.dynamics import Dynamics, classify, commit_loop, overthinks, token_dynamics
+from drc_core.analysis.dynamics import CLASSES, Dynamics, classify, commit_loop, overthinks, token_dynamics
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError
 
@@ -86,3 +86,34 @@ def test_trace_keeps_the_per_token_dynamics(tiny_model_factory, one_thread):
     assert short.dynamics()["dyn_class"].isin(["settled", "oscillating", "contracting", "drifting"]).all()
     two = drc_core.trace(model, ids, 2)  # no contraction factor: nothing to classify
     assert np.isnan(two.matrix("contraction")).all() and two.dynamics()["dyn_class"].isna().all()
+
+
+def test_class_and_group_shares_with_document_intervals():
+    from drc_core.analysis.dynamics import class_shares, group_shares
+
+    classes = np.array(["settled"] * 6 + ["drifting"] * 2 + ["oscillating"] * 2)
+    types = np.array(["word", "punct"] * 5)
+    docs = np.repeat([0, 1], 5)
+    out = class_shares(classes, types, docs, n_boot=200, seed=0)
+    assert set(out.group) == {"all", "punct", "word"} and set(out["class"]) == set(CLASSES)
+    overall = out[out.group == "all"].set_index("class")
+    assert overall.share.to_dict() == {"settled": 0.6, "oscillating": 0.2, "contracting": 0.0, "drifting": 0.2}
+    assert (overall.ci_low <= overall.share).all() and (overall.share <= overall.ci_high).all()
+    word = out[out.group == "word"].set_index("class")
+    assert word.loc["settled", "share"] == pytest.approx(3 / 5) and word.n_tokens.iloc[0] == 5
+    assert out.groupby("group").share.sum().round(9).eq(1).all()
+    flags = group_shares({"x": np.arange(10) < 3}, clusters=docs, n_boot=50)
+    assert flags.share.tolist() == [0.3] and flags.group.tolist() == ["all"]
+    with pytest.raises(DrcError):
+        group_shares({"x": np.ones(3, bool)}, groups=np.array(["a", "b"]))
+
+
+def test_norm_percentiles_by_loop():
+    from drc_core.analysis.dynamics import norm_percentiles
+
+    states = np.stack([np.outer(np.arange(1, 7), np.ones(4)) * (k + 1) for k in range(5)])  # norms grow linearly
+    dyn = _dyn_from_states(states)
+    out = norm_percentiles(dyn, q=(50,))
+    assert out.loop.tolist() == list(range(1, 7))
+    np.testing.assert_allclose(out.p50, np.arange(1, 7) * 3 * 2)  # median token: scale 3, |(1,1,1,1)| = 2
+    np.testing.assert_allclose(out.median_growth, np.arange(1, 7))

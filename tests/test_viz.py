@@ -407,3 +407,16 @@ def test_explorer_colours_by_the_per_token_dynamics(tok, tiny_model_factory, fra
         viz.token_strip_html(frame, 0, 2, tok, mode="class")
     with pytest.raises(DrcError, match="unknown metric/mode 'class'"):
         viz.depth_slider_figure(tr.frame, 0, tok, metric="class")
+
+
+def test_commit_vs_convergence_and_norm_figures():
+    fig = viz.commit_vs_convergence([1, 1, 2, 4], [1, 3, 3, 4], max_loops=4)
+    heat = fig.data[0]
+    share = np.asarray(heat.customdata)
+    assert share.shape == (4, 4) and share.sum() == pytest.approx(1.0)
+    assert share[0, 0] == 0.25 and share[0, 2] == 0.25 and share[1, 2] == 0.25 and share[3, 3] == 0.25
+    with pytest.raises(DrcError):
+        viz.commit_vs_convergence([1, 2], [1], max_loops=4)
+    pct = pd.DataFrame({"loop": [1, 2, 3], "p50": [1.0, 2.0, 3.0], "p95": [2.0, 3.0, 4.0], "median_growth": 1.0})
+    fig = viz.norm_by_loop(pct)
+    assert [t.name for t in fig.data] == ["p50", "p95"]

@@ -23,14 +23,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import torch
 
+from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError, need_int
 from drc_core.model.lm import RecurrentModel, check_token_ids
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
-__all__ = ["CLASSES", "Dynamics", "classify", "commit_loop", "overthinks", "token_dynamics"]
+__all__ = ["CLASSES", "Dynamics", "class_shares", "classify", "commit_loop", "group_shares", "norm_percentiles",
+           "overthinks", "token_dynamics"]
 
 CLASSES = ("settled", "oscillating", "contracting", "drifting")
 
@@ -121,4 +124,53 @@ def classify(dyn: Dynamics, *, tol: float = 1e-3, cycle_ratio: float = 0.1, rho_
     out[rho < rho_max] = "contracting"
     out[cycle] = "oscillating"
     out[settled] = "settled"
+    return out
+
+
+def group_shares(flags: dict[str, np.ndarray], groups: np.ndarray | None = None, clusters: np.ndarray | None = None,
+                 *, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+    """The share of tokens with each flag (``flags``: name -> bool per token, flat and aligned), overall (group
+    ``"all"``) and per value of ``groups`` (e.g. token type), with percentile bootstrap intervals that resample
+    ``clusters`` (e.g. documents; the same draws for every flag and group). Rows: ``group``, ``flag``,
+    ``n_tokens``, ``share``, ``ci_low``, ``ci_high``."""
+    names = list(flags)
+    if not names:
+        raise DrcError("flags is empty: pass at least one name -> per-token bool array")
+    x = np.stack([np.asarray(flags[k], dtype=bool).reshape(-1) for k in names], axis=1).astype(float)
+    n = x.shape[0]
+    g = np.full(n, "all", dtype=object) if groups is None else np.asarray(groups, dtype=object).reshape(-1)
+    if len(g) != n or (clusters is not None and np.asarray(clusters).size != n):
+        raise DrcError(f"flags, groups and clusters must have one entry per token ({n})")
+    levels = ["all", *sorted(set(g.tolist()) - {"all"})] if groups is not None else ["all"]
+    cols, meta = [], []
+    for level_name in levels:
+        inside = np.ones(n, bool) if level_name == "all" else g == level_name
+        for j, name in enumerate(names):
+            cols.append(np.where(inside, x[:, j], np.nan))
+            meta.append((level_name, name, int(inside.sum())))
+    point, lo, hi = bootstrap_ci(np.stack(cols, axis=1), None if clusters is None else np.asarray(clusters).reshape(-1),
+                                 n_boot=n_boot, seed=seed, level=level)
+    return pd.DataFrame([{"group": grp, "flag": name, "n_tokens": cnt, "share": point[i], "ci_low": lo[i],
+                          "ci_high": hi[i]} for i, (grp, name, cnt) in enumerate(meta)])
+
+
+def class_shares(classes: np.ndarray, groups: np.ndarray | None = None, clusters: np.ndarray | None = None,
+                 **kwargs) -> pd.DataFrame:
+    """The share of each class of :data:`CLASSES` (:func:`classify`'s output, any shape), overall and per group:
+    :func:`group_shares` with one flag per class (the column is named ``class``)."""
+    c = np.asarray(classes, dtype=object).reshape(-1)
+    out = group_shares({k: c == k for k in CLASSES}, groups, clusters, **kwargs)
+    return out.rename(columns={"flag": "class"})
+
+
+def norm_percentiles(dyn: Dynamics, q: tuple[float, ...] = (5, 25, 50, 75, 95, 99)) -> pd.DataFrame:
+    """Per loop: the ``q`` percentiles of the state norm ||s_l|| over tokens (columns ``p5``, ...), and the median of
+    each token's norm relative to its loop-1 norm (``median_growth``): does the state grow with depth?"""
+    norm = dyn.norm.reshape(-1, dyn.max_loops).astype(np.float64)
+    pct = np.percentile(norm, q, axis=0)
+    out = pd.DataFrame({"loop": np.arange(1, dyn.max_loops + 1)})
+    for qi, row in zip(q, pct, strict=True):
+        out[f"p{qi:g}"] = row
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["median_growth"] = np.nanmedian(norm / norm[:, :1], axis=0)
     return out

@@ -63,6 +63,8 @@ __all__ = [
     "quality_vs_depth",
     "risk_validity",
     "speedup_bars",
+    "commit_vs_convergence",
+    "norm_by_loop",
     "token_strip_html",
 ]
 
@@ -388,6 +390,44 @@ def speedup_bars(table: pd.DataFrame) -> go.Figure:
     fig.add_hline(y=1, line_dash="dot", line_color="grey")
     return _style(fig, "Speed-up over uniform depth: FLOP proxy vs wall-clock", barmode="group", scattermode="group",
                   xaxis_title="setting / rule", yaxis_title="speed-up (x)", legend={"orientation": "h", "y": -0.25})
+
+
+def commit_vs_convergence(commit, depth, max_loops: int) -> go.Figure:
+    """The joint histogram of each token's commit loop (its argmax no longer changes from there on) and its
+    convergence depth (its successive KL stays below eps from there on), share of tokens per cell, log colour; the
+    diagonal marks "commits when it converges"."""
+    c, d = np.asarray(commit, dtype=np.int64).reshape(-1), np.asarray(depth, dtype=np.int64).reshape(-1)
+    if len(c) != len(d) or len(c) == 0:
+        raise DrcError(f"commit and depth must be per token and aligned; got {len(c)} and {len(d)} values")
+    need_int("max_loops", max_loops, 1)
+    counts = np.zeros((max_loops, max_loops))
+    np.add.at(counts, (np.clip(c, 1, max_loops) - 1, np.clip(d, 1, max_loops) - 1), 1)
+    share = counts / counts.sum()
+    loops = np.arange(1, max_loops + 1)
+    with np.errstate(divide="ignore"):
+        z = np.where(share > 0, np.log10(share), np.nan)
+    fig = go.Figure(go.Heatmap(x=loops, y=loops, z=z, customdata=share, colorscale=_SEQ_SCALE,
+                               colorbar={"title": {"text": "log10 share"}},
+                               hovertemplate="convergence depth %{x}<br>commit loop %{y}<br>%{customdata:.3%} of "
+                                             "tokens<extra></extra>"))
+    fig.add_trace(go.Scatter(x=[1, max_loops], y=[1, max_loops], mode="lines", name="commit = convergence",
+                             line={"color": "grey", "dash": "dash"}))
+    fig.update_xaxes(title_text="convergence depth (successive KL < eps from here on)")
+    fig.update_yaxes(title_text="commit loop (argmax fixed from here on)")
+    return _style(fig, "When the prediction commits vs when the output converges (share of tokens)",
+                  height=HEIGHT + 60, legend={"orientation": "h", "y": -0.2})
+
+
+def norm_by_loop(percentiles: pd.DataFrame) -> go.Figure:
+    """The state norm's percentiles over tokens against the loop (columns ``loop`` and ``p<q>``, as from
+    :func:`drc_core.analysis.dynamics.norm_percentiles`)."""
+    _need_columns(percentiles, ("loop",), "norm_percentiles(...)")
+    cols = [c for c in percentiles.columns if c.startswith("p") and c[1:].replace(".", "").isdigit()]
+    fig = go.Figure([go.Scatter(x=percentiles["loop"], y=percentiles[c], mode="lines+markers", name=c,
+                                line={"color": _PALETTE[i % len(_PALETTE)]}) for i, c in enumerate(cols)])
+    fig.update_xaxes(title_text="loop l")
+    fig.update_yaxes(title_text="‖s_l‖", type="log")
+    return _style(fig, "State norm per loop: percentiles over tokens")
 
 
 def risk_validity(summary: pd.DataFrame) -> go.Figure:
