@@ -42,12 +42,12 @@ router_positions = 64  # harvested positions per window (all loops 1..L-1 of eac
 online_windows = (
     16  # held-out windows for the online (true per-token halting) check of the matched points
 )
-risk_alphas = [0.01, 0.02, 0.05, 0.1, 0.2]  # risk levels of the guarantee (share of tokens off depth `reference`)
-risk_delta = 0.1  # the guarantee holds with probability 1 - risk_delta over the calibration documents
+risk_alphas = [0.01, 0.02, 0.05, 0.1, 0.2]  # risk levels (share of tokens off depth `reference`)
+risk_delta = 0.1  # the guarantee holds with probability 1 - risk_delta over calibration documents
 risk_splits = 100  # random halvings of the documents for the validity check
 risk_windows_per_doc = 4  # windows taken from each validation document for the guarantee
 risk_max_docs = 0  # at most this many validation documents, evenly spaced (0: all)
-risk_ce_tolerance = 0.1  # the CE risk: a token counts when its CE exceeds depth `reference`'s by more (nats)
+risk_ce_tolerance = 0.1  # CE risk: a token's CE exceeds depth `reference`'s by more (nats)
 
 # %% tags=["hide-input"]
 # imports; the parameters' paths resolved against the repository root (any working directory)
@@ -223,8 +223,13 @@ risk_windows, risk_units = document_windows(
 )
 risk_families = default_families()
 tables = loss_tables(
-    model, risk_windows, risk_units, risk_families, tolerance=risk_ce_tolerance,
-    reference_loops=reference, max_loops=rule_max_loops,
+    model,
+    risk_windows,
+    risk_units,
+    risk_families,
+    tolerance=risk_ce_tolerance,
+    reference_loops=reference,
+    max_loops=rule_max_loops,
 )
 top1 = tables["top1"]
 n_docs = len(top1.units)
@@ -238,8 +243,10 @@ print(
 for a, n_min in need.items():
     verdict = "enough" if n_docs >= n_min else "too few: no certificate is possible"
     half = "enough" if n_docs // 2 >= n_min else "too few"
-    print(f"alpha={a:g}, delta={risk_delta:g}: needs >= {n_min} documents; all {n_docs}: {verdict}; "
-          f"a half: {half}")
+    print(
+        f"alpha={a:g}, delta={risk_delta:g}: needs >= {n_min} documents; all {n_docs}: {verdict}; "
+        f"a half: {half}"
+    )
 
 # %% [markdown]
 # ### Certificates on every document
@@ -256,8 +263,10 @@ for risk_name, table in tables.items():
                 print(f"[{risk_name}] {cert}")
         none = [c.family for c in row if c.threshold is None]
         if none:
-            print(f"[{risk_name}] alpha={a:g}: no threshold certified for {', '.join(none)} "
-                  f"(e.g. {row[[c.family for c in row].index(none[0])]})")
+            print(
+                f"[{risk_name}] alpha={a:g}: no threshold certified for {', '.join(none)} "
+                f"(e.g. {row[[c.family for c in row].index(none[0])]})"
+            )
 cert_frame = pd.DataFrame([c.__dict__ for c in certs])
 certified = cert_frame[cert_frame.threshold.notna()]
 print(
@@ -280,22 +289,40 @@ cert_frame.pivot_table(
 
 # %%
 rows = pd.concat(
-    [validity(top1, fam, risk_alphas, risk_delta, n_splits=risk_splits, seed=seed) for fam in risk_families]
+    [
+        validity(top1, fam, risk_alphas, risk_delta, n_splits=risk_splits, seed=seed)
+        for fam in risk_families
+    ]
 )
 valid = validity_summary(rows, risk_delta)
 kept = valid[valid.certified > 0]
 broken = valid[~valid.kept]
 print(
     f"{len(valid)} (family, alpha) settings over {risk_splits} splits of {n_docs} documents "
-    f"({int(valid.n_calib.iloc[0])} for calibration): certified in at least one split: {len(kept)}; "
+    f"({int(valid.n_calib.iloc[0])} for calibration): certified in at least one split: "
+    f"{len(kept)}; "
     f"violation rate above delta beyond Monte-Carlo error: {len(broken)}"
 )
 for a in risk_alphas:
     g = valid[valid.alpha == a]
-    print(f"alpha={a:g}: certified in {g.certified.mean():.0%} of splits (mean over families), "
-          f"highest violation rate {g.violation.max():.3f} (delta {risk_delta:g})")
-valid[["family", "alpha", "certified", "violation", "violation_lo", "violation_hi", "test_risk", "loops",
-       "uniform_depth", "saved_frac"]].round(3)
+    print(
+        f"alpha={a:g}: certified in {g.certified.mean():.0%} of splits (mean over families), "
+        f"highest violation rate {g.violation.max():.3f} (delta {risk_delta:g})"
+    )
+valid[
+    [
+        "family",
+        "alpha",
+        "certified",
+        "violation",
+        "violation_lo",
+        "violation_hi",
+        "test_risk",
+        "loops",
+        "uniform_depth",
+        "saved_frac",
+    ]
+].round(3)
 
 # %%
 viz.risk_validity(valid)
@@ -311,7 +338,10 @@ viz.risk_validity(valid)
 wiki = np.flatnonzero(doc_source == "wikipedia")
 sotu = np.flatnonzero(doc_source == "sotu")
 shift_rows = []
-for name, cal_idx, test_idx in (("wikipedia -> sotu", wiki, sotu), ("sotu -> wikipedia", sotu, wiki)):
+for name, cal_idx, test_idx in (
+    ("wikipedia -> sotu", wiki, sotu),
+    ("sotu -> wikipedia", sotu, wiki),
+):
     if len(cal_idx) == 0 or len(test_idx) == 0:
         print(f"{name}: no documents of one source in these windows")
         continue
@@ -326,13 +356,28 @@ if len(shift):
         f"{int(got.violated.sum())} exceed alpha on the other source"
     )
     for (d, a), g in got.groupby(["direction", "alpha"]):
-        print(f"  {d}, alpha={a:g}: {len(g)} families certified, test risk "
-              f"{g.test_risk.min():.3f}-{g.test_risk.max():.3f}, {int(g.violated.sum())} violate")
-    display(got[["direction", "family", "alpha", "n_calib", "n_test", "threshold", "test_risk", "violated",
-                 "loops"]].round(4))
+        print(
+            f"  {d}, alpha={a:g}: {len(g)} families certified, test risk "
+            f"{g.test_risk.min():.3f}-{g.test_risk.max():.3f}, {int(g.violated.sum())} violate"
+        )
+    display(
+        got[
+            [
+                "direction",
+                "family",
+                "alpha",
+                "n_calib",
+                "n_test",
+                "threshold",
+                "test_risk",
+                "violated",
+                "loops",
+            ]
+        ].round(4)
+    )
 
 # %%
-# the same thresholds' mean per-document risk on each source (all documents; KL and state-change families)
+# each threshold's mean per-document risk on each source (all documents; KL and state change)
 by_source = []
 for fam in [f for f in ("kl", "state_delta") if f in risk_families]:
     for j, spec in enumerate(top1.specs[fam]):
