@@ -45,7 +45,7 @@ online_windows = (
 risk_alphas = [0.01, 0.02, 0.05, 0.1, 0.2]  # risk levels (share of tokens off depth `reference`)
 risk_delta = 0.1  # the guarantee holds with probability 1 - risk_delta over calibration documents
 risk_splits = 100  # random halvings of the documents for the validity check
-risk_windows_per_doc = 4  # windows taken from each validation document for the guarantee
+risk_windows_per_doc = 2  # windows taken from each validation document for the guarantee
 risk_max_docs = 0  # at most this many validation documents, evenly spaced (0: all)
 risk_ce_tolerance = 0.1  # CE risk: a token's CE exceeds depth `reference`'s by more (nats)
 
