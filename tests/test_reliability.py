@@ -635,3 +635,14 @@ def test_ctrl_c_during_a_notebook_is_one_line_and_undone(book_site):
     assert_one_error_line(proc, 1, ("interrupted (Ctrl-C) during notebook 04_write_then_fail", "undone"))
     assert not (book_site / "work" / "frame.parquet").exists()
     assert not (book_site / "papermill_runs" / "p" / "results" / "04_write_then_fail.json").exists()
+
+
+def test_a_shipped_copy_on_another_corpus_names_the_one_it_was_trained_on(originals, tmp_path):
+    from drc_core.data.sampler import Corpus
+    from drc_core.errors import DrcError
+    from drc_core.training.rundir import open_run
+
+    shipped = open_run(originals["run"]).ship(tmp_path / "ship", corpus=Corpus.open(originals["corpus"]))
+    with pytest.raises(DrcError, match=r"pass the corpus it was trained on \(prepared with source sotu, \d+ documents, "
+                                       r"vocab 512\)"):
+        open_run(shipped).check_corpus(Corpus.open(originals["other"]))

@@ -165,15 +165,28 @@ def corpus_record(corpus: Corpus) -> dict:
             "vocab_size": corpus.vocab_size}
 
 
+def _trained_on(record: dict) -> str:
+    """The corpus a record names, for a message: its path (a run's corpus.json), else what a shipped copy's
+    corpus_meta.json says of it (source, documents, vocabulary)."""
+    if record.get("path"):
+        return str(record["path"])
+    docs = record.get("documents")
+    n = sum(docs.values()) if isinstance(docs, dict) and all(isinstance(v, int) for v in docs.values()) else None
+    parts = [f"source {record['source']}" if record.get("source") else "",
+             f"{n} documents" if n is not None else "", f"vocab {record['vocab_size']}" if "vocab_size" in record
+             else ""]
+    return "prepared with " + ", ".join(p for p in parts if p) if any(parts) else "see its corpus record"
+
+
 def check_corpus_record(record: dict, corpus: Corpus, where: str) -> None:
     """A one-line :class:`DrcError` unless ``corpus`` has the tokenizer (and inputs) ``record`` was made with."""
     if record.get("tokenizer_sha256") != corpus.tokenizer_hash:
         raise DrcError(f"{where} was trained on a corpus with another tokenizer (sha256 "
                        f"{str(record.get('tokenizer_sha256'))[:12]}..., corpus '{corpus.path}' has "
-                       f"{corpus.tokenizer_hash[:12]}...): pass the corpus it was trained on ({record.get('path')})")
+                       f"{corpus.tokenizer_hash[:12]}...): pass the corpus it was trained on ({_trained_on(record)})")
     if record.get("fingerprint") != corpus.fingerprint:
         raise DrcError(f"{where} was trained on other documents than corpus '{corpus.path}' holds (input "
-                       f"fingerprints differ): pass the corpus it was trained on ({record.get('path')})")
+                       f"fingerprints differ): pass the corpus it was trained on ({_trained_on(record)})")
 
 
 def _read_json(path: Path) -> dict:
