@@ -27,9 +27,8 @@ import pandas as pd
 import torch
 
 from drc_core.analysis.intervals import bootstrap_ci
-from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError, need_int
-from drc_core.model.lm import RecurrentModel, check_token_ids
+from drc_core.model.lm import RecurrentModel, check_token_ids, iterate
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = ["CLASSES", "Dynamics", "class_shares", "classify", "commit_loop", "group_shares", "norm_percentiles",
@@ -92,16 +91,17 @@ def token_dynamics(model: RecurrentModel, windows: torch.Tensor, max_loops: int 
     parts: dict[str, list[np.ndarray]] = {"norm": [], "step": [], "step2": [], "argmax": []}
     for batch in eval_batches(model, windows, batch_size, seed):
         per: dict[str, list[torch.Tensor]] = {k: [] for k in parts}
-        prev_step = None
-        for st in iterate_stats(model, batch.x, max_loops, state=batch.initial_state(model)):
-            s = st.state.float()
-            step = st.state_step.float()
-            per["norm"].append(s.norm(dim=-1))
+        prev = prev_step = None
+        # logits only (their argmax): the full per-loop statistics (iterate_stats) cost a softmax pass each
+        for out in iterate(model, batch.x, max_loops, readout="logits", state=batch.initial_state(model)):
+            s = out.state.float()
             nan = torch.full(s.shape[:-1], float("nan"))
-            per["step"].append(step.norm(dim=-1) if st.loop > 1 else nan)
-            per["step2"].append((step + prev_step).norm(dim=-1) if st.loop > 2 else nan)
-            per["argmax"].append(st.argmax)
-            prev_step = step
+            step = None if prev is None else s - prev
+            per["norm"].append(s.norm(dim=-1))
+            per["step"].append(nan if step is None else step.norm(dim=-1))
+            per["step2"].append((step + prev_step).norm(dim=-1) if prev_step is not None else nan)
+            per["argmax"].append(out.out.argmax(dim=-1))
+            prev, prev_step = s, step
         for k, v in per.items():
             parts[k].append(torch.stack(v, dim=-1).cpu().numpy())
     out = {k: np.concatenate(v) for k, v in parts.items()}
