@@ -496,6 +496,9 @@ def find_browser() -> str | None:
     return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
 def render_png(figure_json: str | Path, png: str | Path, width: int = 900, height: int = 500) -> Path:
     """Draw a plotly figure saved as JSON (``fig.write_json``, e.g. by a notebook into its results) to a PNG with
     headless Chromium (Debian ``chromium``): how the README's figures are made from the book's own output."""
@@ -503,6 +506,9 @@ def render_png(figure_json: str | Path, png: str | Path, width: int = 900, heigh
 
     import plotly.io as pio
 
+    out = Path(png)
+    if out.is_dir() or (out.exists() and out.read_bytes()[:8] != PNG_SIGNATURE):  # replace only a PNG image
+        raise DrcError(f"'{out}' exists and is not a PNG image: it is left as it is; choose a new file name")
     browser = find_browser()
     if browser is None:
         raise DrcError("no Chromium on PATH: install it (apt-get install chromium) to render PNG figures")

@@ -49,6 +49,13 @@ class Corpus:
         for name in ("tokenizer.json", "docs.parquet"):
             if not (p / name).is_file():
                 raise DrcError(f"corpus '{p}' lacks {name}: {again}")
+        tokens = meta["tokens"]
+        counts_ok = isinstance(tokens, dict) and all(
+            isinstance(tokens.get(k), int) and not isinstance(tokens.get(k), bool) and tokens[k] >= 0
+            for k in ("train", "val"))
+        vocab = meta["vocab_size"]
+        if not counts_ok or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+            raise DrcError(f"corpus '{p}' has a meta.json whose vocab_size or token counts are not counts: {again}")
         if meta["dtype"] not in TOKEN_DTYPES:
             raise DrcError(f"corpus '{p}' has a meta.json with dtype {meta['dtype']!r}, not one of "
                            f"{', '.join(TOKEN_DTYPES)}: {again}")
