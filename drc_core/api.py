@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from drc_core.analysis.dynamics import classify, commit_loop, token_dynamics
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
-from drc_core.data.sampler import eval_windows
+from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.data.tokenizer import load_tokenizer
 from drc_core.errors import DrcError, need_int
 from drc_core.halting.calibrate import CalibratedRule
@@ -291,11 +291,24 @@ class Model:
 def load(path: str | Path, *, corpus: str | Path | None = None, map_location: str = "cpu") -> Model:
     """Open a training run, its ``final/`` or a shipped copy (:func:`drc_core.training.rundir.open_run`): the model in
     eval mode, the tokenizer (the directory's ``tokenizer.json``, else the prepared ``corpus``'s) and the
-    training config. A directory without a tokenizer and no ``corpus`` is a one-line error."""
+    training config. A directory without a tokenizer and no ``corpus`` is a one-line error, and so is a tokenizer
+    other than the one recorded (its sha256 against the run's or the corpus's record) or one with more ids than the
+    model's vocabulary."""
     run = open_run(path)
     found = run.file(TOKENIZER_FILE)
     if found is None and corpus is None:
         raise DrcError(f"'{path}' has no {TOKENIZER_FILE}: pass corpus= the prepared corpus the model was trained on")
-    tokenizer = load_tokenizer(found if found is not None else Path(corpus))
+    if found is None and (Path(corpus) / "meta.json").is_file():  # a prepared corpus: checked, and the run's own
+        prepared = Corpus.open(corpus)
+        run.check_corpus(prepared)
+        tokenizer = prepared.tokenizer()
+    else:
+        record = run.corpus_record() if found is not None else None
+        want = record.get("tokenizer_sha256") if isinstance(record, dict) else None
+        tokenizer = load_tokenizer(found if found is not None else Path(corpus), want)
     config = run.train_config() if run.train_config_path is not None else None
-    return Model(model=run.load_model(map_location), tokenizer=tokenizer, config=config, run=run)
+    model = run.load_model(map_location)
+    if tokenizer.get_vocab_size() > model.vocab_size:
+        raise DrcError(f"the tokenizer of '{path}' has {tokenizer.get_vocab_size()} ids but the model's vocabulary "
+                       f"is {model.vocab_size}: pass the tokenizer (corpus) the model was trained with")
+    return Model(model=model, tokenizer=tokenizer, config=config, run=run)

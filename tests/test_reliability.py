@@ -652,3 +652,19 @@ def test_a_shipped_copy_on_another_corpus_names_the_one_it_was_trained_on(origin
     with pytest.raises(DrcError, match=r"pass the corpus it was trained on \(prepared with source sotu, \d+ documents, "
                                        r"vocab 512\)"):
         open_run(shipped).check_corpus(Corpus.open(originals["other"]))
+
+
+def test_load_refuses_a_tokenizer_other_than_the_recorded_one(originals, tmp_path):
+    import drc_core
+    from drc_core.data.sampler import Corpus
+    from drc_core.errors import DrcError
+    from drc_core.training.rundir import open_run
+
+    shipped = open_run(originals["run"]).ship(tmp_path / "ship", corpus=Corpus.open(originals["corpus"]))
+    assert drc_core.load(shipped).tokenizer.get_vocab_size() <= 512
+    shutil.copy(originals["other"] / "tokenizer.json", shipped / "tokenizer.json")
+    with pytest.raises(DrcError, match="not the tokenizer recorded"):
+        drc_core.load(shipped)
+    with pytest.raises(DrcError, match="another tokenizer"):
+        drc_core.load(originals["run"], corpus=originals["other"])
+    assert drc_core.load(originals["run"], corpus=originals["corpus"]).model.vocab_size == 512
