@@ -49,6 +49,7 @@ def exclusive(target: str | Path, what: str) -> Iterator[Path]:
     in the error (e.g. ``run directory``). A second process, or a second lock of the same path in this process, gets
     ``DrcError: <what> '<target>' is being written by another process (pid N): ...``."""
     lock = lock_path(target)
+    made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # removed again if left empty
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -76,6 +77,9 @@ def exclusive(target: str | Path, what: str) -> Iterator[Path]:
         with suppress(OSError):
             lock.unlink()
         os.close(fd)
+        for p in made:  # deepest first; a directory the work filled stays
+            with suppress(OSError):
+                p.rmdir()
 
 
 def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:

@@ -668,3 +668,19 @@ def test_load_refuses_a_tokenizer_other_than_the_recorded_one(originals, tmp_pat
     with pytest.raises(DrcError, match="another tokenizer"):
         drc_core.load(originals["run"], corpus=originals["other"])
     assert drc_core.load(originals["run"], corpus=originals["corpus"]).model.vocab_size == 512
+
+
+def test_the_lock_leaves_nothing_behind(tmp_path):
+    from drc_core.errors import DrcError
+    from drc_core.guard import exclusive
+
+    target = tmp_path / "a" / "b" / "run"
+    with exclusive(target, "run directory") as lock:
+        assert lock.read_text().strip() == str(os.getpid())
+        with pytest.raises(DrcError, match=rf"run directory '{target}' is being written by another process \(pid "
+                                           rf"{os.getpid()}"), exclusive(target, "run directory"):
+            pass
+    assert not (tmp_path / "a").exists()  # the parents it made for the lock, empty again, are removed
+    with exclusive(target, "run directory"):
+        target.mkdir()
+    assert target.is_dir() and not list(target.parent.glob(".*.lock"))
