@@ -20,7 +20,6 @@ from drc_core.model.lm import ModelConfig
 from drc_core.model.precision import AUTOCAST_CHOICES, COMPILE_CHOICES
 from drc_core.model.recurrence import RecurrenceConfig
 
-
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer
 
 
