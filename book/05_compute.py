@@ -62,6 +62,8 @@ measure_windows = 8  # windows for the measurement-pass comparison
 threads = 0  # torch threads; 0 keeps torch's default
 gen_batches = [1, 8]  # generation batch sizes (rows decoded together)
 decode_rows = [1, 2, 4, 8]  # active rows at which one decode loop is timed (at most n_windows)
+decoder_batches = [1, 8, 32]  # batch sizes of the three-decoder comparison (continuous depth batching)
+serving_slots = 8  # slots of the serving comparison, 0 skips it; requests: the largest decoder batch
 fused = True  # readout statistics through the compiled kernel (skipping.fused_stats_kernel)
 clock = "wall"  # "wall" or "cpu" (process time; robust to other jobs with one thread)
 keep_freed = True  # glibc keeps freed memory while timing (cost.keep_freed_memory)
@@ -79,10 +81,11 @@ import torch
 from IPython.display import display
 
 from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.book import viz
+from drc_core.book import decode_viz, viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
+from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
 from drc_core.experiments.cost import flop_parts, matmul_flops_per_token
 from drc_core.experiments.speed import (
     TARGET_RATIO,
@@ -275,6 +278,54 @@ decode_cost = decode_loop_cost(model, windows[:, :prompt_len], speed, rows=rows_
 display(decode_cost.round(3))
 prediction = decode_prediction(generation, decode_cost)
 display(prediction.round(3))
+
+# %% [markdown]
+# ## Continuous depth batching: every row at its own loop
+# The step-synchronous decoder above runs each decode step to its deepest row. `generate_continuous`
+# schedules single loop iterations instead: every core step runs one loop of every row's current token at
+# that token's own loop index; a row whose token exits reads out, chooses its next token, and that token joins
+# the next core step at loop 1 while the other rows keep looping. Greedy outputs equal decoding each row alone
+# (`same_as_generate`). Three decoders side by side for each batch size: the dense decoder at depth r,
+# `generate` and `generate_continuous`, for uniform depth r (the machinery's cost at equal depth) and the
+# matched KL, state-change, cosine and acceleration rules. `realization` is the wall-clock speed-up over the
+# dense decoder divided by the honest-FLOP speed-up (the work the path really did, counted op by op).
+
+# %%
+decoder_rules = [
+    sp for sp in matched.specs if sp.family in ("kl", "state_delta", "cosine", "acceleration")
+]
+prompts, _ = val_windows_with_docs(corpus, cfg.seq_len, max(decoder_batches))
+prompts = prompts[:, :prompt_len]
+decoder_batches_here = [b for b in decoder_batches if b <= len(prompts)]
+decoders = time_decoders(model, prompts, decoder_rules, speed, batches=decoder_batches_here)
+display(
+    decoders[
+        [
+            "batch", "rule", "path", "avg_loops", "ms_per_step", "tokens_per_s", "x_dense",
+            "flop_speedup", "realization", "same_as_generate",
+        ]
+    ].round(3)
+)
+decoder_checks = decoder_targets(decoders, batches=[b for b in decoder_batches_here if b > 1])
+display(decoder_checks.round(3))
+decode_viz.decoder_bars(decoders)
+
+# %% [markdown]
+# ### Serving: requests behind a fixed number of slots
+# Every prompt above becomes a request (a quarter of them ask for `new_tokens` / 4 tokens, the rest for
+# `new_tokens`), all arriving at once, served `serving_slots` at a time by the state-change rule. Continuous
+# depth batching gives a finished row's slot to the next request at once; the step-synchronous decoder runs
+# batch after batch, each as long as its longest request. Latency: seconds from arrival to a request's last token.
+
+# %%
+state_rule = [sp.rule for sp in decoder_rules if sp.family == "state_delta"]
+serving = None
+if serving_slots and state_rule and len(prompts) > serving_slots:
+    serving = serving_latency(
+        model, prompts, state_rule[0], slots=serving_slots,
+        new_tokens=(max(1, new_tokens // 4), new_tokens, new_tokens, new_tokens), cfg=speed,
+    )
+    display(serving.round(3))
 
 # %% [markdown]
 # ## FLOP proxy versus wall-clock
@@ -503,6 +554,9 @@ results = {
     "anderson": anderson.to_dict("records") if anderson_windows else None,
     "decode_loop_cost": decode_cost.to_dict("records"),
     "decode_prediction": prediction.to_dict("records"),
+    "decoders": decoders.to_dict("records"),
+    "decoder_targets": decoder_checks.to_dict("records"),
+    "serving": None if serving is None else serving.to_dict("records"),
     "bf16": bf16_frame.to_dict("records") if bf16_compare and fast_bf16 else None,
     **measurement_summary(measurement),
     "notebook_seconds": time.time() - t0,

@@ -420,3 +420,20 @@ def test_commit_vs_convergence_and_norm_figures():
     pct = pd.DataFrame({"loop": [1, 2, 3], "p50": [1.0, 2.0, 3.0], "p95": [2.0, 3.0, 4.0], "median_growth": 1.0})
     fig = viz.norm_by_loop(pct)
     assert [t.name for t in fig.data] == ["p50", "p95"]
+
+
+def test_decoder_bars_one_bar_per_path_and_a_flop_marker():
+    from drc_core.book.decode_viz import decoder_bars
+
+    table = pd.DataFrame([
+        {"batch": b, "rule": rule, "path": path, "x_dense": x, "flop_speedup": f, "avg_loops": 4.0,
+         "tokens_per_s": 100.0}
+        for b in (1, 8) for rule, f in (("uniform=8", 1.0), ("dstate<0.1", 1.6))
+        for path, x in (("dense decode", 1.0), ("generate", 0.9), ("continuous", 1.3))])
+    fig = decoder_bars(table)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [t.name for t in bars] == ["generate", "continuous"] and all(len(t.y) == 4 for t in bars)
+    marks = [t for t in fig.data if t.type == "scatter"]
+    assert len(marks) == 2 and list(marks[0].y) == [1.0, 1.6, 1.0, 1.6]
+    with pytest.raises(DrcError, match="time_decoders"):
+        decoder_bars(table.drop(columns="flop_speedup"))

@@ -20,9 +20,9 @@ How. Caches per block are ``(S, L, H, T, hd)`` for S slots and L = ``rule.max_lo
 :class:`~drc_core.halting.skipping.Attn` layout (one query per row, causal mask by position) serves every core
 and coda block of the step, whatever mix of loops the items are at. A request's prompt is processed alone, by
 :func:`~drc_core.halting.skipping.run_loops` on its slot's view of the caches (exactly what ``generate`` does
-for it). The rule's statistics of each item against the previous loop of the same token are kept per slot
-(:func:`~drc_core.analysis.loops.loop_stats` for rules that read the output, the state statistics alone
-otherwise); the decision is the rule's :meth:`~drc_core.halting.rules.HaltingRule.criterion` with the
+for it). The rule's statistics of each item against the previous loop of the same token are those ``generate``
+computes (its tracker, only the fields the rule reads), the previous loop's values kept per slot; the decision
+is the rule's :meth:`~drc_core.halting.rules.HaltingRule.criterion` with the
 min/max-loop forcing applied per item. A rule that reads states only runs the coda per step on the items at
 loop >= ``min_loops`` (writing the coda keys/values later tokens read), the last coda block's attention and MLP
 and the head only on the exiting items. Host syncs: one per step (which items exit).
@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.analysis.loops import LoopStats, loop_stats, state_change, trajectory_step
 from drc_core.errors import DrcError
 from drc_core.halting.generate import _check, _choose, _prelude
 from drc_core.halting.rules import HaltingRule
@@ -50,12 +49,13 @@ from drc_core.halting.skipping import (
     Tokens,
     Work,
     _compact_stats,
-    _Trajectory,
+    _Tracker,
     block_step,
     check_state,
     coda,
     empty_caches,
     run_loops,
+    stat_fields,
 )
 from drc_core.model.lm import DepthRecurrentLM
 
@@ -266,8 +266,6 @@ def generate_continuous(
     core_flat, coda_flat = flat[: len(model.core)], flat[len(model.core) :]
     rope = (model.rope_cos, model.rope_sin)
     per_loop = rule.needs_log_probs
-    need_states = bool(rule.reads & {"state_delta", "cosine", "state_step", "accel", "accel_prev"}) or per_loop
-    need_traj = bool(rule.reads & {"state_step", "accel", "accel_prev"}) or per_loop
     work = Work()
     sl = _Slots(n_slots, [-1] * n_slots, [0] * n_slots, [0] * n_slots, like.new_zeros(n_slots, d),
                 like.new_zeros(n_slots, d))
@@ -346,6 +344,11 @@ def generate_continuous(
         for c in caches_all:
             c[b_i, dst, :, t_i] = c[b_i, src - 1, :, t_i]
 
+    V = cfg.vocab_size
+    need = stat_fields(rule)
+    z_none = like.new_empty(0, V, dtype=torch.float32)
+    z_buf = like.new_empty(n_slots, V, dtype=torch.float32) if per_loop else z_none  # this step's logits
+    z_prev = like.new_zeros(n_slots, V, dtype=torch.float32) if per_loop else z_none  # each slot's previous
     steps = 0
     while True:
         for b in range(n_slots):
@@ -367,37 +370,35 @@ def generate_continuous(
         for block, kv in zip(model.core, core_flat, strict=True):
             x = block_step(block, x, attn, kv, *rope)
         work.core += n_items
-        prev = {k: v[b_t] for k, v in sl.prev.items()}
-        res: dict[str, Tensor] = {}
+        # the statistics: generate's own tracker, its previous loop being each item's slot's (items at loop 1 get
+        # the first loop's values by _masked, as their slot's previous values belong to another token)
+        tracker = _Tracker(need, 0, V, like, False, fused)
+        if sl.prev:
+            tracker.prev, tracker.loop = {k: v[b_t] for k, v in sl.prev.items()}, 1
+        res = tracker.states(x, 3)
         if per_loop:
             y = coda(model, x, attn, coda_flat, work=work)
-            z = model.head(y).float()
+            tracker.bufs = [z_buf[:n_items], z_prev[b_t]]
+            res.update(tracker.readout(model, y, 3))
+            z = tracker.bufs[0]
             work.head += n_items
-            lp = torch.log_softmax(z, dim=-1)
-            before = LoopStats(loop=2, **{k: v[None] for k, v in prev.items()}) if prev else None
-            stats = loop_stats(before, 2, lp[None], x[None])
-            res = _masked({f: getattr(stats, f)[0] for f in _SLOT_FIELDS}, loops)
-            work.vocab_stats += n_items * _VOCAB_PASSES
-            keep = {"state": x, "log_probs": lp, **res}
+            work.vocab_stats += n_items * tracker.vocab_passes
+        res = _masked(res, loops)
+        tracker.done(3, x, res)
+        if max(loop_list) < rule.min_loops:  # no item may exit yet: no decision, no host sync
+            decide, gone, gone_list = torch.zeros(n_items, dtype=torch.bool, device=device), None, []
+        elif min(loop_list) >= rule.max_loops:  # every item must exit
+            decide = torch.ones(n_items, dtype=torch.bool, device=device)
+            gone, gone_list = torch.arange(n_items, device=device), list(range(n_items))
         else:
-            if need_states:
-                if prev:
-                    res["state_delta"], res["cosine"] = state_change(x, prev["state"])
-                else:
-                    res["state_delta"] = torch.full((n_items,), math.inf, device=device)
-                    res["cosine"] = -res["state_delta"]
-            if need_traj:
-                before = _Trajectory(2, prev["state"], prev["state_step"], prev["accel"]) if prev else None
-                res["state_step"], res["accel"], res["accel_prev"] = trajectory_step(x, before)  # type: ignore[arg-type]
-            res = _masked(res, loops)
-            keep = {"state": x, "state_step": res["state_step"], "accel": res["accel"]} if need_traj else (
-                {"state": x} if need_states else {})
-        crit = rule.criterion(_compact_stats(0, x, res)).reshape(n_items).to(torch.bool)
-        decide = (crit & (loops >= rule.min_loops)) | (loops >= rule.max_loops)
-        gone = decide.nonzero().squeeze(1)
-        gone_list = gone.tolist()
+            crit = rule.criterion(_compact_stats(0, x, res)).reshape(n_items).to(torch.bool)
+            decide = (crit & (loops >= rule.min_loops)) | (loops >= rule.max_loops)
+            gone = decide.nonzero().squeeze(1)
+            gone_list = gone.tolist()
         if per_loop:
-            logits_g = z.index_select(0, gone)
+            logits_g = z.index_select(0, gone) if gone is not None else z[:0]
+        elif not gone_list and max(loop_list) < rule.min_loops:
+            logits_g = z_none
         elif min(loop_list) >= rule.min_loops:
             # every item writes its coda keys/values (later tokens exiting at its loop read them); the exiting
             # ones run the last coda block and the head
@@ -412,9 +413,11 @@ def generate_continuous(
                 logits_g = model.head(y).float()
                 work.head += y.shape[0]
             else:
-                logits_g = x.new_empty(0, cfg.vocab_size, dtype=torch.float32)
+                logits_g = z_none
         sl.x[b_t] = x
-        for k, v in keep.items():
+        if per_loop:
+            z_prev[b_t] = z
+        for k, v in tracker.prev.items():
             if k not in sl.prev:
                 sl.prev[k] = v.new_zeros(n_slots, *v.shape[1:])
             sl.prev[k][b_t] = v
@@ -445,9 +448,3 @@ def generate_continuous(
     ]
     return ContinuousResult(completions, str(rule), n_slots, steps, work, now_s())
 
-
-# vocabulary-sized passes per item-loop of loop_stats: log-softmax, exp, entropy, KL, the two min-p filtered
-# distributions and their KL
-_VOCAB_PASSES = 7
-_SLOT_FIELDS = ("kl", "state_delta", "entropy", "entropy_delta", "cosine", "argmax", "argmax_run", "top_prob",
-                "minp_kl", "state_step", "accel", "accel_prev")

@@ -568,20 +568,23 @@ class _Trajectory:
 
 def _compact_stats(loop: int, x: Tensor, res: dict[str, Tensor]) -> LoopStats:
     """The (1, N) :class:`LoopStats` of the computed fields ``res``; the others are placeholders (NaN, argmax -1,
-    run 0, empty log-probs and steps) that a rule declaring its ``reads`` never looks at."""
+    run 0, empty log-probs and steps) that a rule declaring its ``reads`` never looks at (one placeholder tensor
+    per kind, shared by the fields of that kind)."""
     n = x.shape[0]
-    nan = torch.full((1, n), math.nan, device=x.device)
     filled: dict[str, Tensor] = {}
+    nan = empty = None
     for name in _STAT_FIELDS:
         if name in res:
             filled[name] = res[name][None]
         elif name in ("log_probs", "state_step"):
-            filled[name] = x.new_empty(1, n, 0)
+            empty = x.new_empty(1, n, 0) if empty is None else empty
+            filled[name] = empty
         elif name == "argmax":
             filled[name] = torch.full((1, n), -1, dtype=torch.long, device=x.device)
         elif name == "argmax_run":
             filled[name] = torch.zeros((1, n), dtype=torch.long, device=x.device)
         else:
+            nan = torch.full((1, n), math.nan, device=x.device) if nan is None else nan
             filled[name] = nan
     return LoopStats(loop=loop, state=x[None], **filled)
 
