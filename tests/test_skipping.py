@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from drc_core.analysis.loops import iterate_stats
-from drc_core.halting import skipping
+from drc_core.halting import loopstats
 from drc_core.halting.generate import generate, generate_fixed
+from drc_core.halting.kvlayout import Attn, Tokens, block_step, empty_caches
+from drc_core.halting.loopstats import stat_fields
 from drc_core.halting.router import LinearRouter, RouterRule, harvest, train_router
 from drc_core.halting.rules import (
     Acceleration,
@@ -25,7 +27,7 @@ from drc_core.halting.rules import (
     Uniform,
     masked_forward,
 )
-from drc_core.halting.skipping import Attn, Tokens, block_step, empty_caches, skip_forward, stat_fields
+from drc_core.halting.skipping import skip_forward
 from drc_core.model.lm import Block, DepthRecurrentLM, ModelConfig
 
 V, B, T, L = 64, 3, 14, 6
@@ -195,7 +197,7 @@ def test_work_counts_what_was_computed(model, idx, rules):
 
 
 def test_fused_kernel_equals_the_masked_reference(model, idx, rules, monkeypatch):
-    monkeypatch.setattr(skipping, "_FUSED_MIN_ROWS", 1)  # the kernels at every loop, down to one active token
+    monkeypatch.setattr(loopstats, "FUSED_MIN_ROWS", 1)  # the kernels at every loop, down to one active token
     for family in ("kl", "entropy_delta", "minp_kl", "confidence"):
         rule = rules[family]
         ref = masked_forward(model, idx, rule, generator=_gen())
@@ -237,7 +239,7 @@ class _KLPausing(KLThreshold):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_loop_without_halts_after_halts(model, idx, rules, fused, monkeypatch):
-    monkeypatch.setattr(skipping, "_FUSED_MIN_ROWS", 1)
+    monkeypatch.setattr(loopstats, "FUSED_MIN_ROWS", 1)
     rule = _KLPausing(rules["kl"].tau, max_loops=L)
     ref = masked_forward(model, idx, rule, generator=_gen())
     got = skip_forward(model, idx, rule, generator=_gen(), fused=fused)
@@ -250,7 +252,7 @@ def test_a_loop_without_halts_after_halts(model, idx, rules, fused, monkeypatch)
 def test_fused_then_eager_as_the_active_set_shrinks(model, idx, rules, family, monkeypatch):
     """The kernels run while many tokens are active, the eager pass once few are: the switch keeps the
     previous loop's values (normaliser, logits, log-probs) consistent."""
-    monkeypatch.setattr(skipping, "_FUSED_MIN_ROWS", 30)
+    monkeypatch.setattr(loopstats, "FUSED_MIN_ROWS", 30)
     rule = rules[family]
     ref = masked_forward(model, idx, rule, generator=_gen())
     got = skip_forward(model, idx, rule, generator=_gen(), fused=True)

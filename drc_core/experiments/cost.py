@@ -86,7 +86,7 @@ VOCAB_STAT_FLOPS = 8  # per vocabulary entry and token-loop of a per-loop readou
 
 
 def honest_flops(model: DepthRecurrentLM, work: object, seq_len: int) -> float:
-    """Total FLOPs of the work a skipping run really did (``work``: a :class:`drc_core.halting.skipping.Work`):
+    """Total FLOPs of the work a skipping run really did (``work``: a :class:`drc_core.halting.work.Work`):
     ``core`` token-loops at ``R * block + adapter``, full ``blocks`` (prelude, coda) at ``block``, ``qkv``-only
     coda context projections at ``6 d^2``, ``head`` readouts at ``2 d V`` and ``vocab_stats`` token-loops of
     vocabulary-sized statistics at ``VOCAB_STAT_FLOPS * V``; ``block`` as in

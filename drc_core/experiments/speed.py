@@ -19,7 +19,7 @@ same process, what that becomes on the clock:
   r with no halting machinery) against :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` and with
   each matched rule: same prompts, same number of new tokens, greedy. Time per step = (time of n new tokens -
   time of 1) / (n - 1), so the prompt pass drops out; tokens/s = rows / time per step.
-- honest FLOPs: every skipping run counts the work it did (:class:`~drc_core.halting.skipping.Work`),
+- honest FLOPs: every skipping run counts the work it did (:class:`~drc_core.halting.work.Work`),
   priced by :func:`drc_core.experiments.cost.honest_flops`; ``wall_over_honest`` beside ``wall_over_proxy``;
   :func:`speed_targets` checks the speed targets at matched quality, :func:`profile_batched` shows where the time goes,
   :func:`bf16_check` compares bf16 autocast with fp32, :func:`anderson_table` measures Anderson acceleration.
@@ -138,7 +138,7 @@ class SpeedConfig:
     ``measure_windows``: the measurement pass compared (on the first ``measure_windows`` windows).
     ``max_online_tries``: stricter grid points tried when the offline-matched one misses the target online.
     ``fused``: rules with log-probs compute their readout statistics with the compiled kernel
-    (:func:`drc_core.halting.skipping.fused_stats_kernel`; needs a C++ compiler). ``clock``: "wall" or "cpu"
+    (:func:`drc_core.halting.loopstats.fused_stats_kernel`; needs a C++ compiler). ``clock``: "wall" or "cpu"
     (:func:`drc_core.experiments.cost.interleaved`). ``more_gen_rows``: further batch sizes for generation
     (e.g. (8,)). ``presets``: also time Huginn's presets in batched evaluation. ``profile``: also profile one
     batch (:func:`profile_batched`). ``keep_freed``: before timing, make glibc keep freed memory for reuse

@@ -17,7 +17,7 @@ the threshold).
 
 How. Caches per block are ``(S, L, H, T, hd)`` for S slots and L = ``rule.max_loops`` per-loop slabs; viewed as
 ``(S * L, H, T, hd)``, an item of slot b at loop l is a row b * L + l - 1 of one flat batch, so one
-:class:`~drc_core.halting.skipping.Attn` layout (one query per row, causal mask by position) serves every core
+:class:`~drc_core.halting.kvlayout.Attn` layout (one query per row, causal mask by position) serves every core
 and coda block of the step, whatever mix of loops the items are at. A request's prompt is processed alone, by
 :func:`~drc_core.halting.skipping.run_loops` on its slot's view of the caches (exactly what ``generate`` does
 for it). The rule's statistics of each item against the previous loop of the same token are those ``generate``
@@ -42,21 +42,11 @@ from torch import Tensor
 
 from drc_core.errors import DrcError
 from drc_core.halting.generate import _check, _choose, _prelude
+from drc_core.halting.kvlayout import Attn, LoopCaches, Tokens, block_step, coda, empty_caches
+from drc_core.halting.loopstats import Tracker, compact_stats, stat_fields
 from drc_core.halting.rules import HaltingRule
-from drc_core.halting.skipping import (
-    Attn,
-    LoopCaches,
-    Tokens,
-    Work,
-    _compact_stats,
-    _Tracker,
-    block_step,
-    check_state,
-    coda,
-    empty_caches,
-    run_loops,
-    stat_fields,
-)
+from drc_core.halting.skipping import check_state, run_loops
+from drc_core.halting.work import Work
 from drc_core.model.lm import DepthRecurrentLM
 
 __all__ = ["Completion", "ContinuousResult", "generate_continuous"]
@@ -92,7 +82,7 @@ class Completion:
 @dataclass
 class ContinuousResult:
     """What :func:`generate_continuous` returns: one :class:`Completion` per request (in request order), the
-    number of core steps the decode phase ran, the :class:`~drc_core.halting.skipping.Work` done and the wall
+    number of core steps the decode phase ran, the :class:`~drc_core.halting.work.Work` done and the wall
     time."""
 
     completions: list[Completion]
@@ -119,7 +109,7 @@ class ContinuousResult:
 
 
 class _Items(Attn):
-    """The :class:`~drc_core.halting.skipping.Attn` of items with one query per flat cache row: item i writes its
+    """The :class:`~drc_core.halting.kvlayout.Attn` of items with one query per flat cache row: item i writes its
     keys/values at position ``pos[i]`` of row ``rows[i]`` of caches (R, H, T, hd) and attends to that row's
     positions 0..pos[i] (no padding, no per-row counts: every row holds one item)."""
 
@@ -372,7 +362,7 @@ def generate_continuous(
         work.core += n_items
         # the statistics: generate's own tracker, its previous loop being each item's slot's (items at loop 1 get
         # the first loop's values by _masked, as their slot's previous values belong to another token)
-        tracker = _Tracker(need, 0, V, like, False, fused)
+        tracker = Tracker(need, 0, V, like, False, fused)
         if sl.prev:
             tracker.prev, tracker.loop = {k: v[b_t] for k, v in sl.prev.items()}, 1
         res = tracker.states(x, 3)
@@ -391,7 +381,7 @@ def generate_continuous(
             decide = torch.ones(n_items, dtype=torch.bool, device=device)
             gone, gone_list = torch.arange(n_items, device=device), list(range(n_items))
         else:
-            crit = rule.criterion(_compact_stats(0, x, res)).reshape(n_items).to(torch.bool)
+            crit = rule.criterion(compact_stats(0, x, res)).reshape(n_items).to(torch.bool)
             decide = (crit & (loops >= rule.min_loops)) | (loops >= rule.max_loops)
             gone = decide.nonzero().squeeze(1)
             gone_list = gone.tolist()

@@ -32,18 +32,10 @@ import torch
 from torch import Tensor
 
 from drc_core.errors import DrcError
+from drc_core.halting.kvlayout import Attn, LoopCaches, Tokens, block_step, coda, empty_caches
 from drc_core.halting.rules import HaltingRule, Oracle, Uniform
-from drc_core.halting.skipping import (
-    Attn,
-    LoopCaches,
-    Tokens,
-    Work,
-    block_step,
-    check_state,
-    coda,
-    empty_caches,
-    run_loops,
-)
+from drc_core.halting.skipping import check_state, run_loops
+from drc_core.halting.work import Work
 from drc_core.model.lm import DepthRecurrentLM, check_token_ids
 
 __all__ = ["GenerationResult", "generate", "generate_fixed"]
@@ -58,7 +50,7 @@ class GenerationResult:
     logits chose token t + 1 at t >= T0 - 1; the last generated token is never processed). ``avg_depth``: the
     mean exit loop over all processed positions; ``new_avg_depth``: over the n positions T0-1 .. T0+n-2 whose
     outputs chose the new tokens. ``initial_state`` (B, T0 + n, d): the s_0 used (the last position's is
-    unused). ``rule``: ``str(rule)``. ``work``: the :class:`~drc_core.halting.skipping.Work` done.
+    unused). ``rule``: ``str(rule)``. ``work``: the :class:`~drc_core.halting.work.Work` done.
     """
 
     tokens: Tensor
@@ -105,7 +97,7 @@ def _check(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, 
 
 
 def _layout(model: DepthRecurrentLM, batch: int, window: tuple[int, int], total: int, device: torch.device) -> Attn:
-    """The dense :class:`~drc_core.halting.skipping.Attn` of every row's positions [t0, t1) over caches of
+    """The dense :class:`~drc_core.halting.kvlayout.Attn` of every row's positions [t0, t1) over caches of
     ``total`` positions."""
     return Attn(Tokens.window(batch, *window, device), batch, total, model.cfg.n_heads,
                 (model.rope_cos, model.rope_sin), window)
@@ -114,7 +106,7 @@ def _layout(model: DepthRecurrentLM, batch: int, window: tuple[int, int], total:
 def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor,
              work: Work | None = None) -> None:
     """:meth:`DepthRecurrentLM.embed <drc_core.model.lm.DepthRecurrentLM.embed>` on positions [t0, t1) of every
-    row, the prelude attending over cached keys/values (:func:`~drc_core.halting.skipping.block_step`); write e
+    row, the prelude attending over cached keys/values (:func:`~drc_core.halting.kvlayout.block_step`); write e
     there."""
     attn = _layout(model, tokens.shape[0], window, tokens.shape[1], tokens.device)
     x = model.token_embedding(attn.toks.gather(tokens))

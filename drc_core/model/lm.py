@@ -229,7 +229,7 @@ class Block(nn.Module):
     """``x + post(attn(norm(x)))`` then ``x + post(mlp(norm(x)))``; ``post`` is identity unless sandwich.
 
     :meth:`forward` is :meth:`qkv`, the causal attention over those keys/values, then :meth:`finish`; the
-    compute-skipping paths (:func:`drc_core.halting.skipping.block_step`) run the same :meth:`qkv` and
+    compute-skipping paths (:func:`drc_core.halting.kvlayout.block_step`) run the same :meth:`qkv` and
     :meth:`finish` on a flat list of tokens and swap only the attention, which reads a key/value cache. A
     ``kv_fn`` (see :class:`FrozenKV`) may replace the keys/values attention sees: ``k, v = kv_fn(k, v)``.
     """
