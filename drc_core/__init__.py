@@ -42,6 +42,7 @@ _EXPORTS = {
     "HaltingRule": "drc_core.halting.rules",
     "masked_forward": "drc_core.halting.rules",
     "skip_forward": "drc_core.halting.skipping",
+    "generate_continuous": "drc_core.halting.continuous",
     "DepthRecurrentLM": "drc_core.model.lm",
     "ModelConfig": "drc_core.model.lm",
     "RecurrentModel": "drc_core.model.lm",

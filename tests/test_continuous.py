@@ -174,3 +174,9 @@ def test_decoder_timing_table(model, rules):
     lat = serving_latency(model, prompt, rules["state_delta"], slots=2, new_tokens=[2, 4], cfg=cfg)
     assert list(lat.path) == ["continuous", "generate"]
     assert (lat.p50 <= lat.p99).all() and (lat.p99 <= lat.seconds * 1.5).all()
+
+
+def test_exported_from_the_package():
+    import drc_core
+
+    assert drc_core.generate_continuous is generate_continuous and "generate_continuous" in drc_core.__all__
