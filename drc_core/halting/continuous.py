@@ -114,12 +114,15 @@ class _Items(Attn):
     positions 0..pos[i] (no padding, no per-row counts: every row holds one item)."""
 
     def __init__(self, rows: Tensor, pos: Tensor, t_k: int, seq_len: int, heads: int,
-                 rope: tuple[Tensor, Tensor]) -> None:
+                 rope: tuple[Tensor, Tensor], base: Tensor | None = None) -> None:
+        """``base`` (N,): each item's offset ``rows * heads * seq_len + pos`` when the caller has it."""
         self.toks, self.seq_len, self.heads, self.rope, self.t_k = Tokens(rows, pos), seq_len, heads, rope, t_k
         self.dense, self.pending = False, {}
         self.cos, self.sin = rope[0][pos], rope[1][pos]
-        h = torch.arange(heads, device=rows.device)
-        self.kv_index = ((rows[:, None] * heads + h) * seq_len + pos[:, None]).reshape(-1)
+        if base is None:
+            base = rows * (heads * seq_len) + pos
+        head_offsets = torch.arange(0, heads * seq_len, seq_len, device=rows.device)
+        self.kv_index = (base[:, None] + head_offsets).reshape(-1)  # (N * H,) in (token, head) order
         self.mask = (torch.arange(t_k, device=rows.device) <= pos[:, None])[:, None, None]  # (N, 1, 1, t_k)
 
     def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
@@ -350,12 +353,14 @@ def generate_continuous(
             break
         steps += 1
         n_items = len(items)
-        b_t = torch.tensor(items, device=device)
         loop_list = [sl.loop[b] for b in items]
-        loops = torch.tensor(loop_list, device=device)
         pos_list = [sl.pos[b] for b in items]
-        attn = _Items(b_t * L + loops - 1, torch.tensor(pos_list, device=device), max(pos_list) + 1, T,
-                      cfg.n_heads, rope)
+        rows = [b * L + lp - 1 for b, lp in zip(items, loop_list, strict=True)]
+        # one host-to-device copy per step: slots, loops, positions, flat rows and cache offsets
+        meta = torch.tensor([items, loop_list, pos_list, rows,
+                             [r * cfg.n_heads * T + t for r, t in zip(rows, pos_list, strict=True)]], device=device)
+        b_t, loops, pos_t, rows_t, base_t = meta.unbind(0)
+        attn = _Items(rows_t, pos_t, max(pos_list) + 1, T, cfg.n_heads, rope, base=base_t)
         x = model.inject(sl.x[b_t], sl.e[b_t])
         for block, kv in zip(model.core, core_flat, strict=True):
             x = block_step(block, x, attn, kv, *rope)
@@ -373,7 +378,8 @@ def generate_continuous(
             z = tracker.bufs[0]
             work.head += n_items
             work.vocab_stats += n_items * tracker.vocab_passes
-        res = _masked(res, loops)
+        if min(loop_list) < 3:  # items at loops 1 and 2: the values of a first (second) loop
+            res = _masked(res, loops)
         tracker.done(3, x, res)
         if max(loop_list) < rule.min_loops:  # no item may exit yet: no decision, no host sync
             decide, gone, gone_list = torch.zeros(n_items, dtype=torch.bool, device=device), None, []
@@ -381,8 +387,11 @@ def generate_continuous(
             decide = torch.ones(n_items, dtype=torch.bool, device=device)
             gone, gone_list = torch.arange(n_items, device=device), list(range(n_items))
         else:
-            crit = rule.criterion(compact_stats(0, x, res)).reshape(n_items).to(torch.bool)
-            decide = (crit & (loops >= rule.min_loops)) | (loops >= rule.max_loops)
+            decide = rule.criterion(compact_stats(0, x, res)).reshape(n_items).to(torch.bool)
+            if min(loop_list) < rule.min_loops:
+                decide = decide & (loops >= rule.min_loops)
+            if max(loop_list) >= rule.max_loops:
+                decide = decide | (loops >= rule.max_loops)
             gone = decide.nonzero().squeeze(1)
             gone_list = gone.tolist()
         if per_loop:
