@@ -40,7 +40,7 @@ _EXPORTS = {
     "make_rule": "drc_core.halting.rules",
     "RULE_FAMILIES": "drc_core.halting.rules",
     "HaltingRule": "drc_core.halting.rules",
-    "masked_forward": "drc_core.halting.rules",
+    "masked_forward": "drc_core.halting.reference",
     "skip_forward": "drc_core.halting.skipping",
     "generate_continuous": "drc_core.halting.continuous",
     "DepthRecurrentLM": "drc_core.model.lm",

@@ -18,7 +18,7 @@ import drc_core
 from drc_core.data.tokenizer import train_bpe
 from drc_core.errors import DrcError
 from drc_core.halting.generate import generate as generate_ids
-from drc_core.halting.rules import masked_forward
+from drc_core.halting.reference import masked_forward
 from drc_core.halting.skipping import skip_forward
 from drc_core.model.lm import DepthRecurrentLM, ModelConfig, iterate
 

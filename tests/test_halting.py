@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.analysis.loops import iterate_stats, loop_stats
+from drc_core.halting.reference import halt_fn, masked_forward, offline_exits, oracle_exit
 from drc_core.halting.rules import (
     ArgmaxPatience,
     Cosine,
@@ -16,10 +17,6 @@ from drc_core.halting.rules import (
     SoftmaxConfidence,
     StateDelta,
     Uniform,
-    halt_fn,
-    masked_forward,
-    offline_exits,
-    oracle_exit,
 )
 from drc_core.model.lm import DepthRecurrentLM, ModelConfig, iterate
 from drc_core.model.passes import kl_successive

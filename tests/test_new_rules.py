@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from drc_core.analysis.loops import loop_stats
+from drc_core.halting.reference import masked_forward
 from drc_core.halting.rules import (
     Acceleration,
     ArgmaxPatience,
@@ -20,7 +21,6 @@ from drc_core.halting.rules import (
     StateDelta,
     huginn_presets,
     make_rule,
-    masked_forward,
 )
 
 

@@ -15,8 +15,9 @@ from torch import Tensor, nn
 import drc_core
 from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import convergence_depth, measure_windows
+from drc_core.halting.reference import masked_forward, offline_exits
 from drc_core.halting.router import harvest
-from drc_core.halting.rules import KLThreshold, Never, Uniform, masked_forward, offline_exits
+from drc_core.halting.rules import KLThreshold, Never, Uniform
 from drc_core.halting.sweep import default_rules, sweep
 from drc_core.model.lm import DepthRecurrentLM, FrozenKV, ModelConfig, RecurrentModel, iterate
 from drc_core.model.passes import EVAL_STATE_SEED

@@ -4,6 +4,7 @@ import torch
 
 from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import convergence_depth, measure_windows
+from drc_core.halting.reference import masked_forward, offline_exits
 from drc_core.halting.router import (
     FeatureSpec,
     LinearRouter,
@@ -18,7 +19,6 @@ from drc_core.halting.router import (
     train_router,
 )
 from drc_core.halting.router import _auc as auc
-from drc_core.halting.rules import masked_forward, offline_exits
 from drc_core.model.lm import DepthRecurrentLM, iterate
 from drc_core.model.passes import EVAL_STATE_SEED
 

@@ -11,6 +11,7 @@ from drc_core.halting import loopstats
 from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.kvlayout import Attn, Tokens, block_step, empty_caches
 from drc_core.halting.loopstats import stat_fields
+from drc_core.halting.reference import masked_forward
 from drc_core.halting.router import LinearRouter, RouterRule, harvest, train_router
 from drc_core.halting.rules import (
     Acceleration,
@@ -25,7 +26,6 @@ from drc_core.halting.rules import (
     SoftmaxConfidence,
     StateDelta,
     Uniform,
-    masked_forward,
 )
 from drc_core.halting.skipping import skip_forward
 from drc_core.model.lm import Block, DepthRecurrentLM, ModelConfig

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError
-from drc_core.halting.rules import KLThreshold, Never, Uniform, first_within, masked_forward, offline_exits
+from drc_core.halting.reference import first_within, masked_forward, offline_exits
+from drc_core.halting.rules import KLThreshold, Never, Uniform
 from drc_core.halting.sweep import (
     ROUTER_FAMILIES,
     RuleSpec,

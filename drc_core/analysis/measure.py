@@ -5,7 +5,7 @@ Direction conventions, used everywhere in this project:
 - the *successive-output KL* at loop l is ``KL(p_l || p_{l-1}) = sum_v p_l(v) (log p_l(v) - log p_{l-1}(v))``,
   the new output measured against the previous one; it is defined for l >= 2 (NaN at loop 1 in the frames);
 - the *KL to the deepest output* at loop l is ``KL(p_L || p_l)``, the deepest output p_L (L = ``max_loops``)
-  measured against loop l's output -- the same direction as the oracle of :func:`drc_core.halting.rules.oracle_exit`
+  measured against loop l's output -- the same direction as the oracle of :func:`drc_core.halting.reference.oracle_exit`
   (reference first); it is 0 at loop L.
 
 The relative state change is ``||s_l - s_{l-1}|| / ||s_l||`` (L2 over the model dimension; NaN at loop 1),

@@ -1,7 +1,7 @@
 """Autoregressive decoding with per-token halting and key/value caches.
 
 :func:`generate` decodes with the semantics of :func:`drc_core.halting.skipping.skip_forward` (and the masked
-reference :func:`drc_core.halting.rules.masked_forward`): every processed token runs the core until the rule
+reference :func:`drc_core.halting.reference.masked_forward`): every processed token runs the core until the rule
 halts it at its exit loop e; at loop l it attends to each earlier token's loop-min(l, e') keys/values, in
 every core block and in every coda block, and its next-token logits are its readout at its exit loop.
 Because attention is causal and a token's halting depends only on itself and earlier tokens, teacher-forcing

@@ -10,7 +10,7 @@ Pipeline:
    (class-balanced BCE, early stopping on a validation part of the harvested windows).
 4. :class:`RouterRule` wraps a trained router as a :class:`drc_core.halting.rules.HaltingRule` (halt when the
    router's probability >= ``tau``), so it is evaluated on the held-out windows exactly like every other rule,
-   through :func:`drc_core.halting.rules.masked_forward` or :func:`drc_core.halting.rules.offline_exits`.
+   through :func:`drc_core.halting.reference.masked_forward` or :func:`drc_core.halting.reference.offline_exits`.
 
 Label definition (consistent with :func:`drc_core.analysis.measure.convergence_depth`): with L = ``max_loops``, a
 token's convergence depth D is the smallest l >= 1 such that ``KL(p_{l'} || p_{l'-1}) < eps`` for every l' in

@@ -1,7 +1,7 @@
 """Per-token halting that really skips the halted tokens' compute (the "realized speedup": wall-clock against the
 FLOP proxy and the honest FLOPs).
 
-:func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.rules.masked_forward`
+:func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.reference.masked_forward`
 computes (to float tolerance, with the same exit loops), but at loop l it runs the core only on the tokens
 still active at loop l. The semantics (see :func:`drc_core.model.lm.iterate`): a token that
 halts at loop e keeps s_e, and at every later loop offers, in every core and coda block, the keys/values it
@@ -73,7 +73,8 @@ from torch import Tensor
 from drc_core.errors import DrcError
 from drc_core.halting.kvlayout import Attn, KVSlab, LoopCaches, Tokens, block_step, coda, empty_caches
 from drc_core.halting.loopstats import FullLayout, Tracker, compact_stats, stat_fields
-from drc_core.halting.rules import AdaptiveResult, HaltingRule
+from drc_core.halting.reference import AdaptiveResult
+from drc_core.halting.rules import HaltingRule
 from drc_core.halting.work import Work
 from drc_core.model.lm import DepthRecurrentLM
 
@@ -236,7 +237,7 @@ def check_state(state: Tensor | None, shape: tuple[int, int, int], what: str = "
 
 @dataclass
 class SkipResult(AdaptiveResult):
-    """:class:`~drc_core.halting.rules.AdaptiveResult` plus the :class:`Work` the skipping run did."""
+    """:class:`~drc_core.halting.reference.AdaptiveResult` plus the :class:`Work` the skipping run did."""
 
     work: Work | None = None
 
@@ -251,9 +252,9 @@ def skip_forward(
     state: Tensor | None = None,
     fused: bool = False,
 ) -> SkipResult:
-    """:func:`drc_core.halting.rules.masked_forward`, computing only the active tokens at every loop.
+    """:func:`drc_core.halting.reference.masked_forward`, computing only the active tokens at every loop.
 
-    Same arguments, same :class:`~drc_core.halting.rules.AdaptiveResult` (a :class:`SkipResult`, which also
+    Same arguments, same :class:`~drc_core.halting.reference.AdaptiveResult` (a :class:`SkipResult`, which also
     carries the :class:`Work` done), same semantics (halted tokens frozen, offering their exit-loop keys/values
     in every core and coda block; logits from the exit loop), equal to it to float tolerance with the same
     exit loops (a decision can only differ where a statistic lies within rounding of the threshold). A rule

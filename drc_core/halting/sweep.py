@@ -7,12 +7,12 @@ window, the average exit loop and two quality measures:
 - ``ce``: next-token cross-entropy at each token's exit loop (nats; the validation loss);
 - ``kl_ref``: ``KL(p_ref || p_exit)``, the uniform reference-depth output (default depth 8, the training
   mean) measured against the token's output at its exit -- the direction of the oracle
-  (:func:`drc_core.halting.rules.oracle_exit`) and of ``kl_final`` in :mod:`drc_core.analysis.measure`.
+  (:func:`drc_core.halting.reference.oracle_exit`) and of ``kl_final`` in :mod:`drc_core.analysis.measure`.
 
 One batch at a time (the same initial latent state s_0 for every rule of a batch, drawn as in
 :func:`drc_core.training.evaluate.loss_by_depth`): a single uniform-depth ``iterate`` pass gives every uniform depth
 and the oracle's exits at once. In ``mode="online"`` each halting rule then gets its own adaptive run
-(``forward_fn``, by default :func:`drc_core.halting.rules.masked_forward`: halted tokens' states are frozen, later
+(``forward_fn``, by default :func:`drc_core.halting.reference.masked_forward`: halted tokens' states are frozen, later
 tokens keep attending to them), so a rule's numbers include the effect of its halting on later tokens; in
 ``mode="offline"`` every rule is replayed on that one uniform pass (one pass for any number of rules, the
 analysis behind a FLOP proxy), which ignores that effect.
@@ -37,14 +37,8 @@ from tqdm.auto import tqdm
 from drc_core.analysis.intervals import bootstrap_ci, cluster_codes, cluster_draws, percentile_interval
 from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError, need_int, need_level
-from drc_core.halting.rules import (
-    RULE_FAMILIES,
-    AdaptiveResult,
-    HaltingRule,
-    first_within,
-    masked_forward,
-    offline_exits,
-)
+from drc_core.halting.reference import AdaptiveResult, first_within, masked_forward, offline_exits
+from drc_core.halting.rules import RULE_FAMILIES, HaltingRule
 from drc_core.model.lm import RecurrentModel, check_token_ids, logits_at
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
@@ -143,7 +137,7 @@ def sweep(
 
     ``mode="online"`` runs every rule with ``forward_fn`` (true per-token halting: a halted token's frozen
     state and keys/values change what later tokens see). ``mode="offline"`` replays every rule on the one
-    uniform trajectory (:func:`drc_core.halting.rules.offline_exits`; quality read at the exit loop of that
+    uniform trajectory (:func:`drc_core.halting.reference.offline_exits`; quality read at the exit loop of that
     trajectory), as a FLOP-proxy analysis does: one pass for all rules instead of one per rule, exact for a
     token whose earlier tokens run at least as long as it does. Compare the two on a few rules to see how much
     the freezing matters (notebook 4 does).
@@ -209,7 +203,7 @@ def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: tor
                 loops: int, rules: Sequence[RuleSpec]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """One uniform ``iterate`` pass of ``loops`` loops: per-loop CE and KL(p_ref || p_l), each (loops, B, T),
     and, for ``rules`` (offline mode), each rule's exit loops replayed on this trajectory
-    (:func:`drc_core.halting.rules.offline_exits`: the decisions when halting changes no other token)."""
+    (:func:`drc_core.halting.reference.offline_exits`: the decisions when halting changes no other token)."""
     ces, kls = [], []
 
     def stats():

@@ -301,7 +301,7 @@ class RecurrentModel(Protocol):
       time ``positions`` (slice or index) selected after any sequence-mixing layers.
 
     The frozen-KV hooks are needed only for per-token halting in :func:`iterate` (``halt=``, what
-    :func:`drc_core.halting.rules.masked_forward` runs): given a :class:`FrozenKV` and a (B, T) bool ``frozen``,
+    :func:`drc_core.halting.reference.masked_forward` runs): given a :class:`FrozenKV` and a (B, T) bool ``frozen``,
     every attention layer j of the step passes its fresh keys/values through ``frozen_kv.hook(j, frozen)``
     (see :class:`Attention`), so that halted tokens keep offering the keys/values of their exit loop. A model
     without them may raise when ``frozen_kv`` is given; measurement, sweeps and routers never pass it.
@@ -670,7 +670,7 @@ def iterate(
     The core and coda still run on every token (the halted tokens' results are discarded), so this costs
     as much as no halting. ``out`` at a halted position is still recomputed at later loops (its query
     sees the later keys/values of earlier active tokens) and is not that token's result: a token's
-    result is its readout at its exit loop (:func:`drc_core.halting.rules.masked_forward` keeps it). Without
+    result is its readout at its exit loop (:func:`drc_core.halting.reference.masked_forward` keeps it). Without
     ``halt`` nothing is cached and every loop is exactly ``forward``'s.
     """
     need_loops("max_loops", max_loops)
