@@ -23,7 +23,7 @@
 # (`sweep(..., mode="offline")`), which is one forward pass for all ~80 rule settings instead of one each.
 # Offline replay ignores one effect of real halting: a halted token's frozen state and keys/values change
 # what later tokens see. The last section runs the matched points *online* (true per-token halting,
-# `drc_core.halting.rules.masked_forward`) and reports the difference.
+# `drc_core.halting.reference.masked_forward`) and reports the difference.
 
 # %% tags=["parameters"]
 profile = "reference"
