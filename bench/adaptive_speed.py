@@ -4,7 +4,7 @@
     .venv/bin/python bench/adaptive_speed.py --run data/reference --windows 64 --rounds 5 --json runs/bench/speed.json
     .venv/bin/python bench/adaptive_speed.py --run runs/cpu/final --families kl,state_delta,cosine --threads 2
 
-In one process (``drc_core.experiments.speed.run_speed``): each rule family's threshold is matched to uniform depth r's
+In one process (``drc_core.experiments.speed_report.run_speed``): each rule family's threshold is matched to uniform depth r's
 validation cross-entropy (within ``--ce-tolerance`` nats, on the same windows: lowest-average-depth grid
 point, offline sweep checked online); then, interleaved over ``--rounds`` rounds with medians,
 
@@ -45,17 +45,18 @@ from drc_core.experiments.speed import (
     TARGET_MEASURE,
     TARGET_RATIO,
     SpeedConfig,
-    SpeedReport,
-    anderson_configs,
-    anderson_table,
-    bf16_check,
     decode_loop_cost,
     decode_prediction,
     matched_rules,
-    measurement_pass,
-    run_speed,
     skip_overhead,
 )
+from drc_core.experiments.speed_checks import (
+    anderson_configs,
+    anderson_table,
+    bf16_check,
+    measurement_pass,
+)
+from drc_core.experiments.speed_report import SpeedReport, run_speed
 from drc_core.halting.sweep import default_families
 from drc_core.model.lm import DepthRecurrentLM
 from drc_core.model.precision import bf16_support

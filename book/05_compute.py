@@ -90,23 +90,25 @@ from drc_core.experiments.cost import flop_parts, matmul_flops_per_token
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
-    anderson_configs,
-    anderson_table,
-    bf16_check,
     decode_loop_cost,
     decode_prediction,
     matched_rules,
-    measurement_cost,
-    measurement_summary,
     preset_specs,
-    profile_batched,
-    profile_generation,
     skip_overhead,
     speed_targets,
     speedup_table,
     targets_met,
     time_batched,
     time_generation,
+)
+from drc_core.experiments.speed_checks import (
+    anderson_configs,
+    anderson_table,
+    bf16_check,
+    measurement_cost,
+    measurement_summary,
+    profile_batched,
+    profile_generation,
 )
 from drc_core.halting.sweep import default_families
 from drc_core.model.precision import bf16_support

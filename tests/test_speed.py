@@ -23,22 +23,24 @@ from drc_core.experiments.fixed_point import fixed_point_costs
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
-    anderson_configs,
-    anderson_table,
     decode_loop_cost,
     decode_prediction,
     matched_rules,
-    measurement_cost,
-    measurement_pass,
-    measurement_summary,
-    profile_generation,
-    run_speed,
     skip_overhead,
     speedup_table,
     targets_met,
     time_batched,
     time_generation,
 )
+from drc_core.experiments.speed_checks import (
+    anderson_configs,
+    anderson_table,
+    measurement_cost,
+    measurement_pass,
+    measurement_summary,
+    profile_generation,
+)
+from drc_core.experiments.speed_report import run_speed
 from drc_core.halting.generate import generate
 from drc_core.halting.rules import KLThreshold, StateDelta
 from drc_core.training.evaluate import loss_by_depth
@@ -469,7 +471,7 @@ def test_bad_clock_and_rows_are_one_line():
 
 
 def test_bf16_check_rows(model, windows, cfg):
-    from drc_core.experiments.speed import bf16_check
+    from drc_core.experiments.speed_checks import bf16_check
 
     frame, kl = bf16_check(model, windows[:4], [KLThreshold(1e-2, max_loops=6)], cfg)
     assert list(frame.precision) == ["fp32", "bf16", "fp32", "bf16"]

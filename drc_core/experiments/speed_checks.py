@@ -1,0 +1,339 @@
+"""What else notebook 05 and ``bench/adaptive_speed.py`` measure beside the speed-ups of
+:mod:`drc_core.experiments.speed` (same :class:`~drc_core.experiments.speed.SpeedConfig`, same interleaved timing):
+
+- :func:`measurement_cost`: what the 32-loop measurement pass costs against one depth-32 forward and a bare
+  every-loop readout pass (why "<= 1.2 x one forward" cannot hold as worded: see :mod:`drc_core.experiments.speed`);
+- :func:`profile_batched` / :func:`profile_generation`: where the time goes, by kind of op (``torch.profiler``);
+- :func:`bf16_check`: bf16 autocast against fp32 (time, exits, and the successive KL's relative error);
+- :func:`anderson_table`: Anderson acceleration of the core iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import pandas as pd
+import torch
+from torch import Tensor
+
+from drc_core.analysis.loops import iterate_stats
+from drc_core.analysis.measure import measure_windows
+from drc_core.errors import DrcError
+from drc_core.experiments.cost import Log, interleaved, median, spread
+from drc_core.experiments.fixed_point import fixed_point_costs, seconds_per_eval
+from drc_core.experiments.speed import (
+    TARGET_MEASURE,
+    SpeedConfig,
+    _batches,
+    _ce_sum,
+    _decode_setup,
+    _memory,
+    _on_device,
+    _specs,
+)
+from drc_core.halting.anderson import PLAIN, AndersonConfig
+from drc_core.halting.generate import generate, generate_fixed
+from drc_core.halting.rules import HaltingRule, Uniform
+from drc_core.halting.skipping import skip_forward
+from drc_core.halting.sweep import RuleSpec
+from drc_core.model.lm import DepthRecurrentLM, iterate
+
+__all__ = ["anderson_configs", "anderson_table", "bf16_check", "measurement_cost", "measurement_pass",
+           "measurement_summary", "profile_batched", "profile_generation"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The measurement pass
+
+
+def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
+                     log: Log = None) -> pd.DataFrame:
+    """Wall-clock of the per-token, per-loop measurement pass against one forward at the same depth.
+
+    On the first ``measure_windows`` windows, L = ``measure_loops``: ``forward`` (``model(x, L)``, one
+    readout), ``readout every loop`` (``iterate(model, x, L, readout="log_probs")``: coda, head and
+    log-softmax at each loop, the floor of any per-loop statistic), and
+    :func:`drc_core.analysis.measure.measure_windows` with ``kl_to_final`` False and True (the latter is what
+    notebook 2 runs). Columns: ``pass``, ``seconds``
+    (median), ``spread``, ``x_forward`` (time / forward's), ``x_readout_pass`` (time / the readout pass's),
+    ``target_as_worded`` (``x_forward`` <= 1.2).
+    """
+    cfg = cfg or SpeedConfig()
+    _memory(cfg)
+    windows = _on_device(model, windows)[: cfg.measure_windows]
+    L, bs = cfg.measure_loops, cfg.batch_size
+
+    batches, one = _batches(model, windows, cfg), _batches(model, windows[:1], cfg)
+
+    def forward(w: Tensor, b: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        for x, _, s0 in b:
+            model(x, L, state=s0)
+
+    def readout(w: Tensor, b: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+        for x, _, s0 in b:
+            for _ in iterate(model, x, L, state=s0, readout="log_probs"):
+                pass
+
+    def measure(kl_to_final: bool) -> Callable[[Tensor, list], object]:
+        return lambda w, b: measure_windows(model, w, L, batch_size=bs, seed=cfg.seed, kl_to_final=kl_to_final)
+
+    names = _pass_names(L)
+    passes: dict[str, Callable[[Tensor, list], object]] = {
+        names["forward"]: forward,
+        names["readout"]: readout,
+        names["measure"]: measure(False),
+        names["measure_kl_final"]: measure(True),
+    }
+    with torch.inference_mode():
+        model.eval()
+        for fn in passes.values():  # warm-up on one window
+            fn(windows[:1], one)
+        times = interleaved({k: (lambda fn=fn: fn(windows, batches)) for k, fn in passes.items()}, cfg.rounds,
+                             log, "measurement")
+    med = {k: median(v) for k, v in times.items()}
+    fwd, ro = med[names["forward"]], med[names["readout"]]
+    rows = [{"pass": k, "loops": L, "windows": len(windows), "seconds": med[k], "spread": spread(times[k]),
+             "x_forward": med[k] / fwd, "x_readout_pass": med[k] / ro,
+             "target_as_worded": med[k] / fwd <= TARGET_MEASURE} for k in passes]
+    return pd.DataFrame(rows)
+
+
+def _pass_names(loops: int) -> dict[str, str]:
+    """The ``pass`` labels of :func:`measurement_cost`'s rows at ``loops`` loops."""
+    return {"forward": f"forward, depth {loops}", "readout": f"readout every loop, {loops} loops",
+            "measure": "measure_windows (kl_to_final=False)", "measure_kl_final": "measure_windows (kl_to_final=True)"}
+
+
+def measurement_pass(measurement: pd.DataFrame, kind: str) -> pd.Series:
+    """The row of one pass of a :func:`measurement_cost` frame: ``kind`` is "forward", "readout" (every loop),
+    "measure" or "measure_kl_final" (:func:`~drc_core.analysis.measure.measure_windows` without / with the
+    deepest-output KL, what notebook 2 runs)."""
+    names = _pass_names(int(measurement.loops.iloc[0]))
+    if kind not in names:
+        raise DrcError(f"kind={kind!r} is not a measurement pass; use one of {', '.join(names)}")
+    return measurement[measurement["pass"] == names[kind]].iloc[0]
+
+
+def measurement_summary(measurement: pd.DataFrame) -> dict[str, float]:
+    """The measurement pass (with the deepest-output KL) against one forward and against the bare every-loop
+    readout pass, and that readout pass against one forward."""
+    full, floor = measurement_pass(measurement, "measure_kl_final"), measurement_pass(measurement, "readout")
+    return {"measurement_x_forward": float(full.x_forward), "measurement_x_readout_pass": float(full.x_readout_pass),
+            "readout_pass_x_forward": float(floor.x_forward)}
+
+
+_OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
+             ("attention", ("aten::_scaled_dot_product",)),
+             ("readout statistics", ("aten::_softmax", "aten::_log_softmax", "aten::amax", "aten::argmax",
+                                     "aten::linalg_vecdot", "CompiledFxGraph", "aten::exp", "aten::log")),
+             ("gather / scatter", ("aten::index", "aten::_index_put", "aten::index_copy", "aten::index_select",
+                                   "aten::nonzero", "aten::scatter", "aten::masked_fill", "aten::bincount")))
+
+
+def _op_kind(name: str) -> str:
+    for kind, prefixes in _OP_KINDS:
+        if any(p in name for p in prefixes):
+            return kind
+    return "other (norms, RoPE, MLP activation, adds, copies)"
+
+
+@contextmanager
+def _quiet_fd2() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the block: torch's C++ profiler writes a ``USDT: ... profiler_start`` /
+    ``profiler_stop`` line there around every profile, which would land in a notebook's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``torch.profiler`` over one call of each variant (after an untimed warm-up call): ``(kinds, ops)`` as
+    described in :func:`profile_batched`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kinds, ops = [], []
+    for name, fn in variants.items():
+        fn()
+        with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        total = sum(e.self_cpu_time_total for e in events) / 1e3
+        by_kind: dict[str, list[float]] = {}
+        for e in events:
+            acc = by_kind.setdefault(_op_kind(e.key), [0.0, 0.0])
+            acc[0] += e.self_cpu_time_total / 1e3
+            acc[1] += e.count
+        for kind, (ms, calls) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+            kinds.append({"variant": name, "kind": kind, "ms": ms, "calls": int(calls), "share": ms / total})
+        kinds.append({"variant": name, "kind": "total", "ms": total,
+                      "calls": int(sum(e.count for e in events)), "share": 1.0})
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+            ops.append({"variant": name, "op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count,
+                        "share": e.self_cpu_time_total / 1e3 / total})
+    return pd.DataFrame(kinds), pd.DataFrame(ops)
+
+
+def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                    cfg: SpeedConfig | None = None, *, top: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where the time goes: ``torch.profiler`` over one batch (the first ``batch_size`` windows) of the dense
+    forward at depth r, ``skip_forward`` with ``Uniform(r)`` and with each rule (one untimed warm-up call each).
+
+    Returns ``(kinds, ops)``: ``kinds`` one row per (variant, kind of op: matmul, attention, readout statistics,
+    gather/scatter, other) with ``ms`` (self CPU time), ``calls`` and ``share``, plus a ``total`` row; ``ops`` the
+    ``top`` ops of each variant by self CPU time (``op``, ``ms``, ``calls``, ``share``)."""
+    cfg = cfg or SpeedConfig()
+    _memory(cfg)
+    windows = _on_device(model, windows)
+    r = cfg.reference_loops
+    x, _, s0 = _batches(model, windows[: cfg.batch_size], cfg)[0]
+    variants: dict[str, Callable[[], object]] = {
+        f"uniform={r}": lambda: model(x, r, state=s0),
+        f"uniform={r} via skip_forward": lambda: skip_forward(model, x, Uniform(r), state=s0, fused=cfg.fused)}
+    for spec in _specs(rules, r):
+        variants[str(spec.rule)] = lambda rule=spec.rule: skip_forward(model, x, rule, state=s0, fused=cfg.fused)
+    with torch.inference_mode():
+        model.eval()
+        return _profile(variants, top)
+
+
+def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                       cfg: SpeedConfig | None = None, *, top: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Where the time of generation goes: ``torch.profiler`` over ``new_tokens`` greedy tokens after ``prompt``
+    (B, T0) with :func:`~drc_core.halting.generate.generate_fixed` at depth r (variant "uniform=r dense
+    decode"), ``generate`` with ``Uniform(r)`` and with each rule; same initial states as
+    :func:`time_generation`. Returns ``(kinds, ops)`` as :func:`profile_batched` does."""
+    cfg = cfg or SpeedConfig()
+    _memory(cfg)
+    prompt, s0 = _decode_setup(model, prompt, cfg)
+    n, r = cfg.new_tokens, cfg.reference_loops
+    with torch.inference_mode():
+        model.eval()
+        variants: dict[str, Callable[[], object]] = {
+            f"uniform={r} dense decode": lambda: generate_fixed(model, prompt, n, r, state=s0)}
+        for spec in [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]:
+            variants[str(spec.rule)] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
+                                                                       fused=cfg.fused)
+        return _profile(variants, top)
+
+
+def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+               cfg: SpeedConfig | None = None, *, log: Log = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The dense forward at depth r and ``skip_forward`` with each rule, in fp32 and under bf16 autocast
+    (``torch.autocast(device, bfloat16)``; fast where :func:`drc_core.model.precision.bf16_support` says so), same
+    windows and initial states.
+
+    Returns ``(variants, kl)``. ``variants``: one row per (rule, precision) with ``avg_loops``, ``ce``,
+    ``same_exit`` (share of tokens whose exit loop equals fp32's), ``seconds`` (median of interleaved rounds)
+    and ``x_fp32_time``. ``kl``: per loop 2..r the median and 90th percentile over tokens of
+    |KL_bf16 - KL_fp32| / KL_fp32 of the successive KL (:func:`drc_core.analysis.loops.iterate_stats` on the
+    first batch), and the fp32 median KL: the precision check that the rule's statistic stays within noise."""
+    cfg = cfg or SpeedConfig()
+    _memory(cfg)
+    windows = _on_device(model, windows)
+    r = cfg.reference_loops
+    device = windows.device
+    specs = _specs(rules, r)
+
+    def under(bf16: bool, fn: Callable[[], object]) -> Callable[[], object]:
+        def go() -> object:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                return fn()
+        return go
+
+    rows, variants = [], {}
+    with torch.inference_mode():
+        model.eval()
+        batches = _batches(model, windows, cfg)
+        n_tok = sum(x.numel() for x, _, _ in batches)
+        base_exits: dict[str, list[Tensor]] = {}
+        for name, make in [(f"uniform={r}", None), *((str(sp.rule), sp.rule) for sp in specs)]:
+            for bf16 in (False, True):
+                def run(rule: HaltingRule | None = make) -> list:
+                    return [model(x, r, state=s0) if rule is None else skip_forward(model, x, rule, state=s0,
+                                                                                       fused=cfg.fused)
+                            for x, _, s0 in batches]
+                outs = under(bf16, run)()
+                ce = sum(_ce_sum(o if isinstance(o, Tensor) else o.logits, y)
+                         for o, (_, y, _) in zip(outs, batches, strict=True)) / n_tok
+                exits = [torch.full(x.shape, r) if isinstance(o, Tensor) else o.exit_loop
+                         for o, (x, _, _) in zip(outs, batches, strict=True)]
+                if not bf16:
+                    base_exits[name] = exits
+                same = sum(float((a == b).double().sum()) for a, b in zip(exits, base_exits[name], strict=True))
+                label = f"{name} [{'bf16' if bf16 else 'fp32'}]"
+                rows.append({"rule": name, "precision": "bf16" if bf16 else "fp32",
+                             "avg_loops": sum(float(e.double().sum()) for e in exits) / n_tok, "ce": ce,
+                             "same_exit": same / n_tok, "label": label})
+                variants[label] = under(bf16, run)
+                del outs
+        times = interleaved(variants, cfg.rounds, log, "bf16 check", cfg.clock)
+        x, _, s0 = batches[0]
+        fp32 = [st.kl for st in iterate_stats(model, x, r, state=s0)]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            low = [st.kl for st in iterate_stats(model, x, r, state=s0)]
+    frame = pd.DataFrame(rows)
+    frame["seconds"] = [median(times[label]) for label in frame.label]
+    frame["x_fp32_time"] = frame.seconds / frame.groupby("rule").seconds.transform("first")
+    kl_rows = []
+    for loop in range(2, r + 1):
+        a, b = fp32[loop - 1].flatten().double(), low[loop - 1].flatten().double()
+        rel = ((b - a).abs() / a.clamp_min(1e-12))
+        kl_rows.append({"loop": loop, "kl_fp32_median": float(a.median()), "rel_diff_median": float(rel.median()),
+                        "rel_diff_p90": float(rel.quantile(0.9))})
+    return frame.drop(columns="label"), pd.DataFrame(kl_rows)
+
+
+def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: str = "sequence",
+                     damped: Sequence[float] = (0.85,)) -> dict[str, AndersonConfig]:
+    """Plain iteration, damped plain iteration ``x' = b f(x) + (1 - b) x`` for each ``b`` in ``damped`` (same
+    fixed points as f, one evaluation per step and no mixing; it turns a period-2 oscillation into a contraction)
+    and Anderson acceleration with each window ``m`` (damping ``beta``, ``scope``), by label; plain first."""
+    configs = [PLAIN, *(AndersonConfig(m=0, beta=b) for b in damped),
+               *(AndersonConfig(m=m, beta=beta, scope=scope) for m in ms)]
+    return {c.label: c for c in configs}
+
+
+def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, AndersonConfig], *,
+                   max_evals: int = 16, ref_loops: int = 32, at_evals: int = 8, batch_size: int = 16,
+                   time_rounds: int = 3) -> pd.DataFrame:
+    """One row per config: mean core evaluations per token until the successive KL stays below 1e-3 and 1e-5
+    (:func:`drc_core.experiments.fixed_point.fixed_point_costs`, ``max_evals`` evaluations, reference: plain
+    iteration at ``ref_loops``), CE and KL to the reference after ``at_evals`` evaluations, the mean successive KL
+    at the last evaluation (``kl_prev_at_<max_evals>``: the KL floor, e.g. for the reference model's fixed-point
+    target at 2R), and seconds per core evaluation on the first batch
+    (:func:`~drc_core.experiments.fixed_point.seconds_per_eval`, no readout).
+    ``at_evals`` must not exceed ``max_evals``."""
+    if not 1 <= at_evals <= max_evals:
+        raise DrcError(f"at_evals={at_evals} must lie in 1..max_evals={max_evals}: compare the methods at an "
+                       "evaluation count the pass reaches")
+    windows = _on_device(model, windows)
+    with torch.inference_mode():
+        model.eval()
+        costs = fixed_point_costs(model, windows, configs, max_evals=max_evals, ref_loops=ref_loops,
+                                  eps=(1e-3, 1e-5), batch_size=batch_size)
+        x = windows[:batch_size, :-1]
+        secs = {name: seconds_per_eval(model, x, cfg, evals=min(8, max_evals - 1), rounds=time_rounds)
+                for name, cfg in configs.items()}
+    rows = []
+    for name in configs:
+        d = costs.depths[costs.depths.method == name].set_index("eps")
+        c = costs.curves[(costs.curves.method == name) & (costs.curves.evals == at_evals)].iloc[0]
+        last = costs.curves[(costs.curves.method == name) & (costs.curves.evals == max_evals)].iloc[0]
+        rows.append({"method": name, "evals_kl_1e-3": float(d.loc[1e-3, "mean_evals"]),
+                     "evals_kl_1e-5": float(d.loc[1e-5, "mean_evals"]),
+                     "converged_1e-5": float(d.loc[1e-5, "converged"]), f"ce_at_{at_evals}": float(c.ce),
+                     f"kl_ref_at_{at_evals}": float(c.kl_ref), f"kl_prev_at_{max_evals}": float(last.kl_prev),
+                     "seconds_per_eval": secs[name]})
+    out = pd.DataFrame(rows)
+    out["x_plain_time_per_eval"] = out.seconds_per_eval / out.seconds_per_eval.iloc[0]
+    return out
