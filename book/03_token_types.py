@@ -37,7 +37,7 @@ import numpy as np
 
 from drc_core.analysis.measure import convergence_depth, load_frame
 from drc_core.analysis.tokens import class_depth_summary, classify_sequence
-from drc_core.book import viz
+from drc_core.book import depth_explorer, viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
@@ -64,12 +64,12 @@ viz.class_depth_bars(by_class)
 # %% [markdown]
 # ## The per-token depth explorer
 # Each token of a validation passage coloured by its successive KL at loop *l* (drag the slider; press
-# play). In JupyterLab, `viz.DepthExplorer(frame, tokenizer).widget` gives the live version: a text box to
+# play). In JupyterLab, `depth_explorer.DepthExplorer(frame, tokenizer).widget` gives the live version: a text box to
 # trace any text of your own, a loop slider, a metric toggle (KL, state change, entropy, converged / still
 # updating), the passage as clickable tokens and the selected token's trajectory.
 
 # %%
-viz.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tokens=explorer_tokens)
+depth_explorer.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tokens=explorer_tokens)
 
 # %% [markdown]
 # The same passage at one loop as coloured text (converged tokens green, still updating red), at the
@@ -82,7 +82,7 @@ from drc_core.book.workspace import open_model  # noqa: E402
 
 model, cfg, _ = open_model(work_dir)
 HTML(
-    viz.token_strip_html(
+    depth_explorer.token_strip_html(
         frame,
         explorer_window,
         int(cfg.recurrence.mean),
@@ -101,7 +101,7 @@ if live_explorer:  # live in JupyterLab; the static book has the slider figure a
         """Any text through the studied model: its token x loop frame (drc_core.trace)."""
         return drc_core.trace(model, text, int(frame.loop.max()), tokenizer=tokenizer).frame
 
-    explorer = viz.DepthExplorer(
+    explorer = depth_explorer.DepthExplorer(
         frame, tokenizer, window=explorer_window, eps=eps, tracer=trace_text
     )
     display(explorer.widget)

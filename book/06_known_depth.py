@@ -62,7 +62,7 @@ import pandas as pd
 from IPython.display import display
 
 from drc_core.analysis.measure import measure_windows, val_windows_with_docs
-from drc_core.book import depth_viz, viz
+from drc_core.book import depth_explorer, depth_viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import ensure_corpus, open_model, provide_model, save_results
 from drc_core.data.depth_tasks import DepthTaskConfig, generate_document
@@ -332,7 +332,7 @@ cost.round(4)
 
 # %%
 explorer_frame = measure_windows(model, tw.windows[:1], max_loops)
-viz.depth_slider_figure(explorer_frame, 0, tokenizer, eps=eps, max_tokens=cfg.seq_len)
+depth_explorer.depth_slider_figure(explorer_frame, 0, tokenizer, eps=eps, max_tokens=cfg.seq_len)
 
 # %%
 ans0 = depths[depths.window == 0][["pos", "k", "family", "depth", "commit", "first_correct"]]

@@ -1,0 +1,607 @@
+"""The per-token depth explorer, for one validation window of a :func:`drc_core.analysis.measure.measure_windows`
+frame (or a :class:`~drc_core.api.Trace`'s): :func:`depth_slider_figure` (static-safe: plotly frames + slider + play
+button, works in exported HTML without a kernel), :func:`token_strip_html` (the passage as coloured ``<span>`` s at
+one loop) and :class:`DepthExplorer` (the live ipywidgets version: loop slider, metric toggle, coloured text, token
+selector and that token's trajectory).
+
+Shared pieces: token text (:func:`drc_core.analysis.tokens.token_texts`, each id decoded on its own with
+``tokenizer.decode([id])``; a partial UTF-8 byte shows as U+FFFD), and private helpers below: the wrapped passage
+layout (:func:`_wrap`), the per-window matrices (:class:`_Passage`) and the colour mapping (:func:`_color_range`,
+:func:`_css_colors`). Colours are fixed across loops for a passage, so moving the slider compares like with like.
+The successive KL is coloured by ``log10`` on a diverging scale whose middle (yellow) is ``eps``: green tokens are
+below the convergence threshold at that loop, red ones above. At loop 1 the successive KL and the state change are
+undefined (NaN in the frame: there is no previous loop); those tokens are drawn grey
+(:data:`~drc_core.book.viz.NAN_COLOR`). Values below :data:`~drc_core.book.viz.LOG_FLOOR` (and exact zeros) are
+drawn at the floor. "Converged at loop l" means the token's convergence depth
+(:func:`drc_core.analysis.measure.convergence_depth`, the loop after which its successive KL stays below ``eps``) is
+<= l and the token did settle within the frame's loops. The live explorer renders its trajectory figure into an
+``ipywidgets.Output``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import plotly.colors as pcolors
+import plotly.graph_objects as go
+
+from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth
+from drc_core.analysis.tokens import token_texts
+from drc_core.book.viz import (
+    _KL_SCALE,
+    _LINE_CHARS,
+    _PALETTE,
+    _SEQ_SCALE,
+    _TRAJECTORY_HEIGHT,
+    CONVERGED_COLOR,
+    LOG_FLOOR,
+    NAN_COLOR,
+    UPDATING_COLOR,
+    _need_columns,
+    _style,
+)
+from drc_core.errors import DrcError, need_eps, need_int
+
+__all__ = ["CLASS_COLORS", "DepthExplorer", "depth_slider_figure", "token_strip_html"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The per-token depth explorer: shared pieces
+
+
+@dataclass(frozen=True)
+class _Mode:
+    key: str
+    column: str | None  # frame column coloured (None: converged / still updating)
+    label: str
+    unit: str
+    log: bool
+
+
+_MODES = {
+    "kl": _Mode("kl", "kl_prev", "KL(p_l ‖ p_{l−1})", "nats", True),
+    "state": _Mode("state", "state_delta", "state change ‖s_l − s_{l−1}‖/‖s_l‖", "relative", True),
+    "entropy": _Mode("entropy", "entropy", "entropy H(p_l)", "nats", False),
+    "contraction": _Mode("contraction", "contraction", "contraction ‖s_l − s_{l−1}‖/‖s_{l−1} − s_{l−2}‖", "ratio",
+                         True),
+    "commit": _Mode("commit", "commit_loop", "commit loop (the argmax no longer changes from it on)", "loop", False),
+    "class": _Mode("class", None, "dynamics class (settled / oscillating / contracting / drifting)", "", False),
+    "converged": _Mode("converged", None, "converged / still updating", "", False),
+}
+_ALIASES = {"kl_prev": "kl", "state_delta": "state", "commit_loop": "commit", "dyn_class": "class"}
+_CATEGORICAL = ("class", "converged")  # colours by category, not on a scale
+# the dynamics columns of a drc_core.trace frame (analysis.dynamics); a frame without them has no such modes
+_DYNAMICS_MODES = {"contraction": "contraction", "commit": "commit_loop", "class": "dyn_class"}
+CLASS_COLORS = {"settled": "#1a9850", "contracting": "#a6d96a", "oscillating": "#8073ac", "drifting": "#d73027"}
+
+
+def _mode(mode: str, allow_converged: bool = True) -> _Mode:
+    key = _ALIASES.get(mode, mode) if isinstance(mode, str) else mode
+    options = [k for k in _MODES if allow_converged or k not in _CATEGORICAL]
+    if key not in options:
+        raise DrcError(f"unknown metric/mode {mode!r}; use one of {options} (or 'kl_prev', 'state_delta')")
+    return _MODES[key]
+
+
+def _need_mode(p: _Passage, mode: _Mode) -> None:
+    column = _DYNAMICS_MODES.get(mode.key)
+    if column is not None and column not in p.values and not (mode.key == "class" and p.classes is not None):
+        raise DrcError(f"colour by {mode.key!r} needs the frame's {column!r} column: trace with drc_core.trace "
+                       "(it keeps the per-token dynamics)")
+
+
+def _visible(text: str) -> str:
+    """Whitespace that would vanish made visible (newline ↵, tab ⇥, carriage return ␍)."""
+    return text.replace("\r", "␍").replace("\t", "⇥").replace("\n", "↵")
+
+
+def _wrap(texts: Sequence[str], line_chars: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lay tokens out like wrapped text: per token its row, first character column and width (characters of
+    its visible text, at least 1). A token that does not fit starts a new row; a row ends after a newline."""
+    rows, starts, widths = [], [], []
+    row = col = 0
+    for text in texts:
+        width = max(1, len(_visible(text)))
+        if col > 0 and col + width > line_chars:
+            row, col = row + 1, 0
+        rows.append(row)
+        starts.append(col)
+        widths.append(width)
+        col += width
+        if "\n" in text:
+            row, col = row + 1, 0
+    return np.asarray(rows), np.asarray(starts), np.asarray(widths)
+
+
+@dataclass(frozen=True)
+class _Passage:
+    """One window's first tokens, as (tokens, loops) matrices."""
+
+    window: int
+    eps: float
+    pos: np.ndarray  # (n,)
+    ids: np.ndarray  # (n,)
+    texts: list[str]  # decoded text per token
+    loops: np.ndarray  # (L,) sorted
+    values: dict[str, np.ndarray]  # column -> (n, L)
+    depth: np.ndarray  # (n,) convergence depth
+    settled: np.ndarray  # (n,) converged within the frame's loops
+    classes: np.ndarray | None = None  # (n,) dynamics class, where the frame has ``dyn_class``
+
+    def loop_index(self, loop: object) -> int:
+        if isinstance(loop, bool) or not isinstance(loop, int | np.integer) or int(loop) not in self.loops:
+            raise DrcError(f"loop={loop!r} is out of range; window {self.window} has loops "
+                           f"{int(self.loops[0])}..{int(self.loops[-1])}")
+        return int(np.searchsorted(self.loops, int(loop)))
+
+    def converged_at(self, loop: int) -> np.ndarray:
+        return self.settled & (self.depth <= loop)
+
+
+_PASSAGE_COLUMNS = ("window", "pos", "loop", "token", "kl_prev", "state_delta", "entropy")
+
+
+def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
+    _need_columns(frame, _PASSAGE_COLUMNS, "a frame from drc_core.analysis.measure.measure_windows")
+    need_int("max_tokens", max_tokens, 1)
+    need_eps(eps)
+    windows = frame["window"].to_numpy()
+    if isinstance(window, bool) or not isinstance(window, int | np.integer) or not (windows == window).any():
+        raise DrcError(f"window={window!r} is not in the frame; it has windows {int(windows.min())}.."
+                       f"{int(windows.max())}")
+    sub = frame.loc[windows == window]
+    pos = np.sort(sub["pos"].unique())[: int(max_tokens)]
+    sub = sub[sub["pos"].isin(pos)]
+    loops = np.sort(sub["loop"].unique()).astype(np.int64)
+    pi = np.searchsorted(pos, sub["pos"].to_numpy())
+    li = np.searchsorted(loops, sub["loop"].to_numpy())
+    if len(sub) != len(pos) * len(loops) or len(np.unique(pi * len(loops) + li)) != len(sub):
+        raise DrcError(f"window {window} does not have exactly one row per (pos, loop); pass a measure_windows frame")
+    optional = ("kl_final", "ce", "norm", "contraction", "commit_loop")
+    columns = ["kl_prev", "state_delta", "entropy", *(c for c in optional if c in sub.columns)]
+    values = {}
+    for c in columns:
+        m = np.full((len(pos), len(loops)), math.nan)
+        m[pi, li] = sub[c].to_numpy(float)
+        values[c] = m
+    ids = np.zeros(len(pos), np.int64)
+    ids[pi] = sub["token"].to_numpy(np.int64)
+    classes = None
+    if "dyn_class" in sub.columns:
+        classes = np.full(len(pos), None, dtype=object)
+        classes[pi] = sub["dyn_class"].to_numpy(object)
+    depths = convergence_depth(sub, float(eps))  # sorted by window, pos like ``pos``
+    return _Passage(int(window), float(eps), pos, ids, token_texts(tokenizer, ids), loops, values,
+                    depths["depth"].to_numpy(np.int64), depths["converged"].to_numpy(bool), classes)
+
+
+def _color_range(p: _Passage, mode: _Mode) -> tuple[np.ndarray, float, float, list[list]]:
+    """The colour value of every (token, loop) (log10 for log metrics, clipped at LOG_FLOOR; NaN stays NaN),
+    the fixed range over the passage, and the colour scale. The KL scale is diverging around log10(eps)."""
+    raw = p.values[mode.column]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        v = np.log10(np.maximum(raw, LOG_FLOOR)) if mode.log else raw.copy()
+    finite = v[np.isfinite(v)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if mode.key in ("kl", "contraction"):  # diverging: around eps (KL), around 1 (contraction: shrinking steps)
+        mid = math.log10(p.eps) if mode.key == "kl" else 0.0
+        lo, hi = min(lo, mid - 1), max(hi, mid + 1)
+        f = (mid - lo) / (hi - lo)
+        scale = [[0.0, _KL_SCALE[0]], [f, _KL_SCALE[1]], [1.0, _KL_SCALE[2]]]
+    else:
+        if hi - lo < 1e-9:
+            lo, hi = lo - 0.5, hi + 0.5
+        scale = [list(x) for x in pcolors.get_colorscale(_SEQ_SCALE)]
+    return v, lo, hi, scale
+
+
+def _css_colors(values: np.ndarray, lo: float, hi: float, scale: list[list]) -> list[str]:
+    """``rgb(...)`` colours of ``values`` on ``scale`` over [lo, hi]; NAN_COLOR where a value is NaN."""
+    frac = np.clip((values - lo) / (hi - lo), 0.0, 1.0)
+    ok = np.isfinite(frac)
+    sampled = iter(pcolors.sample_colorscale(scale, frac[ok].tolist()) if ok.any() else [])
+    return [next(sampled) if good else NAN_COLOR for good in ok]
+
+
+def _ink(background: str) -> str:
+    """Black or white text, whichever reads better on ``background``."""
+    r, g, b = pcolors.hex_to_rgb(background) if background.startswith("#") else pcolors.unlabel_rgb(background)
+    return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.2g}" if np.isfinite(v) else "n/a"
+
+
+def _strip_parts(p: _Passage, loop: int, mode: _Mode) -> tuple[str, list[str], list[str]]:
+    """The passage at ``loop`` in ``mode``: the header line (window, loop, colour legend) as HTML, and per token
+    its background colour and its hover text (values at that loop, depth, status)."""
+    j = p.loop_index(loop)
+    _need_mode(p, mode)
+    kl, sd, ent = p.values["kl_prev"][:, j], p.values["state_delta"][:, j], p.values["entropy"][:, j]
+    conv = p.converged_at(int(loop))
+    if mode.key == "class":
+        colors = [CLASS_COLORS.get(c, NAN_COLOR) for c in p.classes]
+        legend = " ".join(f"<span style='background:{c};color:{_ink(c)}'>&nbsp;{k}&nbsp;</span>"
+                          for k, c in CLASS_COLORS.items()) + " (over the traced loops; grey: too few loops)"
+    elif mode.column is None:
+        colors = [CONVERGED_COLOR if c else UPDATING_COLOR for c in conv]
+        legend = (f"<span style='background:{CONVERGED_COLOR}'>&nbsp;converged&nbsp;</span> "
+                  f"<span style='background:{UPDATING_COLOR}'>&nbsp;still updating&nbsp;</span> "
+                  f"(convergence depth ≤ {int(loop)}, ε = {p.eps:g})")
+    else:
+        v, lo, hi, scale = _color_range(p, mode)
+        colors = _css_colors(v[:, j], lo, hi, scale)
+        ends = f"{10**lo:.0e} … {10**hi:.0e}" if mode.log else f"{lo:.2f} … {hi:.2f}"
+        low, high = _css_colors(np.array([lo, hi]), lo, hi, scale)
+        legend = (f"colour: {html.escape(mode.label)} ({mode.unit}), "
+                  f"<span style='background:{low};color:{_ink(low)}'>&nbsp;low&nbsp;</span>"
+                  f"<span style='background:{high};color:{_ink(high)}'>&nbsp;high&nbsp;</span> {ends}"
+                  + (f", yellow = ε = {p.eps:g}" if mode.key == "kl" else "")
+                  + (f"; values below {LOG_FLOOR:g} drawn at {LOG_FLOOR:g}" if mode.log else "")
+                  + "; grey: undefined at this loop")
+    titles = []
+    for i, text in enumerate(p.texts):
+        status = "converged" if conv[i] else "still updating"
+        dyn = ""
+        if "contraction" in p.values:
+            dyn += f", contraction {_fmt(p.values['contraction'][i, j])}"
+        if "commit_loop" in p.values:
+            dyn += f", commits at loop {_fmt(p.values['commit_loop'][i, j])}"
+        if p.classes is not None:
+            dyn += f", {p.classes[i]}"
+        titles.append(f"pos {int(p.pos[i])} {text!r}: KL {_fmt(kl[i])} nats, state change {_fmt(sd[i])}, "
+                      f"entropy {_fmt(ent[i])} nats, depth {int(p.depth[i])}, {status}{dyn}")
+    header = (f"<div style='font-size:90%;margin-bottom:4px'>window {p.window}, loop {int(loop)} of "
+              f"{int(p.loops[-1])}: {legend}</div>")
+    return header, colors, titles
+
+
+def _strip_html(p: _Passage, loop: int, mode: _Mode) -> str:
+    header, colors, titles = _strip_parts(p, loop, mode)
+    spans = []
+    for text, color, title in zip(p.texts, colors, titles, strict=True):
+        body = html.escape(text.replace("\r", "␍").replace("\t", "⇥")).replace("\n", "↵<br>")
+        spans.append(f"<span title=\"{html.escape(title, quote=True)}\" style=\"background:{color};"
+                     f"color:{_ink(color)};border-radius:2px;padding:0 1px\">{body}</span>")
+    return (f"<div class='drc-token-strip'>{header}<div style='font-family:monospace;white-space:pre-wrap;"
+            f"line-height:1.7'>{''.join(spans)}</div></div>")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The per-token depth explorer: public API
+
+
+def token_strip_html(frame: pd.DataFrame, window: int, loop: int, tokenizer, eps: float = DEFAULT_EPS,
+                     mode: str = "kl", max_tokens: int = 96) -> str:
+    """The first ``max_tokens`` tokens of ``window`` as HTML, one ``<span>`` per token coloured at ``loop``.
+
+    ``mode``: ``"kl"`` (successive KL, log scale, yellow at ``eps``), ``"state"`` (state change, log scale),
+    ``"entropy"`` or ``"converged"`` (green: converged by ``loop``, red: still updating); for a
+    :func:`drc_core.trace` frame also the per-token dynamics: ``"contraction"`` (the factor by which the step
+    into loop l shrank, log scale, yellow at 1), ``"commit"`` (the commit loop) and ``"class"``
+    (:data:`CLASS_COLORS`). Colour ranges are
+    fixed over the passage's loops. Each span's ``title`` gives the token's values; text is HTML-escaped and
+    newlines show as ↵ plus a line break.
+    """
+    p = _passage(frame, window, tokenizer, eps, max_tokens)
+    return _strip_html(p, loop, _mode(mode))
+
+
+def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float = DEFAULT_EPS, max_tokens: int = 96,
+                        metric: str = "kl_prev", line_chars: int = _LINE_CHARS) -> go.Figure:
+    """The first ``max_tokens`` tokens of ``window`` laid out as wrapped text, each a box coloured by ``metric``
+    at loop l, with a slider over loops and a play button (plotly frames: interactive in static HTML).
+
+    ``metric``: ``"kl_prev"`` (log10 of the successive KL; the scale's yellow middle is ``eps``),
+    ``"state_delta"`` (log10) or ``"entropy"``. The colour range is fixed across loops; tokens without a value
+    at a loop (loop 1 for KL and state change) are grey. The figure opens at the first loop where some token
+    has a value. Hover: the token, its KL and state change at that loop and whether it has converged.
+    Frame ``l`` (named ``str(l)``) holds ``marker.color`` (the colour values, rounded to 3 decimals, or
+    NAN_COLOR) and ``customdata`` (KL, state change, status as text).
+    """
+    mode = _mode(metric, allow_converged=False)
+    need_int("line_chars", line_chars, 8)
+    p = _passage(frame, window, tokenizer, eps, max_tokens)
+    _need_mode(p, mode)
+    v, lo, hi, scale = _color_range(p, mode)
+    rows, starts, widths = _wrap(p.texts, line_chars)
+    n_rows = int(rows.max()) + 1
+    kl, sd = p.values["kl_prev"], p.values["state_delta"]
+
+    def colors(j: int) -> list:
+        return [round(float(x), 3) if np.isfinite(x) else NAN_COLOR for x in v[:, j]]
+
+    def custom(j: int) -> list[list[str]]:
+        conv = p.converged_at(int(p.loops[j]))
+        return [[_fmt(kl[i, j]), _fmt(sd[i, j]), "converged" if conv[i] else "still updating"]
+                for i in range(len(p.pos))]
+
+    has_value = np.isfinite(v).any(axis=0)
+    start = int(np.argmax(has_value)) if has_value.any() else 0
+    if mode.log:
+        ticks = list(range(math.ceil(lo), math.floor(hi) + 1))
+        colorbar = {"title": {"text": f"{mode.key} ({mode.unit})"}, "tickvals": ticks,
+                    "ticktext": [f"1e{k}" for k in ticks]}
+    else:
+        colorbar = {"title": {"text": f"{mode.key} ({mode.unit})"}}
+    marker = {"color": colors(start), "colorscale": scale, "cmin": lo, "cmax": hi, "showscale": True,
+              "colorbar": colorbar, "line": {"width": 1, "color": "white"}}
+    hover = [f"pos {int(q)}: {t!r}" for q, t in zip(p.pos, p.texts, strict=True)]
+    fig = go.Figure(go.Bar(
+        orientation="h", y=rows, x=widths, base=starts, width=0.8, marker=marker, customdata=custom(start),
+        text=[_visible(t) for t in p.texts], textposition="inside", insidetextanchor="middle", textangle=0,
+        textfont={"family": "monospace", "size": 13}, hovertext=hover,
+        hovertemplate="%{hovertext}<br>KL(p_l ‖ p_{l−1}) %{customdata[0]} nats<br>state change %{customdata[1]}"
+                      "<br>%{customdata[2]}<extra></extra>"))
+    fig.frames = [go.Frame(name=str(int(lp)), data=[go.Bar(marker={"color": colors(j)}, customdata=custom(j))])
+                  for j, lp in enumerate(p.loops)]
+    step_args = {"mode": "immediate", "frame": {"duration": 0, "redraw": True}, "transition": {"duration": 0}}
+    slider = {"active": start, "currentvalue": {"prefix": "loop "}, "pad": {"t": 30}, "len": 0.9, "x": 0.1,
+              "steps": [{"label": str(int(lp)), "method": "animate", "args": [[str(int(lp))], step_args]}
+                        for lp in p.loops]}
+    play = {"type": "buttons", "direction": "left", "showactive": False, "x": 0.0, "y": 0, "xanchor": "left",
+            "yanchor": "top", "pad": {"t": 42},
+            "buttons": [{"label": "▶", "method": "animate",
+                         "args": [None, {"frame": {"duration": 500, "redraw": True}, "fromcurrent": True,
+                                         "transition": {"duration": 0}}]},
+                        {"label": "❚❚", "method": "animate", "args": [[None], step_args]}]}
+    fig.update_xaxes(visible=False, range=[-0.5, line_chars + 0.5])
+    fig.update_yaxes(visible=False, autorange="reversed")
+    return _style(fig, f"Window {p.window}: {mode.label} per token at loop l (ε = {p.eps:g}; grey: undefined)",
+                  height=max(300, 170 + 26 * n_rows), sliders=[slider], updatemenus=[play], barmode="overlay",
+                  uniformtext={"minsize": 11, "mode": "show"}, plot_bgcolor="white", showlegend=False,
+                  margin={"l": 20, "r": 20, "t": 60, "b": 20})
+
+
+class DepthExplorer:
+    """The live per-token depth explorer (JupyterLab): ``explorer.widget`` is an ipywidgets ``VBox`` with
+
+    - ``input`` (a ``Text`` box) and ``trace_button``, present when a ``tracer`` is given: any text typed there
+      (Enter or the button) is traced through the model by ``tracer(text)`` (a function returning that text's
+      token x loop frame, window 0, e.g. ``lambda s: drc_core.trace(model, s, 32, tokenizer=tok).frame``) and
+      shown in this same explorer; :meth:`show_text` does the same from code, and ``text=`` does it at once;
+    - ``slider`` (``IntSlider`` over the passage's loops, the full width of the output, one step per loop) and
+      ``metric`` (``ToggleButtons``, colour by: ``"kl"``, ``"state"``, ``"entropy"``, and where the frame comes
+      from :func:`drc_core.trace` the per-token dynamics ``"contraction"``, ``"commit"`` (commit loop) and
+      ``"class"`` (settled / oscillating / contracting / drifting), then ``"converged"``), which redraw
+      ``text`` (an ``HTML`` header: window, loop and colour legend) and recolour ``token_buttons``;
+    - ``tokens``: the passage itself, one ``Button`` per token (``token_buttons``) coloured as
+      :func:`token_strip_html` colours its spans, with that token's values as tooltip; clicking one selects it;
+    - ``token`` (a ``BoundedIntText`` of the selected position, also settable), which redraws ``trajectory``: a
+      ``go.Figure`` (KL(p_l ‖ p_{l−1}), KL(p_L ‖ p_l) when measured and the state change against the loop, log
+      scale, values below :data:`LOG_FLOOR` drawn at that floor (a dotted line marks it), the ε line and the
+      current loop) rendered into ``output`` (an ``ipywidgets.Output``) when an IPython kernel is running.
+
+    Everything updates through ``.observe`` callbacks, so setting ``explorer.slider.value = 5`` (or
+    ``metric.value`` / ``token.value``) from code updates the passage and ``trajectory`` at once.
+    """
+
+    def __init__(self, frame: pd.DataFrame, tokenizer, window: int = 0, eps: float = DEFAULT_EPS,
+                 max_tokens: int = 96, *, tracer=None, text: str | None = None) -> None:
+        import ipywidgets as widgets
+
+        self._widgets = widgets
+        self.tokenizer, self.eps, self.max_tokens, self.tracer = tokenizer, eps, max_tokens, tracer
+        if text is not None and tracer is None:
+            raise DrcError("text= needs tracer=: a function from a text to its token x loop frame")
+        # "auto" in the explorer's column stretches a row to the output's width (100% plus margins overflowed)
+        def full() -> object:
+            return widgets.Layout(width="auto")
+
+        self.passage = _passage(frame, window, tokenizer, eps, max_tokens)
+        self.slider = widgets.IntSlider(value=1, min=1, max=2, step=1, description="loop", continuous_update=True,
+                                        layout=full(), style={"description_width": "initial"})
+        self.metric = widgets.ToggleButtons(options=self._metric_options(self.passage), value="kl",
+                                            description="colour")
+        self.text = widgets.HTML(layout=full())
+        self.text.add_class("drc-explorer-header")
+        self.tokens = widgets.Box(layout=widgets.Layout(display="flex", flex_flow="row wrap", width="100%",
+                                                        align_items="center"))
+        self.tokens.add_class("drc-explorer-tokens")
+        self.token_buttons: list = []
+        self._quiet = False  # True while the explorer sets its own widgets (their observers then do nothing)
+        self.token = widgets.BoundedIntText(value=0, min=0, max=0, description="token", layout={"width": "180px"})
+        self.selected = widgets.HTML()
+        self.output = widgets.Output(layout=full())
+        self.trajectory = go.Figure()
+        rows = []
+        if tracer is not None:
+            self.input = widgets.Text(placeholder="type any text and press Enter (or 'trace') to trace it",
+                                      description="text", continuous_update=False, layout=widgets.Layout(
+                                          width="auto", flex="1 1 auto"))
+            self.trace_button = widgets.Button(description="trace", button_style="primary",
+                                               tooltip="trace this text through the model")
+            self.status = widgets.HTML()
+            self.input.observe(self._on_input, names="value")
+            self.trace_button.on_click(lambda _b: self.show_text(self.input.value))
+            rows.append(widgets.HBox([self.input, self.trace_button], layout=full()))
+            rows.append(self.status)
+        # JupyterLab's plotly renderer leaves the trajectory's output 0 px high after its tab was hidden (another
+        # tab in front, then back): a fixed height for the figure's box keeps it drawn
+        self._css = widgets.HTML(f"<style>.drc-depth-explorer .widget-output .jp-RenderedPlotly "
+                                 f"{{height: {_TRAJECTORY_HEIGHT}px;}}</style>", layout={"height": "0px"})
+        rows += [self.slider, self.metric, self.text, self.tokens, widgets.HBox([self.token, self.selected]),
+                 self.output, self._css]
+        self.widget = widgets.VBox(rows, layout=full())
+        self.widget.add_class("drc-depth-explorer")
+        self.slider.observe(self._on_loop, names="value")
+        self.metric.observe(self._on_metric, names="value")
+        self.token.observe(self._on_token, names="value")
+        self._show(self.passage)
+        if text is not None:
+            self.show_text(text)
+
+    # the passage ---------------------------------------------------------------------------------------
+    def show_text(self, text: str) -> None:
+        """Trace ``text`` with the explorer's ``tracer`` and show it (all its tokens, up to ``max_tokens``) in
+        place of the current passage. An empty text or a failing trace leaves the passage and says why in
+        ``status``."""
+        if self.tracer is None:
+            raise DrcError("this explorer has no tracer: pass tracer= (a function from a text to its frame)")
+        if not str(text).strip():
+            self.status.value = "<span style='color:#b00'>type a text first</span>"
+            return
+        self.status.value = "tracing …"
+        try:
+            frame = self.tracer(str(text))
+            passage = _passage(frame, 0, self.tokenizer, self.eps, self.max_tokens)
+        except DrcError as exc:
+            self.status.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
+            return
+        self._quiet = True
+        try:
+            self.input.value = text
+        finally:
+            self._quiet = False
+        self.status.value = (f"traced {len(passage.pos)} token(s) of your text through "
+                             f"{int(passage.loops[-1])} loops")
+        self._show(passage)
+
+    @staticmethod
+    def _metric_options(p: _Passage) -> list[tuple[str, str]]:
+        """The colour-by choices: the statistics, then the per-token dynamics where the frame has them."""
+        options = [("KL", "kl"), ("state change", "state"), ("entropy", "entropy")]
+        dynamics = [("contraction", "contraction"), ("commit loop", "commit"), ("class", "class")]
+        present = {"contraction": "contraction" in p.values, "commit": "commit_loop" in p.values,
+                   "class": p.classes is not None}
+        return [*options, *(o for o in dynamics if present[o[1]]), ("converged?", "converged")]
+
+    def _show(self, passage: _Passage) -> None:
+        """Make ``passage`` the explorer's: slider range, one button per token, first token selected, redraw."""
+        widgets = self._widgets
+        self.passage = p = passage
+        options = self._metric_options(p)
+        if list(self.metric.options) != options:
+            self._quiet = True
+            try:
+                value = self.metric.value if self.metric.value in dict(options).values() else "kl"
+                self.metric.options = options
+                self.metric.value = value
+            finally:
+                self._quiet = False
+        first = int(p.loops[1]) if len(p.loops) > 1 else int(p.loops[0])
+        self._quiet = True
+        try:
+            self.slider.max = max(int(p.loops[-1]), self.slider.min)
+            self.slider.min = int(p.loops[0])
+            self.slider.max = int(p.loops[-1])
+            self.slider.value = first
+            self.token.max = max(int(p.pos[-1]), self.token.min)
+            self.token.min = int(p.pos[0])
+            self.token.max = int(p.pos[-1])
+            self.token.value = int(p.pos[0])
+        finally:
+            self._quiet = False
+        buttons, children = [], []
+        for q, text in zip(p.pos, p.texts, strict=True):
+            label = _visible(text).replace(" ", "\u00a0") or "\u00a0"
+            b = widgets.Button(description=label, layout=widgets.Layout(width="auto", height="26px", margin="1px",
+                                                                         padding="0 3px"),
+                               style={"font_family": "monospace"})
+            b.add_class("drc-token")
+            b.on_click(lambda _b, q=int(q): setattr(self.token, "value", q))
+            buttons.append(b)
+            children.append(b)
+            if "\n" in text:  # a line break in the passage: the next token starts a new row
+                children.append(widgets.Box(layout=widgets.Layout(width="100%", height="0px")))
+        self.token_buttons = buttons
+        self.tokens.children = children
+        self.update_text()
+        self.update_trajectory()
+
+    # callbacks (the widgets' observers) ----------------------------------------------------------------
+    def _on_input(self, change) -> None:
+        if not self._quiet and change["new"].strip():
+            self.show_text(change["new"])
+
+    def _on_loop(self, _change) -> None:
+        if self._quiet:
+            return
+        self.update_text()
+        self._mark_loop()
+        self._render()
+
+    def _on_metric(self, _change) -> None:
+        if not self._quiet:
+            self.update_text()
+
+    def _on_token(self, _change) -> None:
+        if not self._quiet:
+            self.update_trajectory()
+
+    # updates, also callable directly ------------------------------------------------------------------
+    def update_text(self) -> None:
+        """Redraw the header and recolour the passage's tokens for the slider's loop and the selected metric."""
+        header, colors, titles = _strip_parts(self.passage, int(self.slider.value), _mode(self.metric.value))
+        self.text.value = header
+        for b, color, title in zip(self.token_buttons, colors, titles, strict=True):
+            b.style.button_color = color
+            b.style.text_color = _ink(color)
+            b.tooltip = title
+
+    def _token_index(self) -> int:
+        p = self.passage
+        i = int(np.searchsorted(p.pos, int(self.token.value)))
+        if i >= len(p.pos) or int(p.pos[i]) != int(self.token.value):
+            raise DrcError(f"token={self.token.value} is not a position of the passage ({int(p.pos[0])}.."
+                           f"{int(p.pos[-1])})")
+        return i
+
+    def update_trajectory(self) -> None:
+        """Rebuild the selected token's trajectory figure, mark its button, and render it."""
+        p = self.passage
+        i = self._token_index()
+        for k, b in enumerate(self.token_buttons):
+            b.layout.border = "2px solid #000" if k == i else ""
+            b.style.font_weight = "bold" if k == i else ""
+        fig = go.Figure()
+        series = [("kl_prev", "KL(p_l ‖ p_{l−1}) (nats)", "solid"), ("kl_final", "KL(p_L ‖ p_l) (nats)", "dash"),
+                  ("state_delta", "state change (relative)", "solid")]
+        for k, (col, name, dash) in enumerate(series):
+            if col in p.values and (col != "kl_final" or np.isfinite(p.values[col][i]).any()):
+                y = p.values[col][i]
+                with np.errstate(invalid="ignore"):
+                    shown = np.where(np.isfinite(y), np.maximum(y, LOG_FLOOR), np.nan)  # float noise < 0 included
+                fig.add_trace(go.Scatter(x=p.loops, y=shown, mode="lines+markers", name=name, customdata=y,
+                                         line={"color": _PALETTE[k], "dash": dash}, marker={"size": 5},
+                                         hovertemplate="loop %{x}: %{customdata:.3g}<extra>" + html.escape(name)
+                                                       + "</extra>"))
+        x_ends = [p.loops[0], p.loops[-1]]
+        fig.add_trace(go.Scatter(x=x_ends, y=[p.eps, p.eps], mode="lines", name=f"ε = {p.eps:g}",
+                                 line={"color": "grey", "dash": "dot"}))
+        fig.add_trace(go.Scatter(x=x_ends, y=[LOG_FLOOR, LOG_FLOOR], mode="lines",
+                                 name=f"floor {LOG_FLOOR:g}: values below drawn here",
+                                 line={"color": "#999", "dash": "dashdot", "width": 1}))
+        status = f"converged at depth {p.depth[i]}" if p.settled[i] else "never settled"
+        fig.update_yaxes(type="log", exponentformat="power", title_text="value (log scale)")
+        fig.update_xaxes(title_text="loop l")
+        _style(fig, f"pos {int(p.pos[i])} {p.texts[i]!r}: {status}", height=_TRAJECTORY_HEIGHT,
+               legend={"orientation": "h", "y": -0.3}, autosize=True)
+        self.selected.value = (f"selected: <b>{html.escape(repr(p.texts[i]))}</b> (pos {int(p.pos[i])}), "
+                               f"{status}; click a token to select it")
+        self.trajectory = fig
+        self._mark_loop()
+        self._render()
+
+    def _mark_loop(self) -> None:
+        self.trajectory.layout.shapes = ()
+        self.trajectory.add_vline(x=int(self.slider.value), line_color="black", line_width=1, opacity=0.4)
+
+    def _render(self) -> None:
+        from IPython import get_ipython
+        from IPython.display import clear_output, display
+
+        if get_ipython() is None:  # headless (tests, scripts): keep the figure, draw nothing
+            return
+        with self.output:
+            clear_output(wait=True)
+            display({"application/vnd.plotly.v1+json": {**json.loads(self.trajectory.to_json()),
+                                                         "config": {"responsive": True}},
+                     "text/plain": f"trajectory of token {int(self.token.value)}"}, raw=True)
