@@ -4,9 +4,9 @@
     .venv/bin/python bench/adaptive_speed.py --run data/reference --windows 64 --rounds 5 --json runs/bench/speed.json
     .venv/bin/python bench/adaptive_speed.py --run runs/cpu/final --families kl,state_delta,cosine --threads 2
 
-In one process (``drc_core.experiments.speed_report.run_speed``): each rule family's threshold is matched to uniform depth r's
-validation cross-entropy (within ``--ce-tolerance`` nats, on the same windows: lowest-average-depth grid
-point, offline sweep checked online); then, interleaved over ``--rounds`` rounds with medians,
+In one process (``drc_core.experiments.speed_report.run_speed``): each rule family's threshold is matched to
+uniform depth r's validation cross-entropy (within ``--ce-tolerance`` nats, on the same windows:
+lowest-average-depth grid point, offline sweep checked online); then, interleaved over ``--rounds`` rounds with medians,
 
 * batched eval: ``model(x, r)`` against ``skip_forward`` with each matched rule (and with ``Uniform(r)``,
   which shows the skipping machinery's own overhead at equal depth);
