@@ -69,7 +69,9 @@ viz.class_depth_bars(by_class)
 # updating), the passage as clickable tokens and the selected token's trajectory.
 
 # %%
-depth_explorer.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tokens=explorer_tokens)
+depth_explorer.depth_slider_figure(
+    frame, explorer_window, tokenizer, eps=eps, max_tokens=explorer_tokens
+)
 
 # %% [markdown]
 # The same passage at one loop as coloured text (converged tokens green, still updating red), at the

@@ -205,7 +205,7 @@ cal[
 # are not independent, so the unit of the test is the document (its share of violating tokens, a number in
 # [0, 1], with a Hoeffding–Bentkus p-value): the price is that `n` counts documents, not tokens. Even a threshold
 # that never disagrees with depth `reference` is certified only from `min_units(α, δ)` documents on.
-
+#
 #
 # Every validation document counts here (not only those the windows above reach; at most `risk_max_docs` where
 # set): `risk_windows_per_doc` windows spread over each one (`drc_core.api.document_windows`).

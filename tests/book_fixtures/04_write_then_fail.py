@@ -19,6 +19,8 @@ Path(results_dir, "01_pass.json").write_text('{"rewritten": true}')
 Path(results_dir, "04_write_then_fail.json").write_text("{}")
 Path(work_dir, "frame.parquet").write_text("fewer windows")
 print("wrote", flush=True)
+if sleep_s:
+    Path(work_dir, "sleeping").write_text("")  # the Ctrl-C test interrupts from here on (undone like the rest)
 time.sleep(sleep_s)
 
 # %%
