@@ -628,8 +628,11 @@ def test_out_governs_every_output(book_site, tmp_path):
 
 
 def test_ctrl_c_during_a_notebook_is_one_line_and_undone(book_site):
+    # as from a terminal: SIGINT at its default disposition (an earlier test in the same pytest process can leave it
+    # ignored, and an ignored SIGINT is inherited by every child: Python then never raises KeyboardInterrupt)
     proc = run_book_cli(book_site, "run", "--profile", "p", "--only", "04_write_then_fail", "--set", "sleep_s=60",
-                        "--quiet", start_new_session=True)
+                        "--quiet", start_new_session=True,
+                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (book_site / "work" / "sleeping").exists():  # written after the outputs, just before the sleep
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
