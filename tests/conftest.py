@@ -38,6 +38,19 @@ def tiny_model_factory() -> Callable[..., DepthRecurrentLM]:
     return make
 
 
+@pytest.fixture(scope="module")
+def moving_model(one_thread) -> DepthRecurrentLM:
+    """The halting paths' test model: vocabulary 64, two core and two coda blocks, the core scaled up so that
+    tokens keep changing for several loops (so rules exit tokens at different loops)."""
+    torch.manual_seed(0)
+    m = DepthRecurrentLM(ModelConfig(vocab_size=64, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=2,
+                                     max_seq_len=32, injection="add"))
+    with torch.no_grad():
+        for p in m.core.parameters():
+            p.mul_(4.0)
+    return m.eval()
+
+
 @pytest.fixture(scope="session")
 def local_corpus(tmp_path_factory) -> Path:
     """A small prepared corpus (12 local text documents, BPE vocab 300, seq_len 32) for CLI and config tests."""

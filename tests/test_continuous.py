@@ -24,7 +24,7 @@ from drc_core.halting.rules import (
     StateDelta,
     Uniform,
 )
-from drc_core.model.lm import DepthRecurrentLM, ModelConfig
+from drc_core.model.lm import DepthRecurrentLM
 
 V, L = 64, 6
 ATOL, RTOL = 2e-5, 1e-4
@@ -33,15 +33,8 @@ NEW = (6, 3, 8, 1, 5)  # tokens to generate: the rows finish at different steps
 
 
 @pytest.fixture(scope="module")
-def model(one_thread) -> DepthRecurrentLM:
-    """Two core and two coda blocks, the core scaled up so that tokens keep changing for several loops."""
-    torch.manual_seed(0)
-    m = DepthRecurrentLM(ModelConfig(vocab_size=V, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=2,
-                                     max_seq_len=32, injection="add"))
-    with torch.no_grad():
-        for p in m.core.parameters():
-            p.mul_(4.0)
-    return m.eval()
+def model(moving_model) -> DepthRecurrentLM:
+    return moving_model
 
 
 @pytest.fixture(scope="module")

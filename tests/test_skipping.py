@@ -28,22 +28,15 @@ from drc_core.halting.rules import (
     Uniform,
 )
 from drc_core.halting.skipping import skip_forward
-from drc_core.model.lm import Block, DepthRecurrentLM, ModelConfig
+from drc_core.model.lm import Block, DepthRecurrentLM
 
 V, B, T, L = 64, 3, 14, 6
 ATOL, RTOL = 2e-5, 1e-4
 
 
 @pytest.fixture(scope="module")
-def model(one_thread) -> DepthRecurrentLM:
-    """Two core and two coda blocks, the core scaled up so that tokens keep changing for several loops."""
-    torch.manual_seed(0)
-    m = DepthRecurrentLM(ModelConfig(vocab_size=V, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=2,
-                                     max_seq_len=32, injection="add"))
-    with torch.no_grad():
-        for p in m.core.parameters():
-            p.mul_(4.0)
-    return m.eval()
+def model(moving_model) -> DepthRecurrentLM:
+    return moving_model
 
 
 @pytest.fixture(scope="module")
