@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -144,7 +145,7 @@ def serving_latency(model: DepthRecurrentLM, prompt: Tensor, rule: HaltingRule, 
     tokens asked for, per second); medians over ``cfg.rounds`` interleaved rounds."""
     cfg = cfg or SpeedConfig()
     n_max = max(new_tokens)
-    prompt, s0 = _decode_setup(model, prompt, SpeedConfig(**{**cfg.__dict__, "new_tokens": n_max}))
+    prompt, s0 = _decode_setup(model, prompt, replace(cfg, new_tokens=n_max))
     n_req, t0 = prompt.shape
     asks = [new_tokens[i % len(new_tokens)] for i in range(n_req)]
     states = [s0[i, : t0 + asks[i]] for i in range(n_req)]

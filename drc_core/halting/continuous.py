@@ -396,23 +396,19 @@ def generate_continuous(
             gone_list = gone.tolist()
         if per_loop:
             logits_g = z.index_select(0, gone) if gone is not None else z[:0]
-        elif not gone_list and max(loop_list) < rule.min_loops:
+        elif max(loop_list) < rule.min_loops:  # no item at a loop whose coda keys/values are ever read
             logits_g = z_none
-        elif min(loop_list) >= rule.min_loops:
-            # every item writes its coda keys/values (later tokens exiting at its loop read them); the exiting
-            # ones run the last coda block and the head
-            y = coda(model, x, attn, coda_flat, query=decide, work=work)
-            logits_g = model.head(y).float()
-            work.head += y.shape[0]
         else:
-            late = (loops >= rule.min_loops).nonzero().squeeze(1)
-            if late.numel():
+            # every item at loop >= min_loops writes its coda keys/values (later tokens exiting at its loop read
+            # them); the exiting ones run the last coda block and the head
+            if min(loop_list) >= rule.min_loops:
+                y = coda(model, x, attn, coda_flat, query=decide, work=work)
+            else:
+                late = (loops >= rule.min_loops).nonzero().squeeze(1)
                 y = coda(model, x.index_select(0, late), attn.select(late), coda_flat,
                          query=decide.index_select(0, late), work=work)
-                logits_g = model.head(y).float()
-                work.head += y.shape[0]
-            else:
-                logits_g = z_none
+            logits_g = model.head(y).float()
+            work.head += y.shape[0]
         sl.x[b_t] = x
         if per_loop:
             z_prev[b_t] = z
