@@ -95,7 +95,7 @@ fig
 
 # %%
 summary.set_index("loop")[
-    ["kl_prev", "kl_prev_ci_low", "kl_prev_ci_high", "state_delta", "ce"]
+    ["kl", "kl_ci_low", "kl_ci_high", "state_delta", "ce"]
 ].map(lambda v: f"{v:.3g}")
 
 # %% [markdown]
@@ -294,7 +294,7 @@ near_r.round(2).assign(param=near_r.param.map("{:g}".format))
 # %%
 def at(loop: int) -> dict:
     row = summary.set_index("loop").loc[loop]
-    return {"value": row.kl_prev, "lo": row.kl_prev_ci_low, "hi": row.kl_prev_ci_high}
+    return {"value": row.kl, "lo": row.kl_ci_low, "hi": row.kl_ci_high}
 
 
 def stat(name: str) -> dict:

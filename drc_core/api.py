@@ -5,7 +5,7 @@ generate with per-token halting.
     lm = drc_core.load("data/reference")               # model + tokenizer + training config
     tr = lm.trace("The president spoke to Congress.", max_loops=16)
     tr.convergence_depth(eps=1e-3)                      # per token: text, depth, converged
-    tr.to_frame()                                       # token x loop: kl_prev, kl_final, state_delta, entropy, ce
+    tr.to_frame()                                       # token x loop: kl, kl_final, state_delta, entropy, ce
     lm.generate("The president", max_new_tokens=8, rule=drc_core.make_rule("kl", 1e-3)).text
     drc_core.calibrate(lm, documents, "kl", alpha=0.1, delta=0.1).certificate  # a threshold with a guarantee
 
@@ -27,6 +27,7 @@ import torch
 from tokenizers import Tokenizer
 
 from drc_core.analysis.dynamics import classify, commit_loop, token_dynamics
+from drc_core.analysis.loops import frame_statistics
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
 from drc_core.data.sampler import Corpus, eval_windows
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # the explorer needs the book extras (plotly, ipywidgets): im
 __all__ = ["Generation", "Model", "Trace", "calibrate", "generate", "load", "trace"]
 
 TOKENIZER_FILE = "tokenizer.json"
-MATRIX_COLUMNS = ("kl_prev", "kl_final", "state_delta", "entropy", "ce", "norm", "contraction")
+MATRIX_COLUMNS = ("kl", "kl_final", "state_delta", "entropy", "ce", "norm", "contraction")  # + registered statistics
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Trace:
     """Per token and loop statistics of one sequence (T tokens, loops 1..L), from :func:`trace`.
 
     ``frame``: the tidy :func:`~drc_core.analysis.measure.measure_windows` frame (one row per (pos, loop);
-    ``window`` is 0) plus ``text``, the token's string. Its columns: ``kl_prev`` = KL(p_l || p_{l-1}) (NaN at
+    ``window`` is 0) plus ``text``, the token's string. Its columns: ``kl`` = KL(p_l || p_{l-1}) (NaN at
     loop 1), ``kl_final`` = KL(p_L || p_l) (0 at loop L), ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l||,
     ``entropy`` (nats), ``ce`` = -log p_l(next token) -- NaN at the last position, whose next token is
     unknown, and everywhere when ``targets=False``. :meth:`matrix` gives one column as a (T, L) array.
@@ -76,8 +77,9 @@ class Trace:
 
     def matrix(self, column: str) -> np.ndarray:
         """``column`` of :attr:`frame` as a (T, L) float array (row = position, column = loop - 1)."""
-        if column not in MATRIX_COLUMNS:
-            raise DrcError(f"column={column!r} is not a statistic; use {', '.join(MATRIX_COLUMNS)}")
+        known = (*MATRIX_COLUMNS, *(c for c in frame_statistics() if c not in MATRIX_COLUMNS and c != "argmax"))
+        if column not in known or column not in self.frame.columns:
+            raise DrcError(f"column={column!r} is not a statistic of this trace; use {', '.join(known)}")
         return self.frame[column].to_numpy(np.float64).reshape(len(self.ids), self.max_loops)
 
     def dynamics(self) -> pd.DataFrame:

@@ -122,7 +122,7 @@ def test_trace_equals_measure_windows_and_keeps_every_token(lm):
     extra = lm.tokenizer.encode(TEXT + " The").ids
     assert extra[: len(ids)] == ids
     ref = measure_windows(lm.model, torch.tensor([extra[: len(ids) + 1]]), 8)
-    for col in ("kl_prev", "kl_final", "state_delta", "entropy"):
+    for col in ("kl", "kl_final", "state_delta", "entropy"):
         np.testing.assert_allclose(tr.matrix(col), ref[col].to_numpy(float).reshape(len(ids), 8), rtol=1e-5,
                                    atol=1e-7, equal_nan=True)
     ce, ce_ref = tr.matrix("ce"), ref["ce"].to_numpy(float).reshape(len(ids), 8)
@@ -131,7 +131,7 @@ def test_trace_equals_measure_windows_and_keeps_every_token(lm):
     assert (tr.matrix("kl_final")[:, -1] == 0).all()
     no_targets = lm.trace(ids, max_loops=8, targets=False)
     assert np.isnan(no_targets.matrix("ce")).all()
-    np.testing.assert_array_equal(no_targets.matrix("kl_prev"), tr.matrix("kl_prev"))
+    np.testing.assert_array_equal(no_targets.matrix("kl"), tr.matrix("kl"))
 
 
 def test_trace_convergence_depth_at_any_eps(lm):
@@ -142,7 +142,7 @@ def test_trace_convergence_depth_at_any_eps(lm):
         assert depth["depth"].tolist() == ref["depth"].tolist()
         assert depth["text"].tolist() == tr.tokens
     assert (tr.convergence_depth(1e-4)["depth"] >= tr.convergence_depth(1e-2)["depth"]).all()
-    assert set(tr.to_frame().columns) >= {"pos", "loop", "text", "kl_prev", "kl_final", "state_delta", "entropy",
+    assert set(tr.to_frame().columns) >= {"pos", "loop", "text", "kl", "kl_final", "state_delta", "entropy",
                                           "ce"}
 
 

@@ -45,6 +45,26 @@ def test_solver_agrees_with_generator(family, k_range):
     assert seen == set(range(k_range[0], k_range[1] + 1))  # every k of the range occurs
 
 
+@pytest.mark.parametrize("family", ["containers", "links"])
+def test_ask_every_asks_each_object_of_each_asked_chain(family):
+    cfg = DepthTaskConfig(docs=20, max_k=5, families=(family,), repeat_share=0.0, ask_every=True)
+    for i in range(cfg.docs):
+        text, problems = generate_document(cfg, i)
+        solved = solve(text)
+        assert [(a.word, a.k) for a in solved] == [(w, k) for p in problems for w, k in p.answers]
+        for p in problems:  # a chain of length n is asked n times, with k = n, n-1, .., 1
+            ks = sorted(k for _, k in p.answers)
+            assert ks.count(1) == 3 and all(ks.count(k) >= ks.count(k + 1) for k in range(1, 5))
+    assert DepthTaskConfig().ask_every is False
+
+
+def test_links_is_the_compact_notation_of_containers():
+    text = "Links: cup > box . box > barn . Where is cup ? cup > barn . Where is box ? box > barn ."
+    assert [(a.word, a.k, a.family) for a in solve(text)] == [("barn", 2, "links"), ("barn", 1, "links")]
+    with pytest.raises(SolveError):
+        solve(text.replace("cup ? cup > barn", "cup ? cup > box"))
+
+
 def test_answers_come_after_their_question_and_are_not_stated_before():
     cfg = DepthTaskConfig(docs=30)
     for i in range(cfg.docs):
@@ -167,7 +187,7 @@ def test_answer_measurements_read_the_answer_rows(mixed_corpus, one_thread):
 def test_overthinking_and_commit_on_a_made_up_trajectory():
     # one answer, 4 loops: wrong, right, wrong, right -> overthinks; commits at loop 4
     frame = pd.DataFrame({"window": 0, "pos": 0, "loop": [1, 2, 3, 4], "k": 2, "family": "swaps", "doc": "d",
-                          "argmax": [5, 7, 5, 7], "target": 7, "kl_prev": [np.nan, 1.0, 1.0, 1.0]})
+                          "argmax": [5, 7, 5, 7], "target": 7, "kl": [np.nan, 1.0, 1.0, 1.0]})
     frame["correct"] = frame.argmax == frame.target
     d = dt.answer_depths(frame)
     assert d.overthinks.item() and d.commit.item() == 4 and d.first_correct.item() == 2

@@ -64,14 +64,14 @@ def column(df: pd.DataFrame, name: str) -> np.ndarray:
 def test_frame_layout(frame, windows):
     assert list(frame.columns) == [*FRAME_COLUMNS, "doc"]
     assert len(frame) == N * T * L
-    assert frame.loop.dtype == np.int8 and frame.pos.dtype == np.int8 and frame.kl_prev.dtype == np.float32
+    assert frame.loop.dtype == np.int8 and frame.pos.dtype == np.int8 and frame.kl.dtype == np.float32
     assert (column(frame, "window")[:, 0, 0] == np.arange(N)).all()
     assert (column(frame, "loop")[0, 0] == np.arange(1, L + 1)).all()
     assert (column(frame, "token")[..., 0] == windows[:, :-1].numpy()).all()
     assert (column(frame, "target")[..., 0] == windows[:, 1:].numpy()).all()
     assert (column(frame, "doc")[:, 0, 0] == [0, 0, 1, 2, 2]).all()
-    assert frame[frame.loop == 1][["kl_prev", "state_delta"]].isna().all().all()
-    assert frame[frame.loop > 1][["kl_prev", "state_delta", "kl_final"]].notna().all().all()
+    assert frame[frame.loop == 1][["kl", "state_delta"]].isna().all().all()
+    assert frame[frame.loop > 1][["kl", "state_delta", "kl_final"]].notna().all().all()
 
 
 def test_matches_naive_reference(model, windows, frame):
@@ -90,7 +90,7 @@ def test_matches_naive_reference(model, windows, frame):
         return x.permute(0, 2, 1).numpy()
 
     kw = {"rtol": 1e-4, "atol": 1e-6}
-    np.testing.assert_allclose(column(frame, "kl_prev")[..., 1:], tl(kl_prev), **kw)
+    np.testing.assert_allclose(column(frame, "kl")[..., 1:], tl(kl_prev), **kw)
     np.testing.assert_allclose(column(frame, "state_delta")[..., 1:], tl(delta), **kw)
     np.testing.assert_allclose(column(frame, "kl_final"), tl(kl_final), **kw)
     np.testing.assert_allclose(column(frame, "entropy"), tl(entropy), **kw)
@@ -105,8 +105,8 @@ def test_ce_equals_loss_by_depth_and_mean_kl(model, windows, frame):
     summary = per_loop_summary(frame, n_boot=50)
     np.testing.assert_allclose(summary.ce.to_numpy(), [losses[n] for n in range(1, L + 1)], rtol=1e-5)
     kl = mean_successive_kl(model, windows, L, batch_size=2)
-    np.testing.assert_allclose(summary.kl_prev.to_numpy()[1:], [kl[n] for n in range(2, L + 1)], rtol=1e-4)
-    assert math.isnan(summary.kl_prev[0]) and summary.n_tokens.tolist() == [N * T] * L
+    np.testing.assert_allclose(summary.kl.to_numpy()[1:], [kl[n] for n in range(2, L + 1)], rtol=1e-4)
+    assert math.isnan(summary.kl[0]) and summary.n_tokens.tolist() == [N * T] * L
 
 
 def test_no_final_pass_and_mode_restored(model, windows, frame):
@@ -115,12 +115,12 @@ def test_no_final_pass_and_mode_restored(model, windows, frame):
     assert model.training
     model.eval()
     assert df.kl_final.isna().all() and "doc" not in df.columns
-    np.testing.assert_array_equal(df.kl_prev.to_numpy(), frame.kl_prev.to_numpy())
+    np.testing.assert_array_equal(df.kl.to_numpy(), frame.kl.to_numpy())
 
 
 def test_per_loop_summary_cis(frame):
     s = per_loop_summary(frame, n_boot=200, seed=3)
-    for m in ("kl_prev", "state_delta", "ce", "kl_final", "entropy"):
+    for m in ("kl", "state_delta", "ce", "kl_final", "entropy"):
         ok = s[m].notna()
         assert (s.loc[ok, f"{m}_ci_low"] <= s.loc[ok, m] + 1e-12).all()
         assert (s.loc[ok, m] <= s.loc[ok, f"{m}_ci_high"] + 1e-12).all()
@@ -128,11 +128,11 @@ def test_per_loop_summary_cis(frame):
 
 
 def trajectories(rows: dict[int, list[float]]) -> pd.DataFrame:
-    """A hand-made frame: token pos=k has kl_prev = rows[k] at loops 2..L (NaN at loop 1)."""
+    """A hand-made frame: token pos=k has kl = rows[k] at loops 2..L (NaN at loop 1)."""
     recs = []
     for pos, kls in rows.items():
         for loop, kl in enumerate([math.nan, *kls], start=1):
-            recs.append({"window": 0, "pos": pos, "loop": loop, "kl_prev": kl, "doc": pos % 2})
+            recs.append({"window": 0, "pos": pos, "loop": loop, "kl": kl, "doc": pos % 2})
     return pd.DataFrame(recs)
 
 
@@ -250,7 +250,7 @@ def test_kl_concentration_on_a_hand_made_frame():
 
     kl = np.full(1000, 1e-8)
     kl[:2] = 1e-2  # two tokens in a cycle carry the mean
-    df = pd.DataFrame({"loop": 16, "kl_prev": kl})
+    df = pd.DataFrame({"loop": 16, "kl": kl})
     row = kl_concentration(df, [16]).iloc[0]
     assert row["mean"] == pytest.approx(kl.mean()) and row["median"] == pytest.approx(1e-8)
     assert row["top_0.1%"] == pytest.approx(1e-2 / kl.sum())  # the single largest token
@@ -267,7 +267,7 @@ def _tokens_frame(kl_final: dict[int, list[float]]) -> pd.DataFrame:
     for pos, kf in kl_final.items():
         for loop in range(1, 5):
             rows.append({"window": 0, "pos": pos, "loop": loop, "token": 100 + pos, "doc": 7,
-                         "kl_final": kf[loop - 1], "kl_prev": kf[2] if loop == 4 else 1e-2 / loop})
+                         "kl_final": kf[loop - 1], "kl": kf[2] if loop == 4 else 1e-2 / loop})
     return pd.DataFrame(rows)
 
 

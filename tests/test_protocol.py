@@ -133,13 +133,13 @@ def test_measurements_mean_the_same_on_another_model(model, windows):
     logits = _by_hand(model, windows[:, :-1], L)
     logp = [F.log_softmax(z.float(), -1) for z in logits]
     kl = (logp[3].exp() * (logp[3] - logp[2])).sum(-1)  # KL(p_4 || p_3)
-    np.testing.assert_allclose(frame[frame.loop == 4].kl_prev.to_numpy(), kl.flatten().numpy(), rtol=1e-4,
+    np.testing.assert_allclose(frame[frame.loop == 4].kl.to_numpy(), kl.flatten().numpy(), rtol=1e-4,
                                atol=1e-7)
     ce = loss_by_depth(model, windows, range(1, L + 1))
     for n in range(1, L + 1):
         assert math.isclose(frame[frame.loop == n].ce.mean(), ce[n], rel_tol=1e-5)
     succ = mean_successive_kl(model, windows, L)
-    assert math.isclose(frame[frame.loop == L].kl_prev.mean(), succ[L], rel_tol=1e-4)
+    assert math.isclose(frame[frame.loop == L].kl.mean(), succ[L], rel_tol=1e-4)
     depth = convergence_depth(frame, 1e-3)
     assert len(depth) == len(windows) * T and depth.depth.between(1, L).all()
     tr = drc_core.trace(model, windows[0].tolist(), max_loops=L)

@@ -56,10 +56,10 @@ def synthetic_frame(n_pos: int, n_loops: int, vocab: int, seed: int = 0) -> pd.D
     tokens = np.broadcast_to(rng.integers(0, vocab, size=(n_pos, 1)), loop.shape)
     df = pd.DataFrame({
         "window": 0, "pos": pos.ravel(), "loop": loop.ravel(), "token": tokens.ravel(), "target": 0,
-        "kl_prev": kl.ravel(), "kl_final": kl.ravel() / 2, "state_delta": np.sqrt(kl).ravel(),
+        "kl": kl.ravel(), "kl_final": kl.ravel() / 2, "state_delta": np.sqrt(kl).ravel(),
         "entropy": rng.uniform(1, 5, loop.size), "argmax": 0, "ce": rng.uniform(1, 5, loop.size),
     })
-    return df.astype({c: np.float32 for c in ("kl_prev", "kl_final", "state_delta", "entropy", "ce")})
+    return df.astype({c: np.float32 for c in ("kl", "kl_final", "state_delta", "entropy", "ce")})
 
 
 def lines(fig: go.Figure) -> list:
@@ -110,7 +110,7 @@ def test_per_loop_figure_skips_nan_and_zero(frame):
     kl, state, final = named["KL(p_l ‖ p_{l−1})"], named["‖s_l − s_{l−1}‖ / ‖s_l‖"], named["KL(p_L ‖ p_l)"]
     assert list(kl.x) == list(range(2, L + 1)) and list(state.x) == list(range(2, L + 1))
     assert list(final.x) == list(range(1, L))  # KL(p_L || p_L) = 0 has no place on a log axis
-    np.testing.assert_allclose(kl.y, summary.kl_prev.iloc[1:])
+    np.testing.assert_allclose(kl.y, summary.kl.iloc[1:])
     assert kl.xaxis == "x" and state.xaxis == "x2"
     assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
     bands = [t for t in fig.data if t.fill == "tonexty"]
@@ -194,7 +194,7 @@ def test_slider_figure_one_frame_per_loop_coloured_by_log_kl(frame, tok):
     fig = depth_explorer.depth_slider_figure(frame, 1, tok, eps=EPS, max_tokens=20)
     assert [f.name for f in fig.frames] == [str(lp) for lp in range(1, L + 1)]
     assert len(fig.layout.sliders[0].steps) == L and fig.layout.sliders[0].active == 1  # opens at loop 2
-    kl = token_rows(frame, 1, "kl_prev")[:20]
+    kl = token_rows(frame, 1, "kl")[:20]
     assert all(c == viz.NAN_COLOR for c in fig.frames[0].data[0].marker.color)  # no KL at loop 1
     for lp in range(2, L + 1):
         expected = np.round(np.log10(np.maximum(kl[:, lp - 1], viz.LOG_FLOOR)), 3)
@@ -277,7 +277,7 @@ def test_depth_explorer_headless(frame, tok):
     assert [b.description for b in ex.token_buttons] == [t.replace("\n", "↵").replace(" ", "\u00a0") or "\u00a0"
                                                          for t in texts]
     assert "depth" in ex.token_buttons[3].tooltip and "KL" in ex.token_buttons[3].tooltip
-    kl = token_rows(frame, 2, "kl_prev")
+    kl = token_rows(frame, 2, "kl")
     sd = token_rows(frame, 2, "state_delta")
     ex.token_buttons[7].click()  # clicking a token selects it
     assert ex.token.value == 7 and ex.token_buttons[7].layout.border and not ex.token_buttons[6].layout.border
@@ -300,8 +300,8 @@ def test_explorer_kl_floor_on_log_axes(frame, tok):
     and hover keeps the measured value."""
     noisy = frame.copy()
     sel = (noisy.window == 0) & (noisy.pos == 0)
-    noisy.loc[sel & (noisy.loop == 3), "kl_prev"] = -1.5e-7
-    noisy.loc[sel & (noisy.loop == 4), "kl_prev"] = 0.0
+    noisy.loc[sel & (noisy.loop == 3), "kl"] = -1.5e-7
+    noisy.loc[sel & (noisy.loop == 4), "kl"] = 0.0
     ex = depth_explorer.DepthExplorer(noisy, tok, window=0, eps=EPS, max_tokens=4)
     kl = ex.trajectory.data[0]
     assert kl.y[2] == viz.LOG_FLOOR and kl.y[3] == viz.LOG_FLOOR and math.isnan(kl.y[0])
@@ -336,7 +336,7 @@ def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
     depth = want.convergence_depth(EPS)
     assert ex.passage.depth.tolist() == depth["depth"].tolist()
     ex.token_buttons[-1].click()
-    np.testing.assert_allclose(ex.trajectory.data[0].y, np.maximum(want.matrix("kl_prev")[-1], viz.LOG_FLOOR),
+    np.testing.assert_allclose(ex.trajectory.data[0].y, np.maximum(want.matrix("kl")[-1], viz.LOG_FLOOR),
                                equal_nan=True)
     ex.show_text("The cat sat.")  # the function argument, and the button
     assert calls[-1] == "The cat sat." and ex.input.value == "The cat sat." and len(calls) == 2
@@ -355,7 +355,7 @@ def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
     (lambda f, t: depth_explorer.token_strip_html(f, 0, 2, t, mode="rainbow"), "unknown metric/mode 'rainbow'"),
     (lambda f, t: depth_explorer.depth_slider_figure(f, 0, t, metric="converged"), "unknown metric/mode 'converged'"),
     (lambda f, t: depth_explorer.depth_slider_figure(f, 0, t, max_tokens=0), "max_tokens=0 is invalid"),
-    (lambda f, t: depth_explorer.DepthExplorer(f.drop(columns="kl_prev"), t), "lacks column 'kl_prev'"),
+    (lambda f, t: depth_explorer.DepthExplorer(f.drop(columns="kl"), t), "lacks column 'kl'"),
     (lambda f, t: depth_explorer.DepthExplorer(f, t, eps=0), "eps=0 is invalid"),
 ])
 def test_bad_input_is_one_clear_line(frame, tok, call, message):

@@ -13,7 +13,7 @@ __all__ = ["bootstrap_ci", "cluster_codes", "cluster_draws", "percentile_interva
 
 def percentile_interval(boot: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
     """The central ``level`` percentile interval of each column of bootstrap replicates ``boot`` (n_boot, k),
-    NaN replicates ignored; a column with no value at all (e.g. ``kl_prev`` at loop 1) gives NaN."""
+    NaN replicates ignored; a column with no value at all (e.g. ``kl`` at loop 1) gives NaN."""
     alpha = (1.0 - level) / 2.0
     k = boot.shape[1]
     lo, hi = np.full(k, math.nan), np.full(k, math.nan)

@@ -3,13 +3,24 @@ rule and router reads.
 
 Direction convention: the successive KL at loop l is ``KL(p_l || p_{l-1})`` (the new output against the
 previous one); the relative state change is ``||s_l - s_{l-1}|| / ||s_l||``. See :class:`LoopStats`.
+
+:data:`STATISTICS` is the one list of these statistics: each :class:`Statistic` names a quantity once (the
+:class:`LoopStats` attribute, the measurement frame's column, :meth:`~drc_core.api.Trace.matrix`'s name and a
+rule's ``reads`` entry are that name), says what it reads (the loop's readout or only its state), what it needs of
+the previous loop and its value at the first loop. The built-in statistics are computed together, sharing one
+softmax, by :func:`loop_stats` here and by the skipping paths' compact layout
+(:mod:`drc_core.halting.loopstats`); a statistic added with :func:`register_statistic` carries its own
+``compute``, which both layouts call, and then appears in :class:`LoopStats` (as an attribute), in
+:func:`~drc_core.analysis.measure.measure_windows`' frame, in :func:`~drc_core.api.trace` and on the skipping
+paths.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +29,88 @@ from torch import Tensor
 from drc_core.errors import DrcError
 from drc_core.model.lm import RecurrentModel, iterate
 
-__all__ = ["MIN_P", "LoopStats", "iterate_stats", "loop_stats", "minp_log_probs", "state_change", "trajectory_step"]
+__all__ = ["BUILTIN_STATISTICS", "MIN_P", "STATISTICS", "LoopStats", "Statistic", "extra_statistics", "extra_values",
+           "frame_statistics", "iterate_stats", "loop_stats", "minp_log_probs", "register_statistic", "state_change",
+           "trajectory_step", "unregister_statistic"]
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One per-token statistic of a loop (see the module docstring).
+
+    ``reads``: ``"output"`` when it needs the loop's readout (the log-probs), ``"state"`` when the latent state
+    suffices (a skipping path then computes it without a readout at loops whose output nobody reads);
+    ``needs``: the statistics of the *previous* loop it is computed from (what a compact layout must keep per
+    token); ``first``: its value at loop 1 where it compares with the previous loop (+inf or -inf: a value that
+    never halts), None when it is defined at loop 1; ``kind``: ``"float"`` (B, T), ``"long"`` (B, T),
+    ``"vector"`` (B, T, d) or ``"distribution"`` (B, T, V); ``frame``: a column of the measurement frame (NaN
+    where ``first`` is not None, at loop 1). ``compute(log_probs, state, prev)`` -> (B, T) (or (1, N) on a
+    compact layout: it works on the last dimension only) is given for a registered statistic; ``log_probs`` is
+    None when ``reads`` is "state", ``prev`` maps the previous loop's ``log_probs``/``state`` and every statistic
+    to its values (None at loop 1, where ``first`` is used instead when set). The built-ins have no ``compute``:
+    :func:`loop_stats` and the compact layout compute them together."""
+
+    name: str
+    doc: str
+    reads: Literal["output", "state"]
+    needs: tuple[str, ...] = ()
+    first: float | None = None
+    kind: Literal["float", "long", "vector", "distribution"] = "float"
+    frame: bool = False
+    compute: Callable[[Tensor | None, Tensor, Mapping[str, Tensor] | None], Tensor] | None = None
+
+
+_BUILTIN = (
+    Statistic("log_probs", "log p_l(v), the loop's readout", "output", kind="distribution"),
+    Statistic("kl", "KL(p_l || p_{l-1})", "output", ("log_probs",), math.inf, frame=True),
+    Statistic("state_delta", "||s_l - s_{l-1}|| / ||s_l||", "state", ("state",), math.inf, frame=True),
+    Statistic("entropy", "H(p_l) in nats", "output", frame=True),
+    Statistic("entropy_delta", "|H(p_l) - H(p_{l-1})|", "output", ("entropy",), math.inf),
+    Statistic("cosine", "cos(s_l, s_{l-1})", "state", ("state",), -math.inf),
+    Statistic("argmax", "argmax_v p_l(v)", "output", kind="long", frame=True),
+    Statistic("argmax_run", "loops in the current run of the same argmax", "output", ("argmax", "argmax_run"),
+              kind="long"),
+    Statistic("top_prob", "max_v p_l(v)", "output"),
+    Statistic("minp_kl", "KL(q_{l-1} || q_l) of the min-p filtered outputs", "output", ("log_probs",), math.inf),
+    Statistic("state_step", "s_l - s_{l-1}", "state", ("state",), kind="vector"),
+    Statistic("accel", "||(s_l - s_{l-1}) - (s_{l-1} - s_{l-2})|| / ||s_l||", "state", ("state", "state_step"),
+              math.inf),
+    Statistic("accel_prev", "the previous loop's accel", "state", ("accel",), math.inf),
+)
+BUILTIN_STATISTICS = frozenset(s.name for s in _BUILTIN)
+STATISTICS: dict[str, Statistic] = {s.name: s for s in _BUILTIN}  # name -> definition, in registration order
+
+
+def register_statistic(stat: Statistic) -> Statistic:
+    """Add ``stat`` (with its ``compute``) to :data:`STATISTICS`; returns it. A name already taken, a missing
+    ``compute`` or a ``needs`` entry that is no statistic is a :class:`DrcError`."""
+    if stat.name in STATISTICS or stat.name in ("loop", "state", "extra"):
+        raise DrcError(f"statistic {stat.name!r} is taken: pick another name, or unregister_statistic({stat.name!r})")
+    if stat.compute is None:
+        raise DrcError(f"statistic {stat.name!r} needs compute(log_probs, state, prev) -> (B, T)")
+    unknown = [n for n in stat.needs if n not in STATISTICS and n not in ("state", stat.name)]
+    if unknown:
+        raise DrcError(f"statistic {stat.name!r} needs {unknown[0]!r}, which is no statistic: use one of "
+                       f"{', '.join(STATISTICS)}")
+    STATISTICS[stat.name] = stat
+    return stat
+
+
+def unregister_statistic(name: str) -> None:
+    """Remove a statistic added with :func:`register_statistic` (the built-ins stay)."""
+    if name in BUILTIN_STATISTICS:
+        raise DrcError(f"{name!r} is a built-in statistic and cannot be removed")
+    STATISTICS.pop(name, None)
+
+
+def frame_statistics() -> tuple[str, ...]:
+    """The statistics that are columns of the measurement frame, in registry order."""
+    return tuple(s.name for s in STATISTICS.values() if s.frame)
+
+
+def extra_statistics() -> tuple[Statistic, ...]:
+    """The registered (non built-in) statistics."""
+    return tuple(s for s in STATISTICS.values() if s.name not in BUILTIN_STATISTICS)
 
 
 
@@ -44,8 +136,9 @@ class LoopStats:
       ||s_l|| with Δs_l = ``state_step`` (the second-order "acceleration" of the latent trajectory, +inf at
       loops 1 and 2) and ``accel_prev`` the previous loop's ``accel`` (+inf through loop 3).
 
-    Build it with :func:`loop_stats`, which keeps no reference to the previous loop's stats, so a loop-by-
-    loop caller holds at most two loops' (B, T, V) tensors at once.
+    Statistics added with :func:`register_statistic` are in ``extra`` and read as attributes too
+    (``stats.my_stat``). Build it with :func:`loop_stats`, which keeps no reference to the previous loop's stats,
+    so a loop-by-loop caller holds at most two loops' (B, T, V) tensors at once.
     """
 
     loop: int
@@ -63,6 +156,18 @@ class LoopStats:
     state_step: Tensor
     accel: Tensor
     accel_prev: Tensor
+    extra: dict[str, Tensor] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Tensor:  # only called when the normal lookup fails: a registered statistic
+        if name != "extra" and name in self.__dict__.get("extra", {}):
+            return self.extra[name]
+        raise AttributeError(f"LoopStats has no statistic {name!r}")
+
+    def values(self) -> dict[str, Tensor]:
+        """Every statistic by name (the built-ins, ``extra``, and ``state``): what a registered statistic's
+        ``compute`` gets as ``prev``."""
+        out = {name: getattr(self, name) for name in BUILTIN_STATISTICS}
+        return {**out, **self.extra, "state": self.state}
 
     @property
     def shape(self) -> torch.Size:
@@ -150,6 +255,7 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
         q_prev, q = minp_log_probs(prev.log_probs), minp_log_probs(log_probs)
         minp_kl = _dot(q_prev.exp(), q_prev - q)
     state_step, accel, accel_prev = trajectory_step(state, prev)
+    extra = extra_values(log_probs, state, None if prev is None else prev.values()) if extra_statistics() else {}
     return LoopStats(
         loop=loop,
         log_probs=log_probs,
@@ -166,7 +272,29 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
         state_step=state_step,
         accel=accel,
         accel_prev=accel_prev,
+        extra=extra,
     )
+
+
+def extra_values(log_probs: Tensor | None, state: Tensor, prev: Mapping[str, Tensor] | None,
+                 only: frozenset[str] | None = None) -> dict[str, Tensor]:
+    """The registered statistics (those in ``only``, when given) of one loop, in either layout: ``log_probs``
+    (..., V) (None when no statistic read needs it), ``state`` (..., d), ``prev`` the previous loop's values by
+    name (None at loop 1, where a statistic with a ``first`` value takes it)."""
+    out: dict[str, Tensor] = {}
+    for stat in extra_statistics():
+        if only is not None and stat.name not in only:
+            continue
+        if prev is None and stat.first is not None:
+            out[stat.name] = torch.full(state.shape[:-1], stat.first, device=state.device)
+            continue
+        assert stat.compute is not None
+        value = stat.compute(log_probs if stat.reads == "output" else None, state, prev)
+        if value.shape != state.shape[:-1]:
+            raise DrcError(f"statistic {stat.name!r} returned shape {tuple(value.shape)}; it must be one value per "
+                           f"token, {tuple(state.shape[:-1])}")
+        out[stat.name] = value
+    return out
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ import pandas as pd
 import torch
 
 from drc_core.analysis.intervals import bootstrap_ci
-from drc_core.analysis.loops import iterate_stats
+from drc_core.analysis.loops import BUILTIN_STATISTICS, STATISTICS, frame_statistics, iterate_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import DrcError, need_eps, need_float, need_int
 from drc_core.model.lm import RecurrentModel, check_token_ids, logits_at
@@ -68,9 +68,10 @@ __all__ = [
 
 DEFAULT_EPS = 1e-3  # the default convergence threshold on KL(p_l || p_{l-1}); see eps_sensitivity
 FRAME_COLUMNS = (
-    "window", "pos", "loop", "token", "target", "kl_prev", "kl_final", "state_delta", "entropy", "argmax", "ce",
-)
-_METRICS = ("kl_prev", "state_delta", "entropy", "ce", "kl_final")
+    "window", "pos", "loop", "token", "target", "kl", "kl_final", "state_delta", "entropy", "argmax", "ce",
+)  # and every registered statistic with frame=True (drc_core.analysis.loops.frame_statistics), after ``ce``
+_METRICS = ("kl", "state_delta", "entropy", "ce", "kl_final")
+LEGACY_COLUMNS = {"kl_prev": "kl"}  # frames saved before the statistics had one name each
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -105,11 +106,14 @@ def measure_windows(
     (window, pos, loop), sorted by window, pos, loop.
 
     Inputs are ``windows[:, :-1]`` and targets ``windows[:, 1:]``. Columns: ``window``, ``pos`` (0..T-1),
-    ``loop`` (1..max_loops), ``token`` (input id at pos), ``target`` (next id), ``kl_prev`` = KL(p_l || p_{l-1})
+    ``loop`` (1..max_loops), ``token`` (input id at pos), ``target`` (next id), ``kl`` = KL(p_l || p_{l-1})
     (NaN at loop 1), ``kl_final`` = KL(p_L || p_l) (NaN when ``kl_to_final=False``), ``state_delta`` =
     ||s_l - s_{l-1}|| / ||s_l|| (NaN at loop 1), ``entropy`` (nats), ``argmax``, ``ce`` = -log p_l(target);
     plus ``doc`` when ``doc_ids`` is given, either one id per window (N,) or one per input position (N, T)
-    (as :func:`val_windows_with_docs` returns). Floats are float32, ids small signed integers.
+    (as :func:`val_windows_with_docs` returns); plus one column per statistic registered with ``frame=True``
+    (:func:`~drc_core.analysis.loops.register_statistic`; NaN at loop 1 where it compares with the previous
+    loop). The columns are the statistics' names in :data:`~drc_core.analysis.loops.STATISTICS`. Floats are
+    float32, ids small signed integers.
 
     The initial latent state of batch k is the k-th draw of a generator seeded with ``seed``, as in
     :func:`drc_core.training.evaluate.loss_by_depth` (same ``batch_size`` -> same states, so the mean ``ce`` at loop l
@@ -129,7 +133,8 @@ def measure_windows(
         elif docs.shape != (n, t_len):
             raise DrcError(f"doc_ids must be (N,) or (N, T) = ({n},) or ({n}, {t_len}); got {tuple(docs.shape)}")
 
-    stat_names = ("kl_prev", "kl_final", "state_delta", "entropy", "ce")
+    extras = [STATISTICS[name] for name in frame_statistics() if name not in BUILTIN_STATISTICS]
+    stat_names = ("kl", "kl_final", "state_delta", "entropy", "ce", *(x.name for x in extras))
     floats: dict[str, list[np.ndarray]] = {k: [] for k in stat_names}
     argmaxes: list[np.ndarray] = []
     for b, batch in enumerate(eval_batches(model, windows, batch_size, seed)):
@@ -144,8 +149,11 @@ def measure_windows(
         for st in iterate_stats(model, x, max_loops, generator=gen):
             nan = torch.full_like(st.entropy, math.nan)
             first = st.loop == 1
-            per_loop["kl_prev"].append(nan if first else st.kl)
+            per_loop["kl"].append(nan if first else st.kl)
             per_loop["state_delta"].append(nan if first else st.state_delta)
+            for x_stat in extras:
+                value = st.extra[x_stat.name].float()
+                per_loop[x_stat.name].append(nan if first and x_stat.first is not None else value)
             per_loop["entropy"].append(st.entropy)
             per_loop["argmax"].append(st.argmax)
             per_loop["ce"].append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
@@ -169,16 +177,18 @@ def measure_windows(
         "token": np.broadcast_to(windows[:, :-1].cpu().numpy()[..., None], shape).reshape(-1).astype(id_dtype),
         "target": np.broadcast_to(windows[:, 1:].cpu().numpy()[..., None], shape).reshape(-1).astype(id_dtype),
     }
-    for k in ("kl_prev", "kl_final", "state_delta", "entropy"):
+    for k in ("kl", "kl_final", "state_delta", "entropy"):
         frame[k] = np.concatenate(floats[k]).astype(np.float32)
     frame["argmax"] = np.concatenate(argmaxes).astype(id_dtype)
     frame["ce"] = np.concatenate(floats["ce"]).astype(np.float32)
+    for x_stat in extras:
+        frame[x_stat.name] = np.concatenate(floats[x_stat.name]).astype(np.float32)
     if docs is not None:
         d = docs.cpu().numpy()
         frame["doc"] = np.broadcast_to(d[..., None], shape).reshape(-1).astype(_int_dtype(max(int(d.max()), 0)))
     df = pd.DataFrame(frame)
     df.attrs.update({"max_loops": max_loops, "seed": int(seed), "kl_to_final": bool(kl_to_final),
-                     "kl_prev": "KL(p_l || p_{l-1})", "kl_final": "KL(p_L || p_l)"})
+                     "kl": "KL(p_l || p_{l-1})", "kl_final": "KL(p_L || p_l)"})
     return df
 
 
@@ -217,11 +227,11 @@ def save_frame(df: pd.DataFrame, path: str | Path) -> Path:
 
 
 def load_frame(path: str | Path) -> pd.DataFrame:
-    """Read a frame written by :func:`save_frame`."""
+    """Read a frame written by :func:`save_frame` (a column of an older frame gets its current name)."""
     p = Path(path)
     if not p.is_file():
         raise DrcError(f"{p} not found; pass a parquet file written by save_frame")
-    return pd.read_parquet(p)
+    return pd.read_parquet(p).rename(columns=LEGACY_COLUMNS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -271,7 +281,7 @@ def _token_matrix(df: pd.DataFrame, columns: Sequence[str]) -> tuple[pd.DataFram
 
 
 def per_loop_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
-    """Per loop: the mean over tokens of ``kl_prev`` (KL(p_l || p_{l-1})), ``state_delta``, ``entropy``,
+    """Per loop: the mean over tokens of ``kl`` (KL(p_l || p_{l-1})), ``state_delta``, ``entropy``,
     ``ce`` (= the validation loss at uniform depth l) and ``kl_final`` (KL(p_L || p_l)), each with a
     bootstrap CI over documents (windows without a ``doc`` column): columns ``loop``, ``n_tokens``, and for
     each metric m ``m``, ``m_ci_low``, ``m_ci_high``. Metrics absent from the frame, or all NaN, are NaN.
@@ -317,12 +327,12 @@ def convergence_depth(df: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFram
     and ``converged`` (bool), sorted by window and pos.
     """
     eps = need_eps(eps)
-    tokens, mats, n_loops = _token_matrix(df, ("kl_prev",))
+    tokens, mats, n_loops = _token_matrix(df, ("kl",))
     if n_loops < 2:
         raise DrcError("the frame has only loop 1; convergence depth needs loops 1..L with L >= 2")
     if not mats["_present"][:, 1:].all():
         raise DrcError(f"the frame lacks loops for some tokens; every token needs loops 2..{n_loops}")
-    depth = depth_from_successive_kl(mats["kl_prev"][:, 1:], eps)  # loops 2..L
+    depth = depth_from_successive_kl(mats["kl"][:, 1:], eps)  # loops 2..L
     out = tokens.copy()
     out["depth"] = depth.astype(np.int16)
     out["converged"] = depth < n_loops
@@ -362,10 +372,10 @@ def kl_concentration(df: pd.DataFrame, loops: Sequence[int], shares: Sequence[fl
     percentile, the share of the mean carried by the top ``shares`` fraction of tokens (``top_1%``, ...), and
     the mean without the top 1%. A mean far above the median, carried by a handful of tokens, is a few tokens
     that never settle (e.g. a 2-cycle), not a slow common decay."""
-    _check_frame(df, ("loop", "kl_prev"))
+    _check_frame(df, ("loop", "kl"))
     rows = []
     for loop in loops:
-        kl = np.sort(df.loc[df.loop == loop, "kl_prev"].dropna().to_numpy(float))[::-1]
+        kl = np.sort(df.loc[df.loop == loop, "kl"].dropna().to_numpy(float))[::-1]
         if kl.size == 0:
             raise DrcError(f"no successive KL at loop {loop}: the frame has loops 2..{int(df.loop.max())}")
         total = kl.sum()
@@ -388,7 +398,7 @@ def oscillating_tokens(df: pd.DataFrame, *, min_kl: float = 1e-6, ratio: float =
     Returns the tokens (``window``, ``pos``, the cluster column, ``token``, ``kl_other`` = KL(p_L || p_{L-1}),
     ``kl_same`` = KL(p_L || p_{L-2}); largest ``kl_other`` first) and, for each loop l of ``share_at``, the share
     of the mean successive KL at l that these tokens carry (how much of a KL floor the cycle explains)."""
-    tokens, mats, n_loops = _token_matrix(df, ("kl_final", "kl_prev", "token"))
+    tokens, mats, n_loops = _token_matrix(df, ("kl_final", "kl", "token"))
     if n_loops < 3:
         raise DrcError(f"the frame has {n_loops} loops; a 2-cycle needs at least 3 (measure to max_loops >= 3)")
     other, same = mats["kl_final"][:, n_loops - 2], mats["kl_final"][:, n_loops - 3]
@@ -400,7 +410,7 @@ def oscillating_tokens(df: pd.DataFrame, *, min_kl: float = 1e-6, ratio: float =
     for loop in share_at:
         if not 2 <= loop <= n_loops:
             raise DrcError(f"share_at loop {loop} is outside 2..{n_loops}, the loops with a successive KL")
-        kl = mats["kl_prev"][:, loop - 1]
+        kl = mats["kl"][:, loop - 1]
         total = float(np.nansum(kl))
         shares[int(loop)] = float(np.nansum(kl[hit]) / total) if total > 0 else math.nan
     return out.sort_values("kl_other", ascending=False).reset_index(drop=True), shares

@@ -65,7 +65,7 @@ class _Mode:
 
 
 _MODES = {
-    "kl": _Mode("kl", "kl_prev", "KL(p_l ‖ p_{l−1})", "nats", True),
+    "kl": _Mode("kl", "kl", "KL(p_l ‖ p_{l−1})", "nats", True),
     "state": _Mode("state", "state_delta", "state change ‖s_l − s_{l−1}‖/‖s_l‖", "relative", True),
     "entropy": _Mode("entropy", "entropy", "entropy H(p_l)", "nats", False),
     "contraction": _Mode("contraction", "contraction", "contraction ‖s_l − s_{l−1}‖/‖s_{l−1} − s_{l−2}‖", "ratio",
@@ -85,7 +85,7 @@ def _mode(mode: str, allow_converged: bool = True) -> _Mode:
     key = _ALIASES.get(mode, mode) if isinstance(mode, str) else mode
     options = [k for k in _MODES if allow_converged or k not in _CATEGORICAL]
     if key not in options:
-        raise DrcError(f"unknown metric/mode {mode!r}; use one of {options} (or 'kl_prev', 'state_delta')")
+        raise DrcError(f"unknown metric/mode {mode!r}; use one of {options} (or 'state_delta')")
     return _MODES[key]
 
 
@@ -144,7 +144,7 @@ class _Passage:
         return self.settled & (self.depth <= loop)
 
 
-_PASSAGE_COLUMNS = ("window", "pos", "loop", "token", "kl_prev", "state_delta", "entropy")
+_PASSAGE_COLUMNS = ("window", "pos", "loop", "token", "kl", "state_delta", "entropy")
 
 
 def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
@@ -164,7 +164,7 @@ def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tok
     if len(sub) != len(pos) * len(loops) or len(np.unique(pi * len(loops) + li)) != len(sub):
         raise DrcError(f"window {window} does not have exactly one row per (pos, loop); pass a measure_windows frame")
     optional = ("kl_final", "ce", "norm", "contraction", "commit_loop")
-    columns = ["kl_prev", "state_delta", "entropy", *(c for c in optional if c in sub.columns)]
+    columns = ["kl", "state_delta", "entropy", *(c for c in optional if c in sub.columns)]
     values = {}
     for c in columns:
         m = np.full((len(pos), len(loops)), math.nan)
@@ -224,7 +224,7 @@ def _strip_parts(p: _Passage, loop: int, mode: _Mode) -> tuple[str, list[str], l
     its background colour and its hover text (values at that loop, depth, status)."""
     j = p.loop_index(loop)
     _need_mode(p, mode)
-    kl, sd, ent = p.values["kl_prev"][:, j], p.values["state_delta"][:, j], p.values["entropy"][:, j]
+    kl, sd, ent = p.values["kl"][:, j], p.values["state_delta"][:, j], p.values["entropy"][:, j]
     conv = p.converged_at(int(loop))
     if mode.key == "class":
         colors = [CLASS_COLORS.get(c, NAN_COLOR) for c in p.classes]
@@ -295,11 +295,11 @@ def token_strip_html(frame: pd.DataFrame, window: int, loop: int, tokenizer, eps
 
 
 def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float = DEFAULT_EPS, max_tokens: int = 96,
-                        metric: str = "kl_prev", line_chars: int = _LINE_CHARS) -> go.Figure:
+                        metric: str = "kl", line_chars: int = _LINE_CHARS) -> go.Figure:
     """The first ``max_tokens`` tokens of ``window`` laid out as wrapped text, each a box coloured by ``metric``
     at loop l, with a slider over loops and a play button (plotly frames: interactive in static HTML).
 
-    ``metric``: ``"kl_prev"`` (log10 of the successive KL; the scale's yellow middle is ``eps``),
+    ``metric``: ``"kl"`` (log10 of the successive KL; the scale's yellow middle is ``eps``),
     ``"state_delta"`` (log10) or ``"entropy"``. The colour range is fixed across loops; tokens without a value
     at a loop (loop 1 for KL and state change) are grey. The figure opens at the first loop where some token
     has a value. Hover: the token, its KL and state change at that loop and whether it has converged.
@@ -313,7 +313,7 @@ def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float 
     v, lo, hi, scale = _color_range(p, mode)
     rows, starts, widths = _wrap(p.texts, line_chars)
     n_rows = int(rows.max()) + 1
-    kl, sd = p.values["kl_prev"], p.values["state_delta"]
+    kl, sd = p.values["kl"], p.values["state_delta"]
 
     def colors(j: int) -> list:
         return [round(float(x), 3) if np.isfinite(x) else NAN_COLOR for x in v[:, j]]
@@ -562,7 +562,7 @@ class DepthExplorer:
             b.layout.border = "2px solid #000" if k == i else ""
             b.style.font_weight = "bold" if k == i else ""
         fig = go.Figure()
-        series = [("kl_prev", "KL(p_l ‖ p_{l−1}) (nats)", "solid"), ("kl_final", "KL(p_L ‖ p_l) (nats)", "dash"),
+        series = [("kl", "KL(p_l ‖ p_{l−1}) (nats)", "solid"), ("kl_final", "KL(p_L ‖ p_l) (nats)", "dash"),
                   ("state_delta", "state change (relative)", "solid")]
         for k, (col, name, dash) in enumerate(series):
             if col in p.values and (col != "kl_final" or np.isfinite(p.values[col][i]).any()):

@@ -201,11 +201,11 @@ def per_loop_figure(summary: pd.DataFrame) -> go.Figure:
     ``KL(p_l ‖ p_{l−1})`` (and, dashed, the KL to the deepest output ``KL(p_L ‖ p_l)`` when measured), and the
     relative state change, each with its bootstrap band. Loops where a value is NaN (loop 1) or not positive
     (``kl_final`` at loop L) are left out."""
-    _need_columns(summary, ("loop", "kl_prev", "state_delta"),
+    _need_columns(summary, ("loop", "kl", "state_delta"),
                   "the output of drc_core.analysis.measure.per_loop_summary")
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
                         subplot_titles=("successive KL(p_l ‖ p_{l−1})", "relative state change ‖Δs‖/‖s‖"))
-    panels = [("kl_prev", "KL(p_l ‖ p_{l−1})", 1, 0, "solid"), ("kl_final", "KL(p_L ‖ p_l)", 1, 2, "dash"),
+    panels = [("kl", "KL(p_l ‖ p_{l−1})", 1, 0, "solid"), ("kl_final", "KL(p_L ‖ p_l)", 1, 2, "dash"),
               ("state_delta", "‖s_l − s_{l−1}‖ / ‖s_l‖", 2, 1, "solid")]
     for col, name, panel, color_i, dash in panels:
         if col not in summary.columns:

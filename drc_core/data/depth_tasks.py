@@ -39,7 +39,8 @@ import numpy as np
 
 from drc_core.errors import DrcError
 
-FAMILIES = ("containers", "swaps", "hops")  # the labelled families
+FAMILIES = ("containers", "swaps", "hops", "links")  # the labelled families
+DEFAULT_FAMILIES = ("containers", "swaps", "hops")
 REPEATS = "repeats"  # unlabelled in-context copying
 SOURCE_NAME = "depth-tasks"
 
@@ -65,6 +66,11 @@ COLOURS = ("red", "blue", "green", "yellow", "white", "black", "brown", "pink")
 LETTERS = tuple("abcdefghijklmnop")  # 16: a path of k <= 15 jumps meets k + 1 distinct letters
 
 
+# fields added to DepthTaskConfig after corpora were prepared with it, and their defaults: left out of a corpus's
+# fingerprint at the default, so that a corpus prepared before they existed still matches
+TASK_FIELDS_ADDED_LATER = {"ask_every": False}
+
+
 @dataclass(frozen=True)
 class DepthTaskConfig:
     """What the ``depth-tasks`` source generates.
@@ -72,16 +78,19 @@ class DepthTaskConfig:
     ``min_k..max_k``: the range of lookups an answer needs (uniform over the range in every family);
     ``problems``: problems per document; ``families``: which labelled families to draw from (uniformly);
     ``repeat_share``: the probability that a problem is an unlabelled ``repeats`` paragraph instead;
-    ``docs``: how many documents; ``seed``: the generator's seed.
+    ``docs``: how many documents; ``seed``: the generator's seed; ``ask_every``: in the chain families ask
+    about every object of each asked chain (answers needing ``k, k-1, .., 1`` lookups, questions shuffled), not
+    only about its first.
     """
 
     docs: int = 20_000
     min_k: int = 1
     max_k: int = 6
     problems: int = 4
-    families: tuple[str, ...] = FAMILIES
+    families: tuple[str, ...] = DEFAULT_FAMILIES
     repeat_share: float = 0.5
     seed: int = 0
+    ask_every: bool = False
 
     def validate(self) -> None:
         if self.docs < 2:
@@ -122,8 +131,11 @@ class Problem:
 # ------------------------------------------------------------------------------------------------ generation
 
 
-def _containers(rng: np.random.Generator, ks: list[int], objects: list[str]) -> Problem:
-    """One chain per requested k (plus one distractor chain), shuffled statements, one question per chain."""
+def _containers(rng: np.random.Generator, ks: list[int], objects: list[str], family: str = "containers",
+                ask_every: bool = False) -> Problem:
+    """One chain per requested k (plus one distractor chain), shuffled statements, one question per chain; in
+    prose (``containers``) or in the compact ``links`` notation, where each statement puts an object right before
+    its container and the question ends with the asked object right before the answer."""
     lengths = list(ks) + [int(rng.integers(1, max(ks) + 1))]
     places = rng.choice(len(PLACES), size=len(lengths), replace=True)
     statements, chains = [], []
@@ -133,13 +145,18 @@ def _containers(rng: np.random.Generator, ks: list[int], objects: list[str]) -> 
         statements += [(links[i], links[i + 1]) for i in range(length)]
         chains.append(chain)
     order = rng.permutation(len(statements))
-    text = " ".join(f"The {statements[i][0]} is in the {statements[i][1]}." for i in order)
-    prob = Problem(text=text, family="containers")
-    asked = rng.permutation(len(ks))  # the last chain is never asked: a distractor
-    for c in asked:
+    said = "The {} is in the {}." if family == "containers" else "{} > {} ."
+    asked_as = " Where is the {0}? It is in the {1}." if family == "containers" else " Where is {0} ? {0} > {1} ."
+    text = ("" if family == "containers" else "Links: ") + " ".join(said.format(*statements[i]) for i in order)
+    prob = Problem(text=text, family=family)
+    asked = [(c, 0) for c in rng.permutation(len(ks))]  # the last chain is never asked: a distractor
+    if ask_every:
+        every = [(c, i) for c in range(len(ks)) for i in range(len(chains[c]))]
+        asked = [every[int(j)] for j in rng.permutation(len(every))]
+    for c, i in asked:
         chain, place = chains[c], PLACES[int(places[c])]
-        prob.text += f" Where is the {chain[0]}? It is in the {place}."
-        prob.answers.append((place, len(chain)))
+        prob.text += asked_as.format(chain[i], place)
+        prob.answers.append((place, len(chain) - i))
     return prob
 
 
@@ -228,8 +245,8 @@ def generate_problem(rng: np.random.Generator, family: str, cfg: DepthTaskConfig
     draw = lambda: int(rng.integers(cfg.min_k, cfg.max_k + 1))  # noqa: E731
     if family == REPEATS:
         return _repeats(rng)
-    if family == "containers":
-        return _containers(rng, [draw() for _ in range(3)], objects)
+    if family in ("containers", "links"):
+        return _containers(rng, [draw() for _ in range(3)], objects, family, cfg.ask_every)
     if family == "swaps":
         return _swaps(rng, draw(), people)
     return _hops(rng, draw())
@@ -267,6 +284,8 @@ _WHERE = re.compile(r"Where is the (\w+)\? It is in the (\w+)\.")
 _HAS = re.compile(r"(\w+) has the (\w+) ball\.")
 _SWAP = re.compile(r"(\w+) and (\w+) swap balls\.")
 _WHICH = re.compile(r"Which ball does (\w+) have now\? It is the (\w+) ball\.")
+_LINK = re.compile(r"(?<![?>] )\b(\w+) > (\w+) \.")
+_LINK_Q = re.compile(r"Where is (\w+) \? (\w+) > (\w+) \.")
 _HOPS = re.compile(r"Letters: ((?:\w )+)\. Jump (\d+) times from the last letter: (\w+)\.")
 
 
@@ -285,6 +304,25 @@ def _solve_containers(par: str) -> list[tuple[int, str, int]]:
             seen.add(cur)
             cur, k = inside[cur], k + 1
         out.append((q.start(2), cur, k))
+    return out
+
+
+def _solve_links(par: str) -> list[tuple[int, str, int]]:
+    out = []
+    questions = list(_LINK_Q.finditer(par))
+    spans = [(q.start(), q.end()) for q in questions]
+    for q in questions:
+        if q.group(1) != q.group(2):
+            raise SolveError(f"the question about '{q.group(1)}' restates '{q.group(2)}'")
+        inside = {m.group(1): m.group(2) for m in _LINK.finditer(par, 0, q.start())
+                  if not any(a <= m.start() < b for a, b in spans)}
+        cur, k, seen = q.group(1), 0, set()
+        while cur in inside:
+            if cur in seen:
+                raise SolveError(f"link cycle at '{cur}'")
+            seen.add(cur)
+            cur, k = inside[cur], k + 1
+        out.append((q.start(3), cur, k))
     return out
 
 
@@ -320,7 +358,7 @@ def _solve_hops(par: str) -> list[tuple[int, str, int]]:
     return out
 
 
-_SOLVERS = {"containers": _solve_containers, "swaps": _solve_swaps, "hops": _solve_hops}
+_SOLVERS = {"containers": _solve_containers, "swaps": _solve_swaps, "hops": _solve_hops, "links": _solve_links}
 
 
 def solve(text: str) -> list[Answer]:

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata, resources
 from pathlib import Path
 
-from drc_core.data.depth_tasks import DepthTaskConfig, documents
+from drc_core.data.depth_tasks import TASK_FIELDS_ADDED_LATER, DepthTaskConfig, documents
 from drc_core.errors import DrcError, first_line
 
 DEFAULT_SOURCE = "wikipedia+sotu"
@@ -142,7 +142,8 @@ def fingerprint(spec: SourceSpec) -> dict[str, object]:
             out["local"] = {"files": [str(f) for f in files], "sha256": _hash_files(files)}
         elif part == "depth-tasks":
             spec.tasks.validate()
-            out["depth-tasks"] = {"config": asdict(spec.tasks), "version": TASKS_VERSION}
+            config = {k: v for k, v in asdict(spec.tasks).items() if TASK_FIELDS_ADDED_LATER.get(k, object()) != v}
+            out["depth-tasks"] = {"config": config, "version": TASKS_VERSION}
         elif part == "fineweb-edu":
             if spec.data_files:
                 files = [Path(f) for f in spec.data_files]

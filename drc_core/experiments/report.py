@@ -75,7 +75,7 @@ def headline_numbers(model: DepthRecurrentLM, windows, tokenizer, *, doc_ids=Non
         "ce_1": float(loops.loc[1, "ce"]), "ce_8": float(loops.loc[reference_loops, "ce"]),
         "ce_max": float(loops.loc[max_loops, "ce"]),
         "ce_gain_1_to_8": float(loops.loc[1, "ce"] - loops.loc[reference_loops, "ce"]),
-        "kl_2": float(loops.loc[2, "kl_prev"]), "kl_16": float(loops.loc[kl16, "kl_prev"]),
+        "kl_2": float(loops.loc[2, "kl"]), "kl_16": float(loops.loc[kl16, "kl"]),
         "median_depth": float(ds["median_depth"]), "frac_updating": float(ds["frac_updating"]),
         "kl_rule_depth": matching_depth(summ, "kl", target)["interpolated"],
         "uniform_depth": matching_depth(summ, "uniform", target)["interpolated"],

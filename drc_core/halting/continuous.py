@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from drc_core.analysis.loops import STATISTICS
 from drc_core.errors import DrcError
 from drc_core.halting.generate import _check, _choose, _prelude
 from drc_core.halting.kvlayout import Attn, LoopCaches, Tokens, block_step, coda, empty_caches
@@ -153,25 +154,21 @@ class _Slots:
         return [b for b in range(self.n) if self.request[b] >= 0 and self.loop[b] > 0]
 
 
-_INF_AT_FIRST = ("kl", "entropy_delta", "minp_kl", "state_delta")
-
-
 def _masked(res: dict[str, Tensor], loops: Tensor) -> dict[str, Tensor]:
     """Give the items at loop 1 (and 2, for the second-order statistics) the values that
     :func:`~drc_core.analysis.loops.loop_stats` gives a first loop (their slot's previous values belong to
     another token)."""
     first, early = loops == 1, loops <= 2
     for name, value in res.items():
-        if name in _INF_AT_FIRST:
-            res[name] = value.masked_fill(first, math.inf)
-        elif name == "cosine":
-            res[name] = value.masked_fill(first, -math.inf)
+        stat = STATISTICS.get(name)
+        if name in ("accel", "accel_prev"):  # second order: undefined at loops 1 and 2
+            res[name] = value.masked_fill(early, math.inf)
+        elif stat is not None and stat.first is not None:
+            res[name] = value.masked_fill(first, stat.first)
         elif name == "argmax_run":
             res[name] = value.masked_fill(first, 1)
         elif name == "state_step":
             res[name] = value.masked_fill(first[:, None], 0.0)
-        elif name in ("accel", "accel_prev"):
-            res[name] = value.masked_fill(early, math.inf)
     return res
 
 

@@ -7,33 +7,57 @@ the readout's vocabulary-sized statistics in L2-sized row chunks or one compiled
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from drc_core.analysis.loops import MIN_P, LoopStats, minp_log_probs, state_change, trajectory_step
+from drc_core.analysis.loops import (
+    BUILTIN_STATISTICS,
+    MIN_P,
+    STATISTICS,
+    LoopStats,
+    extra_statistics,
+    extra_values,
+    minp_log_probs,
+    state_change,
+    trajectory_step,
+)
+from drc_core.errors import DrcError
 from drc_core.halting.rules import HaltingRule
 from drc_core.model.lm import DepthRecurrentLM
 
 __all__ = ["CHUNK", "FullLayout", "Tracker", "Trajectory", "compact_stats", "fused_stats_kernel", "stat_fields"]
 
 CHUNK = 128  # rows of the fused head + statistics pass (128 x 4096 floats = 2 MB: stays in L2)
-_STAT_FIELDS = tuple(f.name for f in fields(LoopStats) if f.name not in ("loop", "state"))
-_OUTPUT_FIELDS = frozenset({"log_probs", "kl", "entropy", "entropy_delta", "argmax", "argmax_run", "top_prob",
-                            "minp_kl"})
-_NEEDS = {"entropy_delta": {"entropy"}, "argmax_run": {"argmax"},
-          "accel_prev": {"accel"}, "accel": {"state_step"}}
+
+
+def _needs(name: str) -> set[str]:
+    """What statistic ``name`` needs computed on the compact layout: its ``needs`` (the previous loop's values,
+    so this loop's too), without the state (always there); a built-in's log-probs are not materialised (the
+    kernels read the logits), a registered statistic that reads the output gets this loop's log-probs."""
+    stat = STATISTICS.get(name)
+    if stat is None:
+        return set()
+    need = set(stat.needs) - {"state", name}
+    if name in BUILTIN_STATISTICS:
+        return need - {"log_probs"}
+    return need | ({"log_probs"} if stat.reads == "output" else set())
 
 
 def stat_fields(rule: HaltingRule) -> frozenset[str]:
-    """The :class:`LoopStats` fields the skipping paths compute for ``rule``: what it reads
-    (:attr:`HaltingRule.reads`) and what those need from the previous loop (every field where it reads None)."""
+    """The statistics the skipping paths compute for ``rule``: what it reads (:attr:`HaltingRule.reads`) and,
+    transitively, what those need (:data:`~drc_core.analysis.loops.STATISTICS`); every statistic where it reads
+    None."""
     if rule.reads is None:
-        return frozenset(_STAT_FIELDS)
+        return frozenset(STATISTICS)
+    unknown = sorted(set(rule.reads) - set(STATISTICS))
+    if unknown:
+        raise DrcError(f"rule {type(rule).__name__} reads {unknown[0]!r}, which is no statistic: use one of "
+                       f"{', '.join(STATISTICS)} (or register_statistic it)")
     need = set(rule.reads)
     while True:
-        more = set().union(*(_NEEDS.get(f, set()) for f in need)) - need
+        more = set().union(*(_needs(f) for f in need)) - need
         if not more:
             return frozenset(need)
         need |= more
@@ -114,6 +138,11 @@ class Tracker:
         self.prev: dict[str, Tensor] = {}
         self.prev_index: Tensor | None = None  # rows of the previous logits buffer for the current tokens
         self.loop = 0
+        extras = [st for st in extra_statistics() if st.name in need]  # registered statistics: their own compute
+        self.extra_state = frozenset(st.name for st in extras if st.reads == "state")
+        self.extra_output = frozenset(st.name for st in extras if st.reads == "output")
+        self.keeps_state = bool(need & {"state_delta", "cosine", "state_step"} or extras)
+        self.x: Tensor | None = None
 
     def logits_buffer(self, n: int) -> Tensor:
         return self.bufs[self.cur][:n]
@@ -203,12 +232,18 @@ class Tracker:
                         prev = torch.log_softmax(zp if idx is None else zp.index_select(0, idx), dim=-1)
                     q_prev, q = minp_log_probs(prev), minp_log_probs(lp)
                     res["minp_kl"] = _vecdot(q_prev.exp(), q_prev - q)
+        if self.extra_output:
+            assert self.x is not None, "states() runs before readout()"
+            res.update(extra_values(res["log_probs"], self.x, None if first else self.prev, self.extra_output))
         return res
 
     def states(self, x: Tensor, loop: int) -> dict[str, Tensor]:
         """The state fields in ``need`` of the active tokens' new states ``x`` (N, d)."""
         need, res = self.need, {}
         first = self.loop == 0
+        self.x = x
+        if self.extra_state:
+            res.update(extra_values(None, x, None if first else self.prev, self.extra_state))
         if need & {"state_delta", "cosine"}:
             if first:
                 inf = torch.full((x.shape[0],), math.inf, device=x.device)
@@ -223,9 +258,9 @@ class Tracker:
 
     def done(self, loop: int, x: Tensor, res: dict[str, Tensor]) -> None:
         """Remember this loop's values for the next loop."""
-        self.prev = {k: v for k, v in res.items() if k in ("lse", "entropy", "argmax", "argmax_run", "log_probs",
-                                                            "state_step", "accel")}
-        if self.need & {"state_delta", "cosine", "state_step"}:
+        kept = ("lse", "entropy", "argmax", "argmax_run", "log_probs", "state_step", "accel")
+        self.prev = {k: v for k, v in res.items() if k in kept or k in self.extra_state or k in self.extra_output}
+        if self.keeps_state:
             self.prev["state"] = x
         if self.readout_each_loop:
             self.cur = 1 - self.cur
@@ -255,20 +290,19 @@ def compact_stats(loop: int, x: Tensor, res: dict[str, Tensor]) -> LoopStats:
     n = x.shape[0]
     filled: dict[str, Tensor] = {}
     nan = empty = None
-    for name in _STAT_FIELDS:
+    for name, stat in STATISTICS.items():
         if name in res:
             filled[name] = res[name][None]
-        elif name in ("log_probs", "state_step"):
+        elif stat.kind in ("distribution", "vector"):
             empty = x.new_empty(1, n, 0) if empty is None else empty
             filled[name] = empty
-        elif name == "argmax":
-            filled[name] = torch.full((1, n), -1, dtype=torch.long, device=x.device)
-        elif name == "argmax_run":
-            filled[name] = torch.zeros((1, n), dtype=torch.long, device=x.device)
+        elif stat.kind == "long":
+            filled[name] = torch.full((1, n), 0 if name == "argmax_run" else -1, dtype=torch.long, device=x.device)
         else:
             nan = torch.full((1, n), math.nan, device=x.device) if nan is None else nan
             filled[name] = nan
-    return LoopStats(loop=loop, state=x[None], **filled)
+    extra = {k: filled.pop(k) for k in list(filled) if k not in BUILTIN_STATISTICS}
+    return LoopStats(loop=loop, state=x[None], **filled, extra=extra)
 
 
 class FullLayout:
@@ -277,20 +311,21 @@ class FullLayout:
 
     def __init__(self, shape: tuple[int, int], vocab: int, like: Tensor) -> None:
         dev = like.device
-
-        def nan() -> Tensor:
-            return torch.full(shape, math.nan, device=dev)
-
-        self.full: dict[str, Tensor] = {
-            "log_probs": torch.zeros(*shape, vocab, device=dev),
-            "kl": nan(), "state_delta": nan(), "entropy": nan(), "entropy_delta": nan(), "cosine": nan(),
-            "argmax": torch.full(shape, -1, dtype=torch.long, device=dev),
-            "argmax_run": torch.zeros(shape, dtype=torch.long, device=dev), "top_prob": nan(), "minp_kl": nan(),
-            "state_step": torch.zeros(*shape, like.shape[-1], device=dev), "accel": nan(), "accel_prev": nan(),
-        }
+        self.full: dict[str, Tensor] = {}
+        for name, stat in STATISTICS.items():
+            if stat.kind == "distribution":
+                self.full[name] = torch.zeros(*shape, vocab, device=dev)
+            elif stat.kind == "vector":
+                self.full[name] = torch.zeros(*shape, like.shape[-1], device=dev)
+            elif stat.kind == "long":
+                self.full[name] = torch.full(shape, 0 if name == "argmax_run" else -1, dtype=torch.long, device=dev)
+            else:
+                self.full[name] = torch.full(shape, math.nan, device=dev)
 
     def stats(self, loop: int, lin: Tensor, res: dict[str, Tensor], state: Tensor) -> LoopStats:
         for name, buf in self.full.items():
             if name in res:
                 buf.view(-1, *buf.shape[2:])[lin] = res[name].to(buf.dtype)
-        return LoopStats(loop=loop, state=state, **self.full)
+        builtin = {k: v for k, v in self.full.items() if k in BUILTIN_STATISTICS}
+        extra = {k: v for k, v in self.full.items() if k not in BUILTIN_STATISTICS}
+        return LoopStats(loop=loop, state=state, **builtin, extra=extra)
