@@ -28,7 +28,8 @@ import torch
 
 from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.errors import DrcError, need_int
-from drc_core.model.lm import RecurrentModel, check_token_ids, iterate
+from drc_core.model.checks import check_token_ids
+from drc_core.model.lm import RecurrentModel, iterate
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = ["CLASSES", "Dynamics", "class_shares", "classify", "commit_loop", "group_shares", "norm_percentiles",

@@ -47,7 +47,8 @@ from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.loops import BUILTIN_STATISTICS, STATISTICS, frame_statistics, iterate_stats
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import DrcError, need_eps, need_float, need_int
-from drc_core.model.lm import RecurrentModel, check_token_ids, logits_at
+from drc_core.model.checks import check_token_ids
+from drc_core.model.lm import RecurrentModel, logits_at
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 __all__ = [

@@ -82,7 +82,8 @@ from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform, huginn_presets
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec, default_families, default_rules, matching_depth, summarize, sweep
-from drc_core.model.lm import DepthRecurrentLM, check_token_ids
+from drc_core.model.checks import check_token_ids
+from drc_core.model.lm import DepthRecurrentLM
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = [

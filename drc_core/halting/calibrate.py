@@ -34,7 +34,8 @@ from scipy import stats as sps
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, Uniform
 from drc_core.halting.sweep import RuleSpec, token_exits
-from drc_core.model.lm import RecurrentModel, check_token_ids, iterate
+from drc_core.model.checks import check_token_ids
+from drc_core.model.lm import RecurrentModel, iterate
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = [

@@ -36,7 +36,8 @@ from drc_core.halting.kvlayout import Attn, LoopCaches, Tokens, block_step, coda
 from drc_core.halting.rules import HaltingRule, Oracle, Uniform
 from drc_core.halting.skipping import check_state, run_loops
 from drc_core.halting.work import Work
-from drc_core.model.lm import DepthRecurrentLM, check_token_ids
+from drc_core.model.checks import check_token_ids
+from drc_core.model.lm import DepthRecurrentLM
 
 __all__ = ["GenerationResult", "generate", "generate_fixed"]
 

@@ -47,7 +47,8 @@ from drc_core.analysis.measure import DEFAULT_EPS, depth_from_successive_kl
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import HaltingRule
 from drc_core.halting.sweep import RuleSpec
-from drc_core.model.lm import RecurrentModel, check_token_ids
+from drc_core.model.checks import check_token_ids
+from drc_core.model.lm import RecurrentModel
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = [

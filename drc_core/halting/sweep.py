@@ -39,7 +39,8 @@ from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError, need_int, need_level
 from drc_core.halting.reference import AdaptiveResult, first_within, masked_forward, offline_exits
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule
-from drc_core.model.lm import RecurrentModel, check_token_ids, logits_at
+from drc_core.model.checks import check_token_ids
+from drc_core.model.lm import RecurrentModel, logits_at
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 __all__ = [

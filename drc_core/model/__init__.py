@@ -2,6 +2,7 @@
 
 - :mod:`~drc_core.model.lm`: :class:`DepthRecurrentLM`, its :class:`ModelConfig`, the :class:`RecurrentModel`
   protocol a model of your own implements, :func:`iterate` (the loop everything runs) and :func:`load_state`;
+- :mod:`~drc_core.model.checks`: the one-line checks of token ids and initial states every pass starts with;
 - :mod:`~drc_core.model.recurrence`: the random training depth (:class:`RecurrenceConfig`, its sampler);
 - :mod:`~drc_core.model.precision`: bf16 autocast and compiled blocks, chosen per device;
 - :mod:`~drc_core.model.passes`: evaluation batches with a fixed initial state and the successive KL.

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from drc_core.errors import DrcError, check_fields, need_float, need_int, need_loops
+from drc_core.model.checks import check_initial_state, check_token_ids
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -543,37 +544,6 @@ class DepthRecurrentLM(nn.Module):
         model = cls(ModelConfig.from_dict(json.loads(config_path.read_text()), str(config_path)))
         load_state(model, path, map_location=map_location)
         return model.to(map_location)
-
-
-def check_token_ids(model: RecurrentModel, ids: object, what: str = "windows", *, targets: bool = True) -> Tensor:
-    """``ids`` unchanged if it is a non-empty integer tensor of token ids ``model`` can read, else a one-line
-    :class:`DrcError` naming ``what``. With ``targets`` it is (N, T+1) windows (inputs ``[:, :-1]``, targets
-    ``[:, 1:]``; T >= 1 positions), without it (N, T) inputs (T >= 1). Every id must lie in
-    0..vocab_size-1 and the T positions fit ``max_seq_len``."""
-    shape, least = ("(N, T+1)", 2) if targets else ("(N, T)", 1)
-    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < least:
-        shown = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-        raise DrcError(f"{what} must be a non-empty {shape} integer tensor with T >= 1; got {shown}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise DrcError(f"{what} must hold integer token ids (an integer tensor); got dtype {ids.dtype}")
-    lo, hi, vocab = int(ids.min()), int(ids.max()), model.vocab_size
-    if lo < 0 or hi >= vocab:
-        raise DrcError(f"{what} hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]: "
-                       "use the corpus the model was trained on")
-    positions = ids.shape[1] - 1 if targets else ids.shape[1]
-    if positions > model.max_seq_len:
-        raise DrcError(f"{what} have T={positions} positions but the model's max_seq_len is {model.max_seq_len}")
-    return ids
-
-
-def check_initial_state(state: object, e: Tensor) -> Tensor:
-    """``state`` unchanged if it is a floating tensor shaped like the prelude output ``e`` (B, T, d_model), else a
-    one-line :class:`DrcError`."""
-    if not isinstance(state, Tensor) or tuple(state.shape) != tuple(e.shape) or not state.dtype.is_floating_point:
-        shown = f"{tuple(state.shape)} {state.dtype}" if isinstance(state, Tensor) else type(state).__name__
-        raise DrcError(f"state must be a float tensor of shape (B, T, d_model) = {tuple(e.shape)}; got {shown}: "
-                       "pass s_0 for every position, or state=None to draw it")
-    return state
 
 
 def _kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
