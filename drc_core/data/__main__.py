@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from drc_core.data.depth_tasks import DepthTaskConfig
+from drc_core.data.depth_tasks import FAMILIES, DepthTaskConfig
 from drc_core.data.prepare import DEFAULT_OUT, PrepareConfig, PrepareResult, prepare
 from drc_core.data.sources import DEFAULT_SOURCE, KNOWN_SOURCES, SourceSpec
 from drc_core.errors import run_cli
@@ -28,6 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-repeat-share", type=float, default=DepthTaskConfig.repeat_share,
                    help="depth-tasks: share of problems that are unlabelled repeats (default: "
                         f"{DepthTaskConfig.repeat_share})")
+    p.add_argument("--task-families", default=",".join(DepthTaskConfig.families),
+                   help=f"depth-tasks: labelled families, comma-separated, from {','.join(FAMILIES)} (default: "
+                        f"{','.join(DepthTaskConfig.families)})")
+    p.add_argument("--task-problems", type=int, default=DepthTaskConfig.problems,
+                   help=f"depth-tasks: problems per document (default: {DepthTaskConfig.problems})")
+    p.add_argument("--task-ask-every", action="store_true",
+                   help="depth-tasks: ask about every object of each asked chain (containers, links), not only the "
+                        "first")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents per source in val")
@@ -58,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = SourceSpec(name=args.source, paths=tuple(args.path), data_files=tuple(args.data_files),
                       max_docs=args.max_docs,
                       tasks=DepthTaskConfig(docs=args.task_docs, max_k=args.task_max_k,
-                                            repeat_share=args.task_repeat_share, seed=args.seed))
+                                            repeat_share=args.task_repeat_share, seed=args.seed,
+                                            families=tuple(f.strip() for f in args.task_families.split(",")
+                                                           if f.strip()),
+                                            problems=args.task_problems, ask_every=args.task_ask_every))
     cfg = PrepareConfig(source=spec, out=args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                         seed=args.seed, seq_len=args.seq_len, force=args.force)
     res = prepare(cfg, progress=not args.quiet)
