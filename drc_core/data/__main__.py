@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "first")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer", default="",
+                   help="use this tokenizer.json (or a directory with one: a prepared corpus, a shipped model) instead "
+                        "of training a BPE, e.g. to continue training a model on new text")
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction of documents per source in val")
     p.add_argument("--seq-len", type=int, default=256, help="each split must hold one window of seq_len+1 tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                                                            if f.strip()),
                                             problems=args.task_problems, ask_every=args.task_ask_every))
     cfg = PrepareConfig(source=spec, out=args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
-                        seed=args.seed, seq_len=args.seq_len, force=args.force)
+                        seed=args.seed, seq_len=args.seq_len, force=args.force, tokenizer=args.tokenizer)
     res = prepare(cfg, progress=not args.quiet)
     print(describe(res))
     return 0

@@ -35,7 +35,7 @@ from drc_core.data.depth_tasks import solve, token_labels
 from drc_core.data.labels import LABELS_FILE, write_labels
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec, fingerprint, load_documents
-from drc_core.data.tokenizer import EOT, check_vocab_size, tokenizer_hash, train_bpe
+from drc_core.data.tokenizer import EOT, check_vocab_size, load_tokenizer, tokenizer_hash, train_bpe
 from drc_core.errors import DrcError, need_disk
 from drc_core.guard import exclusive, remove_leftovers
 
@@ -52,6 +52,7 @@ class PrepareConfig:
     seed: int = 0
     seq_len: int = 256  # each split must hold at least one window of seq_len + 1 tokens
     force: bool = False
+    tokenizer: str = ""  # a tokenizer.json (or a directory with one) to use instead of training a BPE
 
     def validate(self) -> None:
         check_vocab_size(self.vocab_size)
@@ -75,6 +76,8 @@ class PrepareConfig:
             "seed": self.seed,
             "seq_len": self.seq_len,
         }
+        if self.tokenizer:  # left out when empty: corpora prepared before the option keep their fingerprint
+            blob["tokenizer"] = tokenizer_hash(load_tokenizer(self.tokenizer))
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
@@ -200,7 +203,12 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
     train_idx, val_idx = np.flatnonzero(~is_val), np.flatnonzero(is_val)
 
     train_texts = [texts[i] for i in train_idx]
-    tok = train_bpe(train_texts, cfg.vocab_size, length=len(train_texts))
+    if cfg.tokenizer:  # e.g. another model's: a corpus it can read (the vocabulary is that tokenizer's)
+        tok = load_tokenizer(cfg.tokenizer)
+        if tok.token_to_id(EOT) is None:
+            raise DrcError(f"tokenizer '{cfg.tokenizer}' has no {EOT} token: pass one written by prepare")
+    else:
+        tok = train_bpe(train_texts, cfg.vocab_size, length=len(train_texts))
     eot_id = tok.token_to_id(EOT)
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)

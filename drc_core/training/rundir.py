@@ -55,9 +55,10 @@ class RunDir:
 
     @property
     def model_config_path(self) -> Path:
-        return self._need_weights() / CONFIG_FILE
+        return self.need_weights() / CONFIG_FILE
 
-    def _need_weights(self) -> Path:
+    def need_weights(self) -> Path:
+        """The directory that holds the weights; a one-line DrcError where there are none."""
         if self.weights is None:
             raise DrcError(f"'{self.path}' holds no {WEIGHTS_FILE} (nor {FINAL_DIR}/{WEIGHTS_FILE}): pass a finished "
                            "run directory, its final/ or a shipped copy like data/reference")
@@ -80,7 +81,7 @@ class RunDir:
 
     def load_model(self, map_location: str = "cpu") -> DepthRecurrentLM:
         """The model in eval mode; a damaged or mismatching checkpoint is a one-line :class:`DrcError`."""
-        weights = self._need_weights()
+        weights = self.need_weights()
         try:
             return DepthRecurrentLM.load(weights, map_location=map_location).eval()
         except DrcError:
@@ -106,7 +107,7 @@ class RunDir:
             raise DrcError(f"'{dest}' exists and is not empty: choose another destination (nothing was written)")
         if self.train_config_path is None or self.metrics_path is None:
             raise DrcError(f"'{self.path}' lacks its training config or {METRICS_FILE}: ship a run directory")
-        files = {WEIGHTS_FILE: self._need_weights() / WEIGHTS_FILE, CONFIG_FILE: self.model_config_path,
+        files = {WEIGHTS_FILE: self.need_weights() / WEIGHTS_FILE, CONFIG_FILE: self.model_config_path,
                  SHIPPED_TRAIN_CONFIG: self.train_config_path, METRICS_FILE: self.metrics_path}
         for name in side_files:
             if (found := self.file(name)) is not None:

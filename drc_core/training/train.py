@@ -45,7 +45,7 @@ from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
 from drc_core.errors import DrcError, Interrupted, first_line, need_disk, run_cli
 from drc_core.guard import exclusive
 from drc_core.model import precision
-from drc_core.model.lm import DepthRecurrentLM, load_state
+from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM, load_state
 from drc_core.model.recurrence import RecurrenceSampler
 from drc_core.training.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
 from drc_core.training.evaluate import loss_by_depth
@@ -228,17 +228,40 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = False,
-          progress: bool = True) -> dict:
+          progress: bool = True, init: str | Path | None = None) -> dict:
     """Train (or resume) and return a summary: final step, last eval losses, tokens/s. One trainer at a time per
-    run directory: the main rank holds its lock (:func:`drc_core.guard.exclusive`) from the checks to the end."""
+    run directory: the main rank holds its lock (:func:`drc_core.guard.exclusive`) from the checks to the end.
+
+    ``init``: start a new run from the weights of another (a run, its ``final/`` or a shipped copy such as
+    ``data/depth-tasks``) instead of a random initialisation, with a fresh optimizer and schedule: a second
+    stage of training on another corpus. The model configs must agree, the corpus must use the tokenizer that
+    model was trained with (prepare it with ``--tokenizer``), and the run records where it started in
+    ``init.json``; a resumed run continues from its own checkpoints."""
     d, device = init_distributed()
     out = Path(out)
     with exclusive(out, "run directory") if d.main else nullcontext():
-        return _train(cfg, data, out, resume, progress, d, device)
+        return _train(cfg, data, out, resume, progress, d, device, init)
+
+
+INIT_RECORD = "init.json"
+
+
+def _init_weights(model: DepthRecurrentLM, init: str | Path, corpus: Corpus, device: torch.device) -> dict:
+    """Load the weights of the run at ``init`` into ``model`` (see :func:`train`); returns what ``init.json``
+    records."""
+    run = open_run(init)
+    record = run.corpus_record()
+    if record is not None and record.get("tokenizer_sha256") != corpus.tokenizer_hash:
+        raise DrcError(f"--init '{init}' was trained with another tokenizer than corpus '{corpus.path}' uses: prepare "
+                       f"the corpus with --tokenizer {init}")
+    weights = run.need_weights()
+    load_state(model, weights, map_location=device)
+    return {"init": str(init), "weights": str(weights / WEIGHTS_FILE),
+            "trained_on": None if record is None else record.get("fingerprint")}
 
 
 def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress: bool, d: Dist,
-           device: torch.device) -> dict:
+           device: torch.device, init: str | Path | None = None) -> dict:
     corpus = Corpus.open(data)
     if corpus.vocab_size != cfg.model.vocab_size:
         raise DrcError(
@@ -279,11 +302,16 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         start = state["step"]
+    init_record = None
+    if init is not None and start == 0:
+        init_record = _init_weights(model, init, corpus, device)
     if d.main:
         _truncate_metrics(out / "metrics.jsonl", start)  # also rows of a run killed before its first checkpoint
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         (out / CORPUS_RECORD).write_text(json.dumps(corpus_record(corpus), indent=2) + "\n")
+        if init_record is not None:
+            (out / INIT_RECORD).write_text(json.dumps(init_record, indent=2) + "\n")
 
     val = eval_windows(corpus.tokens("val"), cfg.seq_len, cfg.eval_windows)
     weights = answer_weights(corpus, cfg.answer_weight)
@@ -382,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", default="data/corpus/default", help="a prepared corpus directory")
     ap.add_argument("--out", required=True, help="run directory (checkpoints, metrics, final weights)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    ap.add_argument("--init", default=None, metavar="RUN",
+                    help="start from the weights of this run / shipped model (a second stage; fresh optimizer)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
 
@@ -392,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         raise DrcError(f"data dir '{args.data}' does not exist: run `python -m drc_core.data prepare --out "
                        f"{args.data}` first")
     cfg = preset_for(args.preset, args.overrides, Corpus.open(args.data))
-    summary = train(cfg, args.data, args.out, resume=args.resume, progress=not args.quiet)
+    summary = train(cfg, args.data, args.out, resume=args.resume, progress=not args.quiet, init=args.init)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in summary.items()}, default=float))
     if dist.is_initialized():
