@@ -144,6 +144,8 @@ def test_the_skipping_paths_compute_a_registered_statistic_as_the_reference(movi
 def test_register_rejects_a_taken_name_and_a_missing_compute(registered):
     with pytest.raises(DrcError, match="taken"):
         register_statistic(Statistic("kl", "again", "output", compute=_state_mean))
+    with pytest.raises(DrcError, match="taken"):
+        register_statistic(Statistic("values", "a LoopStats method's name", "state", compute=_state_mean))
     with pytest.raises(DrcError, match="compute"):
         register_statistic(Statistic("nocompute", "x", "state"))
     with pytest.raises(DrcError, match="no statistic"):

@@ -84,7 +84,7 @@ STATISTICS: dict[str, Statistic] = {s.name: s for s in _BUILTIN}  # name -> defi
 def register_statistic(stat: Statistic) -> Statistic:
     """Add ``stat`` (with its ``compute``) to :data:`STATISTICS`; returns it. A name already taken, a missing
     ``compute`` or a ``needs`` entry that is no statistic is a :class:`DrcError`."""
-    if stat.name in STATISTICS or stat.name in ("loop", "state", "extra"):
+    if stat.name in STATISTICS or stat.name in ("loop", "state", "extra") or hasattr(LoopStats, stat.name):
         raise DrcError(f"statistic {stat.name!r} is taken: pick another name, or unregister_statistic({stat.name!r})")
     if stat.compute is None:
         raise DrcError(f"statistic {stat.name!r} needs compute(log_probs, state, prev) -> (B, T)")
