@@ -1,4 +1,6 @@
-"""Learned halting routers: the trained baseline the paper compares the training-free KL rule with.
+"""Learned halting routers: the trained baseline the paper compares the training-free KL rule with. The features,
+the harvested examples and the window split live in :mod:`drc_core.halting.router_data` (and are re-exported
+here); the routers, their training loop, metrics, rule and files here.
 
 Pipeline:
 
@@ -33,7 +35,7 @@ import copy
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,14 +44,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from drc_core.analysis.loops import LoopStats, iterate_stats
-from drc_core.analysis.measure import DEFAULT_EPS, depth_from_successive_kl
+from drc_core.analysis.loops import LoopStats
+from drc_core.analysis.measure import DEFAULT_EPS
 from drc_core.errors import DrcError, need_float, need_int
+from drc_core.halting.router_data import FeatureSpec, RouterData, harvest, router_features, split_windows
 from drc_core.halting.rules import HaltingRule
 from drc_core.halting.sweep import RuleSpec
-from drc_core.model.checks import check_token_ids
 from drc_core.model.lm import RecurrentModel
-from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
 __all__ = [
     "FeatureSpec",
@@ -70,229 +71,6 @@ __all__ = [
 
 ROUTER_CONFIG_FILE = "router.json"
 ROUTER_WEIGHTS_FILE = "router.safetensors"
-_LOOP_FEATURES = ("none", "scalar", "onehot")
-_N_READOUT_STATS = 5
-_LOG_CLAMP = (-12.0, 4.0)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Validation
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Features
-
-
-@dataclass(frozen=True)
-class FeatureSpec:
-    """Which features a router reads at loop l (see the module docstring).
-
-    ``state``: the latent state s_l; ``loop``: "none", "scalar" (l as a number) or "onehot" (over
-    1..``max_loops``); ``readout_stats``: entropy, top probability, log10 KL, log10 state change, cosine.
-    """
-
-    state: bool = True
-    loop: str = "none"
-    readout_stats: bool = False
-    max_loops: int = 32
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.state, bool) or not isinstance(self.readout_stats, bool):
-            raise DrcError("FeatureSpec: state and readout_stats must be true or false")
-        if self.loop not in _LOOP_FEATURES:
-            raise DrcError(f"FeatureSpec: loop={self.loop!r} is not supported; use one of {_LOOP_FEATURES}")
-        need_int("max_loops", self.max_loops, 1, "FeatureSpec")
-        if not (self.state or self.readout_stats or self.loop != "none"):
-            raise DrcError("FeatureSpec selects no features; enable state, readout_stats or a loop feature")
-
-    def dim(self, d_model: int) -> int:
-        """The number of features for a model with state size ``d_model``."""
-        n = d_model if self.state else 0
-        n += {"none": 0, "scalar": 1, "onehot": self.max_loops}[self.loop]
-        return n + (_N_READOUT_STATS if self.readout_stats else 0)
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> FeatureSpec:
-        known = {"state", "loop", "readout_stats", "max_loops"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise DrcError(f"FeatureSpec: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
-        return cls(**data)  # type: ignore[arg-type]
-
-
-def _log10_clamped(x: Tensor) -> Tensor:
-    lo, hi = _LOG_CLAMP
-    return torch.log10(x.float().clamp_min(10.0**lo)).clamp(lo, hi)
-
-
-def router_features(stats: LoopStats, spec: FeatureSpec) -> Tensor:
-    """The router features (B, T, F) float32 of one loop's :class:`LoopStats` (see :class:`FeatureSpec`)."""
-    parts: list[Tensor] = []
-    shape, device = stats.shape, stats.state.device
-    if spec.state:
-        parts.append(stats.state.float())
-    if spec.loop == "scalar":
-        parts.append(torch.full((*shape, 1), float(stats.loop), device=device))
-    elif spec.loop == "onehot":
-        hot = torch.zeros((*shape, spec.max_loops), device=device)
-        hot[..., min(stats.loop, spec.max_loops) - 1] = 1.0
-        parts.append(hot)
-    if spec.readout_stats:
-        cos = torch.nan_to_num(stats.cosine.float(), nan=-1.0, neginf=-1.0, posinf=1.0).clamp(-1.0, 1.0)
-        extra = [
-            stats.entropy.float(),
-            stats.top_prob.float(),
-            _log10_clamped(stats.kl),
-            _log10_clamped(stats.state_delta),
-            cos,
-        ]
-        parts.append(torch.stack(extra, dim=-1))
-    return torch.cat(parts, dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Harvesting convergence labels
-
-
-@dataclass
-class RouterData:
-    """Harvested router training rows, one per (window, pos, loop), sorted by window, pos, loop.
-
-    ``features`` (M, F) float32; ``labels`` (M,) bool: converged at this loop (``loop >= depth``); ``loop``,
-    ``window`` (row index into the windows given to :func:`harvest`), ``pos`` and ``depth`` (the token's
-    convergence depth, as :func:`drc_core.analysis.measure.convergence_depth`) are (M,) long. ``eps`` and
-    ``max_loops`` define the labels; ``spec`` the features.
-    """
-
-    features: Tensor
-    labels: Tensor
-    loop: Tensor
-    window: Tensor
-    pos: Tensor
-    depth: Tensor
-    eps: float
-    max_loops: int
-    spec: FeatureSpec
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    @property
-    def n_features(self) -> int:
-        return int(self.features.shape[1])
-
-    @property
-    def positive_rate(self) -> float:
-        return float(self.labels.float().mean()) if len(self) else math.nan
-
-    def subset(self, rows: Tensor | np.ndarray) -> RouterData:
-        """The rows selected by a (M,) bool mask or an index array."""
-        idx = torch.as_tensor(np.asarray(rows))
-        if idx.dtype == torch.bool:
-            idx = idx.nonzero().squeeze(-1)
-        idx = idx.long()
-        return RouterData(
-            features=self.features[idx], labels=self.labels[idx], loop=self.loop[idx], window=self.window[idx],
-            pos=self.pos[idx], depth=self.depth[idx], eps=self.eps, max_loops=self.max_loops, spec=self.spec,
-        )
-
-    def take_windows(self, windows: Sequence[int] | np.ndarray | Tensor) -> RouterData:
-        """The rows of the given window ids."""
-        wanted = torch.as_tensor(np.asarray(windows, dtype=np.int64))
-        return self.subset(torch.isin(self.window, wanted))
-
-
-@torch.no_grad()
-def harvest(
-    model: RecurrentModel,
-    windows: Tensor,
-    max_loops: int = 32,
-    eps: float = DEFAULT_EPS,
-    *,
-    seed: int = EVAL_STATE_SEED,
-    batch_size: int = 16,
-    loop_feature: str = "none",
-    readout_stats: bool = False,
-    state_feature: bool = True,
-    loops: Sequence[int] | None = None,
-    positions: int | None = None,
-    subsample_seed: int = 0,
-) -> RouterData:
-    """Router features and convergence labels of ``model`` on ``windows`` (N, T+1) (inputs ``windows[:, :-1]``).
-
-    One uniform-depth ``iterate`` pass of ``max_loops`` loops per batch; the initial state of batch k is the
-    k-th draw of a generator seeded with ``seed`` (as :func:`drc_core.analysis.measure.measure_windows`, so with the
-    same ``batch_size`` the labels equal :func:`drc_core.analysis.measure.convergence_depth` of its frame). Labels:
-    see the module docstring. ``loops``: the loops to keep (default 1..max_loops-1); ``positions``: keep this
-    many positions per window, drawn without replacement from a generator seeded with
-    ``(subsample_seed, window)`` (independent of ``batch_size``; None keeps all). The number of rows is
-    N * positions * len(loops); only those rows' features are stored. Runs in eval mode under no_grad.
-    """
-    owner = "harvest"
-    windows = check_token_ids(model, windows)
-    max_loops = need_int("max_loops", max_loops, 2, owner)
-    eps = need_float("eps", eps, 0.0, lo_open=True, owner=owner)
-    batch_size = need_int("batch_size", batch_size, 1, owner)
-    spec = FeatureSpec(state=state_feature, loop=loop_feature, readout_stats=readout_stats, max_loops=max_loops)
-    n, t_len = windows.shape[0], windows.shape[1] - 1
-    if loops is None:
-        keep = list(range(1, max_loops))
-    else:
-        keep = sorted({need_int("loops[i]", lp, 1, owner) for lp in loops})
-        if not keep or keep[-1] > max_loops:
-            raise DrcError(f"{owner}: loops={list(loops)!r} is invalid; pass loops within 1..{max_loops}")
-    if positions is not None:
-        positions = min(need_int("positions", positions, 1, owner), t_len)
-    pos_idx = torch.stack([
-        torch.arange(t_len) if positions is None else
-        torch.from_numpy(np.sort(np.random.default_rng([subsample_seed, w]).choice(t_len, positions, replace=False)))
-        for w in range(n)
-    ]).long()  # (N, P)
-    n_pos = pos_idx.shape[1]
-    keep_set = set(keep)
-
-    feats, depths = [], []
-    for batch in eval_batches(model, windows, batch_size, seed):
-        sel = pos_idx[batch.start : batch.start + batch_size].to(batch.x.device)  # (B, P)
-        kls, kept = [], []
-        for st in iterate_stats(model, batch.x, max_loops, generator=batch.generator):
-            if st.loop >= 2:
-                kls.append(st.kl)
-            if st.loop in keep_set:
-                f = router_features(st, spec)  # (B, T, F)
-                kept.append(f.gather(1, sel[..., None].expand(-1, -1, f.shape[-1])).cpu())
-        del st
-        depth = depth_from_successive_kl(torch.stack(kls, dim=-1).cpu().numpy(), eps)  # (B, T)
-        depths.append(torch.from_numpy(depth).gather(1, sel.cpu()))  # (B, P)
-        feats.append(torch.stack(kept, dim=2))  # (B, P, K, F)
-
-    features = torch.cat(feats).reshape(-1, feats[0].shape[-1]).float().contiguous()
-    n_keep = len(keep)
-    window = torch.arange(n).view(n, 1, 1).expand(n, n_pos, n_keep).reshape(-1)
-    pos = pos_idx.view(n, n_pos, 1).expand(n, n_pos, n_keep).reshape(-1)
-    loop = torch.tensor(keep).view(1, 1, n_keep).expand(n, n_pos, n_keep).reshape(-1)
-    depth = torch.cat(depths).view(n, n_pos, 1).expand(n, n_pos, n_keep).reshape(-1).long()
-    return RouterData(
-        features=features, labels=loop >= depth, loop=loop.clone(), window=window.clone(), pos=pos.clone(),
-        depth=depth.clone(), eps=eps, max_loops=max_loops, spec=spec,
-    )
-
-
-def split_windows(n_windows: int, train_fraction: float = 0.5, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint sorted index arrays ``(train, held_out)`` covering 0..n_windows-1, both non-empty.
-
-    ``round(train_fraction * n_windows)`` windows (clamped to 1..n_windows-1) go to the router's training
-    part, drawn by a permutation seeded with ``seed``.
-    """
-    n_windows = need_int("n_windows", n_windows, 2, "split_windows")
-    train_fraction = need_float("train_fraction", train_fraction, 0.0, 1.0, lo_open=True, hi_open=True,
-                                owner="split_windows")
-    n_train = min(max(round(train_fraction * n_windows), 1), n_windows - 1)
-    perm = np.random.default_rng(seed).permutation(n_windows)
-    return np.sort(perm[:n_train]).astype(np.int64), np.sort(perm[n_train:]).astype(np.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------
