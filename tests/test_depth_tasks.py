@@ -59,10 +59,10 @@ def test_ask_every_asks_each_object_of_each_asked_chain(family):
 
 
 def test_links_is_the_compact_notation_of_containers():
-    text = "Links: cup > box . box > barn . Where is cup ? cup > barn . Where is box ? box > barn ."
+    text = "Links: cup box . box barn . ? cup barn . ? box barn ."
     assert [(a.word, a.k, a.family) for a in solve(text)] == [("barn", 2, "links"), ("barn", 1, "links")]
     with pytest.raises(SolveError):
-        solve(text.replace("cup ? cup > barn", "cup ? cup > box"))
+        solve(text.replace("? cup barn", "? cup box"))
 
 
 def test_answers_come_after_their_question_and_are_not_stated_before():

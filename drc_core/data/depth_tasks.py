@@ -134,8 +134,9 @@ class Problem:
 def _containers(rng: np.random.Generator, ks: list[int], objects: list[str], family: str = "containers",
                 ask_every: bool = False) -> Problem:
     """One chain per requested k (plus one distractor chain), shuffled statements, one question per chain; in
-    prose (``containers``) or in the compact ``links`` notation, where each statement puts an object right before
-    its container and the question ends with the asked object right before the answer."""
+    prose (``containers``) or in the compact ``links`` notation (``Links: cup box . box barn . ? cup barn .``), where
+    each statement puts an object right before its container and each question the asked object right before the
+    answer: one hop is then one in-context lookup of the token after a name (what an induction head does)."""
     lengths = list(ks) + [int(rng.integers(1, max(ks) + 1))]
     places = rng.choice(len(PLACES), size=len(lengths), replace=True)
     statements, chains = [], []
@@ -145,8 +146,8 @@ def _containers(rng: np.random.Generator, ks: list[int], objects: list[str], fam
         statements += [(links[i], links[i + 1]) for i in range(length)]
         chains.append(chain)
     order = rng.permutation(len(statements))
-    said = "The {} is in the {}." if family == "containers" else "{} > {} ."
-    asked_as = " Where is the {0}? It is in the {1}." if family == "containers" else " Where is {0} ? {0} > {1} ."
+    said = "The {} is in the {}." if family == "containers" else "{} {} ."
+    asked_as = " Where is the {0}? It is in the {1}." if family == "containers" else " ? {0} {1} ."
     text = ("" if family == "containers" else "Links: ") + " ".join(said.format(*statements[i]) for i in order)
     prob = Problem(text=text, family=family)
     asked = [(c, 0) for c in rng.permutation(len(ks))]  # the last chain is never asked: a distractor
@@ -284,8 +285,8 @@ _WHERE = re.compile(r"Where is the (\w+)\? It is in the (\w+)\.")
 _HAS = re.compile(r"(\w+) has the (\w+) ball\.")
 _SWAP = re.compile(r"(\w+) and (\w+) swap balls\.")
 _WHICH = re.compile(r"Which ball does (\w+) have now\? It is the (\w+) ball\.")
-_LINK = re.compile(r"(?<![?>] )\b(\w+) > (\w+) \.")
-_LINK_Q = re.compile(r"Where is (\w+) \? (\w+) > (\w+) \.")
+_LINK = re.compile(r"\b(\w+) (\w+) \.")
+_LINK_Q = re.compile(r"\? (\w+) (\w+) \.")
 _HOPS = re.compile(r"Letters: ((?:\w )+)\. Jump (\d+) times from the last letter: (\w+)\.")
 
 
@@ -312,8 +313,6 @@ def _solve_links(par: str) -> list[tuple[int, str, int]]:
     questions = list(_LINK_Q.finditer(par))
     spans = [(q.start(), q.end()) for q in questions]
     for q in questions:
-        if q.group(1) != q.group(2):
-            raise SolveError(f"the question about '{q.group(1)}' restates '{q.group(2)}'")
         inside = {m.group(1): m.group(2) for m in _LINK.finditer(par, 0, q.start())
                   if not any(a <= m.start() < b for a, b in spans)}
         cur, k, seen = q.group(1), 0, set()
@@ -322,7 +321,7 @@ def _solve_links(par: str) -> list[tuple[int, str, int]]:
                 raise SolveError(f"link cycle at '{cur}'")
             seen.add(cur)
             cur, k = inside[cur], k + 1
-        out.append((q.start(3), cur, k))
+        out.append((q.start(2), cur, k))
     return out
 
 
