@@ -72,7 +72,8 @@ model, cfg, _ = open_model(work_dir)
 corpus = Corpus.open(corpus_dir)
 windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
 frame = measure_windows(model, windows, max_loops, doc_ids=docs)
-save_frame(frame, Path(work_dir) / "frame.parquet")
+save_frame(frame, Path(work_dir) / "frame.parquet",
+           made_with={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
 train_mean = cfg.recurrence.mean
 print(
     f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len(frame):,} rows "

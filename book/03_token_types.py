@@ -47,8 +47,10 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 t0 = time.time()
-frame = load_frame(Path(work_dir) / "frame.parquet")
-tokenizer = Corpus.open(corpus_dir).tokenizer()
+corpus = Corpus.open(corpus_dir)
+frame = load_frame(Path(work_dir) / "frame.parquet",  # refused when notebook 02 measured another corpus
+                   expect={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
+tokenizer = corpus.tokenizer()
 depths = convergence_depth(frame, eps)
 first = frame[frame.loop == 1].sort_values(["window", "pos"])
 ids = first.pivot(index="window", columns="pos", values="token").to_numpy()

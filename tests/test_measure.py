@@ -197,6 +197,16 @@ def test_parquet_round_trip(frame, tmp_path):
         load_frame(tmp_path / "missing.parquet")
 
 
+def test_a_frame_made_from_something_else_is_refused(frame, tmp_path):
+    path = save_frame(frame, tmp_path / "f.parquet", made_with={"corpus": "abc", "windows": 8})
+    assert load_frame(path, expect={"corpus": "abc", "windows": 8}).attrs["made_with"]["windows"] == 8
+    with pytest.raises(DrcError, match="was made with corpus='abc', not 'xyz'"):
+        load_frame(path, expect={"corpus": "xyz"})
+    with pytest.raises(DrcError, match="does not record its tokenizer"):
+        load_frame(path, expect={"tokenizer": "t"})
+    assert "made_with" not in frame.attrs  # saving records it in the file, not in the caller's frame
+
+
 def test_val_windows_with_docs(tmp_path):
     toks = np.arange(40, dtype=np.uint16) % V
     toks.tofile(tmp_path / "val.bin")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -219,20 +219,35 @@ def val_windows_with_docs(corpus: Corpus, seq_len: int, max_windows: int | None 
     return windows, torch.from_numpy(doc)
 
 
-def save_frame(df: pd.DataFrame, path: str | Path) -> Path:
-    """Write a measurement frame to parquet (parent directories created); returns the path."""
+def save_frame(df: pd.DataFrame, path: str | Path, made_with: Mapping[str, object] | None = None) -> Path:
+    """Write a measurement frame to parquet (parent directories created); returns the path. ``made_with``: what
+    the frame was computed from (e.g. the corpus's fingerprint, the number of windows), kept in the file, so that
+    a reader can refuse a frame made from something else (:func:`load_frame`'s ``expect``)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    df.to_parquet(p, index=False)
+    out = df.copy(deep=False)
+    out.attrs = {**df.attrs, "made_with": dict(made_with or {})}
+    out.to_parquet(p, index=False)
     return p
 
 
-def load_frame(path: str | Path) -> pd.DataFrame:
-    """Read a frame written by :func:`save_frame` (a column of an older frame gets its current name)."""
+def load_frame(path: str | Path, expect: Mapping[str, object] | None = None) -> pd.DataFrame:
+    """Read a frame written by :func:`save_frame` (a column of an older frame gets its current name). Each key of
+    ``expect`` must be in the frame's ``made_with`` record with that value; else a one-line :class:`DrcError`
+    (the frame was made from something else: re-run what writes it)."""
     p = Path(path)
     if not p.is_file():
         raise DrcError(f"{p} not found; pass a parquet file written by save_frame")
-    return pd.read_parquet(p).rename(columns=LEGACY_COLUMNS)
+    df = pd.read_parquet(p).rename(columns=LEGACY_COLUMNS)
+    made = df.attrs.get("made_with", {})
+    for key, want in (expect or {}).items():
+        if key not in made:
+            raise DrcError(f"{p} does not record its {key} (written before frames recorded what they were made "
+                           "from): re-run the notebook that writes it")
+        if made[key] != want:
+            raise DrcError(f"{p} was made with {key}={str(made[key])[:16]!r}, not {str(want)[:16]!r}: re-run the "
+                           "notebook that writes it with the same parameters")
+    return df
 
 
 # ----------------------------------------------------------------------------------------------------------
