@@ -48,7 +48,8 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 # %%
 t0 = time.time()
 corpus = Corpus.open(corpus_dir)
-frame = load_frame(Path(work_dir) / "frame.parquet",  # refused when notebook 02 measured another corpus
+# refused when notebook 02 measured another corpus
+frame = load_frame(Path(work_dir) / "frame.parquet",
                    expect={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
 tokenizer = corpus.tokenizer()
 depths = convergence_depth(frame, eps)
