@@ -1,0 +1,64 @@
+"""Answer accuracy of a known-depth probe by (family, k) and loop: the number a probe run is judged by.
+
+    .venv/bin/python scripts/depth_probe.py runs/links data/corpus/links            # newest checkpoint (or final/)
+    .venv/bin/python scripts/depth_probe.py runs/links data/corpus/links --docs 300 --loops 1,2,4,8,16 --copy
+
+Reads the corpus's validation task documents (``--docs`` of them, drawn with ``--seed``), runs the model once to
+the deepest loop asked and prints the share of answers whose argmax is right at each loop, with the number of
+answers per k; ``--copy`` adds in-context copying (the ``repeats`` paragraphs), the step every lookup builds on.
+Uses one thread unless ``--threads`` says otherwise, so that it can run beside a training run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from drc_core.api import load
+from drc_core.data.sampler import Corpus
+from drc_core.errors import DrcError, run_cli
+from drc_core.experiments.depth_tasks import answer_trajectories, copy_accuracy, corpus_task_windows
+
+
+def newest(run: Path) -> Path:
+    """``final/`` when the run finished, else its newest checkpoint."""
+    if (run / "final").is_dir():
+        return run / "final"
+    found = sorted((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else []
+    if not found:
+        raise DrcError(f"'{run}' has no final/ and no checkpoint yet: wait for its first checkpoint")
+    return found[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a training run directory (or a shipped model)")
+    ap.add_argument("corpus", type=Path, help="the prepared corpus it trains on (with depth-task labels)")
+    ap.add_argument("--docs", type=int, default=150)
+    ap.add_argument("--loops", default="1,2,4,8")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--copy", action="store_true", help="also measure in-context copying")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loops = [int(x) for x in args.loops.split(",")]
+    path = newest(args.run) if (args.run / "checkpoints").is_dir() or (args.run / "final").is_dir() else args.run
+    m = load(path, corpus=args.corpus)
+    tw = corpus_task_windows(Corpus.open(args.corpus), m.model.max_seq_len, n_docs=args.docs, split="val",
+                             seed=args.seed)
+    traj = answer_trajectories(m.model, tw, max(loops))
+    traj = traj[traj.loop.isin(loops)]
+    table = traj.pivot_table(index=["family", "k"], columns="loop", values="correct", aggfunc="mean")
+    table["answers"] = traj[traj.loop == loops[0]].groupby(["family", "k"]).size()
+    print(f"{path}: answer accuracy by loop ({len(tw.windows)} documents)")
+    print(table.round(3).to_string())
+    if args.copy:
+        print(copy_accuracy(m.model, m.tokenizer, loops, docs=24).round(3).to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
