@@ -294,34 +294,33 @@ class SolveError(ValueError):
     """The text states an answer that does not follow from what comes before it."""
 
 
+def _follow(inside: dict[str, str], start: str) -> tuple[str, int]:
+    """Where the chain of containers from ``start`` ends, and after how many links."""
+    cur, k, seen = start, 0, set()
+    while cur in inside:
+        if cur in seen:
+            raise SolveError(f"containment cycle at '{cur}'")
+        seen.add(cur)
+        cur, k = inside[cur], k + 1
+    return cur, k
+
+
 def _solve_containers(par: str) -> list[tuple[int, str, int]]:
     out = []
     for q in _WHERE.finditer(par):
         inside = {m.group(1): m.group(2) for m in _CONTAIN.finditer(par, 0, q.start())}
-        cur, k, seen = q.group(1), 0, set()
-        while cur in inside:
-            if cur in seen:
-                raise SolveError(f"containment cycle at '{cur}'")
-            seen.add(cur)
-            cur, k = inside[cur], k + 1
-        out.append((q.start(2), cur, k))
+        out.append((q.start(2), *_follow(inside, q.group(1))))
     return out
 
 
 def _solve_links(par: str) -> list[tuple[int, str, int]]:
     out = []
     questions = list(_LINK_Q.finditer(par))
-    spans = [(q.start(), q.end()) for q in questions]
+    spans = [(q.start(), q.end()) for q in questions]  # a question reads like a statement: not one
     for q in questions:
         inside = {m.group(1): m.group(2) for m in _LINK.finditer(par, 0, q.start())
                   if not any(a <= m.start() < b for a, b in spans)}
-        cur, k, seen = q.group(1), 0, set()
-        while cur in inside:
-            if cur in seen:
-                raise SolveError(f"link cycle at '{cur}'")
-            seen.add(cur)
-            cur, k = inside[cur], k + 1
-        out.append((q.start(2), cur, k))
+        out.append((q.start(2), *_follow(inside, q.group(1))))
     return out
 
 
