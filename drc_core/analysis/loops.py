@@ -163,6 +163,12 @@ class LoopStats:
             return self.extra[name]
         raise AttributeError(f"LoopStats has no statistic {name!r}")
 
+    @classmethod
+    def of(cls, loop: int, state: Tensor, values: Mapping[str, Tensor]) -> LoopStats:
+        """The stats of one loop from every statistic's values by name (built-ins as fields, the rest ``extra``)."""
+        builtin = {k: v for k, v in values.items() if k in BUILTIN_STATISTICS}
+        return cls(loop=loop, state=state, **builtin, extra={k: v for k, v in values.items() if k not in builtin})
+
     def values(self) -> dict[str, Tensor]:
         """Every statistic by name (the built-ins, ``extra``, and ``state``): what a registered statistic's
         ``compute`` gets as ``prev``."""

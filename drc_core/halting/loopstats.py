@@ -301,8 +301,7 @@ def compact_stats(loop: int, x: Tensor, res: dict[str, Tensor]) -> LoopStats:
         else:
             nan = torch.full((1, n), math.nan, device=x.device) if nan is None else nan
             filled[name] = nan
-    extra = {k: filled.pop(k) for k in list(filled) if k not in BUILTIN_STATISTICS}
-    return LoopStats(loop=loop, state=x[None], **filled, extra=extra)
+    return LoopStats.of(loop, x[None], filled)
 
 
 class FullLayout:
@@ -326,6 +325,4 @@ class FullLayout:
         for name, buf in self.full.items():
             if name in res:
                 buf.view(-1, *buf.shape[2:])[lin] = res[name].to(buf.dtype)
-        builtin = {k: v for k, v in self.full.items() if k in BUILTIN_STATISTICS}
-        extra = {k: v for k, v in self.full.items() if k not in BUILTIN_STATISTICS}
-        return LoopStats(loop=loop, state=state, **builtin, extra=extra)
+        return LoopStats.of(loop, state, self.full)
