@@ -158,3 +158,25 @@ def test_a_frame_saved_under_the_old_column_name_loads(tmp_path):
     old = pd.DataFrame({"window": [0], "pos": [0], "loop": [1], "kl_prev": [np.nan]})
     path = save_frame(old, tmp_path / "f.parquet")
     assert "kl" in load_frame(path).columns
+
+
+def test_needs_log_probs_is_derived_from_what_a_rule_reads(registered):
+    from drc_core.halting import rules as R
+
+    output_rules = [R.KLThreshold(1e-3), R.EntropyDelta(1e-2), R.ArgmaxPatience(2), R.SoftmaxConfidence(0.9),
+                    R.MinPKL(1e-3)]
+    state_rules = [R.StateDelta(1e-2), R.Cosine(0.99), R.Acceleration(1e-2), R.Uniform(4), R.Never()]
+    assert all(r.needs_log_probs for r in output_rules)
+    assert not any(r.needs_log_probs for r in state_rules)
+
+    @dataclass
+    class OnState(_BelowThreshold):
+        _stat = "state_mean"
+
+    @dataclass
+    class OnDecaying(_BelowThreshold):  # a state statistic that needs its own previous value
+        _stat = "decaying"
+
+    assert not OnState(1.0).needs_log_probs and not OnDecaying(1.0).needs_log_probs
+    assert _Below(1.0).needs_log_probs  # p0_change reads the output
+    assert not R.Oracle(torch.ones(1, 2, dtype=torch.long)).needs_log_probs  # replays exits, reads nothing

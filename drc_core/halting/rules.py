@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from drc_core.analysis.loops import LoopStats
+from drc_core.analysis.loops import STATISTICS, LoopStats
 from drc_core.errors import MAX_LOOPS, DrcError, fmt_number, need_float, need_int
 
 __all__ = [
@@ -119,9 +119,10 @@ class HaltingRule:
     loop at which a token's decision was True.
 
     :attr:`needs_log_probs` says whether :meth:`criterion` reads the output-based statistics (log-probs, KL,
-    entropy, argmax, top probability). It is True unless a subclass says otherwise; where it is False the
-    compute-skipping paths (:mod:`drc_core.halting.skipping`, :mod:`drc_core.halting.generate`) skip the per-loop
-    readout and pass stats whose output-based fields are placeholders (see
+    entropy, argmax, top probability); it is derived from :attr:`reads` and the statistics registry: True where
+    ``reads`` is None or names, directly or through what it needs, a statistic read from the output. Where it is
+    False the compute-skipping paths (:mod:`drc_core.halting.skipping`, :mod:`drc_core.halting.generate`) skip
+    the per-loop readout and pass stats whose output-based fields are placeholders (see
     :func:`drc_core.halting.skipping.skip_forward`).
 
     :attr:`reads` names the :class:`LoopStats` fields :meth:`criterion` reads, for a rule whose decision for a
@@ -139,7 +140,6 @@ class HaltingRule:
 
     min_loops: int = 1
     max_loops: int = 32
-    needs_log_probs = True  # a class attribute, not a dataclass field
     reads: ClassVar[frozenset[str] | None] = None  # a class attribute too (see above)
     family: ClassVar[str | None] = None
     grid: ClassVar[tuple[float, ...]] = ()
@@ -180,6 +180,22 @@ class HaltingRule:
         return self.criterion(stats).to(dtype=torch.bool, device=device)
 
     __call__ = decide
+
+    @property
+    def needs_log_probs(self) -> bool:
+        """Whether the rule reads a statistic computed from the loop's readout (see the class docstring)."""
+        if self.reads is None:
+            return True
+        todo, seen = list(self.reads), set()
+        while todo:
+            stat = STATISTICS.get(name := todo.pop())
+            if name in seen or stat is None:
+                continue
+            if stat.reads == "output":
+                return True
+            seen.add(name)
+            todo += stat.needs
+        return False
 
     @property
     def name(self) -> str:
@@ -232,7 +248,6 @@ class StateDelta(_BelowThreshold):
 
     family, grid = "state_delta", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4)
     _stat, _label = "state_delta", "dstate"
-    needs_log_probs = False
 
 
 @dataclass
@@ -249,7 +264,6 @@ class Cosine(HaltingRule):
 
     family, grid = "cosine", (0.9, 0.99, 0.999, 0.9999, 0.99999)
     tau: float
-    needs_log_probs = False
     reads = frozenset({"cosine"})
 
     def _validate(self, owner: str) -> None:
@@ -319,7 +333,6 @@ class Acceleration(HaltingRule):
 
     family, grid = "acceleration", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4)
     tau: float
-    needs_log_probs = False
     reads = frozenset({"accel", "accel_prev"})
 
     def _validate(self, owner: str) -> None:
@@ -341,7 +354,6 @@ class Uniform(HaltingRule):
     k: int
     min_loops: int = field(default=1, init=False)
     max_loops: int = field(default=1, init=False)
-    needs_log_probs = False
     reads = frozenset(())
 
     def __post_init__(self) -> None:
@@ -365,7 +377,6 @@ class Never(HaltingRule):
     """No token halts before ``max_loops`` (so every token runs the full depth)."""
 
     family = "never"
-    needs_log_probs = False
     reads = frozenset(())
 
     def criterion(self, stats: LoopStats) -> Tensor:
@@ -388,7 +399,7 @@ class Oracle(HaltingRule):
     family, deployable = "oracle", False  # exported, but make_rule cannot build it by name
     exit_loops: Tensor
     eps: float | None = None
-    needs_log_probs = False
+    needs_log_probs = False  # reads every token's exit loop, no statistic (overrides the derived property)
 
     def _validate(self, owner: str) -> None:
         e = self.exit_loops
