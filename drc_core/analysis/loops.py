@@ -57,7 +57,14 @@ class Statistic:
     first: float | None = None
     kind: Literal["float", "long", "vector", "distribution"] = "float"
     frame: bool = False
+    missing: float | None = None
     compute: Callable[[Tensor | None, Tensor, Mapping[str, Tensor] | None], Tensor] | None = None
+
+    def placeholder(self, shape: tuple[int, ...], device: torch.device | str) -> Tensor:
+        """A float or long statistic's value where a skipping path did not compute it (``missing``), of ``shape``."""
+        if self.kind == "long":
+            return torch.full(shape, -1 if self.missing is None else int(self.missing), dtype=torch.long, device=device)
+        return torch.full(shape, math.nan if self.missing is None else self.missing, device=device)
 
 
 _BUILTIN = (
@@ -69,7 +76,7 @@ _BUILTIN = (
     Statistic("cosine", "cos(s_l, s_{l-1})", "state", ("state",), -math.inf),
     Statistic("argmax", "argmax_v p_l(v)", "output", kind="long", frame=True),
     Statistic("argmax_run", "loops in the current run of the same argmax", "output", ("argmax", "argmax_run"),
-              kind="long"),
+              kind="long", missing=0),
     Statistic("top_prob", "max_v p_l(v)", "output"),
     Statistic("minp_kl", "KL(q_{l-1} || q_l) of the min-p filtered outputs", "output", ("log_probs",), math.inf),
     Statistic("state_step", "s_l - s_{l-1}", "state", ("state",), kind="vector"),

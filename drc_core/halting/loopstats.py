@@ -285,22 +285,19 @@ class Trajectory:
 
 def compact_stats(loop: int, x: Tensor, res: dict[str, Tensor]) -> LoopStats:
     """The (1, N) :class:`LoopStats` of the computed fields ``res``; the others are placeholders (NaN, argmax -1,
-    run 0, empty log-probs and steps) that a rule declaring its ``reads`` never looks at (one placeholder tensor
-    per kind, shared by the fields of that kind)."""
+    run 0, empty log-probs and steps) that a rule declaring its ``reads`` never looks at (each statistic's
+    :meth:`~drc_core.analysis.loops.Statistic.placeholder`, one tensor shared by the fields of one kind and value)."""
     n = x.shape[0]
     filled: dict[str, Tensor] = {}
-    nan = empty = None
+    shared: dict[tuple[str, float | None], Tensor] = {}  # one placeholder per kind and value
     for name, stat in STATISTICS.items():
         if name in res:
             filled[name] = res[name][None]
-        elif stat.kind in ("distribution", "vector"):
-            empty = x.new_empty(1, n, 0) if empty is None else empty
-            filled[name] = empty
-        elif stat.kind == "long":
-            filled[name] = torch.full((1, n), 0 if name == "argmax_run" else -1, dtype=torch.long, device=x.device)
-        else:
-            nan = torch.full((1, n), math.nan, device=x.device) if nan is None else nan
-            filled[name] = nan
+            continue
+        key = ("vector", None) if stat.kind in ("distribution", "vector") else (stat.kind, stat.missing)
+        if key not in shared:
+            shared[key] = x.new_empty(1, n, 0) if key[0] == "vector" else stat.placeholder((1, n), x.device)
+        filled[name] = shared[key]
     return LoopStats.of(loop, x[None], filled)
 
 
@@ -316,10 +313,8 @@ class FullLayout:
                 self.full[name] = torch.zeros(*shape, vocab, device=dev)
             elif stat.kind == "vector":
                 self.full[name] = torch.zeros(*shape, like.shape[-1], device=dev)
-            elif stat.kind == "long":
-                self.full[name] = torch.full(shape, 0 if name == "argmax_run" else -1, dtype=torch.long, device=dev)
             else:
-                self.full[name] = torch.full(shape, math.nan, device=dev)
+                self.full[name] = stat.placeholder(shape, dev)
 
     def stats(self, loop: int, lin: Tensor, res: dict[str, Tensor], state: Tensor) -> LoopStats:
         for name, buf in self.full.items():
