@@ -41,12 +41,11 @@ from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
 from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
+from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction
 from drc_core.experiments.speed import (
     TARGET_MEASURE,
     TARGET_RATIO,
     SpeedConfig,
-    decode_loop_cost,
-    decode_prediction,
     matched_rules,
     skip_overhead,
 )

@@ -87,11 +87,10 @@ from drc_core.book.workspace import open_model, save_results
 from drc_core.data.sampler import Corpus
 from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
 from drc_core.experiments.cost import flop_parts, matmul_flops_per_token
+from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction, time_generation
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
-    decode_loop_cost,
-    decode_prediction,
     matched_rules,
     preset_specs,
     skip_overhead,
@@ -99,7 +98,6 @@ from drc_core.experiments.speed import (
     speedup_table,
     targets_met,
     time_batched,
-    time_generation,
 )
 from drc_core.experiments.speed_checks import (
     anderson_configs,

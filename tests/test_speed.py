@@ -19,18 +19,16 @@ import torch
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
 from drc_core.experiments.cost import VOCAB_STAT_FLOPS, flop_parts, matmul_flops_per_token
+from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction, time_generation
 from drc_core.experiments.fixed_point import fixed_point_costs
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
-    decode_loop_cost,
-    decode_prediction,
     matched_rules,
     skip_overhead,
     speedup_table,
     targets_met,
     time_batched,
-    time_generation,
 )
 from drc_core.experiments.speed_checks import (
     anderson_configs,

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from drc_core.errors import DrcError
 from drc_core.experiments.cost import Log, honest_flops, interleaved, median, spread
-from drc_core.experiments.speed import RuleSpec, SpeedConfig, _decode_setup, _memory, _specs, _step_seconds
+from drc_core.experiments.decode_speed import _decode_setup, _step_seconds
+from drc_core.experiments.speed import RuleSpec, SpeedConfig, _memory, _specs
 from drc_core.halting.continuous import generate_continuous
 from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform

@@ -15,16 +15,12 @@ same process, what that becomes on the clock:
 - :func:`time_batched`: ``model(x, r)`` (uniform depth r, one readout) against ``skip_forward`` with each
   matched rule, and against ``skip_forward`` with ``Uniform(r)`` (the skipping machinery's own overhead at
   equal depth), over the same windows with the same initial states.
-- :func:`time_generation`: :func:`~drc_core.halting.generate.generate_fixed` (the KV-cached decoder at fixed depth
-  r with no halting machinery) against :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` and with
-  each matched rule: same prompts, same number of new tokens, greedy. Time per step = (time of n new tokens -
-  time of 1) / (n - 1), so the prompt pass drops out; tokens/s = rows / time per step.
+- generation (:mod:`drc_core.experiments.decode_speed`): the same comparison for the KV-cached decoder.
 - honest FLOPs: every skipping run counts the work it did (:class:`~drc_core.halting.work.Work`),
   priced by :func:`drc_core.experiments.cost.honest_flops`; ``wall_over_honest`` beside ``wall_over_proxy``;
-  :func:`speed_targets` checks the speed targets at matched quality, :func:`profile_batched` shows where the time goes,
-  :func:`bf16_check` compares bf16 autocast with fp32, :func:`anderson_table` measures Anderson acceleration.
-- :func:`measurement_cost`: :func:`drc_core.analysis.measure.measure_windows` at ``max_loops`` = 32 against one
-  depth-32 forward and against a bare pass that reads out (log-softmax) at every loop.
+  :func:`speed_targets` checks the speed targets at matched quality; :mod:`drc_core.experiments.speed_checks` shows
+  where the time goes, compares bf16 autocast with fp32, measures Anderson acceleration and what the 32-loop
+  measurement pass costs (against one depth-32 forward and a bare pass that reads out at every loop).
 
 Timing: every comparison runs its variants once untimed first (warm-up, and the quality numbers), then
 ``rounds`` interleaved rounds (the order rotates from round to round, as in ``bench/train_throughput.py``);
@@ -54,13 +50,11 @@ measurement's own overhead is its time over that floor (:func:`measurement_cost`
 
 from __future__ import annotations
 
-import itertools
 import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -78,7 +72,6 @@ from drc_core.experiments.cost import (
     page_faults,
     spread,
 )
-from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform, huginn_presets
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec, default_families, default_rules, matching_depth, summarize, sweep
@@ -93,8 +86,6 @@ __all__ = [
     "TARGET_OVERHEAD",
     "TARGET_RATIO",
     "Matched",
-    "decode_loop_cost",
-    "decode_prediction",
     "SpeedConfig",
     "matched_rules",
     "preset_specs",
@@ -103,7 +94,6 @@ __all__ = [
     "speedup_table",
     "targets_met",
     "time_batched",
-    "time_generation",
 ]
 
 TARGET_RATIO = 0.9  # wall-clock speedup >= 0.9 x the FLOP proxy at matched quality
@@ -386,182 +376,6 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
         row["page_faults_per_batch"] = median(faults[row["rule"]]) / len(batches)
         row["tokens_per_s"] = n_tok / row["seconds"]
         _speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
-    return pd.DataFrame(rows)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Generation
-
-
-def _first_divergence(tokens: Tensor, reference: Tensor) -> float:
-    """Mean over rows of the index of the first new token that differs from ``reference`` (n if none does)."""
-    differ = tokens != reference
-    first = torch.where(differ.any(dim=1), differ.int().argmax(dim=1), tokens.shape[1])
-    return float(first.double().mean())
-
-
-def _loops_run(exit_loop: Tensor) -> float:
-    """Mean over positions (columns of ``exit_loop``, (B, n)) of the deepest exit among the B rows: the loops a
-    decode step runs while any of its rows is active."""
-    return float(exit_loop.max(dim=0).values.double().mean())
-
-
-def _step_seconds(full: Sequence[float], first: Sequence[float], n: int) -> float:
-    """Seconds per decode step from the round times of n new tokens and of 1: (median(full) - median(first)) /
-    (n - 1), the prompt pass dropped out; should timer noise make that <= 0, median(full) / n (amortized)."""
-    decode = (median(full) - median(first)) / (n - 1)
-    return decode if decode > 0 else median(full) / n
-
-
-def _decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
-    """The prompt (B, T0) on the model's device, checked against ``max_seq_len`` with ``new_tokens`` more, and
-    the initial states (B, T0 + n, d) every generation comparison starts from (seeded by ``cfg.seed``)."""
-    prompt = _on_device(model, prompt, "prompt", targets=False)
-    B, t0 = prompt.shape
-    n = cfg.new_tokens
-    if t0 + n > model.cfg.max_seq_len:
-        raise DrcError(f"prompt length {t0} + new_tokens {n} exceeds max_seq_len={model.cfg.max_seq_len}: "
-                       "shorten the prompt or generate fewer tokens")
-    with torch.inference_mode():
-        gen = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
-        s0 = model.initial_state(torch.zeros(B, t0 + n, model.cfg.d_model, device=prompt.device), gen)
-    return prompt, s0
-
-
-def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
-                    cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
-    """Time per new token of greedy :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` against each rule.
-
-    Same prompt (B, T0), same ``new_tokens`` n, same initial states. The baseline (``path`` "dense decode") is
-    :func:`~drc_core.halting.generate.generate_fixed` at depth r, the KV-cached decoder with no halting machinery;
-    then ``generate`` with ``Uniform(r)`` (the machinery's own overhead at equal depth) and with each rule. Time
-    per new token = (median time of n new tokens - median time of 1) / (n - 1): the decode steps alone (should
-    noise make that <= 0, the median time of n tokens / n). One row per variant; columns as in
-    :func:`time_batched` (``setting`` "generation", ``path`` "generate"), with ``avg_loops`` the mean exit loop
-    of the n positions whose outputs chose the new tokens, ``ms_per_token``, ``tokens_per_s`` (B new tokens per
-    step), ``rows`` (B), ``prompt_ms`` (the prompt pass plus the first token), ``same_tokens`` (fraction of new
-    tokens equal to the dense decoder's, position by position), ``first_divergence`` (index of the first new
-    token that differs; n if none; mean over rows), ``loops_run`` (loops a decode step runs: the mean over the n
-    positions of the deepest exit among the B rows; ``avg_loops`` when B = 1) and no CE. ``honest_flops`` is
-    per new token (the work of n new tokens minus that of 1, over n - 1, per row); ``flop_speedup`` uses a
-    context of T0 + n tokens.
-    """
-    cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    prompt, s0 = _decode_setup(model, prompt, cfg)
-    B, t0 = prompt.shape
-    n, r = cfg.new_tokens, cfg.reference_loops
-    specs = [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]
-    dense = f"uniform={r} dense decode"
-    with torch.inference_mode():
-        model.eval()
-        dense_tokens = generate_fixed(model, prompt, n, r, state=s0)[:, t0:]
-        generate_fixed(model, prompt, 1, r, state=s0[:, : t0 + 1])
-        rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": dense,
-                 "path": "dense decode", "baseline": True, "needs_log_probs": False, "avg_loops": float(r),
-                 "same_tokens": 1.0, "first_divergence": float(n), "loops_run": float(r),
-                 "honest_flops": float(model.flops_per_token(r, t0 + n))}]
-        variants = {f"{dense} [n]": lambda: generate_fixed(model, prompt, n, r, state=s0),
-                    f"{dense} [1]": lambda: generate_fixed(model, prompt, 1, r, state=s0[:, : t0 + 1])}
-        for spec in specs:  # untimed: warm-up, exit loops and tokens
-            res = generate(model, prompt, n, spec.rule, state=s0, fused=cfg.fused)
-            one = generate(model, prompt, 1, spec.rule, state=s0[:, : t0 + 1], fused=cfg.fused)
-            work = honest_flops(model, res.work, t0 + n) - honest_flops(model, one.work, t0 + n)
-            rows.append({"setting": "generation", "family": spec.family, "param": float(spec.param),
-                         "rule": str(spec.rule), "path": "generate", "baseline": False,
-                         "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": res.new_avg_depth,
-                         "same_tokens": float((res.new_tokens == dense_tokens).double().mean()),
-                         "first_divergence": _first_divergence(res.new_tokens, dense_tokens),
-                         "loops_run": _loops_run(res.exit_loop[:, t0 - 1 :]),
-                         "honest_flops": work / (B * (n - 1))})
-            name = str(spec.rule)
-            variants[f"{name} [n]"] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
-                                                                      fused=cfg.fused)
-            variants[f"{name} [1]"] = lambda rule=spec.rule: generate(model, prompt, 1, rule, state=s0[:, : t0 + 1],
-                                                                      fused=cfg.fused)
-        times = interleaved(variants, cfg.rounds, log, "generation", cfg.clock)
-    for row in rows:
-        full, first = times[f"{row['rule']} [n]"], times[f"{row['rule']} [1]"]
-        row["seconds"] = _step_seconds(full, first, n)
-        row["ms_per_token"] = 1e3 * row["seconds"]
-        row["tokens_per_s"] = B / row["seconds"]
-        row["rows"] = B
-        row["prompt_ms"] = 1e3 * median(first)
-        row["spread"] = spread(full)
-    base = rows[0]
-    base_flops = matmul_flops_per_token(model, r, t0 + n, "forward")
-    for row, spec in zip(rows, [None, *specs], strict=True):
-        path = "forward" if spec is None else _skip_path(spec.rule)
-        _speed_columns(row, base["seconds"], r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t0 + n,
-                                                                                    path))
-    return pd.DataFrame(rows)
-
-
-def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig | None = None, *,
-                     rows: Sequence[int] = (1, 2, 4, 8, 16), log: Log = None) -> pd.DataFrame:
-    """What one core loop of a decode step costs with B rows active, for each B of ``rows`` (the first B
-    prompts of ``prompt``): the decode step of :func:`~drc_core.halting.generate.generate_fixed` at depth r and
-    at depth 1 (each as in :func:`time_generation`: time of n new tokens - time of 1, over n - 1), and per loop
-    ``loop_ms`` = (step at r - step at 1) / (r - 1), all in one interleaved timing.
-
-    One row per B: ``rows``, ``step_ms`` (depth r), ``loop_ms``, ``loop_ms_per_row``, ``fixed_ms`` and
-    ``per_row_ms`` (the least-squares line loop_ms = fixed + per_row * B over all B, same on every row) and
-    ``fixed_share`` (fixed_ms / loop_ms: the part of a loop that does not shrink when rows exit). A loop over a
-    few rows is latency-bound (one pass over the weights, ~40 small ops), not FLOP-bound: see
-    :func:`decode_prediction`."""
-    cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    n, r = cfg.new_tokens, cfg.reference_loops
-    if r < 2 or n < 2:
-        raise DrcError(f"decode_loop_cost needs reference_loops >= 2 and new_tokens >= 2 (got {r}, {n}): raise them")
-    if max(rows) > len(prompt) or min(rows) < 1:
-        raise DrcError(f"rows {list(rows)} must lie in 1..{len(prompt)} (the prompts given): pass more prompts")
-    prompt, s0 = _decode_setup(model, prompt[: max(rows)], cfg)
-    variants: dict[str, Callable[[], object]] = {}
-    with torch.inference_mode():
-        model.eval()
-        for b, depth, new in itertools.product(rows, (1, r), (1, n)):
-            def call(b: int = b, depth: int = depth, new: int = new) -> Tensor:
-                return generate_fixed(model, prompt[:b], new, depth, state=s0[:b, : prompt.shape[1] + new])
-            call()  # warm-up
-            variants[f"B={b} r={depth} n={new}"] = call
-        times = interleaved(variants, cfg.rounds, log, "decode loop cost", cfg.clock)
-
-    def step(b: int, depth: int) -> float:
-        return _step_seconds(times[f"B={b} r={depth} n={n}"], times[f"B={b} r={depth} n=1"], n)
-
-    out = pd.DataFrame([{"rows": b, "step_ms": 1e3 * step(b, r), "loop_ms": 1e3 * (step(b, r) - step(b, 1)) / (r - 1)}
-                        for b in rows])
-    out["loop_ms_per_row"] = out.loop_ms / out.rows
-    if len(out) > 1:
-        per_row, fixed = (float(v) for v in np.polyfit(out.rows.to_numpy(float), out.loop_ms.to_numpy(float), 1))
-    else:
-        per_row, fixed = 0.0, float(out.loop_ms.iloc[0])
-    out["fixed_ms"], out["per_row_ms"] = fixed, per_row
-    out["fixed_share"] = fixed / out.loop_ms
-    return out
-
-
-def decode_prediction(generation: pd.DataFrame, cost: pd.DataFrame) -> pd.DataFrame:
-    """The core-loop speed-up each rule of a :func:`time_generation` frame can expect at the decode loop cost
-    measured by :func:`decode_loop_cost` (loop = ``fixed_ms`` + ``per_row_ms`` x active rows), beside its
-    honest-FLOP and measured speed-ups.
-
-    A decode step of B rows with uniform depth r costs r (f + p B); with a rule, loop l costs f + p (rows still
-    active at l), so a step costs f x (deepest exit among its rows) + p x (sum of the rows' exits): on average
-    f ``loops_run`` + p B ``avg_loops``. ``loop_cost_speedup`` = r (f + p B) / (f loops_run + p B avg_loops):
-    r / avg_loops (the proxy) when p dominates, r / loops_run when f does. It counts core loops only: the
-    readouts a rule performs per loop (KL, entropy, ...) come on top, so for those rules it is an upper bound.
-    One row per (rows, rule) of the frame's rules (baselines and ``Uniform(r)`` left out)."""
-    fixed, per_row = float(cost.fixed_ms.iloc[0]), float(cost.per_row_ms.iloc[0])
-    rows = []
-    for g in generation[generation.family != "uniform"].itertuples():
-        base = generation[generation.baseline & (generation.rows == g.rows)].iloc[0]
-        r, b = base.avg_loops, g.rows
-        rows.append({"rows": int(b), "rule": g.rule, "avg_loops": g.avg_loops, "loops_run": g.loops_run,
-                     "proxy_speedup": g.proxy_speedup, "honest_speedup": g.honest_speedup,
-                     "loop_cost_speedup": r * (fixed + per_row * b) / (fixed * g.loops_run + per_row * b * g.avg_loops),
-                     "wallclock_speedup": g.wallclock_speedup})
     return pd.DataFrame(rows)
 
 

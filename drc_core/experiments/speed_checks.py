@@ -23,13 +23,13 @@ from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import measure_windows
 from drc_core.errors import DrcError
 from drc_core.experiments.cost import Log, interleaved, median, spread
+from drc_core.experiments.decode_speed import _decode_setup
 from drc_core.experiments.fixed_point import fixed_point_costs, seconds_per_eval
 from drc_core.experiments.speed import (
     TARGET_MEASURE,
     SpeedConfig,
     _batches,
     _ce_sum,
-    _decode_setup,
     _memory,
     _on_device,
     _specs,

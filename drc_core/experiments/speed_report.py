@@ -10,6 +10,7 @@ from torch import Tensor
 
 from drc_core.errors import DrcError
 from drc_core.experiments.cost import Log
+from drc_core.experiments.decode_speed import time_generation
 from drc_core.experiments.speed import (
     Matched,
     SpeedConfig,
@@ -19,7 +20,6 @@ from drc_core.experiments.speed import (
     speed_targets,
     speedup_table,
     time_batched,
-    time_generation,
 )
 from drc_core.experiments.speed_checks import measurement_cost, profile_batched
 from drc_core.model.lm import DepthRecurrentLM
