@@ -38,7 +38,8 @@ def check_token_ids(model: _Reads, ids: object, what: str = "windows", *, target
                        "use the corpus the model was trained on")
     positions = ids.shape[1] - 1 if targets else ids.shape[1]
     if positions > model.max_seq_len:
-        raise DrcError(f"{what} have T={positions} positions but the model's max_seq_len is {model.max_seq_len}")
+        raise DrcError(f"{what} have T={positions} positions but the model's max_seq_len is {model.max_seq_len}: "
+                       f"pass at most {model.max_seq_len + int(targets)} tokens (split a longer text into windows)")
     return ids
 
 
