@@ -12,11 +12,15 @@
 # # 6. Tokens whose required depth is known
 #
 # On natural text at our scale almost every token needs about the same depth, so no halting rule can show
-# much (notebook 4). Here a second model is trained on the same natural text mixed with generated documents
-# (`drc_core.data.depth_tasks`) in which some tokens need a known number `k` of sequential lookups:
+# much (notebook 4). Here a second model reads the same natural text mixed with generated documents
+# (`drc_core.data.depth_tasks`) in which some tokens need a known number `k` of sequential lookups. The
+# families (`task_families`):
 #
-# - **containers**: chains of "The lamp is in the box." statements, shuffled with a distractor chain;
-#   "Where is the lamp? It is in the *garden*." needs `k` links;
+# - **links**: `Links: cup box . box barn . lamp hall . ? cup barn .` -- each statement puts an object right
+#   before its container, the chains are shuffled together with a distractor chain, and the answer after
+#   `? cup` is the place `k` links away (one link is one in-context lookup of the word after a name);
+# - **containers**: the same chains in prose ("The lamp is in the box. ... Where is the lamp? It is in the
+#   *garden*.");
 # - **swaps**: people holding balls swap them; "Which ball does Ann have now? It is the *blue* ball." needs the
 #   swaps on Ann's backward path plus the starting statement;
 # - **hops**: p-hop induction over letters ("Jump 3 times from the last letter: *d*").
@@ -24,6 +28,13 @@
 # The label `k` of each answer comes from a solver that parses the text, never from the generator. Every
 # per-token claim of the book is tested against it: does accuracy need loops that grow with `k`, does the
 # convergence depth follow `k`, and do the halting rules give depth to the answers that need it?
+#
+# The shipped model (`task_checkpoint`) was trained in stages, each starting from the previous one's weights
+# (`task_init`; the recipe and the probes behind it are in `docs/training.md` and the model's README): from
+# random weights on natural text and all four families nothing but in-context copying was learned at our
+# budget, so the lookups are taught on top of that copying. With `retrain` the notebook trains one stage here,
+# from `task_init` with `train_overrides`: a shorter recipe than the shipped model's (whose intermediate stages
+# are not shipped), so what it learns is measured here, not assumed.
 
 # %% tags=["parameters"]
 profile = "reference"
@@ -36,10 +47,16 @@ vocab_size = 4096
 max_docs = 0  # per natural source; 0 means all
 data_files: list[str] = []  # fineweb-edu: local parquet shards instead of the Hub's stream
 task_docs = 20000
-task_max_k = 6
+task_min_k = 1
+task_max_k = 2
+task_families: list[str] = ["links"]  # of containers, swaps, hops, links
+task_ask_every = True  # ask about every object of a chain, not only its first
+task_repeat_share = 0.2
+task_tokenizer = "data/depth-tasks"  # reuse this model's tokenizer; empty: train one on the corpus
 preset = "cpu"
-train_overrides: list[str] = ["max_steps=6000"]
-task_checkpoint = "data/depth-tasks"  # empty: train here
+train_overrides: list[str] = ["max_steps=3000", "answer_weight=10", "lr=1e-3"]
+task_checkpoint = "data/known-depth"  # empty: train here
+task_init = "data/depth-tasks"  # a training run here starts from these weights; empty: from random weights
 retrain = False
 n_task_docs = 300  # validation task documents for the per-k measurements
 n_windows = 64  # mixed validation windows for the rule sweep
@@ -81,8 +98,8 @@ from drc_core.halting.sweep import (
 )
 from drc_core.training.evaluate import loss_by_source
 
-work_dir, corpus_dir, task_checkpoint, task_corpus_dir = at_root(
-    work_dir, corpus_dir, task_checkpoint, task_corpus_dir
+work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_init = at_root(
+    work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_init
 )
 task_work = str(Path(work_dir) / "depth_tasks")
 task_corpus = task_corpus_dir or str(Path(task_work) / "corpus")
@@ -91,7 +108,15 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 t0 = time.time()
-tasks = DepthTaskConfig(docs=task_docs, max_k=task_max_k, seed=seed)
+tasks = DepthTaskConfig(
+    docs=task_docs,
+    min_k=task_min_k,
+    max_k=task_max_k,
+    families=tuple(task_families),
+    repeat_share=task_repeat_share,
+    ask_every=task_ask_every,
+    seed=seed,
+)
 corpus = ensure_corpus(
     task_corpus,
     task_source,
@@ -99,6 +124,7 @@ corpus = ensure_corpus(
     max_docs=max_docs or None,
     data_files=data_files,
     tasks=tasks,
+    tokenizer=task_tokenizer,
     progress=False,
 )
 info = provide_model(
@@ -108,6 +134,7 @@ info = provide_model(
     overrides=train_overrides,
     checkpoint=task_checkpoint,
     retrain=retrain,
+    init=task_init,
     progress=False,
 )
 model, cfg, metrics = open_model(task_work)
@@ -271,6 +298,8 @@ extra = DepthTaskConfig(
     docs=extrapolation_docs,
     min_k=task_max_k + 1,
     max_k=2 * task_max_k,
+    families=tuple(task_families),
+    ask_every=task_ask_every,
     seed=seed + 1000,
     repeat_share=0.0,
 )

@@ -46,35 +46,39 @@ __all__ = [
 
 def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_docs: int | None = None,
                   seq_len: int = 256, data_files: Sequence[str | Path] = (), tasks: DepthTaskConfig | None = None,
-                  progress: bool = True) -> Corpus:
+                  tokenizer: str | Path = "", progress: bool = True) -> Corpus:
     """Prepare ``corpus_dir`` from ``source`` if it is missing or out of date (a cached no-op otherwise).
     ``data_files``: local parquet shards that stand in for FineWeb-Edu's Hub stream (the same streaming reader;
-    :mod:`drc_core.data.sources`); ``tasks``: what the ``depth-tasks`` source generates."""
+    :mod:`drc_core.data.sources`); ``tasks``: what the ``depth-tasks`` source generates; ``tokenizer``: reuse the
+    tokenizer of a run, a shipped copy or a corpus (``prepare --tokenizer``) instead of training one."""
     spec = SourceSpec(name=source, max_docs=max_docs, data_files=tuple(str(f) for f in data_files),
                       tasks=tasks or DepthTaskConfig())
-    prepare(PrepareConfig(source=spec, out=str(corpus_dir), vocab_size=vocab_size, seq_len=seq_len),
-            progress=progress)
+    prepare(PrepareConfig(source=spec, out=str(corpus_dir), vocab_size=vocab_size, seq_len=seq_len,
+                          tokenizer=str(tokenizer)), progress=progress)
     return Corpus.open(corpus_dir)
 
 
-def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *, progress: bool = True) -> Path:
+def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *, progress: bool = True,
+                   init: str | Path | None = None) -> Path:
     """Train ``cfg`` into ``out`` (resuming a partial run; a finished run with the same config is reused) and
-    return ``out``. A finished run made with another config is an error: nothing is overwritten."""
+    return ``out``. A finished run made with another config is an error: nothing is overwritten. ``init``: start
+    from another run's weights (:func:`drc_core.training.train.train`'s second stage)."""
     out = Path(out)
     run = open_run(out) if out.is_dir() else None
     if run is not None and run.weights == out / FINAL_DIR:
         if run.train_config() != cfg:
             raise DrcError(f"'{out}' holds a finished run with another config: delete it or choose another work_dir")
         return out
-    train(cfg, corpus_dir, out, resume=(out / "checkpoints").exists(), progress=progress)
+    train(cfg, corpus_dir, out, resume=(out / "checkpoints").exists(), progress=progress, init=init)
     return out
 
 
 def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, overrides: list[str],
-                  checkpoint: str = "", retrain: bool = False, progress: bool = True) -> dict[str, Any]:
+                  checkpoint: str = "", retrain: bool = False, init: str = "", progress: bool = True) -> dict[str, Any]:
     """Put the studied model in ``work_dir/model``: a copy of ``checkpoint`` (a directory like
     ``data/reference``) unless it is empty or ``retrain`` is set, else a run trained here with
-    ``preset_name`` + ``overrides``. Returns ``source.json``'s content."""
+    ``preset_name`` + ``overrides`` (from the weights of ``init`` where given: a second training stage).
+    Returns ``source.json``'s content."""
     work = Path(work_dir)
     model_dir = work / "model"
     if checkpoint and not retrain:
@@ -90,8 +94,10 @@ def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, ove
         info = {"kind": "checkpoint", "path": str(src)}
     else:
         cfg = preset_for(preset_name, list(overrides), corpus)
-        run = open_run(train_or_reuse(cfg, corpus.path, work / "train", progress=progress))
+        run = open_run(train_or_reuse(cfg, corpus.path, work / "train", progress=progress, init=init or None))
         info = {"kind": "trained", "path": str(run.path), "preset": preset_name, "overrides": list(overrides)}
+        if init:
+            info["init"] = str(init)
     assert run is not None
     run.ship(model_dir, info=info, replace=True)
     return info
