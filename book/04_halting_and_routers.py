@@ -20,7 +20,7 @@
 # calibrated on the first half; every number below is measured on the held-out half.
 #
 # The full grid is swept *offline*: every rule is replayed on one uniform-depth trajectory per window
-# (`sweep(..., mode="offline")`), which is one forward pass for all ~80 rule settings instead of one each.
+# (`sweep(..., mode="offline")`), which is one forward pass for every rule setting of the grid instead of one each.
 # Offline replay ignores one effect of real halting: a halted token's frozen state and keys/values change
 # what later tokens see. The last section runs the matched points *online* (true per-token halting,
 # `drc_core.halting.reference.masked_forward`) and reports the difference.

@@ -363,75 +363,36 @@ print(
 # %% [markdown]
 # ## Where the time goes
 # `torch.profiler` over one batch (16 windows × 256 tokens), self CPU time by kind of op (the table below this
-# text). What we found, and changed (`drc_core.halting.skipping`, `drc_core.experiments.cost`):
+# text). What bounds each path (the implementation's history, with the timings that led to each choice, is in
+# the commit log of `drc_core.halting.skipping`):
 #
-# - **Gather and scatter** (first d = 128 reference): `skip_forward` with `Uniform(8)` spent ~0.22 s of 1.36 s
-#   gathering, scattering and padding the active tokens every loop, and the KL rule ~2.2 s of 3.7 s in
-#   vocabulary-sized elementwise work, every statistic of every rule computed into (B, T, V) buffers. Now the
-#   active tokens stay compacted across loops (one index per tensor only at a loop where some halt), the
-#   attention layout is built once per active set with a dense fast path (no padding, no mask while every
-#   position is active), a rule gets only the statistics it declares (`HaltingRule.reads`) for its active
-#   tokens, the head writes into a preallocated (N, V) double buffer, and softmax + KL (reusing the previous
-#   loop's logits and normaliser) run as one compiled kernel.
-# - **The allocator** (equal depth, d = 256): with glibc's defaults a large buffer is often a fresh `mmap`
-#   whose pages fault on first touch. The dense forward reuses its buffers (0 page faults per batch after
-#   warm-up); the skipping path's temporaries (MLP activations of changing shapes, per-loop key/value slabs)
-#   faulted 35–58 thousand pages per batch, which made it 1.08–1.19× the dense forward at equal depth with no
-#   change in op time. `keep_freed_memory()` (glibc `mallopt`: freed memory is kept for reuse) runs before every
-#   timing (`SpeedConfig.keep_freed`, on by default); the `page_faults_per_batch` column above shows ~0 for
-#   every variant. A program that imports `drc_core` gets the same by calling it once.
-# - **Equal depth**: the skipping path's dense loops (every token still active) now run in the dense forward's
-#   own layout and defer their key/value cache writes until the active set first shrinks (with `Uniform(r)` it
-#   never does). Direct interleaved timings of one batch, 7 rounds: 0.995–1.005× the dense forward on the
-#   2-core AMX machine, 0.89–1.02× (six runs) on a 2-core AMD EPYC (avx512_bf16, no AMX) where this book was
-#   last executed; the profile gives it as many ops and about the same op time as the dense forward. The
-#   `Uniform(r)` rows of the tables above are single runs of that comparison among many variants, so their
-#   ratio carries the round-to-round noise of the machine (the `spread` column).
-# - **Readout of the state rules**: a rule on the states keeps its exiting tokens' coda outputs (d wide) and
-#   runs the head once at the end on every token, as the dense forward does, instead of writing V-wide logits
-#   per loop; exiting rows are written with `index_put_`. The state-change rule's gather/scatter fell from 95
-#   to 15–20 ms per batch.
-# - **What bounds the KL rule**: its readout. Per active token and loop it needs the coda (one block), the
-#   head (2dV) and the softmax over V: about one core loop on both references (the cost table above). At its
-#   matched depth its honest FLOPs are therefore close to uniform depth's, and the `ceiling` of its 1.5×
-#   target (its honest-FLOP speed-up) is ~1.15× on both the d = 128 and the d = 256 reference: the target
-#   cannot be met on these models whatever the implementation (it could on a model whose core is large
-#   against its head). The same holds for every rule that reads the output (entropy change, argmax patience,
-#   confidence, min-p KL): at matched quality their honest FLOPs are 0.3–1.1× uniform depth's, so most cannot
-#   be faster than it on the clock; the confidence rule matches only at ~15 loops.
-# - **What bounds wall / honest in batched evaluation** (0.8–1.0 for the matched rules): not gather/scatter
-#   (~2 % of the rule's op time in the profile) but work that does not shrink with the active set. With
-#   `rule_max_loops` 16 the last loops run on a few dozen tokens each, yet every loop pays ~1–2.5 ms of fixed
-#   cost (about 40 small ops on (N, d) tensors: RMSNorm, RoPE, the MLP activation, one host sync to learn which
-#   tokens halted; the attention layout rebuilt when some did); the active tokens of a row attend to all its
-#   frozen keys, so attention shrinks less than the FLOP count of the active queries suggests; and matmuls on
-#   fewer rows run at a lower rate. The state rules' wall / proxy target is out of reach as well: the
-#   prelude, the coda and the head run once whatever the depth, so even at wall = honest the state-change rule
-#   would reach only its `ceiling` (~0.9 at its ~5 loops).
-# - **What bounds generation with several rows**: weight passes, not FLOPs. One loop over 8 rows costs
-#   about what it costs over 1 (the decode-loop cost table above: B × d inputs against d × d weights, a pass
-#   over the weights and ~40 small ops), and a step runs until its deepest row exits: `loops_run` is 5–7 where
-#   `avg_loops` is 3.6–5.6. Generation also writes the coda's keys/values at every loop a row is active (a later
-#   token that exits at loop l reads its predecessors' loop-l coda keys/values), which the fixed-depth decoder
-#   does once. The profile of generation (below the batched one) counts it: at batch 8 the state-change rule
-#   makes ~10 % fewer matmul calls than the dense decoder while its average depth is ~40 % lower, and issues
-#   more small ops in all (which rows are active, their per-loop caches). `loop_cost_speedup` (core loops
-#   only) is therefore an upper bound as well, and the honest-FLOP speed-up is not a ceiling here. We tried
-#   keeping every row of a decode step computing until the last exits (no compaction; exited rows' later
-#   keys/values overwritten by their exit-loop ones): identical outputs, but 0.86× vs 0.85× (state change),
-#   0.65× vs 0.62× (KL) and 0.92× vs 0.98× (cosine) of the dense decoder at batch 8 over 5 interleaved
-#   rounds, so it was not kept. Closing the gap needs rows whose exits do not wait for each other (each
-#   row its own step, as continuous batching in serving engines does), not a faster loop.
-# - **Noise**: on these 2-core machines single runs vary by 10–30 % from round to round, so ratios near a
-#   threshold (0.92 vs 1/1.05) are within noise; the tables report medians over `rounds` interleaved rounds.
-#   Generation at batch 1 is the noisiest (a step takes ~10 ms, and its time is a difference of two medians):
-#   on the AMD machine a direct 9-round timing gave `generate` with `Uniform(8)` 0.98× and the state-change
-#   rule 1.13× the dense decoder, where the run above shows 0.79× and 0.90×.
-# - **bf16** (where the CPU has fast bf16 matmuls): the dense forward runs ~1.7× (avx512_bf16) to ~2.5×
-#   (AMX) faster under bf16 autocast, the rules less (their readout statistics stay fp32), so bf16 narrows
-#   no gap (the section below measures it on this machine); at the matched KL threshold 0.03 96–98 % of exits
-#   are unchanged and the CE moves by < 4e-4, but the successive KL moves by tens of percent below 1e-3: bf16
-#   is fine for the matched KL rule, not for Huginn's 5e-4 or the min-p 1e-5 thresholds.
+# - **Equal depth**: the skipping path's loops while every token is active run in the dense forward's own
+#   layout and defer their key/value cache writes until the active set first shrinks (with `Uniform(r)` it
+#   never does), so its `Uniform(r)` row does the dense forward's work; that row is one comparison among many
+#   variants and carries the machine's round-to-round noise (the `spread` column).
+# - **The allocator**: temporaries of changing shapes (the active set shrinks) can land in fresh pages that
+#   fault on first touch; `keep_freed_memory()` (glibc `mallopt`) runs before every timing, and the
+#   `page_faults_per_batch` column shows what remains. A program that imports `drc_core` gets the same by
+#   calling it once.
+# - **Rules that read the output** (KL, entropy change, argmax patience, confidence, min-p KL): per active token
+#   and loop they need the coda, the head (2dV) and a softmax over V, which on a small model costs about one
+#   core loop (the cost table above). At matched quality their honest FLOPs therefore stay close to uniform
+#   depth's, and the `ceiling` column of the targets is the best any implementation of the same work reaches.
+# - **Rules on the states**: they pay the core per active token and one readout at the end; the prelude, the
+#   coda and the head run once whatever the depth, which bounds wall / proxy (`ceiling` again).
+# - **Work that does not shrink with the active set**: every loop pays dozens of small ops on (N, d) tensors
+#   (RMSNorm, RoPE, the MLP activation) and one host sync to learn which tokens halted; active queries still
+#   attend to all frozen keys of their row; matmuls on fewer rows run at a lower rate. This is what keeps
+#   wall / honest below 1 in batched evaluation.
+# - **Generation with several rows**: a step runs until its deepest row exits (`loops_run` against `avg_loops`
+#   in the generation table), one loop over several rows costs about what it costs over one (the decode-loop
+#   cost table: a pass over the weights), and generation writes the coda's keys/values at every loop a row is
+#   active. So `loop_cost_speedup` is an upper bound, and closing the gap needs rows whose exits do not wait
+#   for each other (continuous batching, the section below), not a faster loop.
+# - **Noise**: on a 2-core machine single runs vary from round to round, so ratios near a threshold are within
+#   noise; the tables report medians over `rounds` interleaved rounds, with their `spread`.
+# - **bf16**: the section below measures it on this machine; the rules' readout statistics stay fp32, and the
+#   successive KL moves under bf16 far more than the CE does, which matters for the tiniest thresholds.
 
 # %%
 def by_kind(kinds: pd.DataFrame) -> pd.DataFrame:
@@ -514,10 +475,9 @@ if anderson_windows:
     )
 
 # %% [markdown]
-# On both references Anderson reaches a tight fixed point (1e-5) in about a quarter fewer evaluations, but
-# each costs 1–24 % more (the least-squares mixing over the sequence; how much depends on the machine), so
-# the time to it falls by 10–25 %; damped plain iteration gets most of the way with no mixing. At the depths
-# where the matched rules stop (3.5–5.6 loops) neither buys CE, because the output saturates by then, so
+# The line above compares the methods: fewer evaluations to a tight fixed point (1e-5), each costing more than
+# a plain one (the least-squares mixing over the sequence; how much depends on the machine). At the depths
+# where the matched rules stop, the output has saturated, so neither Anderson nor damping buys CE there, and
 # neither is wired into the skipping path.
 
 # %% [markdown]

@@ -290,28 +290,26 @@ if len(effects):
 
 # %% [markdown]
 # ### Why the targets are not met at this scale
-# Read with the two tables above. Each run is one seed: in the parity runs (small preset, three seeds, bf16 +
-# compile like this grid) the gain spread over 0.10–0.13 nats, so differences of a few hundredths are within
-# seed noise.
+# Read with the two tables above (each run is one seed; differences of a few hundredths of a nat are within
+# the seed spread of the parity runs, `data/parity`).
 #
-# - **Width buys quality per token, not depth use.** At equal tokens each step in width lowers the loss at
-#   every depth, and the gain from depth does not grow with it: the wider models settle by loop 3–4 as the
-#   narrow ones do, and converge tighter (their successive KL at loop 16 is lower).
-# - **A higher training-mean depth raises the gain mostly by making one loop worse.** From mean 8 to 12 and
-#   16 the one-loop loss rises by 0.07–0.13 nats, the loss at depth falls by 0.01–0.03, and uniform depth
-#   still matches at about a third of R; the gain is a worse shallow model, as the first round found at
-#   d = 64, which the depth-gain target rules out as a route to it.
-# - **Backprop depth is not the cap**: backprop through all 8 loops instead of the last 4 changes nothing
-#   beyond noise, for more time per step.
-# - **Tokens are the lever that moves both**, and they run out: from ×1 to ×5 tokens the loss at depth falls
-#   by over 0.5 nats and the gain roughly doubles, but ×5 is 5.9 passes over the 3.46 M-token training split,
-#   validation ends ~0.5 nats above training, and the gain on training windows exceeds the one on validation
-#   windows, so part of the extra depth use at ×5 is the model fitting its training split. In the reference
-#   run the gain grew late in training (notebook 1's gain by step): depth use comes with training length,
-#   which the paper's 4.2 B-token run has and this corpus cannot give without repeating itself.
+# - **Width buys quality per token, not depth use.** The width rows lower the loss at one loop and at `R`
+#   alike (`d CE@1`, `d CE@R`), and their `gain` does not grow with it: the wider models settle by the same
+#   loop as the narrow ones, and converge tighter.
+# - **A higher training-mean depth raises the gain mostly by making one loop worse**: its `d CE@1` rises by
+#   more than its `d CE@R` falls (`deep share` below one half), the route the depth-gain target rules out (the
+#   first round found the same at d = 64).
+# - **Backprop depth is not the cap**: backprop through all loops instead of the last four moves the gain by
+#   no more than seed noise, for more time per step.
+# - **Tokens are the lever that moves both**, and they run out: the token rows give the largest fall of
+#   `d CE@R` and the largest rise of `gain`, but the largest budget repeats the training split several times,
+#   and its `train gain` above its validation `gain` says that part of its extra depth use is the model fitting
+#   its training split. In the reference run the gain grew late in training (notebook 1's gain by step): depth
+#   use comes with training length, which the paper's 4.2 B-token run has and this corpus cannot give without
+#   repeating itself.
 #
-# So on this machine the corpus, not the CPU, is the limit: the fast path trains a 4× larger model in the
-# same hour, but the embedded corpus is used up at ~5 passes. A model that uses depth as the paper's does
+# So on this machine the corpus, not the CPU, is the limit: the fast path trains a larger model in the same
+# hour, but the embedded corpus is used up after a few passes. A model that uses depth as the paper's does
 # needs more distinct tokens (the data layer reads FineWeb-Edu; `paper-135m` is the preset for a GPU).
 
 # %% [markdown]
