@@ -54,13 +54,11 @@ from drc_core.analysis.measure import (
     oscillating_tokens,
     per_loop_summary,
     save_frame,
-    val_windows_with_docs,
 )
 from drc_core.analysis.tokens import classify_sequence
 from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import open_model, save_results
-from drc_core.data.sampler import Corpus
+from drc_core.book.workspace import open_study, save_results
 from drc_core.halting.sweep import default_rules, token_exits
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
@@ -68,9 +66,7 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 t0 = time.time()
-model, cfg, _ = open_model(work_dir)
-corpus = Corpus.open(corpus_dir)
-windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
+model, cfg, corpus, windows, docs, _ = open_study(work_dir, corpus_dir, n_windows)
 frame = measure_windows(model, windows, max_loops, doc_ids=docs)
 save_frame(frame, Path(work_dir) / "frame.parquet",
            made_with={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})

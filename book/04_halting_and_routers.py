@@ -57,12 +57,10 @@ import numpy as np
 import pandas as pd
 from IPython.display import display
 
-from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.api import document_windows
 from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import open_model, save_results
-from drc_core.data.sampler import Corpus
+from drc_core.book.workspace import open_study, save_results
 from drc_core.halting.calibrate import loss_tables, min_units, validity, validity_summary
 from drc_core.halting.router import split_windows, trained_router_specs
 from drc_core.halting.sweep import (
@@ -83,10 +81,7 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 t0 = time.time()
-model, cfg, _ = open_model(work_dir)
-corpus = Corpus.open(corpus_dir)
-windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
-reference = int(round(cfg.recurrence.mean))
+model, cfg, corpus, windows, docs, reference = open_study(work_dir, corpus_dir, n_windows)
 calib_idx, held_idx = split_windows(len(windows), 0.5, seed=seed)
 print(
     f"{len(windows)} windows: {len(calib_idx)} for router training / calibration, "

@@ -83,8 +83,7 @@ from IPython.display import display
 from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import decode_viz, viz
 from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import open_model, save_results
-from drc_core.data.sampler import Corpus
+from drc_core.book.workspace import open_study, save_results
 from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
 from drc_core.experiments.cost import flop_parts, matmul_flops_per_token
 from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction, time_generation
@@ -118,10 +117,7 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 t0 = time.time()
 if threads:
     torch.set_num_threads(threads)
-model, cfg, _ = open_model(work_dir)
-corpus = Corpus.open(corpus_dir)
-windows, _ = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
-reference = int(round(cfg.recurrence.mean))
+model, cfg, corpus, windows, _, reference = open_study(work_dir, corpus_dir, n_windows)
 prompt_len = min(prompt_len, cfg.seq_len, model.cfg.max_seq_len - new_tokens)
 speed = SpeedConfig(
     reference_loops=reference,

@@ -18,11 +18,13 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
+import torch
 
+from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book.paths import committed_counterpart
 from drc_core.data.depth_tasks import DepthTaskConfig
 from drc_core.data.prepare import PrepareConfig, prepare
@@ -37,7 +39,9 @@ from drc_core.training.train import preset_for, train
 __all__ = [
     "ensure_corpus",
     "load_results",
+    "Study",
     "open_model",
+    "open_study",
     "provide_model",
     "provide_run",
     "save_results",
@@ -114,6 +118,26 @@ def provide_run(run_dir: str | Path, corpus_dir: str | Path, *, preset_name: str
         return run.path, run.train_config()
     cfg = preset_for(preset_name, list(overrides), Corpus.open(corpus_dir))
     return train_or_reuse(cfg, corpus_dir, run_dir, progress=progress) / FINAL_DIR, cfg
+
+
+class Study(NamedTuple):
+    """What notebooks 2-5 open first (:func:`open_study`)."""
+
+    model: DepthRecurrentLM
+    cfg: TrainConfig
+    corpus: Corpus
+    windows: torch.Tensor  # (N, seq_len + 1) validation windows spread over the split
+    docs: torch.Tensor  # (N, seq_len) row in corpus.docs of each input token's document
+    reference: int  # the training-mean depth, rounded: the reference depth of every comparison
+
+
+def open_study(work_dir: str | Path, corpus_dir: str | Path, n_windows: int) -> Study:
+    """The studied model of ``work_dir``, its corpus and ``n_windows`` validation windows with their documents
+    (:func:`~drc_core.analysis.measure.val_windows_with_docs`): the shared opening of the notebooks."""
+    model, cfg, _ = open_model(work_dir)
+    corpus = Corpus.open(corpus_dir)
+    windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
+    return Study(model, cfg, corpus, windows, docs, int(round(cfg.recurrence.mean)))
 
 
 def open_model(work_dir: str | Path) -> tuple[DepthRecurrentLM, TrainConfig, pd.DataFrame]:
