@@ -75,3 +75,20 @@ def test_provide_run_reuses_a_shipped_copy_or_trains(trained, corpus, tmp_path):
     assert weights == tmp_path / "new" / "final" and cfg.seed == 1 and (weights / "model.safetensors").is_file()
     with pytest.raises(DrcError, match="another config"):
         provide_run(tmp_path / "new", corpus.path, preset_name="tiny", overrides=[*STEPS, "seed=2"])
+
+
+def test_a_second_stage_starts_from_init_on_a_corpus_with_its_tokenizer(trained, corpus, tmp_path):
+    """provide_model(init=...) trains from another model's weights (recorded in init.json and source.json), on a
+    corpus prepared with that model's tokenizer (ensure_corpus(tokenizer=...))."""
+    second = ensure_corpus(tmp_path / "c2", "wikipedia", 512, max_docs=5, seq_len=64,
+                           tokenizer=corpus.path, progress=False)
+    assert second.tokenizer_hash == corpus.tokenizer_hash and second.fingerprint != corpus.fingerprint
+    info = provide_model(tmp_path / "w", second, preset_name="tiny", overrides=STEPS, init=str(trained / "train"),
+                         progress=False)
+    assert info["kind"] == "trained" and info["init"] == str(trained / "train")
+    record = json.loads((tmp_path / "w" / "train" / "init.json").read_text())
+    assert record["init"] == str(trained / "train")
+    other = ensure_corpus(tmp_path / "c3", "wikipedia", 512, max_docs=5, seq_len=64, progress=False)
+    with pytest.raises(DrcError, match="another tokenizer"):
+        provide_model(tmp_path / "w2", other, preset_name="tiny", overrides=STEPS, init=str(trained / "train"),
+                      progress=False)
