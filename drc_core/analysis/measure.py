@@ -120,6 +120,8 @@ def measure_windows(
     :func:`drc_core.training.evaluate.loss_by_depth` (same ``batch_size`` -> same states, so the mean ``ce`` at loop l
     equals its loss at depth l). Runs under ``torch.no_grad()`` in eval mode and restores the model's mode.
     Memory and cost: see the module docstring (one pass, or about two with ``kl_to_final``).
+
+    Long because the frame's columns are gathered in one pass per batch of windows.
     """
     windows = check_token_ids(model, windows)
     max_loops = need_int("max_loops", max_loops, 2)

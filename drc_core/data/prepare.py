@@ -176,6 +176,9 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
 
 
 def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> PrepareResult:
+    """Prepare ``cfg.out`` under the corpus lock: read the sources, train or load the tokenizer, tokenize, label and
+    write into a temporary sibling that replaces ``out`` only when complete. One function on purpose: the steps
+    share the documents, the tokenizer and the temporary directory, and read in the order they run."""
     if out.is_dir() and any(out.iterdir()) and not is_prepared(out):
         raise DrcError(f"output '{out}' holds files that are not a prepared corpus: choose an empty --out")
     fp = cfg.fingerprint()

@@ -226,6 +226,10 @@ def generate_continuous(
     ``generate``. ``keep_logits=False`` keeps no (T, V) logits per request. The rule must declare the statistics
     it reads (:attr:`~drc_core.halting.rules.HaltingRule.reads`): its decision for a token may depend only on
     that token.
+
+    One function on purpose: the scheduler's state (slots, caches, queue, per-request records) is shared by its
+    nested steps (``admit``, ``join``, ``exited``) and the step loop; a class would hold the same state in
+    attributes.
     """
     t_start = time.perf_counter()
     reqs = _request_list(prompts, max_new_tokens, states)

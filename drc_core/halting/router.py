@@ -213,6 +213,9 @@ def train_router(
     ``epochs`` run, the last weights are kept). Loss: BCE with ``pos_weight = n_negative / n_positive`` of the
     training part (class-balanced). AdamW with ``lr`` and ``weight_decay``. The features are standardised
     with the training part's mean and std (std floored at 1e-6), stored in the router with ``data.spec``.
+
+    Long because it is one loop with its early stopping and logging inline; its parts share the optimizer and the
+    best weights.
     """
     owner = "train_router"
     if not isinstance(router, Router):

@@ -103,6 +103,9 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
     exit state); ``e`` (B, T, d) is the prelude output. Stops as soon as every processed token has halted.
     ``work``, if given, is incremented by the work done (:class:`Work`). ``fused``: the readout statistics
     through the compiled kernel (:func:`fused_stats_kernel`) instead of the eager chunked pass.
+
+    Long because the loop driver keeps the active set, the caches and the statistics in locals across loops;
+    splitting it would pass them all back and forth.
     """
     t0, t1 = window
     B, width, d = s.shape[0], t1 - t0, s.shape[-1]

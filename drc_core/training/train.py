@@ -262,6 +262,8 @@ def _init_weights(model: DepthRecurrentLM, init: str | Path, corpus: Corpus, dev
 
 def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress: bool, d: Dist,
            device: torch.device, init: str | Path | None = None) -> dict:
+    """One function on purpose: the training loop reads top to bottom (resume, step, log, evaluate, checkpoint) as in
+    nanoGPT; its parts share the optimizer, the model and the step counter."""
     corpus = Corpus.open(data)
     if corpus.vocab_size != cfg.model.vocab_size:
         raise DrcError(
