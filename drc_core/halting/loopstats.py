@@ -149,8 +149,9 @@ class Tracker:
 
     def readout(self, model: DepthRecurrentLM, y: Tensor, loop: int) -> dict[str, Tensor]:
         """Head + statistics of the coda outputs ``y`` (N, d): fills :meth:`logits_buffer` and returns the
-        output fields in ``need`` (N,) (``log_probs`` (N, V)). Long because the built-in statistics are computed together in one chunked pass over the logits (one read of
-        the (N, V) buffer, no intermediate of that size)."""
+        output fields in ``need`` (N,) (``log_probs`` (N, V)). Long because the built-in statistics are computed
+        together in one chunked pass over the logits (one read of the (N, V) buffer, no intermediate of that
+        size)."""
         n, need = y.shape[0], self.need
         z = self.logits_buffer(n)
         first = self.loop == 0
