@@ -149,7 +149,8 @@ print(
     f"model from {info['kind']} {info['path']}: {model.num_params():,} parameters, "
     f"trained mean depth {R}"
 )
-print(f"training tokens that are depth tasks: {task_share:.1%}; k = {tasks.min_k}..{tasks.max_k}")
+lowest_k = 1 if tasks.ask_every else tasks.min_k  # asking every object of a chain asks k = 1.. too
+print(f"training tokens that are depth tasks: {task_share:.1%}; answers need k = {lowest_k}..{tasks.max_k}")
 per_source
 
 # %% [markdown]
@@ -290,8 +291,8 @@ depth_viz.depth_by_k_figure(
 
 # %% [markdown]
 # ## Depth extrapolation
-# Fresh documents (a seed never trained on) whose answers need `k` = `task_max_k`+1 .. 2·`task_max_k` lookups,
-# read at up to `max_loops` loops.
+# Fresh documents (a seed never trained on) whose answers need `k` = `task_max_k`+1 .. 2·`task_max_k` lookups
+# (with `task_ask_every` the shorter `k` of the same chains are asked too), read at up to `max_loops` loops.
 
 # %%
 extra = DepthTaskConfig(
@@ -375,7 +376,7 @@ results = {
     "n_params": model.num_params(),
     "reference_loops": R,
     "task_share": float(task_share),
-    "k_range": [tasks.min_k, tasks.max_k],
+    "k_range": [lowest_k, tasks.max_k],
     "n_answers": len(tw.answers),
     "n_documents": len(tw.windows),
     "accuracy": acc.to_dict("records"),
