@@ -92,3 +92,14 @@ def test_a_second_stage_starts_from_init_on_a_corpus_with_its_tokenizer(trained,
     with pytest.raises(DrcError, match="another tokenizer"):
         provide_model(tmp_path / "w2", other, preset_name="tiny", overrides=STEPS, init=str(trained / "train"),
                       progress=False)
+
+
+def test_a_checkpoint_opens_as_part_of_its_run(trained, corpus):
+    """A run's checkpoint directory reads its run's training config and corpus record (so --init from a
+    checkpoint checks the tokenizer as --init from the run does)."""
+    from drc_core.training.rundir import open_run
+
+    ckpt = sorted((trained / "train" / "checkpoints").iterdir())[-1]
+    run = open_run(ckpt)
+    assert run.run == trained / "train" and run.weights == ckpt
+    assert run.train_config().max_steps == 6 and run.corpus_record()["tokenizer_sha256"] == corpus.tokenizer_hash

@@ -4,13 +4,14 @@ Three layouts exist, written by :func:`drc_core.training.train.train` and copied
 
 - a training run ``R/``: ``config.json`` (the :class:`~drc_core.training.config.TrainConfig`), ``metrics.jsonl``,
   ``checkpoints/`` and, once finished, ``final/`` (the weights);
-- its ``R/final/``: ``model.safetensors`` + ``config.json`` (the :class:`~drc_core.model.lm.ModelConfig`);
+- its ``R/final/``: ``model.safetensors`` + ``config.json`` (the :class:`~drc_core.model.lm.ModelConfig`), and
+  each ``R/checkpoints/step-N/`` likewise (plus the optimizer state);
 - a shipped copy (``data/reference``, ``data/experiments/<run>``, the book's ``work_dir/model``):
   ``model.safetensors`` + ``config.json`` (the ModelConfig) beside ``train_config.json`` (the TrainConfig),
   ``metrics.jsonl`` and optionally ``tokenizer.json`` / ``corpus_meta.json``.
 
 The model config is always ``config.json`` next to ``model.safetensors``; the training config is the run's
-``config.json`` (for ``R/`` and ``R/final/``) or ``train_config.json`` (a shipped copy). A directory without
+``config.json`` (for ``R/``, ``R/final/`` and its checkpoints) or ``train_config.json`` (a shipped copy). A directory without
 weights (a run still training, or metrics kept without weights as under ``data/levers``) opens too; asking it
 for the model is then a one-line :class:`~drc_core.errors.DrcError`.
 """
@@ -214,7 +215,8 @@ def open_run(path: str | Path) -> RunDir:
     elif (p / WEIGHTS_FILE).is_file():
         weights = p
         is_final = p.name == FINAL_DIR and _is_train_config(p.parent / CONFIG_FILE)
-        root = p.parent if is_final else p
+        is_checkpoint = p.parent.name == "checkpoints" and _is_train_config(p.parent.parent / CONFIG_FILE)
+        root = p.parent if is_final else p.parent.parent if is_checkpoint else p
     else:
         weights, root = None, p
     train_config = None
