@@ -358,7 +358,7 @@ cost.round(4)
 # ## The depth explorer on a task passage
 # Each token of one validation task document coloured by its successive KL at loop *l*: the answer tokens
 # settle at loops that grow with their `k` where the model has learned the lookups. In JupyterLab,
-# `drc_core.load("data/depth-tasks").trace(text).explorer().widget` is the live version.
+# `drc_core.load("data/known-depth").trace(text).explorer().widget` is the live version.
 
 # %%
 explorer_frame = measure_windows(model, tw.windows[:1], max_loops)
