@@ -11,9 +11,9 @@ Three layouts exist, written by :func:`drc_core.training.train.train` and copied
   ``metrics.jsonl`` and optionally ``tokenizer.json`` / ``corpus_meta.json``.
 
 The model config is always ``config.json`` next to ``model.safetensors``; the training config is the run's
-``config.json`` (for ``R/``, ``R/final/`` and its checkpoints) or ``train_config.json`` (a shipped copy). A directory without
-weights (a run still training, or metrics kept without weights as under ``data/levers``) opens too; asking it
-for the model is then a one-line :class:`~drc_core.errors.DrcError`.
+``config.json`` (for ``R/``, ``R/final/`` and its checkpoints) or ``train_config.json`` (a shipped copy). A
+directory without weights (a run still training, or metrics kept without weights as under ``data/levers``) opens
+too; asking it for the model is then a one-line :class:`~drc_core.errors.DrcError`.
 """
 
 from __future__ import annotations
