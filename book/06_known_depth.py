@@ -56,7 +56,7 @@ task_tokenizer = "data/depth-tasks"  # reuse this model's tokenizer; empty: trai
 preset = "cpu"
 train_overrides: list[str] = ["max_steps=3000", "answer_weight=10", "lr=1e-3"]
 task_checkpoint = "data/known-depth"  # empty: train here
-task_init = "data/depth-tasks"  # a training run here starts from these weights; empty: from random weights
+task_init = "data/depth-tasks"  # a run trained here starts from these weights; empty: random
 retrain = False
 n_task_docs = 300  # validation task documents for the per-k measurements
 n_windows = 64  # mixed validation windows for the rule sweep
@@ -150,7 +150,10 @@ print(
     f"trained mean depth {R}"
 )
 lowest_k = 1 if tasks.ask_every else tasks.min_k  # asking every object of a chain asks k = 1.. too
-print(f"training tokens that are depth tasks: {task_share:.1%}; answers need k = {lowest_k}..{tasks.max_k}")
+print(
+    f"training tokens that are depth tasks: {task_share:.1%}; "
+    f"answers need k = {lowest_k}..{tasks.max_k}"
+)
 per_source
 
 # %% [markdown]
