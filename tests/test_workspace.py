@@ -103,3 +103,14 @@ def test_a_checkpoint_opens_as_part_of_its_run(trained, corpus):
     run = open_run(ckpt)
     assert run.run == trained / "train" and run.weights == ckpt
     assert run.train_config().max_steps == 6 and run.corpus_record()["tokenizer_sha256"] == corpus.tokenizer_hash
+
+
+def test_a_finished_run_on_another_corpus_is_refused_not_reused(trained, corpus, tmp_path):
+    """The book's work_dir keeps its trained run; the same preset on a changed corpus (e.g. other task parameters)
+    must not silently reuse a model trained on other documents with another tokenizer."""
+    other = ensure_corpus(tmp_path / "other", "wikipedia", 512, max_docs=5, seq_len=64, progress=False)
+    work = tmp_path / "w"
+    shutil.copytree(trained, work)
+    with pytest.raises(DrcError, match="trained on another corpus"):
+        provide_model(work, other, preset_name="tiny", overrides=STEPS, progress=False)
+    assert provide_model(work, corpus, preset_name="tiny", overrides=STEPS, progress=False)["kind"] == "trained"

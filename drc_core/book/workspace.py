@@ -65,13 +65,20 @@ def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_d
 def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *, progress: bool = True,
                    init: str | Path | None = None) -> Path:
     """Train ``cfg`` into ``out`` (resuming a partial run; a finished run with the same config is reused) and
-    return ``out``. A finished run made with another config is an error: nothing is overwritten. ``init``: start
+    return ``out``. A finished run made with another config or on another corpus is an error: nothing is
+    overwritten. ``init``: start
     from another run's weights (:func:`drc_core.training.train.train`'s second stage)."""
     out = Path(out)
     run = open_run(out) if out.is_dir() else None
     if run is not None and run.weights == out / FINAL_DIR:
         if run.train_config() != cfg:
             raise DrcError(f"'{out}' holds a finished run with another config: delete it or choose another work_dir")
+        record = run.corpus_record()
+        corpus = Corpus.open(corpus_dir)
+        if record is not None and (record.get("fingerprint"), record.get("tokenizer_sha256")) != (
+                corpus.fingerprint, corpus.tokenizer_hash):
+            raise DrcError(f"'{out}' holds a finished run trained on another corpus than '{corpus_dir}' (other "
+                           "documents or tokenizer): delete it or choose another work_dir")
         return out
     train(cfg, corpus_dir, out, resume=(out / "checkpoints").exists(), progress=progress, init=init)
     return out
