@@ -308,10 +308,14 @@ extra = DepthTaskConfig(
     repeat_share=0.0,
 )
 tw_extra = dt.generated_task_windows(tokenizer, extra, cfg.seq_len, pad_id=corpus.meta["eot_id"])
-traj_extra = dt.answer_trajectories(model, tw_extra, max_loops)
-acc_extra = dt.accuracy_by_k(traj_extra, seed=seed)
 print(f"{len(tw_extra.answers):,} answers in {len(tw_extra.windows)} documents")
-depth_viz.accuracy_heatmap(acc_extra, title="Answer accuracy beyond the trained k")
+acc_extra = pd.DataFrame(columns=["k", "loop", "n", "acc"])
+if len(tw_extra.answers):
+    traj_extra = dt.answer_trajectories(model, tw_extra, max_loops)
+    acc_extra = dt.accuracy_by_k(traj_extra, seed=seed)
+    display(depth_viz.accuracy_heatmap(acc_extra, title="Answer accuracy beyond the trained k"))
+else:  # the longer chains' questions start beyond the model's window
+    print(f"no answer fits in {cfg.seq_len} tokens: nothing to measure at this scale")
 
 # %% [markdown]
 # ## In-context copying

@@ -95,7 +95,8 @@ def corpus_task_windows(corpus: Corpus, seq_len: int, n_docs: int | None = None,
 def generated_task_windows(tokenizer, cfg: DepthTaskConfig, seq_len: int, pad_id: int) -> TaskWindows:
     """Windows of freshly generated documents (e.g. ``k`` beyond the training range, a seed never trained on),
     tokenized with the model's ``tokenizer``; shorter documents are padded with ``pad_id`` (after the answers'
-    positions that count), longer ones cut. Answers the tokenizer splits into several tokens are left out."""
+    positions that count), longer ones cut. Answers the tokenizer splits into several tokens are left out, and so
+    are answers beyond ``seq_len`` (``answers`` may then be empty)."""
     cfg.validate()
     rows, answers = [], []
     for i in range(cfg.docs):
@@ -107,7 +108,8 @@ def generated_task_windows(tokenizer, cfg: DepthTaskConfig, seq_len: int, pad_id
             if pos >= 1 and pos - 1 < min(seq_len, len(enc.ids) - 1):
                 answers.append({"window": i, "pos": pos - 1, "k": a.k, "family": a.family, "answer": a.word,
                                 "doc": f"generated:{cfg.seed}:{i}"})
-    return TaskWindows(torch.tensor(rows, dtype=torch.long), pd.DataFrame(answers))
+    columns = ["window", "pos", "k", "family", "answer", "doc"]  # also when no answer fits in seq_len
+    return TaskWindows(torch.tensor(rows, dtype=torch.long), pd.DataFrame(answers, columns=columns))
 
 
 def copy_accuracy(model: RecurrentModel, tokenizer, loops: Sequence[int], *, docs: int = 64, seed: int = 999,
