@@ -33,7 +33,7 @@ from drc_core.data.sources import SourceSpec
 from drc_core.errors import DrcError
 from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM
 from drc_core.training.config import TrainConfig
-from drc_core.training.rundir import FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
+from drc_core.training.rundir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
 from drc_core.training.train import preset_for, train
 
 __all__ = [
@@ -66,21 +66,20 @@ def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *,
                    init: str | Path | None = None) -> Path:
     """Train ``cfg`` into ``out`` (resuming a partial run; a finished run with the same config is reused) and
     return ``out``. A finished run made with another config or on another corpus is an error: nothing is
-    overwritten. ``init``: start
-    from another run's weights (:func:`drc_core.training.train.train`'s second stage)."""
+    overwritten. ``init``: start from another run's weights (:func:`drc_core.training.train.train`'s second
+    stage)."""
     out = Path(out)
     run = open_run(out) if out.is_dir() else None
     if run is not None and run.weights == out / FINAL_DIR:
         if run.train_config() != cfg:
             raise DrcError(f"'{out}' holds a finished run with another config: delete it or choose another work_dir")
-        record = run.corpus_record()
-        corpus = Corpus.open(corpus_dir)
-        if record is not None and (record.get("fingerprint"), record.get("tokenizer_sha256")) != (
-                corpus.fingerprint, corpus.tokenizer_hash):
+        try:
+            run.check_corpus(Corpus.open(corpus_dir))
+        except DrcError as exc:
             raise DrcError(f"'{out}' holds a finished run trained on another corpus than '{corpus_dir}' (other "
-                           "documents or tokenizer): delete it or choose another work_dir")
+                           "documents or tokenizer): delete it or choose another work_dir") from exc
         return out
-    train(cfg, corpus_dir, out, resume=(out / "checkpoints").exists(), progress=progress, init=init)
+    train(cfg, corpus_dir, out, resume=(out / CHECKPOINTS_DIR).exists(), progress=progress, init=init)
     return out
 
 

@@ -31,10 +31,11 @@ from drc_core.errors import DrcError, first_line
 from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM, ModelConfig
 from drc_core.training.config import TrainConfig
 
-__all__ = ["CORPUS_RECORD", "FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir", "check_corpus_record",
-           "corpus_record", "open_run"]
+__all__ = ["CHECKPOINTS_DIR", "CORPUS_RECORD", "FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir",
+           "check_corpus_record", "corpus_record", "open_run"]
 
 FINAL_DIR = "final"
+CHECKPOINTS_DIR = "checkpoints"  # R/checkpoints/step-NNNNNNN/, written by drc_core.training.train
 METRICS_FILE = "metrics.jsonl"
 SHIPPED_TRAIN_CONFIG = "train_config.json"
 SHIPPED_CORPUS_META = "corpus_meta.json"
@@ -215,7 +216,7 @@ def open_run(path: str | Path) -> RunDir:
     elif (p / WEIGHTS_FILE).is_file():
         weights = p
         is_final = p.name == FINAL_DIR and _is_train_config(p.parent / CONFIG_FILE)
-        is_checkpoint = p.parent.name == "checkpoints" and _is_train_config(p.parent.parent / CONFIG_FILE)
+        is_checkpoint = p.parent.name == CHECKPOINTS_DIR and _is_train_config(p.parent.parent / CONFIG_FILE)
         root = p.parent if is_final else p.parent.parent if is_checkpoint else p
     else:
         weights, root = None, p

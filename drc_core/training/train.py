@@ -49,7 +49,7 @@ from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM, load_state
 from drc_core.model.recurrence import RecurrenceSampler
 from drc_core.training.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
 from drc_core.training.evaluate import loss_by_depth
-from drc_core.training.rundir import CORPUS_RECORD, corpus_record, open_run
+from drc_core.training.rundir import CHECKPOINTS_DIR, CORPUS_RECORD, corpus_record, open_run
 
 
 @dataclass
@@ -109,13 +109,13 @@ def make_optimizer(model: DepthRecurrentLM, cfg: TrainConfig) -> torch.optim.Ada
 
 
 def checkpoints(out: Path) -> list[Path]:
-    root = out / "checkpoints"
+    root = out / CHECKPOINTS_DIR
     return sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1])) if root.exists() else []
 
 
 def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainConfig, step: int,
                     sampler: WindowSampler) -> Path:
-    root = out / "checkpoints"
+    root = out / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
     tmp = root / f".tmp-step-{step:07d}"
