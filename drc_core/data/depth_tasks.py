@@ -32,6 +32,7 @@ the number of documents asked for.
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 
@@ -316,10 +317,20 @@ def _solve_containers(par: str) -> list[tuple[int, str, int]]:
 def _solve_links(par: str) -> list[tuple[int, str, int]]:
     out = []
     questions = list(_LINK_Q.finditer(par))
-    spans = [(q.start(), q.end()) for q in questions]  # a question reads like a statement: not one
-    for q in questions:
-        inside = {m.group(1): m.group(2) for m in _LINK.finditer(par, 0, q.start())
-                  if not any(a <= m.start() < b for a, b in spans)}
+    starts = [q.start() for q in questions]
+    ends = [q.end() for q in questions]
+
+    def in_question(at: int) -> bool:  # a question reads like a statement: not one
+        i = bisect.bisect_right(starts, at) - 1
+        return i >= 0 and at < ends[i]
+
+    links = [m for m in _LINK.finditer(par) if not in_question(m.start())]  # in text order; none spans a '?'
+    inside: dict[str, str] = {}
+    j = 0
+    for q in questions:  # the statements before each question, a later one overriding an earlier one
+        while j < len(links) and links[j].end() <= q.start():
+            inside[links[j].group(1)] = links[j].group(2)
+            j += 1
         out.append((q.start(2), *_follow(inside, q.group(1))))
     return out
 

@@ -198,7 +198,7 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
         raise DrcError(f"output '{out}' holds a prepared corpus and other files ({shown}) that rebuilding it would "
                        "delete: move them out of it, or choose another --out (nothing was changed)")
 
-    docs = load_documents(cfg.source)
+    docs = load_documents(cfg.source).to_dict()  # plain lists: a Dataset column indexed row by row costs ~0.5 ms a row
     texts: list[str] = docs["text"]
     sources: list[str] = docs["source"]
     doc_ids: list[str] = docs["doc_id"]
