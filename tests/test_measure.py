@@ -118,6 +118,23 @@ def test_no_final_pass_and_mode_restored(model, windows, frame):
     np.testing.assert_array_equal(df.kl.to_numpy(), frame.kl.to_numpy())
 
 
+def test_positions_give_the_full_frames_rows_of_those_tokens(model, windows, frame):
+    """A mask of tokens (a window with none of them, a batch with none, a window with all) gives exactly the
+    full frame's rows of those tokens, with every column, the doc ids included."""
+    mask = torch.rand(N, T, generator=torch.Generator().manual_seed(3)) < 0.3
+    mask[1] = False
+    mask[4] = False  # the last batch (batch_size 2) is window 4 alone
+    mask[3] = True
+    docs = torch.tensor([0, 0, 1, 2, 2])
+    part = measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=mask)
+    w, p = np.nonzero(mask.numpy())
+    full = frame.set_index(["window", "pos"]).loc[list(zip(w, p, strict=True))].reset_index()
+    assert len(part) == int(mask.sum()) * L
+    pd.testing.assert_frame_equal(part[full.columns].reset_index(drop=True), full, check_dtype=False, atol=2e-5)
+    with pytest.raises(DrcError, match="positions must be a bool mask"):
+        measure_windows(model, windows, L, positions=mask[:, :-1])
+
+
 def test_per_loop_summary_cis(frame):
     s = per_loop_summary(frame, n_boot=200, seed=3)
     for m in ("kl", "state_delta", "ce", "kl_final", "entropy"):

@@ -85,7 +85,10 @@ class TinyHuginn(nn.Module):
 
     def readout(self, state: Tensor, positions=None, *, frozen_kv: FrozenKV | None = None,
                 frozen: Tensor | None = None) -> Tensor:
-        x = state if positions is None else state[:, positions]
+        if isinstance(positions, Tensor) and positions.dim() == 2:  # tokens (B, T) -> (n, d)
+            x = state[positions]
+        else:
+            x = state if positions is None else state[:, positions]
         return self.head(self.norm(x))
 
 

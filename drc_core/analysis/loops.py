@@ -318,10 +318,21 @@ def iterate_stats(
     *,
     generator: torch.Generator | None = None,
     state: Tensor | None = None,
+    where: Tensor | None = None,
 ) -> Iterator[LoopStats]:
-    """:class:`LoopStats` after each loop 1..max_loops of a run without halting (uniform depth)."""
+    """:class:`LoopStats` after each loop 1..max_loops of a run without halting (uniform depth). ``where``:
+    a (B, T) bool mask; the statistics are then those of its n tokens only, shaped (1, n) in row-major order
+    (every token still runs through core and coda: attention reads them all; only the head and the statistics
+    are skipped)."""
+    if where is not None and (where.dtype != torch.bool or tuple(where.shape) != tuple(idx.shape)):
+        raise DrcError(f"where must be a bool mask shaped like idx {tuple(idx.shape)}; got {where.dtype} "
+                       f"{tuple(where.shape)}")
     prev: LoopStats | None = None
-    for out in iterate(model, idx, max_loops, generator=generator, readout="log_probs", state=state):
+    for out in iterate(model, idx, max_loops, generator=generator, readout="log_probs", state=state,
+                       positions=where):
         assert out.out is not None
-        prev = loop_stats(prev, out.loop, out.out, out.state)
+        if where is None:
+            prev = loop_stats(prev, out.loop, out.out, out.state)
+        else:
+            prev = loop_stats(prev, out.loop, out.out[None], out.state[where][None])
         yield prev

@@ -101,6 +101,7 @@ def measure_windows(
     batch_size: int = 16,
     seed: int = EVAL_STATE_SEED,
     kl_to_final: bool = True,
+    positions: torch.Tensor | np.ndarray | None = None,
     progress: bool = False,
 ) -> pd.DataFrame:
     """Per-token, per-loop statistics of ``model`` on ``windows`` (N, T+1): a tidy frame, one row per
@@ -115,6 +116,10 @@ def measure_windows(
     (:func:`~drc_core.analysis.loops.register_statistic`; NaN at loop 1 where it compares with the previous
     loop). The columns are the statistics' names in :data:`~drc_core.analysis.loops.STATISTICS`. Floats are
     float32, ids small signed integers.
+
+    ``positions``: an (N, T) bool mask; the frame then has the rows of those tokens only (the same values as
+    the full frame's rows: every token still runs through core and coda, only the head and the statistics are
+    limited to them), e.g. the answers of a task.
 
     The initial latent state of batch k is the k-th draw of a generator seeded with ``seed``, as in
     :func:`drc_core.training.evaluate.loss_by_depth` (same ``batch_size`` -> same states, so the mean ``ce`` at loop l
@@ -135,6 +140,12 @@ def measure_windows(
             docs = docs[:, None].expand(n, t_len)
         elif docs.shape != (n, t_len):
             raise DrcError(f"doc_ids must be (N,) or (N, T) = ({n},) or ({n}, {t_len}); got {tuple(docs.shape)}")
+    keep = None
+    if positions is not None:
+        keep = torch.as_tensor(np.asarray(positions))
+        if keep.dtype != torch.bool or tuple(keep.shape) != (n, t_len):
+            raise DrcError(f"positions must be a bool mask (N, T) = ({n}, {t_len}); got {keep.dtype} "
+                           f"{tuple(keep.shape)}")
 
     extras = [STATISTICS[name] for name in frame_statistics() if name not in BUILTIN_STATISTICS]
     stat_names = ("kl", "kl_final", "state_delta", "entropy", "ce", *(x.name for x in extras))
@@ -142,14 +153,18 @@ def measure_windows(
     argmaxes: list[np.ndarray] = []
     for b, batch in enumerate(eval_batches(model, windows, batch_size, seed)):
         x, y, gen = batch.x, batch.y, batch.generator
+        where = None if keep is None else keep[batch.start : batch.start + len(x)].to(x.device)
+        if where is not None:
+            y = y[where][None]  # (1, n): the statistics come shaped so
         final = p_final = None
         if kl_to_final:
             replay = gen.get_state()
-            final = torch.log_softmax(logits_at(model, x, max_loops, generator=gen).float(), dim=-1)
+            logits = logits_at(model, x, max_loops, generator=gen, positions=where)
+            final = torch.log_softmax(logits.float() if where is None else logits.float()[None], dim=-1)
             p_final = final.exp()  # once per batch, not once per loop
             gen.set_state(replay)
         per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
-        for st in iterate_stats(model, x, max_loops, generator=gen):
+        for st in iterate_stats(model, x, max_loops, generator=gen, where=where):
             nan = torch.full_like(st.entropy, math.nan)
             first = st.loop == 1
             per_loop["kl"].append(nan if first else st.kl)
@@ -169,16 +184,19 @@ def measure_windows(
             print(f"measure: batch {b + 1}/{math.ceil(n / batch_size)} ({min(batch.start + batch_size, n)}/{n} "
                   "windows)", file=sys.stderr, flush=True)
 
-    shape = (n, t_len, max_loops)
     id_dtype = _int_dtype(max(vocab - 1, 1))
-    grid_w, grid_p, grid_l = np.meshgrid(np.arange(n), np.arange(t_len), np.arange(1, max_loops + 1),
-                                         indexing="ij")
+    mask = np.ones((n, t_len), dtype=bool) if keep is None else keep.cpu().numpy()
+    w_idx, p_idx = np.nonzero(mask)  # row-major: the statistics' (window, pos) order
+
+    def per_row(values: np.ndarray) -> np.ndarray:  # (N, T) -> one value per frame row
+        return np.repeat(values[w_idx, p_idx], max_loops)
+
     frame = {
-        "window": grid_w.reshape(-1).astype(_int_dtype(n)),
-        "pos": grid_p.reshape(-1).astype(_int_dtype(t_len)),
-        "loop": grid_l.reshape(-1).astype(_int_dtype(max_loops)),
-        "token": np.broadcast_to(windows[:, :-1].cpu().numpy()[..., None], shape).reshape(-1).astype(id_dtype),
-        "target": np.broadcast_to(windows[:, 1:].cpu().numpy()[..., None], shape).reshape(-1).astype(id_dtype),
+        "window": np.repeat(w_idx, max_loops).astype(_int_dtype(n)),
+        "pos": np.repeat(p_idx, max_loops).astype(_int_dtype(t_len)),
+        "loop": np.tile(np.arange(1, max_loops + 1), len(w_idx)).astype(_int_dtype(max_loops)),
+        "token": per_row(windows[:, :-1].cpu().numpy()).astype(id_dtype),
+        "target": per_row(windows[:, 1:].cpu().numpy()).astype(id_dtype),
     }
     for k in ("kl", "kl_final", "state_delta", "entropy"):
         frame[k] = np.concatenate(floats[k]).astype(np.float32)
@@ -188,7 +206,7 @@ def measure_windows(
         frame[x_stat.name] = np.concatenate(floats[x_stat.name]).astype(np.float32)
     if docs is not None:
         d = docs.cpu().numpy()
-        frame["doc"] = np.broadcast_to(d[..., None], shape).reshape(-1).astype(_int_dtype(max(int(d.max()), 0)))
+        frame["doc"] = per_row(d).astype(_int_dtype(max(int(d.max()), 0)))
     df = pd.DataFrame(frame)
     df.attrs.update({"max_loops": max_loops, "seed": int(seed), "kl_to_final": bool(kl_to_final),
                      "kl": "KL(p_l || p_{l-1})", "kl_final": "KL(p_L || p_l)"})

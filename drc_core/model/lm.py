@@ -299,7 +299,8 @@ class RecurrentModel(Protocol):
     - ``initial_state(e, generator)``: s_0 shaped like ``e`` (random from ``generator``, or zeros);
     - ``core_step(s, e, frozen_kv=None, frozen=None)``: one loop, s_l from s_{l-1} and e;
     - ``readout(state, positions=None, frozen_kv=None, frozen=None)``: state (B, T, d) -> logits (B, T', V), the
-      time ``positions`` (slice or index) selected after any sequence-mixing layers.
+      time ``positions`` (slice or index) selected after any sequence-mixing layers; a (B, T) bool ``positions``
+      selects tokens, logits (n, V) (needed only by ``measure_windows(positions=...)``).
 
     The frozen-KV hooks are needed only for per-token halting in :func:`iterate` (``halt=``, what
     :func:`drc_core.halting.reference.masked_forward` runs): given a :class:`FrozenKV` and a (B, T) bool ``frozen``,
@@ -435,14 +436,17 @@ class DepthRecurrentLM(nn.Module):
 
         The coda attends over the whole sequence, so it always runs on all T positions; ``positions`` (a
         slice or 1-D index/bool tensor along time) then selects the tokens that get the norm and the
-        (vocabulary-sized, memory-heavy) head. ``frozen_kv``/``frozen``: as in :meth:`core_step`, for the
-        coda blocks.
+        (vocabulary-sized, memory-heavy) head; a (B, T) bool tensor selects single tokens, and the logits are
+        then (n, V) for its n true entries in row-major order. ``frozen_kv``/``frozen``: as in
+        :meth:`core_step`, for the coda blocks.
         """
         cos, sin = self._rope(state.shape[1])
         x = state
         for j, block in enumerate(self.coda):
             x = block(x, cos, sin, _kv_hook(frozen_kv, j, frozen))
-        if positions is not None:
+        if isinstance(positions, Tensor) and positions.dim() == 2:
+            x = x[positions]
+        elif positions is not None:
             x = x[:, positions]
         return self.head(x)
 
@@ -622,9 +626,9 @@ def iterate(
     the one loop every measurement, halting rule and sweep runs, for any :class:`RecurrentModel`.
 
     ``readout``: "logits", "log_probs" (float32 log-softmax) or None (``out`` is None). ``positions``
-    selects the time positions that are read out (see :meth:`readout`). Runs under the caller's grad mode.
-    With the same ``generator`` state (or the same ``state`` s_0), loop l's logits equal ``forward(idx, l)``
-    (for :class:`DepthRecurrentLM`).
+    selects the time positions, or with a (B, T) bool mask the tokens, that are read out (see :meth:`readout`).
+    Runs under the caller's grad mode. With the same ``generator`` state (or the same ``state`` s_0), loop l's
+    logits equal ``forward(idx, l)`` (for :class:`DepthRecurrentLM`).
 
     ``halt(loop_output)`` may return a (B, T) bool tensor of tokens that halt now (or None). It is called
     after loop l's readout, with ``halted``/``exit_loop`` as they were before loop l; the yielded output
@@ -673,8 +677,9 @@ def iterate(
 
 
 def logits_at(model: RecurrentModel, idx: Tensor, n_loops: int, *, generator: torch.Generator | None = None,
-              state: Tensor | None = None) -> Tensor:
+              state: Tensor | None = None, positions: slice | Tensor | None = None) -> Tensor:
     """The logits (B, T, V) after ``n_loops`` loops read out once: :meth:`DepthRecurrentLM.forward` for any
-    :class:`RecurrentModel` (the same operations, so the same numbers), e.g. a deepest reference output."""
+    :class:`RecurrentModel` (the same operations, so the same numbers), e.g. a deepest reference output;
+    ``positions``: only those tokens' logits (:meth:`DepthRecurrentLM.readout`)."""
     (last,) = deque(iterate(model, idx, n_loops, generator=generator, readout=None, state=state), maxlen=1)
-    return model.readout(last.state)
+    return model.readout(last.state, positions)
