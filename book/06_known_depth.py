@@ -92,8 +92,8 @@ from drc_core.halting.sweep import (
     default_rules,
     gap_table,
     matching_table,
+    offline_pass,
     summarize,
-    sweep,
     window_clusters,
 )
 from drc_core.training.evaluate import loss_by_source
@@ -246,7 +246,7 @@ router_specs, router_info = trained_router_specs(
     model, mixed[calib_idx], rule_max_loops, eps, positions=router_positions, seed=seed
 )
 specs = default_rules(rule_max_loops) + router_specs
-gaps, matches = {}, {}
+gaps, matches, passes = {}, {}, {}
 task_clusters = np.arange(len(tw.windows))  # one document per task window
 for name, windows, clusters in [
     ("mixed validation", mixed, window_clusters(mixed_docs)),
@@ -257,7 +257,8 @@ for name, windows, clusters in [
         if name == "mixed validation"
         else split_windows(len(windows), 0.5, seed)
     )
-    frame = sweep(model, windows, specs, reference_loops=R, mode="offline")
+    passes[name] = offline_pass(model, windows, specs, reference_loops=R)  # kept: the exits below
+    frame = passes[name].frame()
     held = summarize(frame, windows=h_idx, clusters=clusters, seed=seed)
     matches[name] = matching_table(held, R, ce_tolerance, kl_target=0.01)
     gaps[name] = gap_table(frame, R, ce_tolerance, windows=h_idx, clusters=clusters, seed=seed)
@@ -280,7 +281,7 @@ chosen = [
     and np.isfinite(matched.loc[s.family, "ce_param"])
     and s.param == matched.loc[s.family, "ce_param"]
 ]
-exits = dt.exits_by_k(model, tw, chosen, reference_loops=R, oracle_eps=(eps,), seed=seed)
+exits = dt.exits_by_k(passes["task documents"], tw, chosen, oracle_eps=(eps,), seed=seed)
 exit_table = exits.pivot(index="rule", columns="k", values="exit")
 exit_table.round(2)
 

@@ -26,6 +26,8 @@ from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec
 from drc_core.errors import DrcError
 from drc_core.experiments import depth_tasks as dt
+from drc_core.halting.rules import KLThreshold, Never
+from drc_core.halting.sweep import RuleSpec, offline_pass
 from drc_core.model.lm import DepthRecurrentLM, ModelConfig
 
 
@@ -182,6 +184,18 @@ def test_answer_measurements_read_the_answer_rows(mixed_corpus, one_thread):
         assert (arg[i, c - 1 :] == arg[i, -1]).all()
         if c > 1:
             assert arg[i, c - 2] != arg[i, -1]
+    # exits by k: read from one offline pass, the answers' exits of each k and every token's
+    specs = [RuleSpec("kl", 1e-2, KLThreshold(1e-2, max_loops=6)), RuleSpec("never", 6, Never(max_loops=6))]
+    passed = offline_pass(model, tw.windows, specs, reference_loops=4)
+    exits = dt.exits_by_k(passed, tw, specs, oracle_eps=(1e-3,), n_boot=50)
+    never = exits[exits.rule == str(specs[1].rule)]
+    assert set(never.k) == {*map(int, rows.k.unique()), "all tokens"} and (never.exit == 6).all()
+    ex = passed.token_exits()[str(specs[0].rule)]
+    k1 = exits[(exits.rule == str(specs[0].rule)) & (exits.k == int(rows.k.min()))].exit.iloc[0]
+    sel = rows[rows.k == rows.k.min()]
+    assert k1 == pytest.approx(ex[sel.window.to_numpy(), sel.pos.to_numpy()].mean())
+    with pytest.raises(DrcError, match="did not replay"):
+        dt.exits_by_k(passed, tw, [RuleSpec("kl", 0.5, KLThreshold(0.5, max_loops=6))])
 
 
 def test_overthinking_and_commit_on_a_made_up_trajectory():

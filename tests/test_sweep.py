@@ -26,9 +26,11 @@ from drc_core.halting.sweep import (
     matching_depth,
     matching_gap,
     matching_table,
+    offline_pass,
     online_vs_offline,
     summarize,
     sweep,
+    token_exits,
     uniform_ce,
     window_clusters,
 )
@@ -208,6 +210,25 @@ def test_offline_mode_replays_rules_on_one_trajectory(model, windows, frame):
     assert off.loc[("kl", 1e-2, 0), "avg_depth"] == pytest.approx(ex[0].double().mean().item())
     varied = off.loc["kl"].avg_depth.groupby("param").mean()
     assert varied.nunique() > 1  # the thresholds really halt at different depths
+
+
+def test_one_offline_pass_gives_the_sweep_and_the_token_exits(model, windows):
+    """The pass a notebook keeps: its frame is sweep(mode="offline")'s row for row, its exits token_exits', and
+    each rule row's avg_depth is the window's mean exit loop."""
+    rules = [RuleSpec("kl", t, KLThreshold(t, max_loops=8)) for t in (1e-1, 1e-3)]
+    rules.append(RuleSpec("never", 8, Never(max_loops=8)))
+    op = offline_pass(model, windows, rules, reference_loops=4, batch_size=4)
+    off = sweep(model, windows, rules, reference_loops=4, batch_size=4, oracle_eps=(1e-1, 1e-3), mode="offline")
+    pd.testing.assert_frame_equal(op.frame(oracle_eps=(1e-1, 1e-3)), off)
+    direct = token_exits(model, windows, rules, reference_loops=4, batch_size=4, oracle_eps=(1e-3,))
+    kept = op.token_exits(oracle_eps=(1e-3,))
+    assert kept.keys() == direct.keys() and "oracle(kl<=0.001)" in kept
+    for name in direct:
+        np.testing.assert_array_equal(kept[name], direct[name])
+    rows = off[off.rule == str(rules[0].rule)].set_index("window").avg_depth
+    np.testing.assert_allclose(rows.to_numpy(), kept[str(rules[0].rule)].mean(axis=1))
+    with pytest.raises(DrcError, match="uniform_loops"):
+        op.frame(uniform_loops=[9])
 
 
 def test_offline_equals_online_for_one_token_windows(model):

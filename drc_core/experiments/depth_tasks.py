@@ -27,7 +27,7 @@ from drc_core.data.depth_tasks import DepthTaskConfig, generate_document, token_
 from drc_core.data.labels import read_labels
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, need_int
-from drc_core.halting.sweep import RuleSpec, token_exits
+from drc_core.halting.sweep import OfflinePass, RuleSpec
 from drc_core.model.lm import RecurrentModel, logits_at
 
 __all__ = [
@@ -255,14 +255,20 @@ def depth_growth(acc: pd.DataFrame, level: float = 0.9) -> pd.DataFrame:
     return out
 
 
-def exits_by_k(model: RecurrentModel, tw: TaskWindows, specs: list[RuleSpec], *, reference_loops: int,
-               oracle_eps: tuple[float, ...] = (), batch_size: int = 16, n_boot: int = 1000,
-               seed: int = 0) -> pd.DataFrame:
-    """Mean exit loop of the answers of each ``k`` under each rule of ``specs`` (offline replay on one uniform
-    trajectory, :func:`drc_core.halting.sweep.token_exits`), the oracle at each ``oracle_eps``, and the rule's
-    exits on every token of the windows (``all``) for comparison; 95% intervals over documents."""
-    exits = token_exits(model, tw.windows, specs, reference_loops=reference_loops, oracle_eps=oracle_eps,
-                        batch_size=batch_size)
+def exits_by_k(passed: OfflinePass, tw: TaskWindows, specs: list[RuleSpec], *, oracle_eps: tuple[float, ...] = (),
+               n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Mean exit loop of the answers of each ``k`` under each rule of ``specs`` (replayed offline on one uniform
+    trajectory: ``passed``, the :func:`~drc_core.halting.sweep.offline_pass` of ``tw.windows`` with these rules
+    among its own), the oracle at each ``oracle_eps``, and the rule's exits on every token of the windows
+    (``all tokens``) for comparison; 95% intervals over documents."""
+    if passed.ce.shape[1:] != (tw.windows.shape[0], tw.windows.shape[1] - 1):
+        raise DrcError(f"the offline pass covers {tuple(passed.ce.shape[1:])} tokens, the task windows "
+                       f"{(tw.windows.shape[0], tw.windows.shape[1] - 1)}: pass the offline pass of these windows")
+    missing = [str(s.rule) for s in specs if str(s.rule) not in passed.exits]
+    if missing:
+        raise DrcError(f"the offline pass did not replay {', '.join(missing)}: include these rules in offline_pass")
+    every = passed.token_exits(oracle_eps)
+    exits = {name: every[name] for name in [*(str(s.rule) for s in specs), *(f"oracle(kl<={e:g})" for e in oracle_eps)]}
     a = tw.answers
     win, pos = a["window"].to_numpy(), a["pos"].to_numpy()
     rows = []

@@ -49,6 +49,7 @@ __all__ = [
     "QUALITIES",
     "ROUTER_FAMILIES",
     "Calibration",
+    "OfflinePass",
     "RuleSpec",
     "calibrate",
     "calibrated_families",
@@ -57,6 +58,7 @@ __all__ = [
     "default_rules",
     "matching_depth",
     "matching_table",
+    "offline_pass",
     "online_vs_offline",
     "summarize",
     "sweep",
@@ -65,6 +67,7 @@ __all__ = [
 ]
 
 QUALITIES = ("ce", "kl_ref")
+DEFAULT_ORACLE_EPS = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4)  # the oracle's KL thresholds in a sweep
 ForwardFn = Callable[..., AdaptiveResult]
 
 
@@ -120,7 +123,7 @@ def sweep(
     *,
     reference_loops: int = 8,
     uniform_loops: Iterable[int] | None = None,
-    oracle_eps: Sequence[float] = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4),
+    oracle_eps: Sequence[float] = DEFAULT_ORACLE_EPS,
     batch_size: int = 16,
     seed: int = EVAL_STATE_SEED,
     forward_fn: ForwardFn = masked_forward,
@@ -156,6 +159,10 @@ def sweep(
     uniform = sorted(set(range(1, deepest + 1) if uniform_loops is None else uniform_loops))
     if not uniform or uniform[0] < 1:
         raise DrcError(f"uniform_loops={uniform!r} is invalid; pass loop counts >= 1")
+    if mode == "offline":
+        return offline_pass(model, windows, rules, reference_loops=reference_loops,
+                            loops=max(uniform[-1], deepest), batch_size=batch_size, seed=seed,
+                            progress=progress).frame(uniform, oracle_eps)
     rows: list[dict[str, object]] = []
     n_batches = (len(windows) + batch_size - 1) // batch_size
     bar = tqdm(total=n_batches * (1 + len(rules)), desc=f"sweep ({mode})", disable=not progress)
@@ -163,13 +170,10 @@ def sweep(
         b0, x, y = batch.start, batch.x, batch.y
         s0 = batch.initial_state(model)
         ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
-        replay = rules if mode == "offline" else []
-        ce_l, kl_l, exits = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), replay)
+        ce_l, kl_l, _ = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), [])
         rows += _uniform_and_oracle(ce_l, kl_l, y, b0, uniform, reference_loops, oracle_eps)
-        for spec, exit_loop in zip(replay, exits, strict=True):
-            rows += _exit_rows(spec.family, float(spec.param), str(spec.rule), b0, exit_loop, ce_l, kl_l)
-        bar.update(1 + len(replay))
-        for spec in rules if mode == "online" else []:
+        bar.update()
+        for spec in rules:
             res = forward_fn(model, x, spec.rule, state=s0)
             ce, kl = _token_quality(res.log_probs(), y, ref)
             rows += _rows(spec.family, float(spec.param), str(spec.rule), b0, res.exit_loop, ce, kl)
@@ -178,26 +182,87 @@ def sweep(
     return pd.DataFrame(rows)
 
 
+@dataclass(frozen=True)
+class OfflinePass:
+    """One uniform trajectory of ``loops`` loops per batch of windows (N, T+1) with every rule replayed on it
+    offline (:func:`offline_pass`): per loop the CE and ``KL(p_ref || p_l)`` of every token, ``ce``/``kl_ref``
+    (loops, N, T), and each rule's exit loops (N, T) keyed by ``str(rule)``. :func:`sweep` (offline) and
+    :func:`token_exits` read one; a notebook that needs both the sweep's frame and the rules' exits on the same
+    windows runs the model once."""
+
+    ce: torch.Tensor
+    kl_ref: torch.Tensor
+    exits: dict[str, torch.Tensor]
+    specs: tuple[RuleSpec, ...]
+    reference_loops: int
+    batch_size: int
+
+    def frame(self, uniform_loops: Iterable[int] | None = None,
+              oracle_eps: Sequence[float] = DEFAULT_ORACLE_EPS) -> pd.DataFrame:
+        """:func:`sweep`'s frame (``mode="offline"``), rows in its order: per batch of ``batch_size`` windows
+        the uniform depths (default 1..``loops``), the oracle at each ``oracle_eps``, then every rule."""
+        loops = self.ce.shape[0]
+        uniform = sorted(set(range(1, loops + 1) if uniform_loops is None else uniform_loops))
+        if not uniform or uniform[0] < 1 or uniform[-1] > loops:
+            raise DrcError(f"uniform_loops={uniform!r} is invalid; pass loop counts 1..{loops} (the pass's loops)")
+        rows: list[dict[str, object]] = []
+        for b0 in range(0, self.ce.shape[1], self.batch_size):
+            sl = slice(b0, b0 + self.batch_size)
+            ce_l, kl_l = self.ce[:, sl], self.kl_ref[:, sl]
+            rows += _uniform_and_oracle(ce_l, kl_l, ce_l[0], b0, uniform, self.reference_loops, oracle_eps)
+            for spec in self.specs:
+                rows += _exit_rows(spec.family, float(spec.param), str(spec.rule), b0,
+                                   self.exits[str(spec.rule)][sl], ce_l, kl_l)
+        return pd.DataFrame(rows)
+
+    def token_exits(self, oracle_eps: Sequence[float] = ()) -> dict[str, np.ndarray]:
+        """:func:`token_exits`: each rule's exits (N, T) and ``oracle(kl<=eps)`` for each ``oracle_eps``."""
+        out = {name: ex.cpu().numpy() for name, ex in self.exits.items()}
+        for e in oracle_eps:
+            out[f"oracle(kl<={e:g})"] = first_within(self.kl_ref[: self.reference_loops], e)[0].cpu().numpy()
+        return out
+
+
+@torch.no_grad()
+def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], *,
+                 reference_loops: int = 8, loops: int | None = None, batch_size: int = 16,
+                 seed: int = EVAL_STATE_SEED, progress: bool = False) -> OfflinePass:
+    """The :class:`OfflinePass` of ``rules`` on ``windows``: ``loops`` (default the deepest of
+    ``reference_loops`` and the rules' ``max_loops``) uniform loops per batch, the reference output at
+    ``reference_loops`` from the same initial state, every rule replayed
+    (:func:`drc_core.halting.reference.offline_exits`). Runs in eval mode."""
+    windows = check_token_ids(model, windows)
+    reference_loops = need_int("reference_loops", reference_loops, 1)
+    batch_size = need_int("batch_size", batch_size, 1)
+    rules = tuple(rules)
+    for spec in rules:
+        if not isinstance(spec, RuleSpec) or not isinstance(spec.rule, HaltingRule):
+            raise DrcError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
+    deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
+    loops = deepest if loops is None else need_int("loops", loops, deepest)
+    ces, kls, exits = [], [], {str(s.rule): [] for s in rules}
+    n_batches = (len(windows) + batch_size - 1) // batch_size
+    for batch in tqdm(eval_batches(model, windows, batch_size, seed), total=n_batches, desc="offline pass",
+                      disable=not progress):
+        s0 = batch.initial_state(model)
+        ref = F.log_softmax(logits_at(model, batch.x, reference_loops, state=s0).float(), dim=-1)
+        ce_l, kl_l, ex = _trajectory(model, batch.x, batch.y, s0, ref, loops, rules)
+        ces.append(ce_l)
+        kls.append(kl_l)
+        for spec, e in zip(rules, ex, strict=True):
+            exits[str(spec.rule)].append(e)
+    return OfflinePass(torch.cat(ces, dim=1), torch.cat(kls, dim=1),
+                       {name: torch.cat(parts) for name, parts in exits.items()}, rules, reference_loops, batch_size)
+
+
 def token_exits(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], *, reference_loops: int = 8,
                 oracle_eps: Sequence[float] = (), batch_size: int = 16,
                 seed: int = EVAL_STATE_SEED) -> dict[str, np.ndarray]:
     """Per-token exit loops (N, T) of each rule, replayed offline on one uniform trajectory per batch (as
     :func:`sweep` with ``mode="offline"``), keyed by ``str(rule)``; plus ``oracle(kl<=eps)`` for each
     ``oracle_eps`` (first loop <= ``reference_loops`` whose KL to the reference output is <= eps)."""
-    windows = check_token_ids(model, windows)
-    rules = list(rules)
-    deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
-    out: dict[str, list[np.ndarray]] = {str(s.rule): [] for s in rules}
-    out.update({f"oracle(kl<={e:g})": [] for e in oracle_eps})
-    for batch in eval_batches(model, windows, batch_size, seed):
-        s0 = batch.initial_state(model)
-        ref = F.log_softmax(logits_at(model, batch.x, reference_loops, state=s0).float(), dim=-1)
-        _, kl_l, exits = _trajectory(model, batch.x, batch.y, s0, ref, deepest, rules)
-        for spec, ex in zip(rules, exits, strict=True):
-            out[str(spec.rule)].append(ex.cpu().numpy())
-        for e in oracle_eps:
-            out[f"oracle(kl<={e:g})"].append(first_within(kl_l[:reference_loops], e)[0].cpu().numpy())
-    return {name: np.concatenate(parts) for name, parts in out.items()}
+    return offline_pass(model, windows, rules, reference_loops=reference_loops, batch_size=batch_size,
+                        seed=seed).token_exits(oracle_eps)
 
 
 def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor,
