@@ -33,10 +33,9 @@ from scipy import stats as sps
 
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, Uniform
-from drc_core.halting.sweep import RuleSpec, token_exits
-from drc_core.model.checks import check_token_ids
-from drc_core.model.lm import RecurrentModel, iterate
-from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
+from drc_core.halting.sweep import RuleSpec, offline_pass
+from drc_core.model.lm import RecurrentModel
+from drc_core.model.passes import EVAL_STATE_SEED
 
 __all__ = [
     "RISKS",
@@ -213,29 +212,12 @@ class LossTable:
 
 
 @torch.no_grad()
-def _argmax_and_ce(model: RecurrentModel, windows: torch.Tensor, max_loops: int, batch_size: int,
-                   seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per token and loop (N, T, L): the argmax and the CE of the next token, on the uniform trajectories every
-    evaluation pass runs (same initial states as :func:`~drc_core.analysis.measure.measure_windows`)."""
-    windows = check_token_ids(model, windows)
-    arg_parts, ce_parts = [], []
-    for batch in eval_batches(model, windows, batch_size, seed):
-        args, ces = [], []
-        for out in iterate(model, batch.x, max_loops, readout="log_probs", state=batch.initial_state(model)):
-            args.append(out.out.argmax(-1))
-            ces.append(-out.out.gather(-1, batch.y[..., None])[..., 0])
-        arg_parts.append(torch.stack(args, -1).cpu().numpy())
-        ce_parts.append(torch.stack(ces, -1).double().cpu().numpy())
-    return np.concatenate(arg_parts), np.concatenate(ce_parts)
-
-
-@torch.no_grad()
 def loss_tables(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, families: Sequence[str], *,
                 risks: Sequence[str] = RISKS, tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
                 batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[str, LossTable]:
-    """One measurement pass (argmax and CE per loop) and one offline replay of every threshold of ``families``
-    (plus ``uniform``) on ``windows`` (N, T+1); ``units`` (N, T) the document of each input position. One
-    :class:`LossTable` per risk of ``risks``, all from the same trajectories."""
+    """One offline pass (:func:`~drc_core.halting.sweep.offline_pass`: argmax and CE per loop, every threshold of
+    ``families`` replayed; plus ``uniform``) on ``windows`` (N, T+1); ``units`` (N, T) the document of each input
+    position. One :class:`LossTable` per risk of ``risks``, all from the same trajectories."""
     reference_loops = need_int("reference_loops", reference_loops, 1)
     max_loops = need_int("max_loops", max(max_loops, reference_loops), 1)
     units = np.asarray(units)
@@ -245,10 +227,13 @@ def loss_tables(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray,
     for r in risks:
         if r not in RISKS:
             raise DrcError(f"risk={r!r} is not supported; use one of {', '.join(RISKS)}")
-    argmax, ce = _argmax_and_ce(model, windows, max_loops, batch_size, seed)
     specs = {f: family_specs(f, max_loops, reference_loops) for f in dict.fromkeys([*families, "uniform"])}
     flat = [s for group in specs.values() for s in group if s.family != "uniform"]
-    exits = token_exits(model, windows, flat, reference_loops=reference_loops, batch_size=batch_size, seed=seed)
+    passed = offline_pass(model, windows, flat, reference_loops=reference_loops, loops=max_loops,
+                          batch_size=batch_size, seed=seed)
+    argmax = passed.argmax.permute(1, 2, 0).cpu().numpy()  # (N, T, L), as token_losses reads them
+    ce = passed.ce.permute(1, 2, 0).double().cpu().numpy()
+    exits = passed.token_exits()
     loops, ids = {}, None
     ex = {fam: [np.full((n, t_len), int(s.param)) if fam == "uniform" else exits[str(s.rule)] for s in group]
           for fam, group in specs.items()}

@@ -170,7 +170,7 @@ def sweep(
         b0, x, y = batch.start, batch.x, batch.y
         s0 = batch.initial_state(model)
         ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
-        ce_l, kl_l, _ = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), [])
+        ce_l, kl_l, _, _ = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), [])
         rows += _uniform_and_oracle(ce_l, kl_l, y, b0, uniform, reference_loops, oracle_eps)
         bar.update()
         for spec in rules:
@@ -185,13 +185,14 @@ def sweep(
 @dataclass(frozen=True)
 class OfflinePass:
     """One uniform trajectory of ``loops`` loops per batch of windows (N, T+1) with every rule replayed on it
-    offline (:func:`offline_pass`): per loop the CE and ``KL(p_ref || p_l)`` of every token, ``ce``/``kl_ref``
-    (loops, N, T), and each rule's exit loops (N, T) keyed by ``str(rule)``. :func:`sweep` (offline) and
-    :func:`token_exits` read one; a notebook that needs both the sweep's frame and the rules' exits on the same
-    windows runs the model once."""
+    offline (:func:`offline_pass`): per loop the CE, ``KL(p_ref || p_l)`` and argmax of every token,
+    ``ce``/``kl_ref``/``argmax`` (loops, N, T), and each rule's exit loops (N, T) keyed by ``str(rule)``.
+    :func:`sweep` (offline), :func:`token_exits` and the risk tables of :mod:`drc_core.halting.calibrate` read
+    one; a notebook that needs several of them on the same windows runs the model once."""
 
     ce: torch.Tensor
     kl_ref: torch.Tensor
+    argmax: torch.Tensor
     exits: dict[str, torch.Tensor]
     specs: tuple[RuleSpec, ...]
     reference_loops: int
@@ -240,18 +241,19 @@ def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[R
             raise DrcError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
     deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
     loops = deepest if loops is None else need_int("loops", loops, deepest)
-    ces, kls, exits = [], [], {str(s.rule): [] for s in rules}
+    ces, kls, args, exits = [], [], [], {str(s.rule): [] for s in rules}
     n_batches = (len(windows) + batch_size - 1) // batch_size
     for batch in tqdm(eval_batches(model, windows, batch_size, seed), total=n_batches, desc="offline pass",
                       disable=not progress):
         s0 = batch.initial_state(model)
         ref = F.log_softmax(logits_at(model, batch.x, reference_loops, state=s0).float(), dim=-1)
-        ce_l, kl_l, ex = _trajectory(model, batch.x, batch.y, s0, ref, loops, rules)
+        ce_l, kl_l, ex, arg = _trajectory(model, batch.x, batch.y, s0, ref, loops, rules)
         ces.append(ce_l)
         kls.append(kl_l)
+        args.append(arg)
         for spec, e in zip(rules, ex, strict=True):
             exits[str(spec.rule)].append(e)
-    return OfflinePass(torch.cat(ces, dim=1), torch.cat(kls, dim=1),
+    return OfflinePass(torch.cat(ces, dim=1), torch.cat(kls, dim=1), torch.cat(args, dim=1),
                        {name: torch.cat(parts) for name, parts in exits.items()}, rules, reference_loops, batch_size)
 
 
@@ -266,24 +268,27 @@ def token_exits(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[Ru
 
 
 def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor,
-                loops: int, rules: Sequence[RuleSpec]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                loops: int, rules: Sequence[RuleSpec]
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """One uniform ``iterate`` pass of ``loops`` loops: per-loop CE and KL(p_ref || p_l), each (loops, B, T),
-    and, for ``rules`` (offline mode), each rule's exit loops replayed on this trajectory
-    (:func:`drc_core.halting.reference.offline_exits`: the decisions when halting changes no other token)."""
-    ces, kls = [], []
+    for ``rules`` (offline mode) each rule's exit loops replayed on this trajectory
+    (:func:`drc_core.halting.reference.offline_exits`: the decisions when halting changes no other token), and
+    the per-loop argmax (loops, B, T)."""
+    ces, kls, args = [], [], []
 
     def stats():
         for st in iterate_stats(model, x, loops, state=s0):
             ce, kl = _token_quality(st.log_probs, y, ref)
             ces.append(ce)
             kls.append(kl)
+            args.append(st.argmax)
             yield st
 
     it = stats()
     exits = offline_exits(it, [spec.rule for spec in rules]) if rules else []
     for _ in it:  # the uniform depths need every loop, even after every rule has halted
         pass
-    return torch.stack(ces), torch.stack(kls), exits
+    return torch.stack(ces), torch.stack(kls), exits, torch.stack(args)
 
 
 def _uniform_and_oracle(ce_l: torch.Tensor, kl_l: torch.Tensor, y: torch.Tensor, b0: int, uniform: list[int],
