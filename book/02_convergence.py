@@ -37,13 +37,13 @@ import numpy as np
 import pandas as pd
 
 from drc_core.analysis.dynamics import (
+    Dynamics,
     class_shares,
     classify,
     commit_loop,
     group_shares,
     norm_percentiles,
     overthinks,
-    token_dynamics,
 )
 from drc_core.analysis.measure import (
     convergence_depth,
@@ -67,7 +67,8 @@ results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 # %%
 t0 = time.time()
 model, cfg, corpus, windows, docs, _ = open_study(work_dir, corpus_dir, n_windows)
-frame = measure_windows(model, windows, max_loops, doc_ids=docs)
+# dynamics=True: also the state norms and steps of each loop (the per-token dynamics below)
+frame = measure_windows(model, windows, max_loops, doc_ids=docs, dynamics=True)
 save_frame(frame, Path(work_dir) / "frame.parquet",
            made_with={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
 train_mean = cfg.recurrence.mean
@@ -162,7 +163,7 @@ sens.pivot(index="stat", columns="eps", values="value").round(3)
 
 # %% [markdown]
 # ## What each token does on its way to the fixed point
-# One more uniform pass of `max_loops` loops keeps, per token and loop, the state norm `‖s_l‖`, the step
+# The measurement pass above also kept, per token and loop, the state norm `‖s_l‖`, the step
 # `‖s_l − s_{l−1}‖` and the two-loop step `‖s_l − s_{l−2}‖` (`drc_core.analysis.dynamics`). From them: the
 # empirical contraction factor `ρ_l = ‖s_{l+1} − s_l‖ / ‖s_l − s_{l−1}‖` and a class per token, read over the
 # last 8 loops (`classify`): **settled** (relative step below 1e-3 at loop L), **oscillating** (a 2-cycle: the
@@ -171,7 +172,7 @@ sens.pivot(index="stat", columns="eps", values="value").round(3)
 # types).
 
 # %%
-dyn = token_dynamics(model, windows, max_loops)
+dyn = Dynamics.from_frame(frame)  # the measurement pass's states
 dyn_class = classify(dyn).reshape(-1)
 doc_of = docs.numpy().reshape(-1)
 token_type = np.asarray(classify_sequence(tokenizer, windows[:, :-1].numpy())).reshape(-1)

@@ -67,6 +67,9 @@ ce_tolerance = 0.005
 accuracy_level = 0.9
 extrapolation_docs = 150
 router_positions = 64
+risk_alphas = [0.01, 0.02, 0.05, 0.1]  # share of a document's tokens off depth R's argmax
+risk_delta = 0.1
+risk_splits = 100  # random halvings of the task documents
 seed = 0
 
 # %% tags=["hide-input"]
@@ -78,17 +81,22 @@ import numpy as np
 import pandas as pd
 from IPython.display import display
 
+from drc_core.analysis.dynamics import Dynamics, class_shares, classify
 from drc_core.analysis.measure import measure_windows, val_windows_with_docs
-from drc_core.book import depth_explorer, depth_viz
+from drc_core.book import depth_explorer, depth_viz, viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import ensure_corpus, open_model, provide_model, save_results
+from drc_core.data.depth_tasks import SOURCE_NAME as TASK_SOURCE
 from drc_core.data.depth_tasks import DepthTaskConfig, generate_document
 from drc_core.data.sampler import Corpus
 from drc_core.experiments import depth_tasks as dt
 from drc_core.experiments.handoff import KnownDepth
 from drc_core.experiments.report import known_depth_targets
+from drc_core.halting.calibrate import min_units, pass_loss_tables, validity, validity_summary
 from drc_core.halting.router import split_windows, trained_router_specs
 from drc_core.halting.sweep import (
+    OfflinePass,
+    default_families,
     default_rules,
     gap_table,
     matching_table,
@@ -233,6 +241,28 @@ over = dt.overthinking_by_k(depths, seed=seed)
 over.round(3)
 
 # %% [markdown]
+# ## What each answer's state does on its way to the fixed point
+# Notebook 2's per-token dynamics, read from the same answer trajectories: each answer's class over the last
+# loops (settled, oscillating, contracting, drifting; `drc_core.analysis.dynamics.classify`) with 95% intervals
+# over documents, and how much its state norm grows from loop 1 to loop `max_loops`, by `k`.
+
+# %%
+answer_dyn = Dynamics.from_frame(traj)  # one row per answer, in traj's (window, pos) order
+answers_once = traj.drop_duplicates(["window", "pos"])
+answer_class = classify(answer_dyn)
+dyn_by_k = class_shares(
+    answer_class, answers_once.k.to_numpy(), answers_once.doc.to_numpy(), seed=seed
+)
+norm_growth = answer_dyn.norm[:, -1] / answer_dyn.norm[:, 0]
+growth_by_k = pd.Series(norm_growth).groupby(answers_once.k.to_numpy()).median()
+print(
+    "median norm growth (loop 1 -> loop "
+    f"{max_loops}) by k: "
+    + ", ".join(f"k={k}: {g:.2f}x" for k, g in growth_by_k.items())
+)
+dyn_by_k.pivot(index="group", columns="class", values="share").round(3)
+
+# %% [markdown]
 # ## Halting rules against the uniform depth of equal quality
 # Every training-free rule, the oracle and the two learned routers (trained on the first half of the windows,
 # as in notebook 4), swept offline. Two sets of windows: the mixed validation split (natural text and tasks in
@@ -292,6 +322,87 @@ depth_viz.depth_by_k_figure(
     .astype({"k": int}),
     "Exit loop of the answers by k, at each family's matched threshold",
 )
+
+# %% [markdown]
+# ## Halting with a stated guarantee on the task documents
+# Notebook 4's validation split has too few documents to certify a risk of 5% or less; the task documents are
+# many. Learn then Test (`drc_core.halting.calibrate`), each task document one unit, read from the offline pass
+# of the sweep above (no further model pass): with probability at least 1 − δ over the calibration documents,
+# the share of a new document's tokens whose top prediction differs from depth R's is at most α.
+# `risk_splits` random halvings of the task documents (certify on one half, measure on the other): the share of
+# splits whose certified threshold breaks α on the test half must stay at most δ (up to Monte-Carlo error,
+# Clopper–Pearson 95%); `saved_frac` is against the uniform depth certified on the same half. Then a shift:
+# certified on all the task documents, measured on the natural-text documents of the mixed windows.
+
+# %%
+docs_source = corpus.docs.source.to_numpy()
+natural_pos = (mixed_docs.numpy() >= 0) & (docs_source[mixed_docs.numpy().clip(0)] != TASK_SOURCE)
+n_tw, t_len = tw.windows.shape[0], tw.windows.shape[1] - 1
+risk_units = np.concatenate(
+    [
+        np.repeat(np.arange(n_tw)[:, None], t_len, axis=1),  # one task document per window
+        np.where(natural_pos, mixed_docs.numpy() + n_tw, -1),  # natural text only; -1: not counted
+    ]
+)
+tables = pass_loss_tables(
+    OfflinePass.cat([passes["task documents"], passes["mixed validation"]]),
+    risk_units,
+    default_families(),
+)
+top1 = tables["top1"]
+task_units = np.flatnonzero(top1.units < n_tw)
+natural_units = np.flatnonzero(top1.units >= n_tw)
+testable = [a for a in risk_alphas if len(task_units) // 2 >= min_units(a, risk_delta)]
+print(
+    f"{len(task_units)} task documents (halves of {len(task_units) // 2}), "
+    f"{len(natural_units)} natural-text documents; "
+    + ", ".join(f"alpha={a:g} needs >= {min_units(a, risk_delta)}" for a in risk_alphas)
+    + f"; testable on a half: {testable}"
+)
+risk_rows = pd.concat(
+    [
+        validity(
+            top1, fam, risk_alphas, risk_delta, n_splits=risk_splits, seed=seed, among=task_units
+        )
+        for fam in default_families()
+    ]
+)
+risk_valid = validity_summary(risk_rows, risk_delta)
+print(
+    f"settings certified in some split: {int((risk_valid.certified > 0).sum())} "
+    f"of {len(risk_valid)}; "
+    f"violation rate above delta beyond Monte-Carlo error: {int((~risk_valid.kept).sum())}"
+)
+risk_valid[
+    [
+        "family",
+        "alpha",
+        "certified",
+        "violation",
+        "violation_hi",
+        "test_risk",
+        "loops",
+        "uniform_depth",
+        "saved_frac",
+    ]
+].round(3)
+
+# %%
+viz.risk_validity(risk_valid)
+
+# %%
+risk_shift = pd.concat(
+    [
+        validity(top1, fam, risk_alphas, risk_delta, calib=task_units, test=natural_units)
+        for fam in default_families()
+    ]
+)
+print(
+    "certified on task documents, measured on natural text: "
+    f"{int(risk_shift.violated.sum())} of {int(risk_shift.certified.sum())} certified settings "
+    "break alpha"
+)
+risk_shift[["family", "alpha", "certified", "threshold", "test_risk", "violated", "loops"]].round(3)
 
 # %% [markdown]
 # ## Depth extrapolation
@@ -398,6 +509,10 @@ results = {
     "spearman_commit": list(rho_commit),
     "depth_by_k": by_k.to_dict("records"),
     "overthinking": over.to_dict("records"),
+    "answer_dynamics": dyn_by_k.to_dict("records"),
+    "risk_validity": risk_valid.to_dict("records"),
+    "risk_shift": risk_shift.to_dict("records"),
+    "norm_growth_by_k": {int(k): float(g) for k, g in growth_by_k.items()},
     "gaps": {name: g.reset_index().to_dict("records") for name, g in gaps.items()},
     "exits_by_k": exits.to_dict("records"),
     "routers": router_info,

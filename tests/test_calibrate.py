@@ -123,6 +123,10 @@ def test_validity_splits_and_a_given_split(tiny_model_factory, one_thread):
     assert (certified.violated == (certified.test_risk > certified.alpha)).all()
     one = validity(table, "kl", [0.6], delta=0.4, calib=np.arange(4), test=np.arange(4, 8))
     assert len(one) == 1
+    some = validity(table, "kl", [0.6], delta=0.4, n_splits=3, among=np.array([1, 3, 5, 7]))
+    assert (some.n_calib == 2).all() and (some.n_test == 2).all()
+    with pytest.raises(DrcError, match="among"):
+        validity(table, "kl", [0.6], delta=0.4, among=np.array([1, 8]))
 
 
 def test_the_loss_pass_agrees_with_the_measurement_frame(tiny_model_factory, one_thread):
@@ -139,6 +143,34 @@ def test_the_loss_pass_agrees_with_the_measurement_frame(tiny_model_factory, one
     argmax, ce = passed.argmax.permute(1, 2, 0).numpy(), passed.ce.permute(1, 2, 0).numpy()
     assert (argmax == frame.argmax.to_numpy().reshape(5, 8, 6)).all()
     np.testing.assert_allclose(ce, frame.ce.to_numpy().reshape(5, 8, 6), rtol=1e-5, atol=1e-6)
+
+
+def test_loss_tables_from_a_sweeps_pass_equal_their_own_pass(tiny_model_factory, one_thread):
+    """A notebook's offline pass of default_rules gives the loss tables loss_tables computes itself; joined passes
+    give the tables of their windows together; a pass without the family's thresholds is refused."""
+    from drc_core.halting.calibrate import loss_tables, pass_loss_tables
+    from drc_core.halting.sweep import OfflinePass, default_rules, offline_pass
+
+    torch.manual_seed(3)
+    model = tiny_model_factory(64, core_scale=3.0)
+    windows = torch.randint(0, 64, (6, 13))
+    units = np.repeat(np.arange(6), 12).reshape(6, 12)
+    own = loss_tables(model, windows, units, ["kl", "state_delta"], reference_loops=4, max_loops=8)
+    passed = offline_pass(model, windows, default_rules(8), reference_loops=4)
+    from_pass = pass_loss_tables(passed, units, ["kl", "state_delta"])
+    # each pass draws its own initial states: the second part equals that part measured alone
+    second = offline_pass(model, windows[4:], default_rules(8), reference_loops=4)
+    joined = OfflinePass.cat([offline_pass(model, windows[:4], default_rules(8), reference_loops=4), second])
+    from_joined = pass_loss_tables(joined, units, ["kl", "state_delta"])
+    alone = pass_loss_tables(second, units[4:] - 4, ["kl", "state_delta"])
+    for risk in own:
+        for fam in ("kl", "state_delta", "uniform"):
+            np.testing.assert_array_equal(from_pass[risk].risks[fam], own[risk].risks[fam])
+            np.testing.assert_array_equal(from_pass[risk].loops[fam], own[risk].loops[fam])
+            np.testing.assert_array_equal(from_joined[risk].risks[fam][:, :4], own[risk].risks[fam][:, :4])
+            np.testing.assert_array_equal(from_joined[risk].risks[fam][:, 4:], alone[risk].risks[fam])
+    with pytest.raises(DrcError, match="did not replay"):
+        pass_loss_tables(offline_pass(model, windows, default_rules(8)[:2], reference_loops=4), units, ["kl"])
 
 
 @pytest.mark.parametrize("alpha,delta", [(0.1, 0.1), (0.05, 0.1), (0.01, 0.1), (0.2, 0.05)])

@@ -44,17 +44,37 @@ def test_commit_loop_and_overthinking():
     assert overthinks(correct).tolist() == [True, False, False]
 
 
-def test_the_pass_agrees_with_the_measurement_frame(tiny_model_factory, one_thread):
+def test_the_pass_keeps_norms_and_steps_of_the_states(tiny_model_factory, one_thread):
+    """The dynamics columns against the states of a plain iterate pass (NumPy norms), the same initial states;
+    positions give those tokens' rows of the full pass; a frame without the columns is refused."""
+    from drc_core.model.lm import iterate
+    from drc_core.model.passes import EVAL_STATE_SEED
+
     torch.manual_seed(0)
     model = tiny_model_factory(64, core_scale=3.0)
     windows = torch.randint(0, 64, (3, 9))
     dyn = token_dynamics(model, windows, 6, batch_size=2)
+    gen = torch.Generator().manual_seed(EVAL_STATE_SEED)
+    states = []
+    with torch.no_grad():
+        for start in (0, 2):
+            x = windows[start : start + 2, :-1]
+            states.append(np.stack([o.state.numpy() for o in iterate(model, x, 6, generator=gen, readout=None)], 2))
+    s = np.concatenate(states).astype(np.float64)  # (N, T, L, d)
+    np.testing.assert_allclose(dyn.norm, np.linalg.norm(s, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(dyn.step[..., 1:], np.linalg.norm(s[:, :, 1:] - s[:, :, :-1], axis=-1), rtol=1e-4)
+    np.testing.assert_allclose(dyn.step2[..., 2:], np.linalg.norm(s[:, :, 2:] - s[:, :, :-2], axis=-1), rtol=1e-4)
     frame = measure_windows(model, windows, 6, batch_size=2, kl_to_final=False)
-    rel = frame.state_delta.to_numpy().reshape(3, 8, 6)
-    np.testing.assert_allclose(dyn.relative_step()[..., 1:], rel[..., 1:], rtol=1e-4, atol=1e-6)
     assert (dyn.argmax == frame.argmax.to_numpy().reshape(3, 8, 6)).all()
     assert np.isnan(dyn.step[..., 0]).all() and np.isnan(dyn.step2[..., :2]).all()
     assert dyn.contraction().shape == (3, 8, 4)
+    mask = np.zeros((3, 8), dtype=bool)
+    mask[0, 3] = mask[2, [0, 7]] = True
+    part = token_dynamics(model, windows, 6, batch_size=2, positions=mask)
+    np.testing.assert_allclose(part.norm, dyn.norm[mask], rtol=1e-6)
+    np.testing.assert_allclose(part.step2, dyn.step2[mask], rtol=1e-6)
+    with pytest.raises(DrcError, match="dynamics=True"):
+        Dynamics.from_frame(frame)
 
 
 def test_trace_keeps_the_per_token_dynamics(tiny_model_factory, one_thread):

@@ -1,8 +1,9 @@
 """What each token's latent state does on its way to the fixed point: contraction, 2-cycles, drift, norm growth,
 the loop where the prediction commits, and overthinking.
 
-One uniform-depth pass (:func:`token_dynamics`) keeps, per token and loop, the state norm ``||s_l||``, the step
-``||s_l - s_{l-1}||``, the two-loop step ``||s_l - s_{l-2}||`` and the argmax. From them:
+One uniform-depth pass (:func:`token_dynamics`, or a measurement frame: :meth:`Dynamics.from_frame`) keeps, per
+token and loop, the state norm ``||s_l||``, the step ``||s_l - s_{l-1}||``, the two-loop step ``||s_l - s_{l-2}||``
+and the argmax. From them:
 
 - the empirical **contraction factor** ``rho_l = ||s_{l+1} - s_l|| / ||s_l - s_{l-1}||`` (:meth:`Dynamics.contraction`);
 - a **class** per token (:func:`classify`), read over the last ``tail`` loops of the pass:
@@ -27,10 +28,10 @@ import pandas as pd
 import torch
 
 from drc_core.analysis.intervals import bootstrap_ci
+from drc_core.analysis.measure import DYNAMICS_COLUMNS, measure_windows
 from drc_core.errors import DrcError, need_int
-from drc_core.model.checks import check_token_ids
-from drc_core.model.lm import RecurrentModel, iterate
-from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
+from drc_core.model.lm import RecurrentModel
+from drc_core.model.passes import EVAL_STATE_SEED
 
 __all__ = ["CLASSES", "Dynamics", "class_shares", "classify", "commit_loop", "group_shares", "norm_percentiles",
            "overthinks", "token_dynamics"]
@@ -67,6 +68,27 @@ class Dynamics:
     step2: np.ndarray
     argmax: np.ndarray
 
+    @classmethod
+    def from_frame(cls, frame: pd.DataFrame) -> Dynamics:
+        """The dynamics of a measurement frame's tokens, arrays (n, L) in the frame's (window, pos) order, from its
+        ``state_norm``, ``state_delta``, ``state_step2`` and ``argmax`` columns
+        (:func:`~drc_core.analysis.measure.measure_windows` with ``dynamics=True``)."""
+        missing = [c for c in (*DYNAMICS_COLUMNS, "state_delta", "argmax", "loop") if c not in frame.columns]
+        if missing:
+            raise DrcError(f"the frame has no {', '.join(missing)} column: measure it with "
+                           "measure_windows(..., dynamics=True)")
+        n_loops = int(frame["loop"].max())
+        if len(frame) % n_loops or (frame["loop"].to_numpy().reshape(-1, n_loops) != np.arange(1, n_loops + 1)).any():
+            raise DrcError("the frame's rows are not loops 1..L of each token in order: pass measure_windows' frame "
+                           "(sorted by window, pos, loop)")
+
+        def col(name: str) -> np.ndarray:
+            return frame[name].to_numpy().reshape(-1, n_loops)
+
+        norm = col("state_norm").astype(np.float32)
+        return cls(norm=norm, step=(col("state_delta") * norm).astype(np.float32),
+                   step2=col("state_step2").astype(np.float32), argmax=col("argmax").astype(np.int64))
+
     @property
     def max_loops(self) -> int:
         return self.norm.shape[-1]
@@ -81,33 +103,20 @@ class Dynamics:
             return self.step / self.norm
 
 
-@torch.no_grad()
 def token_dynamics(model: RecurrentModel, windows: torch.Tensor, max_loops: int = 32, *, batch_size: int = 16,
-                   seed: int = EVAL_STATE_SEED) -> Dynamics:
-    """One uniform pass of ``max_loops`` loops over ``windows`` (N, T+1; inputs ``[:, :-1]``), initial states as in
-    every evaluation pass (same ``seed`` and ``batch_size`` as :func:`~drc_core.analysis.measure.measure_windows`
-    give the same trajectories)."""
-    windows = check_token_ids(model, windows)
+                   seed: int = EVAL_STATE_SEED, positions: torch.Tensor | np.ndarray | None = None) -> Dynamics:
+    """One uniform pass of ``max_loops`` loops over ``windows`` (N, T+1; inputs ``[:, :-1]``): the measurement pass
+    (:func:`~drc_core.analysis.measure.measure_windows` with ``dynamics=True``; same ``seed`` and ``batch_size``
+    give the same trajectories), arrays (N, T, L); with ``positions`` ((N, T) bool) those tokens only, (n, L). A
+    notebook that measures anyway reads :meth:`Dynamics.from_frame` of its frame instead."""
     max_loops = need_int("max_loops", max_loops, 3)
-    parts: dict[str, list[np.ndarray]] = {"norm": [], "step": [], "step2": [], "argmax": []}
-    for batch in eval_batches(model, windows, batch_size, seed):
-        per: dict[str, list[torch.Tensor]] = {k: [] for k in parts}
-        prev = prev_step = None
-        # logits only (their argmax): the full per-loop statistics (iterate_stats) cost a softmax pass each
-        for out in iterate(model, batch.x, max_loops, readout="logits", state=batch.initial_state(model)):
-            s = out.state.float()
-            nan = torch.full(s.shape[:-1], float("nan"))
-            step = None if prev is None else s - prev
-            per["norm"].append(s.norm(dim=-1))
-            per["step"].append(nan if step is None else step.norm(dim=-1))
-            per["step2"].append((step + prev_step).norm(dim=-1) if prev_step is not None else nan)
-            per["argmax"].append(out.out.argmax(dim=-1))
-            prev, prev_step = s, step
-        for k, v in per.items():
-            parts[k].append(torch.stack(v, dim=-1).cpu().numpy())
-    out = {k: np.concatenate(v) for k, v in parts.items()}
-    return Dynamics(norm=out["norm"].astype(np.float32), step=out["step"].astype(np.float32),
-                    step2=out["step2"].astype(np.float32), argmax=out["argmax"].astype(np.int64))
+    frame = measure_windows(model, windows, max_loops, batch_size=batch_size, seed=seed, kl_to_final=False,
+                            positions=positions, dynamics=True)
+    dyn = Dynamics.from_frame(frame)
+    if positions is None:
+        n, t_len = windows.shape[0], windows.shape[1] - 1
+        dyn = Dynamics(*(a.reshape(n, t_len, max_loops) for a in (dyn.norm, dyn.step, dyn.step2, dyn.argmax)))
+    return dyn
 
 
 def classify(dyn: Dynamics, *, tol: float = 1e-3, cycle_ratio: float = 0.1, rho_max: float = 0.95,

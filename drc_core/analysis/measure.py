@@ -53,6 +53,7 @@ from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 __all__ = [
     "DEFAULT_EPS",
+    "DYNAMICS_COLUMNS",
     "FRAME_COLUMNS",
     "convergence_depth",
     "depth_from_successive_kl",
@@ -72,6 +73,7 @@ FRAME_COLUMNS = (
     "window", "pos", "loop", "token", "target", "kl", "kl_final", "state_delta", "entropy", "argmax", "ce",
 )  # and every registered statistic with frame=True (drc_core.analysis.loops.frame_statistics), after ``ce``
 _METRICS = ("kl", "state_delta", "entropy", "ce", "kl_final")
+DYNAMICS_COLUMNS = ("state_norm", "state_step2")  # measure_windows(dynamics=True), after the statistics
 LEGACY_COLUMNS = {"kl_prev": "kl"}  # frames saved before the statistics had one name each
 
 
@@ -102,6 +104,7 @@ def measure_windows(
     seed: int = EVAL_STATE_SEED,
     kl_to_final: bool = True,
     positions: torch.Tensor | np.ndarray | None = None,
+    dynamics: bool = False,
     progress: bool = False,
 ) -> pd.DataFrame:
     """Per-token, per-loop statistics of ``model`` on ``windows`` (N, T+1): a tidy frame, one row per
@@ -117,6 +120,8 @@ def measure_windows(
     loop). The columns are the statistics' names in :data:`~drc_core.analysis.loops.STATISTICS`. Floats are
     float32, ids small signed integers.
 
+    ``dynamics=True`` adds ``state_norm`` = ||s_l|| and ``state_step2`` = ||s_l - s_{l-2}|| (NaN at loops 1-2),
+    what :meth:`drc_core.analysis.dynamics.Dynamics.from_frame` reads with ``state_delta`` and ``argmax``.
     ``positions``: an (N, T) bool mask; the frame then has the rows of those tokens only (the same values as
     the full frame's rows: every token still runs through core and coda, only the head and the statistics are
     limited to them), e.g. the answers of a task.
@@ -148,7 +153,8 @@ def measure_windows(
                            f"{tuple(keep.shape)}")
 
     extras = [STATISTICS[name] for name in frame_statistics() if name not in BUILTIN_STATISTICS]
-    stat_names = ("kl", "kl_final", "state_delta", "entropy", "ce", *(x.name for x in extras))
+    stat_names = ("kl", "kl_final", "state_delta", "entropy", "ce", *(x.name for x in extras),
+                  *(DYNAMICS_COLUMNS if dynamics else ()))
     floats: dict[str, list[np.ndarray]] = {k: [] for k in stat_names}
     argmaxes: list[np.ndarray] = []
     for b, batch in enumerate(eval_batches(model, windows, batch_size, seed)):
@@ -164,9 +170,14 @@ def measure_windows(
             p_final = final.exp()  # once per batch, not once per loop
             gen.set_state(replay)
         per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
+        prev_step = None
         for st in iterate_stats(model, x, max_loops, generator=gen, where=where):
             nan = torch.full_like(st.entropy, math.nan)
             first = st.loop == 1
+            if dynamics:  # state_step = s_l - s_{l-1} (zero at loop 1): two of them span s_l - s_{l-2}
+                per_loop["state_norm"].append(st.state.float().norm(dim=-1))
+                per_loop["state_step2"].append(nan if st.loop < 3 else (st.state_step + prev_step).norm(dim=-1))
+                prev_step = st.state_step
             per_loop["kl"].append(nan if first else st.kl)
             per_loop["state_delta"].append(nan if first else st.state_delta)
             for x_stat in extras:
@@ -202,8 +213,8 @@ def measure_windows(
         frame[k] = np.concatenate(floats[k]).astype(np.float32)
     frame["argmax"] = np.concatenate(argmaxes).astype(id_dtype)
     frame["ce"] = np.concatenate(floats["ce"]).astype(np.float32)
-    for x_stat in extras:
-        frame[x_stat.name] = np.concatenate(floats[x_stat.name]).astype(np.float32)
+    for name in (*(x.name for x in extras), *(DYNAMICS_COLUMNS if dynamics else ())):
+        frame[name] = np.concatenate(floats[name]).astype(np.float32)
     if docs is not None:
         d = docs.cpu().numpy()
         frame["doc"] = per_row(d).astype(_int_dtype(max(int(d.max()), 0)))

@@ -144,12 +144,13 @@ def answer_trajectories(model: RecurrentModel, tw: TaskWindows, max_loops: int, 
                         progress: bool = False) -> pd.DataFrame:
     """Every answer at every loop 1..``max_loops``: the columns of
     :func:`~drc_core.analysis.measure.measure_windows` (one pass, with the KL to the deepest loop) for the
-    answers' predicting positions, plus ``k``, ``family``, ``doc`` and ``correct`` (argmax == answer). The
-    statistics are computed at those positions only."""
+    answers' predicting positions, with the state norms and steps of ``dynamics=True`` (what
+    :meth:`~drc_core.analysis.dynamics.Dynamics.from_frame` reads), plus ``k``, ``family``, ``doc`` and
+    ``correct`` (argmax == answer). The statistics are computed at those positions only."""
     mask = np.zeros((tw.windows.shape[0], tw.windows.shape[1] - 1), dtype=bool)
     mask[tw.answers["window"].to_numpy(), tw.answers["pos"].to_numpy()] = True
     frame = measure_windows(model, tw.windows, max_loops, batch_size=batch_size, kl_to_final=True,
-                            positions=mask, progress=progress)
+                            positions=mask, dynamics=True, progress=progress)
     keys = tw.answers[["window", "pos", "k", "family", "doc"]]
     out = frame.merge(keys, on=["window", "pos"], how="inner")
     out["correct"] = out["argmax"].to_numpy() == out["target"].to_numpy()

@@ -33,7 +33,7 @@ from scipy import stats as sps
 
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, Uniform
-from drc_core.halting.sweep import RuleSpec, offline_pass
+from drc_core.halting.sweep import OfflinePass, RuleSpec, offline_pass
 from drc_core.model.lm import RecurrentModel
 from drc_core.model.passes import EVAL_STATE_SEED
 
@@ -46,6 +46,7 @@ __all__ = [
     "learn_then_test",
     "loss_table",
     "loss_tables",
+    "pass_loss_tables",
     "min_units",
     "token_losses",
     "validity",
@@ -211,26 +212,50 @@ class LossTable:
                            reference_loops=self.reference_loops, tested=min(k + 1, len(p)))
 
 
+def _need_risks(risks: Sequence[str]) -> None:
+    for r in risks:
+        if r not in RISKS:
+            raise DrcError(f"risk={r!r} is not supported; use one of {', '.join(RISKS)}")
+
+
 @torch.no_grad()
 def loss_tables(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, families: Sequence[str], *,
                 risks: Sequence[str] = RISKS, tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
                 batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[str, LossTable]:
     """One offline pass (:func:`~drc_core.halting.sweep.offline_pass`: argmax and CE per loop, every threshold of
     ``families`` replayed; plus ``uniform``) on ``windows`` (N, T+1); ``units`` (N, T) the document of each input
-    position. One :class:`LossTable` per risk of ``risks``, all from the same trajectories."""
+    position. One :class:`LossTable` per risk of ``risks``, all from the same trajectories
+    (:func:`pass_loss_tables`)."""
     reference_loops = need_int("reference_loops", reference_loops, 1)
     max_loops = need_int("max_loops", max(max_loops, reference_loops), 1)
-    units = np.asarray(units)
     n, t_len = windows.shape[0], windows.shape[1] - 1
-    if units.shape != (n, t_len):
-        raise DrcError(f"units must give a document per input position, shape ({n}, {t_len}); got {units.shape}")
-    for r in risks:
-        if r not in RISKS:
-            raise DrcError(f"risk={r!r} is not supported; use one of {', '.join(RISKS)}")
-    specs = {f: family_specs(f, max_loops, reference_loops) for f in dict.fromkeys([*families, "uniform"])}
-    flat = [s for group in specs.values() for s in group if s.family != "uniform"]
+    if np.shape(units) != (n, t_len):
+        raise DrcError(f"units must give a document per input position, shape ({n}, {t_len}); got "
+                       f"{np.shape(units)}")
+    _need_risks(risks)
+    flat = [s for f in dict.fromkeys(families) if f != "uniform" for s in family_specs(f, max_loops, reference_loops)]
     passed = offline_pass(model, windows, flat, reference_loops=reference_loops, loops=max_loops,
                           batch_size=batch_size, seed=seed)
+    return pass_loss_tables(passed, units, families, risks=risks, tolerance=tolerance)
+
+
+def pass_loss_tables(passed: OfflinePass, units: np.ndarray, families: Sequence[str], *,
+                     risks: Sequence[str] = RISKS, tolerance: float = 0.0) -> dict[str, LossTable]:
+    """:func:`loss_tables` from an offline pass already run (e.g. a notebook's sweep of
+    :func:`~drc_core.halting.sweep.default_rules` at the pass's depth), which must have replayed every threshold
+    of ``families`` (:func:`family_specs` at the pass's loops and reference depth); ``units`` (N, T) as there."""
+    loops_run, n, t_len = passed.ce.shape
+    reference_loops = passed.reference_loops
+    units = np.asarray(units)
+    if units.shape != (n, t_len):
+        raise DrcError(f"units must give a document per input position, shape ({n}, {t_len}); got {units.shape}")
+    _need_risks(risks)
+    specs = {f: family_specs(f, loops_run, reference_loops) for f in dict.fromkeys([*families, "uniform"])}
+    missing = [str(s.rule) for g in specs.values() for s in g if s.family != "uniform" and str(s.rule) not in
+               passed.exits]
+    if missing:
+        raise DrcError(f"the offline pass did not replay {missing[0]} (and {len(missing) - 1} more): run it with "
+                       f"every threshold of {', '.join(families)} at max_loops={loops_run}")
     argmax = passed.argmax.permute(1, 2, 0).cpu().numpy()  # (N, T, L), as token_losses reads them
     ce = passed.ce.permute(1, 2, 0).double().cpu().numpy()
     exits = passed.token_exits()
@@ -273,18 +298,23 @@ def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, f
 
 
 def validity(table: LossTable, family: str, alphas: Sequence[float], delta: float, *, n_splits: int = 100,
-             seed: int = 0, calib: np.ndarray | None = None, test: np.ndarray | None = None):
-    """Is the guarantee kept? For each ``alpha``: ``n_splits`` random halvings of the units (or the one given
-    split ``calib``/``test``, e.g. calibrate on one source and test on another); on each, certify ``family`` and
+             seed: int = 0, calib: np.ndarray | None = None, test: np.ndarray | None = None,
+             among: np.ndarray | None = None):
+    """Is the guarantee kept? For each ``alpha``: ``n_splits`` random halvings of the units (of the unit indices
+    ``among`` only, when given: e.g. one source's documents), or the one given split ``calib``/``test`` (e.g.
+    calibrate on one source and test on another); on each, certify ``family`` and
     ``uniform`` on the calibration half and measure on the test half. Returns one row per (alpha, split):
     ``certified``, the test risk and ``violated`` (test risk > alpha) of the certified threshold, its mean loops
     on the test half, the certified uniform depth and the share of loops the rule saves against it."""
     import pandas as pd
 
-    n = len(table.units)
+    pool = np.arange(len(table.units)) if among is None else np.asarray(among, dtype=np.int64)
+    if pool.ndim != 1 or len(pool) < 2 or pool.min() < 0 or pool.max() >= len(table.units):
+        raise DrcError(f"among must be at least 2 unit indices in 0..{len(table.units) - 1}; got {len(pool)} of them")
     rng = np.random.default_rng(seed)
     splits = ([(np.asarray(calib), np.asarray(test))] if calib is not None
-              else [np.split(rng.permutation(n), [n // 2]) for _ in range(need_int("n_splits", n_splits, 1))])
+              else [np.split(rng.permutation(pool), [len(pool) // 2])
+                    for _ in range(need_int("n_splits", n_splits, 1))])
     rows = []
     for alpha in alphas:
         for i, (c, t) in enumerate(splits):

@@ -216,6 +216,21 @@ class OfflinePass:
                                    self.exits[str(spec.rule)][sl], ce_l, kl_l)
         return pd.DataFrame(rows)
 
+    @classmethod
+    def cat(cls, passes: Sequence[OfflinePass]) -> OfflinePass:
+        """Several passes of the same rules, reference depth and loops as one, their windows in order."""
+        first = passes[0]
+        for p in passes[1:]:
+            if ([str(s.rule) for s in p.specs] != [str(s.rule) for s in first.specs]
+                    or p.reference_loops != first.reference_loops or p.ce.shape[0] != first.ce.shape[0]
+                    or p.ce.shape[2] != first.ce.shape[2]):
+                raise DrcError("offline passes to join must replay the same rules at the same reference depth, "
+                               "loops and window length")
+        return cls(torch.cat([p.ce for p in passes], 1), torch.cat([p.kl_ref for p in passes], 1),
+                   torch.cat([p.argmax for p in passes], 1),
+                   {name: torch.cat([p.exits[name] for p in passes]) for name in first.exits}, first.specs,
+                   first.reference_loops, first.batch_size)
+
     def token_exits(self, oracle_eps: Sequence[float] = ()) -> dict[str, np.ndarray]:
         """:func:`token_exits`: each rule's exits (N, T) and ``oracle(kl<=eps)`` for each ``oracle_eps``."""
         out = {name: ex.cpu().numpy() for name, ex in self.exits.items()}
