@@ -37,9 +37,10 @@ def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int
     totals = dict.fromkeys(wanted, 0.0)
     count = 0
     for batch in eval_batches(model, windows, batch_size, seed):
-        for out in iterate(model, batch.x, wanted[-1], generator=batch.generator):
-            if out.loop in totals:
-                ce = F.cross_entropy(out.out.float().flatten(0, 1), batch.y.flatten(), reduction="sum")
+        for out in iterate(model, batch.x, wanted[-1], generator=batch.generator, readout=None):
+            if out.loop in totals:  # read out only the depths asked for (the same numbers as forward)
+                logits = model.readout(out.state)
+                ce = F.cross_entropy(logits.float().flatten(0, 1), batch.y.flatten(), reduction="sum")
                 totals[out.loop] += float(ce)
         count += batch.y.numel()
     return {n: totals[n] / count for n in wanted}
