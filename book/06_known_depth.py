@@ -54,7 +54,11 @@ task_ask_every = True  # ask about every object of a chain, not only its first
 task_repeat_share = 0.1
 task_tokenizer = "data/depth-tasks"  # reuse this model's tokenizer; empty: train one on the corpus
 preset = "cpu"
-train_overrides: list[str] = ["max_steps=3000", "answer_weight=10", "lr=1e-3"]
+train_overrides: list[str] = [  # one item a line: papermill cannot parse two equals signs in a line
+    "max_steps=3000",
+    "answer_weight=10",
+    "lr=1e-3",
+]
 task_checkpoint = "data/known-depth"  # empty: train here
 task_init = "data/depth-tasks"  # a run trained here starts from these weights; empty: random
 retrain = False
