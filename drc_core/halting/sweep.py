@@ -115,6 +115,20 @@ def _rows(family: str, param: float, rule: str, window0: int, depth: torch.Tenso
     ]
 
 
+def _checked(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], reference_loops: int,
+             batch_size: int) -> tuple[torch.Tensor, tuple[RuleSpec, ...], int, int, int]:
+    """The arguments of a sweep or an offline pass, checked (one-line errors), and the deepest loop any of them
+    needs (the reference depth or a rule's ``max_loops``)."""
+    windows = check_token_ids(model, windows)
+    reference_loops = need_int("reference_loops", reference_loops, 1)
+    batch_size = need_int("batch_size", batch_size, 1)
+    rules = tuple(rules)
+    for spec in rules:
+        if not isinstance(spec, RuleSpec) or not isinstance(spec.rule, HaltingRule):
+            raise DrcError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
+    return windows, rules, reference_loops, batch_size, max([reference_loops, *(s.rule.max_loops for s in rules)])
+
+
 @torch.no_grad()
 def sweep(
     model: RecurrentModel,
@@ -148,14 +162,8 @@ def sweep(
     """
     if mode not in ("online", "offline"):
         raise DrcError(f"mode={mode!r} is invalid; pass 'online' (run each rule) or 'offline' (replay)")
-    windows = check_token_ids(model, windows)
-    reference_loops = need_int("reference_loops", reference_loops, 1)
-    batch_size = need_int("batch_size", batch_size, 1)
-    rules = list(rules)
-    for spec in rules:
-        if not isinstance(spec, RuleSpec) or not isinstance(spec.rule, HaltingRule):
-            raise DrcError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
-    deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
+    windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
+                                                                   batch_size)
     uniform = sorted(set(range(1, deepest + 1) if uniform_loops is None else uniform_loops))
     if not uniform or uniform[0] < 1:
         raise DrcError(f"uniform_loops={uniform!r} is invalid; pass loop counts >= 1")
@@ -247,14 +255,8 @@ def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[R
     ``reference_loops`` and the rules' ``max_loops``) uniform loops per batch, the reference output at
     ``reference_loops`` from the same initial state, every rule replayed
     (:func:`drc_core.halting.reference.offline_exits`). Runs in eval mode."""
-    windows = check_token_ids(model, windows)
-    reference_loops = need_int("reference_loops", reference_loops, 1)
-    batch_size = need_int("batch_size", batch_size, 1)
-    rules = tuple(rules)
-    for spec in rules:
-        if not isinstance(spec, RuleSpec) or not isinstance(spec.rule, HaltingRule):
-            raise DrcError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
-    deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
+    windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
+                                                                   batch_size)
     loops = deepest if loops is None else need_int("loops", loops, deepest)
     ces, kls, args, exits = [], [], [], {str(s.rule): [] for s in rules}
     n_batches = (len(windows) + batch_size - 1) // batch_size
