@@ -26,9 +26,9 @@ import pandas as pd
 import torch
 from tokenizers import Tokenizer
 
-from drc_core.analysis.dynamics import classify, commit_loop, token_dynamics
+from drc_core.analysis.dynamics import Dynamics, classify, commit_loop
 from drc_core.analysis.loops import frame_statistics
-from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
+from drc_core.analysis.measure import DEFAULT_EPS, DYNAMICS_COLUMNS, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
 from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.data.tokenizer import load_tokenizer
@@ -150,22 +150,24 @@ def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torc
     return ids
 
 
-def _add_dynamics(frame: pd.DataFrame, model: RecurrentModel, window: torch.Tensor, max_loops: int, seed: int) -> None:
-    """The :class:`Trace` dynamics columns, in place (frame rows are ordered by pos, then loop)."""
-    t_len = window.shape[1] - 1
+def _add_dynamics(frame: pd.DataFrame, max_loops: int) -> None:
+    """The :class:`Trace` dynamics columns, in place, from the measurement frame's own state columns
+    (``measure_windows(dynamics=True)``, dropped after use; frame rows are ordered by pos, then loop)."""
     if max_loops < 3:  # no contraction factor yet: nothing to classify
+        frame.drop(columns=list(DYNAMICS_COLUMNS), inplace=True)
         frame["norm"], frame["contraction"] = np.float32(math.nan), np.float32(math.nan)
         frame["dyn_class"], frame["commit_loop"] = None, -1
         return
-    dyn = token_dynamics(model, window, max_loops, seed=seed)
     order = np.lexsort((frame["loop"].to_numpy(), frame["pos"].to_numpy()))
     if not (order == np.arange(len(frame))).all():
         raise DrcError("the trace frame is not ordered by position and loop")  # measure_windows' order
-    contraction = np.full((t_len, max_loops), np.nan, np.float32)
-    contraction[:, 2:] = dyn.contraction()[0]  # rho_{l-1} = step_l / step_{l-1} at loop l
-    cls = classify(dyn, tail=min(8, max_loops - 2))[0]
-    commit = commit_loop(dyn.argmax[0])
-    frame["norm"] = dyn.norm[0].reshape(-1)
+    dyn = Dynamics.from_frame(frame)  # (T, L): one row per position
+    frame.drop(columns=list(DYNAMICS_COLUMNS), inplace=True)
+    contraction = np.full(dyn.norm.shape, np.nan, np.float32)
+    contraction[:, 2:] = dyn.contraction()  # rho_{l-1} = step_l / step_{l-1} at loop l
+    cls = classify(dyn, tail=min(8, max_loops - 2))
+    commit = commit_loop(dyn.argmax)
+    frame["norm"] = dyn.norm.reshape(-1)
     frame["contraction"] = contraction.reshape(-1)
     frame["dyn_class"] = np.repeat(cls, max_loops)
     frame["commit_loop"] = np.repeat(commit, max_loops)
@@ -180,7 +182,7 @@ def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor
     max_loops = need_int("max_loops", max_loops, 2)
     ids = _encode(tokenizer, text_or_ids)
     window = torch.from_numpy(np.append(ids, ids[-1]))[None]  # the last target is a placeholder, blanked below
-    frame = measure_windows(model, window, max_loops, seed=seed, kl_to_final=True)
+    frame = measure_windows(model, window, max_loops, seed=seed, kl_to_final=True, dynamics=True)
     last = frame["pos"].to_numpy() == len(ids) - 1
     if targets:
         frame.loc[last, "ce"] = math.nan
@@ -190,7 +192,7 @@ def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor
         frame["target"] = -1
     texts = token_texts(tokenizer, ids.tolist())
     frame["text"] = [texts[int(p)] for p in frame["pos"]]
-    _add_dynamics(frame, model, window, max_loops, seed)
+    _add_dynamics(frame, max_loops)
     return Trace(ids=ids, tokens=texts, frame=frame, tokenizer=tokenizer, max_loops=max_loops)
 
 
