@@ -150,11 +150,16 @@ def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torc
     return ids
 
 
+def _drop_state_columns(frame: pd.DataFrame) -> None:
+    for name in DYNAMICS_COLUMNS:
+        del frame[name]
+
+
 def _add_dynamics(frame: pd.DataFrame, max_loops: int) -> None:
     """The :class:`Trace` dynamics columns, in place, from the measurement frame's own state columns
     (``measure_windows(dynamics=True)``, dropped after use; frame rows are ordered by pos, then loop)."""
     if max_loops < 3:  # no contraction factor yet: nothing to classify
-        frame.drop(columns=list(DYNAMICS_COLUMNS), inplace=True)
+        _drop_state_columns(frame)
         frame["norm"], frame["contraction"] = np.float32(math.nan), np.float32(math.nan)
         frame["dyn_class"], frame["commit_loop"] = None, -1
         return
@@ -162,7 +167,7 @@ def _add_dynamics(frame: pd.DataFrame, max_loops: int) -> None:
     if not (order == np.arange(len(frame))).all():
         raise DrcError("the trace frame is not ordered by position and loop")  # measure_windows' order
     dyn = Dynamics.from_frame(frame)  # (T, L): one row per position
-    frame.drop(columns=list(DYNAMICS_COLUMNS), inplace=True)
+    _drop_state_columns(frame)
     contraction = np.full(dyn.norm.shape, np.nan, np.float32)
     contraction[:, 2:] = dyn.contraction()  # rho_{l-1} = step_l / step_{l-1} at loop l
     cls = classify(dyn, tail=min(8, max_loops - 2))
