@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from drc_core.model.lm import DepthRecurrentLM, ModelConfig
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import DepthRecurrentLM
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from drc_core.errors import DrcError
 from drc_core.halting.generate import generate as generate_ids
 from drc_core.halting.reference import masked_forward
 from drc_core.halting.skipping import skip_forward
-from drc_core.model.lm import DepthRecurrentLM, ModelConfig, iterate
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import DepthRecurrentLM, iterate
 
 SECONDS = 5.0  # the time bound of one call: a tiny model at its largest accepted depth takes well under this
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],

@@ -17,7 +17,8 @@ from drc_core.experiments.cost import (
     spread,
     train_flops_per_token,
 )
-from drc_core.model.lm import DepthRecurrentLM, ModelConfig
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import DepthRecurrentLM
 
 
 def test_train_flops_are_forward_plus_twice_the_graph():

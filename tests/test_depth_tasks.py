@@ -28,7 +28,8 @@ from drc_core.errors import DrcError
 from drc_core.experiments import depth_tasks as dt
 from drc_core.halting.rules import KLThreshold, Never
 from drc_core.halting.sweep import RuleSpec, offline_pass
-from drc_core.model.lm import DepthRecurrentLM, ModelConfig
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import DepthRecurrentLM
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.data import Corpus, PrepareConfig, SourceSpec, prepare
-from drc_core.model.lm import DepthRecurrentLM, ModelConfig
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import DepthRecurrentLM
 from drc_core.model.passes import evaluation
 from drc_core.training.evaluate import loss_by_depth, loss_by_source, unigram_loss
 

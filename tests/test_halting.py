@@ -18,7 +18,8 @@ from drc_core.halting.rules import (
     StateDelta,
     Uniform,
 )
-from drc_core.model.lm import DepthRecurrentLM, ModelConfig, iterate
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import DepthRecurrentLM, iterate
 from drc_core.model.passes import kl_successive
 
 # ----------------------------------------------------------------------------------------------------------

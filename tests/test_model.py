@@ -4,7 +4,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from drc_core.model.lm import DepthRecurrentLM, LoopOutput, ModelConfig, iterate, load_state
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import DepthRecurrentLM, LoopOutput, iterate, load_state
 
 V, D, T = 64, 32, 16
 

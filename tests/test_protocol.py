@@ -19,7 +19,9 @@ from drc_core.halting.reference import masked_forward, offline_exits
 from drc_core.halting.router import harvest
 from drc_core.halting.rules import KLThreshold, Never, Uniform
 from drc_core.halting.sweep import default_rules, sweep
-from drc_core.model.lm import DepthRecurrentLM, FrozenKV, ModelConfig, RecurrentModel, iterate
+from drc_core.model.blocks import FrozenKV
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import DepthRecurrentLM, RecurrentModel, iterate
 from drc_core.model.passes import EVAL_STATE_SEED
 from drc_core.training.evaluate import loss_by_depth, mean_successive_kl
 

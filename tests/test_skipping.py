@@ -28,7 +28,8 @@ from drc_core.halting.rules import (
     Uniform,
 )
 from drc_core.halting.skipping import skip_forward
-from drc_core.model.lm import Block, DepthRecurrentLM
+from drc_core.model.blocks import Block
+from drc_core.model.lm import DepthRecurrentLM
 
 V, B, T, L = 64, 3, 14, 6
 ATOL, RTOL = 2e-5, 1e-4

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.halting.work import Work
-from drc_core.model.lm import Block, DepthRecurrentLM
+from drc_core.model.blocks import Block
+from drc_core.model.lm import DepthRecurrentLM
 
 __all__ = ["Attn", "KVSlab", "LoopCaches", "Tokens", "block_step", "coda", "empty_caches"]
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from drc_core.errors import MAX_LOOPS, DrcError, check_fields, need_float, need_loops
-from drc_core.model.lm import ModelConfig
+from drc_core.model.config import ModelConfig
 from drc_core.model.precision import AUTOCAST_CHOICES, COMPILE_CHOICES
 from drc_core.model.recurrence import RecurrenceConfig
 

@@ -28,7 +28,8 @@ from safetensors import SafetensorError
 
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, first_line
-from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM, ModelConfig
+from drc_core.model.config import ModelConfig
+from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
 from drc_core.training.config import TrainConfig
 
 __all__ = ["CHECKPOINTS_DIR", "CORPUS_RECORD", "FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir",

@@ -1,0 +1,101 @@
+"""The hyper-parameters of :class:`~drc_core.model.lm.DepthRecurrentLM` (:class:`ModelConfig`), checked when
+built: a bad value is a one-line :class:`~drc_core.errors.DrcError` naming the fix."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from drc_core.errors import DrcError, check_fields, need_float, need_int
+
+__all__ = ["ModelConfig"]
+
+_NORMS = ("pre", "sandwich")
+_INJECTIONS = ("concat", "add")
+_INIT_STATES = ("random", "zeros")
+
+
+def _valid_heads(d_model: int) -> str:
+    """The head counts that divide ``d_model`` into even head sizes, for error messages."""
+    ok = [h for h in range(1, d_model + 1) if d_model % h == 0 and (d_model // h) % 2 == 0]
+    shown = ", ".join(str(h) for h in ok[:8])
+    return "{" + shown + (", ..." if len(ok) > 8 else "") + "}"
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of :class:`DepthRecurrentLM`.
+
+    ``mlp_hidden=None`` means the SwiGLU hidden size ``8/3 * d_model`` rounded up to a multiple of 8 (see
+    :attr:`hidden_dim`). ``norm="sandwich"`` also RMS-normalises each sublayer's output before it is added to
+    the residual stream. ``init_state="random"`` draws the initial latent state from
+    ``N(0, init_state_scale**2)``.
+    """
+
+    vocab_size: int
+    d_model: int = 256
+    n_heads: int = 4
+    n_prelude: int = 1
+    n_core: int = 2
+    n_coda: int = 1
+    mlp_hidden: int | None = None
+    max_seq_len: int = 512
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    norm: str = "pre"
+    injection: str = "concat"
+    init_state: str = "random"
+    init_state_scale: float = 1.0
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        def need(name: str, minimum: int) -> None:
+            need_int(name, getattr(self, name), minimum)
+
+        for name in ("vocab_size", "d_model", "n_heads", "n_core", "max_seq_len"):
+            need(name, 1)
+        for name in ("n_prelude", "n_coda"):
+            need(name, 0)
+        if self.mlp_hidden is not None:
+            need("mlp_hidden", 1)
+        if self.d_model % self.n_heads != 0:
+            raise DrcError(
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
+                f"choose n_heads in {_valid_heads(self.d_model)}"
+            )
+        if (self.d_model // self.n_heads) % 2 != 0:
+            raise DrcError(
+                f"head_dim = d_model/n_heads = {self.d_model // self.n_heads} is odd but RoPE needs an even "
+                f"head_dim; choose n_heads in {_valid_heads(self.d_model)}"
+            )
+        for name, allowed in (("norm", _NORMS), ("injection", _INJECTIONS), ("init_state", _INIT_STATES)):
+            if getattr(self, name) not in allowed:
+                raise DrcError(f"{name}={getattr(self, name)!r} is not supported; use one of {allowed}")
+
+        need_float("rope_base", self.rope_base, 0.0, lo_open=True)
+        need_float("norm_eps", self.norm_eps, 0.0, lo_open=True)
+        need_float("init_state_scale", self.init_state_scale, 0.0)
+        need_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
+        if not isinstance(self.tie_embeddings, bool):
+            raise DrcError(f"tie_embeddings={self.tie_embeddings!r} is invalid; use true or false")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """The SwiGLU hidden size actually used."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return 8 * math.ceil(8 * self.d_model / 3 / 8)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object], where: str = "model config") -> ModelConfig:
+        """A config from its stored dict: every field present, none unknown (:func:`~drc_core.errors.check_fields`)."""
+        data = check_fields(cls, data, where)
+        return cls(**data)  # type: ignore[arg-type]
