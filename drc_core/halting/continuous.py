@@ -226,10 +226,6 @@ def generate_continuous(
     ``generate``. ``keep_logits=False`` keeps no (T, V) logits per request. The rule must declare the statistics
     it reads (:attr:`~drc_core.halting.rules.HaltingRule.reads`): its decision for a token may depend only on
     that token.
-
-    One function on purpose: the scheduler's state (slots, caches, queue, per-request records) is shared by its
-    nested steps (``admit``, ``join``, ``exited``) and the step loop; a class would hold the same state in
-    attributes.
     """
     t_start = time.perf_counter()
     reqs = _request_list(prompts, max_new_tokens, states)
@@ -241,206 +237,260 @@ def generate_continuous(
     n_slots = len(reqs) if slots is None else slots
     if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
         raise DrcError(f"slots={slots!r} is invalid; it must be an integer >= 1 (or None: one per request)")
-    n_slots = min(n_slots, len(reqs))
-    cfg = model.cfg
-    d, L = cfg.d_model, rule.max_loops
+    d = model.cfg.d_model
     device, dtype = model.rope_cos.device, model.tok_emb.weight.dtype
-    T = max(p.shape[1] + n for p, n, _ in reqs)
     like = torch.empty(0, dtype=dtype, device=device)
     init = []
     for i, (p, n, s) in enumerate(reqs):
         check_state(s, (p.shape[1] + n, d), f"(T0 + max_new_tokens, d_model) for prompt {i}")  # type: ignore[arg-type]
         s = model.initial_state(like.new_zeros(1, p.shape[1] + n, d), generator) if s is None else s[None]
         init.append(s.to(device=device, dtype=dtype))
+    decoder = _Decoder(model, rule, reqs, init, min(n_slots, len(reqs)), t_start, temperature=temperature,
+                       generator=generator, fused=fused, keep_logits=keep_logits)
+    while decoder.step():
+        pass
+    return decoder.result()
 
-    pre_kv = empty_caches(model, len(model.prelude), (n_slots, T), like)
-    core_kv = empty_caches(model, len(model.core), (n_slots, L, T), like)
-    coda_kv = empty_caches(model, len(model.coda), (n_slots, L, T), like)
-    flat = [(k.view(n_slots * L, *k.shape[2:]), v.view(n_slots * L, *v.shape[2:])) for k, v in (*core_kv, *coda_kv)]
-    core_flat, coda_flat = flat[: len(model.core)], flat[len(model.core) :]
-    rope = (model.rope_cos, model.rope_sin)
-    per_loop = rule.needs_log_probs
-    work = Work()
-    sl = _Slots(n_slots, [-1] * n_slots, [0] * n_slots, [0] * n_slots, like.new_zeros(n_slots, d),
-                like.new_zeros(n_slots, d))
-    tokens: list[list[int]] = [[] for _ in reqs]  # each request's tokens so far (host side)
-    prompt_exits: list[Tensor] = [like for _ in reqs]
-    exits: list[list[int]] = [[] for _ in reqs]  # exit loops of the decode phase
-    outs: list[list[Tensor]] = [[] for _ in reqs]
-    times = [[0.0, 0.0, 0.0] for _ in reqs]
-    queue = list(range(len(reqs)))
-    joiners: list[int] = []
-    caches_all = [t for kv in (*core_kv, *coda_kv) for t in kv]
 
-    def now_s() -> float:
-        return time.perf_counter() - t_start
+class _Decoder:
+    """The scheduler of :func:`generate_continuous`: the slots and their key/value caches, the queue of waiting
+    requests, each request's record (tokens, exit loops, logits, times), and :meth:`step`, one core step of every
+    active slot's token at its own loop."""
 
-    def chosen(r: int, token: int) -> None:
-        tokens[r].append(token)
-        if len(tokens[r]) == reqs[r][0].shape[1] + 1:
-            times[r][1] = now_s()
+    def __init__(self, model: DepthRecurrentLM, rule: HaltingRule, reqs: list[tuple[Tensor, int, Tensor | None]],
+                 init: list[Tensor], n_slots: int, t_start: float, *, temperature: float,
+                 generator: torch.Generator | None, fused: bool, keep_logits: bool) -> None:
+        self.model, self.rule, self.reqs, self.init, self.n_slots = model, rule, reqs, init, n_slots
+        self.t_start = t_start
+        self.temperature, self.generator, self.fused, self.keep_logits = temperature, generator, fused, keep_logits
+        cfg = model.cfg
+        d, self.L, self.V, self.heads = cfg.d_model, rule.max_loops, cfg.vocab_size, cfg.n_heads
+        self.device, self.dtype = model.rope_cos.device, model.tok_emb.weight.dtype
+        like = self.like = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.T = T = max(p.shape[1] + n for p, n, _ in reqs)
+        self.pre_kv = empty_caches(model, len(model.prelude), (n_slots, T), like)
+        self.core_kv = empty_caches(model, len(model.core), (n_slots, self.L, T), like)
+        self.coda_kv = empty_caches(model, len(model.coda), (n_slots, self.L, T), like)
+        flat = [(k.view(n_slots * self.L, *k.shape[2:]), v.view(n_slots * self.L, *v.shape[2:]))
+                for k, v in (*self.core_kv, *self.coda_kv)]
+        self.core_flat, self.coda_flat = flat[: len(model.core)], flat[len(model.core) :]
+        self.caches_all = [t for kv in (*self.core_kv, *self.coda_kv) for t in kv]
+        self.rope = (model.rope_cos, model.rope_sin)
+        self.per_loop = rule.needs_log_probs
+        self.need = stat_fields(rule)
+        self.work = Work()
+        self.sl = _Slots(n_slots, [-1] * n_slots, [0] * n_slots, [0] * n_slots, like.new_zeros(n_slots, d),
+                         like.new_zeros(n_slots, d))
+        self.tokens: list[list[int]] = [[] for _ in reqs]  # each request's tokens so far (host side)
+        self.prompt_exits: list[Tensor] = [like for _ in reqs]
+        self.exits: list[list[int]] = [[] for _ in reqs]  # exit loops of the decode phase
+        self.outs: list[list[Tensor]] = [[] for _ in reqs]
+        self.times = [[0.0, 0.0, 0.0] for _ in reqs]  # admitted, first token, finished
+        self.queue = list(range(len(reqs)))
+        self.joiners: list[int] = []
+        self.z_none = like.new_empty(0, self.V, dtype=torch.float32)
+        # this step's logits and each slot's previous ones (rules that read the output distribution)
+        self.z_buf = like.new_empty(n_slots, self.V, dtype=torch.float32) if self.per_loop else self.z_none
+        self.z_prev = like.new_zeros(n_slots, self.V, dtype=torch.float32) if self.per_loop else self.z_none
+        self.steps = 0
 
-    def advance(b: int) -> None:
+    def now_s(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def chosen(self, r: int, token: int) -> None:
+        self.tokens[r].append(token)
+        if len(self.tokens[r]) == self.reqs[r][0].shape[1] + 1:
+            self.times[r][1] = self.now_s()
+
+    def advance(self, b: int) -> None:
         """After slot b's token chose the next token: finish the request or queue that token's prelude."""
+        sl = self.sl
         r = sl.request[b]
-        t = len(tokens[r]) - 1  # the position of the token just chosen
-        if t == reqs[r][0].shape[1] + reqs[r][1] - 1:  # the last new token: it is never processed
-            times[r][2] = now_s()
+        t = len(self.tokens[r]) - 1  # the position of the token just chosen
+        if t == self.reqs[r][0].shape[1] + self.reqs[r][1] - 1:  # the last new token: it is never processed
+            self.times[r][2] = self.now_s()
             sl.request[b], sl.loop[b] = -1, 0
             return
         sl.pos[b], sl.loop[b] = t, 1
-        sl.x[b] = init[r][0, t]
-        joiners.append(b)
+        sl.x[b] = self.init[r][0, t]
+        self.joiners.append(b)
 
-    def admit(b: int) -> None:
+    def admit(self, b: int) -> None:
         """Run the next queued request's prompt alone on slot b (what ``generate`` does with it)."""
-        r = queue.pop(0)
-        times[r][0] = now_s()
-        prompt, n, _ = reqs[r]
+        model, d = self.model, self.model.cfg.d_model
+        r = self.queue.pop(0)
+        self.times[r][0] = self.now_s()
+        prompt, n, _ = self.reqs[r]
         t0 = prompt.shape[1]
-        ids = torch.zeros(1, t0 + n, dtype=torch.long, device=device)
-        ids[0, :t0] = prompt[0].to(device)
-        tokens[r] = prompt[0].tolist()
-        e_r = like.new_zeros(1, t0 + n, d)
-        s_r = init[r].clone()
-        _prelude(model, ids, (0, t0), [(k[b : b + 1], v[b : b + 1]) for k, v in pre_kv], e_r, work)
-        caches = LoopCaches(core=[(k[b][:, None], v[b][:, None]) for k, v in core_kv],
-                            coda=[(k[b][:, None], v[b][:, None]) for k, v in coda_kv], per_loop=True)
-        res = run_loops(model, rule, s_r, e_r, (0, t0), caches, work=work, fused=fused)
-        sl.request[b] = r
-        prompt_exits[r] = res.exit_loop[0]
-        if keep_logits:
-            outs[r].append(res.logits[0])
-        chosen(r, int(_choose(res.logits[:, -1], temperature, generator)[0]))
-        advance(b)
+        ids = torch.zeros(1, t0 + n, dtype=torch.long, device=self.device)
+        ids[0, :t0] = prompt[0].to(self.device)
+        self.tokens[r] = prompt[0].tolist()
+        e_r = self.like.new_zeros(1, t0 + n, d)
+        s_r = self.init[r].clone()
+        _prelude(model, ids, (0, t0), [(k[b : b + 1], v[b : b + 1]) for k, v in self.pre_kv], e_r, self.work)
+        caches = LoopCaches(core=[(k[b][:, None], v[b][:, None]) for k, v in self.core_kv],
+                            coda=[(k[b][:, None], v[b][:, None]) for k, v in self.coda_kv], per_loop=True)
+        res = run_loops(model, self.rule, s_r, e_r, (0, t0), caches, work=self.work, fused=self.fused)
+        self.sl.request[b] = r
+        self.prompt_exits[r] = res.exit_loop[0]
+        if self.keep_logits:
+            self.outs[r].append(res.logits[0])
+        self.chosen(r, int(_choose(res.logits[:, -1], self.temperature, self.generator)[0]))
+        self.advance(b)
 
-    def join() -> None:
+    def join(self) -> None:
         """The prelude of every slot's new token (positions differ by row: one flat layout)."""
-        if not joiners:
+        if not self.joiners:
             return
-        joiners.sort()
-        b_t = torch.tensor(joiners, device=device)
+        sl, model = self.sl, self.model
+        joiners = sorted(self.joiners)
+        b_t = torch.tensor(joiners, device=self.device)
         pos_list = [sl.pos[b] for b in joiners]
-        attn = _Items(b_t, torch.tensor(pos_list, device=device), max(pos_list) + 1, T, cfg.n_heads, rope)
-        x = model.token_embedding(torch.tensor([tokens[sl.request[b]][-1] for b in joiners], device=device))
-        for block, kv in zip(model.prelude, pre_kv, strict=True):
-            x = block_step(block, x, attn, kv, *rope, work=work)
+        attn = _Items(b_t, torch.tensor(pos_list, device=self.device), max(pos_list) + 1, self.T, self.heads,
+                      self.rope)
+        x = model.token_embedding(torch.tensor([self.tokens[sl.request[b]][-1] for b in joiners],
+                                               device=self.device))
+        for block, kv in zip(model.prelude, self.pre_kv, strict=True):
+            x = block_step(block, x, attn, kv, *self.rope, work=self.work)
         sl.e[b_t] = x
-        joiners.clear()
+        self.joiners.clear()
 
-    def exited(gone: list[tuple[int, int, int]]) -> None:
+    def exited(self, gone: list[tuple[int, int, int]]) -> None:
         """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop: one gather
         and one scatter per cache tensor."""
-        pairs = [(b, loop, t, later) for b, loop, t in gone for later in range(loop, L)]
+        pairs = [(b, loop, t, later) for b, loop, t in gone for later in range(loop, self.L)]
         if not pairs:
             return
-        b_i, src, t_i, dst = (torch.tensor(c, device=device) for c in zip(*pairs, strict=True))
-        for c in caches_all:
+        b_i, src, t_i, dst = (torch.tensor(c, device=self.device) for c in zip(*pairs, strict=True))
+        for c in self.caches_all:
             c[b_i, dst, :, t_i] = c[b_i, src - 1, :, t_i]
 
-    V = cfg.vocab_size
-    need = stat_fields(rule)
-    z_none = like.new_empty(0, V, dtype=torch.float32)
-    z_buf = like.new_empty(n_slots, V, dtype=torch.float32) if per_loop else z_none  # this step's logits
-    z_prev = like.new_zeros(n_slots, V, dtype=torch.float32) if per_loop else z_none  # each slot's previous
-    steps = 0
-    while True:
-        for b in range(n_slots):
-            if sl.request[b] < 0 and queue:
-                admit(b)
-        join()
+    def step(self) -> bool:
+        """Admit waiting requests into free slots, run the new tokens' prelude, then one loop of every active
+        item; the exiting items choose their next tokens. False when no item is left."""
+        sl = self.sl
+        for b in range(self.n_slots):
+            if sl.request[b] < 0 and self.queue:
+                self.admit(b)
+        self.join()
         items = sl.active()
         if not items:
-            break
-        steps += 1
-        n_items = len(items)
+            return False
+        self.steps += 1
         loop_list = [sl.loop[b] for b in items]
         pos_list = [sl.pos[b] for b in items]
-        rows = [b * L + lp - 1 for b, lp in zip(items, loop_list, strict=True)]
+        rows = [b * self.L + lp - 1 for b, lp in zip(items, loop_list, strict=True)]
         # one host-to-device copy per step: slots, loops, positions, flat rows and cache offsets
         meta = torch.tensor([items, loop_list, pos_list, rows,
-                             [r * cfg.n_heads * T + t for r, t in zip(rows, pos_list, strict=True)]], device=device)
+                             [r * self.heads * self.T + t for r, t in zip(rows, pos_list, strict=True)]],
+                            device=self.device)
         b_t, loops, pos_t, rows_t, base_t = meta.unbind(0)
-        attn = _Items(rows_t, pos_t, max(pos_list) + 1, T, cfg.n_heads, rope, base=base_t)
-        x = model.inject(sl.x[b_t], sl.e[b_t])
-        for block, kv in zip(model.core, core_flat, strict=True):
-            x = block_step(block, x, attn, kv, *rope)
-        work.core += n_items
-        # the statistics: generate's own tracker, its previous loop being each item's slot's (items at loop 1 get
-        # the first loop's values by _masked, as their slot's previous values belong to another token)
-        tracker = Tracker(need, 0, V, like, False, fused)
-        if sl.prev:
-            tracker.prev, tracker.loop = {k: v[b_t] for k, v in sl.prev.items()}, 1
-        res = tracker.states(x, 3)
-        if per_loop:
-            y = coda(model, x, attn, coda_flat, work=work)
-            tracker.bufs = [z_buf[:n_items], z_prev[b_t]]
-            res.update(tracker.readout(model, y, 3))
-            z = tracker.bufs[0]
-            work.head += n_items
-            work.vocab_stats += n_items * tracker.vocab_passes
-        if min(loop_list) < 3:  # items at loops 1 and 2: the values of a first (second) loop
-            res = _masked(res, loops)
-        tracker.done(3, x, res)
-        if max(loop_list) < rule.min_loops:  # no item may exit yet: no decision, no host sync
-            decide, gone, gone_list = torch.zeros(n_items, dtype=torch.bool, device=device), None, []
-        elif min(loop_list) >= rule.max_loops:  # every item must exit
-            decide = torch.ones(n_items, dtype=torch.bool, device=device)
-            gone, gone_list = torch.arange(n_items, device=device), list(range(n_items))
-        else:
-            decide = rule.criterion(compact_stats(0, x, res)).reshape(n_items).to(torch.bool)
-            if min(loop_list) < rule.min_loops:
-                decide = decide & (loops >= rule.min_loops)
-            if max(loop_list) >= rule.max_loops:
-                decide = decide | (loops >= rule.max_loops)
-            gone = decide.nonzero().squeeze(1)
-            gone_list = gone.tolist()
-        if per_loop:
-            logits_g = z.index_select(0, gone) if gone is not None else z[:0]
-        elif max(loop_list) < rule.min_loops:  # no item at a loop whose coda keys/values are ever read
-            logits_g = z_none
-        else:
-            # every item at loop >= min_loops writes its coda keys/values (later tokens exiting at its loop read
-            # them); the exiting ones run the last coda block and the head
-            if min(loop_list) >= rule.min_loops:
-                y = coda(model, x, attn, coda_flat, query=decide, work=work)
-            else:
-                late = (loops >= rule.min_loops).nonzero().squeeze(1)
-                y = coda(model, x.index_select(0, late), attn.select(late), coda_flat,
-                         query=decide.index_select(0, late), work=work)
-            logits_g = model.head(y).float()
-            work.head += y.shape[0]
+        attn = _Items(rows_t, pos_t, max(pos_list) + 1, self.T, self.heads, self.rope, base=base_t)
+        x = self.model.inject(sl.x[b_t], sl.e[b_t])
+        for block, kv in zip(self.model.core, self.core_flat, strict=True):
+            x = block_step(block, x, attn, kv, *self.rope)
+        self.work.core += len(items)
+        tracker, res, z = self._statistics(x, attn, b_t, loops, loop_list)
+        decide, gone, gone_list = self._decide(x, res, loops, loop_list)
+        logits_g = self._exit_logits(x, attn, loops, loop_list, decide, gone, z)
         sl.x[b_t] = x
-        if per_loop:
-            z_prev[b_t] = z
+        if self.per_loop:
+            self.z_prev[b_t] = z
         for k, v in tracker.prev.items():
             if k not in sl.prev:
-                sl.prev[k] = v.new_zeros(n_slots, *v.shape[1:])
+                sl.prev[k] = v.new_zeros(self.n_slots, *v.shape[1:])
             sl.prev[k][b_t] = v
         if gone_list:
-            picks = _choose(logits_g, temperature, generator).tolist()
-            exited([(items[i], loop_list[i], pos_list[i]) for i in gone_list])
-            rows = logits_g.to(dtype) if keep_logits else None
-            for j, i in enumerate(gone_list):
-                b = items[i]
-                r = sl.request[b]
-                exits[r].append(loop_list[i])
-                if rows is not None:
-                    outs[r].append(rows[j : j + 1])
-                chosen(r, picks[j])
-                advance(b)
+            self._emit(logits_g, [(items[i], loop_list[i], pos_list[i]) for i in gone_list])
         gone_set = set(gone_list)
         for i, b in enumerate(items):
             if i not in gone_set:
                 sl.loop[b] += 1
-    work.tokens += sum(len(t) - 1 for t in tokens)
-    completions = [
-        Completion(tokens=torch.tensor(tokens[r], device=device),
-                   exit_loop=torch.cat([prompt_exits[r], torch.tensor(exits[r], dtype=torch.long, device=device)]),
-                   logits=torch.cat(outs[r]) if keep_logits else None, initial_state=init[r][0],
-                   prompt_len=reqs[r][0].shape[1], admitted=times[r][0], first_token=times[r][1],
-                   finished=times[r][2])
-        for r in range(len(reqs))
-    ]
-    return ContinuousResult(completions, str(rule), n_slots, steps, work, now_s())
+        return True
 
+    def _statistics(self, x: Tensor, attn: _Items, b_t: Tensor, loops: Tensor,
+                    loop_list: list[int]) -> tuple[Tracker, dict[str, Tensor], Tensor]:
+        """The rule's statistics of the items: ``generate``'s own tracker, its previous loop being each item's
+        slot's (items at loop 1 get the first loop's values by :func:`_masked`, as their slot's previous values
+        belong to another token); with the step's logits when the rule reads the output distribution."""
+        n_items = x.shape[0]
+        tracker = Tracker(self.need, 0, self.V, self.like, False, self.fused)
+        if self.sl.prev:
+            tracker.prev, tracker.loop = {k: v[b_t] for k, v in self.sl.prev.items()}, 1
+        res = tracker.states(x, 3)
+        z = self.z_none
+        if self.per_loop:
+            y = coda(self.model, x, attn, self.coda_flat, work=self.work)
+            tracker.bufs = [self.z_buf[:n_items], self.z_prev[b_t]]
+            res.update(tracker.readout(self.model, y, 3))
+            z = tracker.bufs[0]
+            self.work.head += n_items
+            self.work.vocab_stats += n_items * tracker.vocab_passes
+        if min(loop_list) < 3:  # items at loops 1 and 2: the values of a first (second) loop
+            res = _masked(res, loops)
+        tracker.done(3, x, res)
+        return tracker, res, z
+
+    def _decide(self, x: Tensor, res: dict[str, Tensor], loops: Tensor,
+                loop_list: list[int]) -> tuple[Tensor, Tensor | None, list[int]]:
+        """Which items exit: the rule's criterion with the min/max-loop forcing per item; the one host sync."""
+        rule, n_items = self.rule, x.shape[0]
+        if max(loop_list) < rule.min_loops:  # no item may exit yet: no decision, no host sync
+            return torch.zeros(n_items, dtype=torch.bool, device=self.device), None, []
+        if min(loop_list) >= rule.max_loops:  # every item must exit
+            return (torch.ones(n_items, dtype=torch.bool, device=self.device),
+                    torch.arange(n_items, device=self.device), list(range(n_items)))
+        decide = rule.criterion(compact_stats(0, x, res)).reshape(n_items).to(torch.bool)
+        if min(loop_list) < rule.min_loops:
+            decide = decide & (loops >= rule.min_loops)
+        if max(loop_list) >= rule.max_loops:
+            decide = decide | (loops >= rule.max_loops)
+        gone = decide.nonzero().squeeze(1)
+        return decide, gone, gone.tolist()
+
+    def _exit_logits(self, x: Tensor, attn: _Items, loops: Tensor, loop_list: list[int], decide: Tensor,
+                     gone: Tensor | None, z: Tensor) -> Tensor:
+        """The logits of the exiting items. A rule that reads states only runs the coda here: every item at loop
+        >= ``min_loops`` writes its coda keys/values (later tokens exiting at its loop read them), and only the
+        exiting ones run the last coda block and the head."""
+        if self.per_loop:
+            return z.index_select(0, gone) if gone is not None else z[:0]
+        min_loops = self.rule.min_loops
+        if max(loop_list) < min_loops:  # no item at a loop whose coda keys/values are ever read
+            return self.z_none
+        if min(loop_list) >= min_loops:
+            y = coda(self.model, x, attn, self.coda_flat, query=decide, work=self.work)
+        else:
+            late = (loops >= min_loops).nonzero().squeeze(1)
+            y = coda(self.model, x.index_select(0, late), attn.select(late), self.coda_flat,
+                     query=decide.index_select(0, late), work=self.work)
+        self.work.head += y.shape[0]
+        return self.model.head(y).float()
+
+    def _emit(self, logits_g: Tensor, gone: list[tuple[int, int, int]]) -> None:
+        """The exiting items (slot, exit loop, position) choose their next tokens; their keys/values fill the
+        later loops' slabs."""
+        picks = _choose(logits_g, self.temperature, self.generator).tolist()
+        self.exited(gone)
+        rows = logits_g.to(self.dtype) if self.keep_logits else None
+        for j, (b, loop, _) in enumerate(gone):
+            r = self.sl.request[b]
+            self.exits[r].append(loop)
+            if rows is not None:
+                self.outs[r].append(rows[j : j + 1])
+            self.chosen(r, picks[j])
+            self.advance(b)
+
+    def result(self) -> ContinuousResult:
+        work, device = self.work, self.device
+        work.tokens += sum(len(t) - 1 for t in self.tokens)
+        completions = [
+            Completion(tokens=torch.tensor(self.tokens[r], device=device),
+                       exit_loop=torch.cat([self.prompt_exits[r],
+                                            torch.tensor(self.exits[r], dtype=torch.long, device=device)]),
+                       logits=torch.cat(self.outs[r]) if self.keep_logits else None,
+                       initial_state=self.init[r][0], prompt_len=self.reqs[r][0].shape[1],
+                       admitted=self.times[r][0], first_token=self.times[r][1], finished=self.times[r][2])
+            for r in range(len(self.reqs))
+        ]
+        return ContinuousResult(completions, str(self.rule), self.n_slots, self.steps, work, self.now_s())
