@@ -44,7 +44,7 @@ _EXPORTS = {
     "skip_forward": "drc_core.halting.skipping",
     "generate_continuous": "drc_core.halting.continuous",
     "DepthRecurrentLM": "drc_core.model.lm",
-    "ModelConfig": "drc_core.model.lm",
+    "ModelConfig": "drc_core.model.config",
     "RecurrentModel": "drc_core.model.lm",
     "iterate": "drc_core.model.lm",
     "open_run": "drc_core.training.rundir",

@@ -33,7 +33,7 @@ from drc_core.analysis.tokens import token_texts
 from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.data.tokenizer import load_tokenizer
 from drc_core.errors import DrcError, need_int
-from drc_core.halting.calibrate import CalibratedRule
+from drc_core.halting.calibrate import CalibratedRule, check_calibration
 from drc_core.halting.calibrate import calibrate as calibrate_windows
 from drc_core.halting.generate import generate as generate_ids
 from drc_core.halting.rules import HaltingRule, make_rule
@@ -234,10 +234,17 @@ def document_windows(tokenizer: Tokenizer | None, documents: Sequence[str | Path
     and each input position's document number (N, seq_len), the unit of :func:`calibrate`."""
     seq_len = need_int("seq_len", seq_len, 1)
     windows_per_doc = need_int("windows_per_doc", windows_per_doc, 1)
+    if isinstance(documents, str | Path) or not isinstance(documents, Sequence) or not documents:
+        raise DrcError("documents must be a non-empty list of texts, text files' paths or token id lists; got "
+                       f"{type(documents).__name__ if documents else 'an empty list'}")
     parts, units = [], []
     for i, doc in enumerate(documents):
         if isinstance(doc, Path):
-            doc = doc.read_text(encoding="utf-8")
+            try:
+                doc = doc.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise DrcError(f"document {i} ('{doc}') cannot be read as UTF-8 text ({exc.__class__.__name__}): "
+                               "pass an existing text file") from exc
         ids = _encode(tokenizer, doc)
         if len(ids) < seq_len + 1:
             continue
@@ -267,6 +274,7 @@ def calibrate(model: Model | RecurrentModel, documents: Sequence[str | Path | Se
         if reference_loops is None and model.config is not None:
             reference_loops = int(round(model.config.recurrence.mean))
         model = model.model
+    check_calibration(family, alpha, delta, risk)
     reference_loops = 8 if reference_loops is None else reference_loops
     seq_len = min(int(model.max_seq_len), 256) if seq_len is None else seq_len
     windows, units = document_windows(tokenizer, documents, seq_len, windows_per_doc)

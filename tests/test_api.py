@@ -89,6 +89,23 @@ def test_calibrate_takes_documents_as_units(tiny_model_factory, one_thread):
         drc_core.calibrate(model, ["a text"], "kl", seq_len=16)
 
 
+@pytest.mark.parametrize("args,kwargs,match", [
+    (([],), {}, "non-empty list"),
+    (("one text",), {}, "non-empty list"),
+    (([Path("/no/such/file.txt")],), {}, "document 0 .* cannot be read"),
+    (([[1, 2, 3]],), {"alpha": 2.0}, "alpha=2.0"),
+    (([[1, 2, 3]],), {"delta": 0}, "delta=0"),
+    (([[1, 2, 3]], "nope"), {}, "family 'nope'"),
+    (([[1, 2, 3]],), {"risk": "nope"}, "risk='nope'"),
+])
+def test_calibrate_checks_its_arguments_before_reading_documents(tiny_model_factory, args, kwargs, match):
+    """Bad arguments are one line each, checked before the documents are read or the model runs (a bad alpha is
+    named even when no document is long enough)."""
+    model = tiny_model_factory(64).eval()
+    with pytest.raises(DrcError, match=match):
+        drc_core.calibrate(model, *args, seq_len=16, **kwargs)
+
+
 def test_every_exported_name_resolves():
     for name in drc_core.__all__:
         assert getattr(drc_core, name) is not None

@@ -212,6 +212,15 @@ class LossTable:
                            reference_loops=self.reference_loops, tested=min(k + 1, len(p)))
 
 
+def check_calibration(family: str, alpha: float, delta: float, risk: str) -> None:
+    """The arguments of a calibration, checked before any model pass: one-line :class:`DrcError` naming the fix."""
+    for name, value in (("alpha", alpha), ("delta", delta)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+            raise DrcError(f"{name}={value!r} is invalid; it must be a number strictly between 0 and 1")
+    _need_risks((risk,))
+    family_specs(family, 1, 1)
+
+
 def _need_risks(risks: Sequence[str]) -> None:
     for r in risks:
         if r not in RISKS:
@@ -288,6 +297,7 @@ def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, f
     """Choose ``family``'s threshold on the calibration ``windows`` (``units``: each position's document) so that
     its ``risk`` is at most ``alpha`` with probability ``1 - delta`` (Learn then Test over documents); the rule
     and its printable :class:`Certificate`."""
+    check_calibration(family, alpha, delta, risk)
     table = loss_table(model, windows, units, [family], risk=risk, tolerance=tolerance,
                        reference_loops=reference_loops, max_loops=max_loops, seed=seed)
     cert = table.certify(family, alpha, delta)

@@ -35,7 +35,7 @@ def check_token_ids(model: _Reads, ids: object, what: str = "windows", *, target
     lo, hi, vocab = int(ids.min()), int(ids.max()), model.vocab_size
     if lo < 0 or hi >= vocab:
         raise DrcError(f"{what} hold token ids in [{lo}, {hi}] but the model's vocabulary is [0, {vocab - 1}]: "
-                       "use the corpus the model was trained on")
+                       "pass ids of the model's tokenizer (windows of the corpus it was trained on)")
     positions = ids.shape[1] - 1 if targets else ids.shape[1]
     if positions > model.max_seq_len:
         raise DrcError(f"{what} have T={positions} positions but the model's max_seq_len is {model.max_seq_len}: "
