@@ -426,7 +426,7 @@ if bf16_compare and fast_bf16:
 # %% [markdown]
 # ## Anderson acceleration: fewer core evaluations to the fixed point?
 # The state converges to a per-token fixed point, so Anderson acceleration (the deep-equilibrium solver;
-# `drc_core.halting.anderson`) may reach it in fewer core evaluations than plain iteration: per sequence,
+# `drc_core.model.anderson`) may reach it in fewer core evaluations than plain iteration: per sequence,
 # window m = 2, 3, 5, damping 0.7. Beside it, damped plain iteration `s' = 0.85 f(s) + 0.15 s` (m = 0): the
 # same fixed points, no mixing, and a period-2 oscillation (notebook 2's 2-cycle tokens) becomes a
 # contraction. Per method: mean evaluations per token until the successive KL stays below 1e-3 and 1e-5,

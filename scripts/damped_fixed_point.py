@@ -5,7 +5,7 @@ carried by the ~2.5% of tokens whose state alternates between two points (notebo
 not a fixed point, but damped iteration ``x' = beta f(x) + (1 - beta) x`` has the same fixed points as f and turns
 a period-2 oscillation (an eigenvalue near -1 of f's Jacobian) into a contraction for beta < 1. This script
 measures, on notebook 02's validation windows and initial states, plain iteration against damped iteration and
-Anderson acceleration (``drc_core.halting.anderson``; m = 0 is damped plain iteration):
+Anderson acceleration (``drc_core.model.anderson``; m = 0 is damped plain iteration):
 
 * the mean successive KL(p_k || p_{k-1}) at k = 8, 16 and 32 core evaluations (the target reads k = 16);
 * CE at 8, 16 and 32 evaluations, and the KL to plain iteration's output at ``ref_loops`` loops;
@@ -29,7 +29,7 @@ import torch
 from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.data.sampler import Corpus
 from drc_core.experiments.fixed_point import fixed_point_costs
-from drc_core.halting.anderson import PLAIN, AndersonConfig
+from drc_core.model.anderson import PLAIN, AndersonConfig
 from drc_core.training.rundir import open_run
 
 ROOT = Path(__file__).resolve().parent.parent

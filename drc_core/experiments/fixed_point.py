@@ -1,6 +1,6 @@
 """Does Anderson acceleration reach the fixed point in fewer core evaluations than plain iteration?
 
-:func:`fixed_point_costs` runs every :class:`~drc_core.halting.anderson.AndersonConfig` (plain iteration among
+:func:`fixed_point_costs` runs every :class:`~drc_core.model.anderson.AndersonConfig` (plain iteration among
 them) from the same initial states over the same windows and measures, per core evaluation k = 1..K:
 
 * ``ce``: mean next-token cross-entropy of the readout after k evaluations;
@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from drc_core.halting.anderson import PLAIN, AndersonConfig, anderson_iterate, evals_to_converge
+from drc_core.model.anderson import PLAIN, AndersonConfig, anderson_iterate, evals_to_converge
 from drc_core.model.lm import RecurrentModel, iterate
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 

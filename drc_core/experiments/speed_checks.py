@@ -34,11 +34,11 @@ from drc_core.experiments.speed import (
     _on_device,
     _specs,
 )
-from drc_core.halting.anderson import PLAIN, AndersonConfig
 from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec
+from drc_core.model.anderson import PLAIN, AndersonConfig
 from drc_core.model.lm import DepthRecurrentLM, iterate
 
 __all__ = ["anderson_configs", "anderson_table", "bf16_check", "measurement_cost", "measurement_pass",

@@ -7,7 +7,9 @@
 - :mod:`~drc_core.model.checks`: the one-line checks of token ids and initial states every pass starts with;
 - :mod:`~drc_core.model.recurrence`: the random training depth (:class:`RecurrenceConfig`, its sampler);
 - :mod:`~drc_core.model.precision`: bf16 autocast and compiled blocks, chosen per device;
-- :mod:`~drc_core.model.passes`: evaluation batches with a fixed initial state and the successive KL.
+- :mod:`~drc_core.model.passes`: evaluation batches with a fixed initial state and the successive KL;
+- :mod:`~drc_core.model.anderson`: Anderson acceleration and damping of the core iteration (a fixed-point solver
+  beside :func:`iterate`).
 
 Imports only from ``drc_core.errors`` and ``drc_core.data`` below it.
 """
