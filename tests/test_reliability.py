@@ -649,6 +649,51 @@ def test_ctrl_c_during_a_notebook_is_one_line_and_undone(book_site):
     assert not (book_site / "papermill_runs" / "p" / "results" / "04_write_then_fail.json").exists()
 
 
+def _start_sleeping_notebook(site: Path) -> subprocess.Popen:
+    """The runner inside 04_write_then_fail after it rewrote the outputs, sleeping before it fails."""
+    proc = run_book_cli(site, "run", "--profile", "p", "--only", "04_write_then_fail", "--set", "sleep_s=60",
+                        "--quiet", start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (site / "work" / "sleeping").exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(0.5)
+    return proc
+
+
+def test_a_killed_runner_is_undone_by_the_next_run(book_site):
+    """SIGKILL leaves the rewritten outputs behind; the next run of the profile undoes them before anything else
+    (it says so), so the failed notebook it then runs is measured against the original state."""
+    first = run_book_cli(book_site, "run", "--profile", "p", "--only", "01_pass", "--quiet")
+    assert first.returncode == 0, first.stderr
+    watched = [book_site / "papermill_runs" / "p" / "results", book_site / "work"]
+    before = digest(watched)
+    proc = _start_sleeping_notebook(book_site)
+    os.killpg(proc.pid, signal.SIGKILL)  # the runner and its kernel, no clean-up
+    proc.communicate(timeout=60)
+    rewritten = book_site / "papermill_runs" / "p" / "results" / "01_pass.json"
+    assert rewritten.read_text() == '{"rewritten": true}'  # the kill left the damage
+    again = run_book_cli(book_site, "run", "--profile", "p", "--only", "04_write_then_fail", "--quiet")
+    assert again.returncode == 1
+    assert "previous run was killed during notebook 04_write_then_fail" in again.stdout
+    assert digest(watched) == before
+
+
+def test_sigterm_during_a_notebook_is_one_line_and_undone(book_site):
+    first = run_book_cli(book_site, "run", "--profile", "p", "--only", "01_pass", "--quiet")
+    assert first.returncode == 0, first.stderr
+    watched = [book_site / "papermill_runs" / "p" / "results", book_site / "work"]
+    before = digest(watched)
+    proc = _start_sleeping_notebook(book_site)
+    os.kill(proc.pid, signal.SIGTERM)  # the runner only, as `kill PID` or a scheduler would
+    out, err = proc.communicate(timeout=120)
+    assert_one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 1,
+                          ("terminated (SIGTERM) during notebook 04_write_then_fail", "undone"))
+    assert digest(watched) == before
+    assert not (book_site / "papermill_runs" / "p" / ".running").exists()
+
+
 def test_a_shipped_copy_on_another_corpus_names_the_one_it_was_trained_on(originals, tmp_path):
     from drc_core.data.sampler import Corpus
     from drc_core.errors import DrcError
