@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from drc_core.book.paths import RUN_ENV
+from drc_core.book.rollback import Rollback, Terminated, raise_terminated
 from drc_core.errors import DrcError, Interrupted
 from drc_core.guard import exclusive
 
@@ -225,78 +226,6 @@ def under_out(value: Any, out: str | Path) -> Any:
 OUTPUT_PARAMETERS = ("results_dir", "work_dir")  # where a notebook writes: its results, figures and frames
 
 
-class _Rollback:
-    """What a notebook may change, kept so that a failed, interrupted or killed notebook changes nothing: every file
-    under its ``results_dir`` (results, figure JSON) and the files directly in its ``work_dir`` (frames), copied
-    before it runs; :meth:`undo` puts them back and removes the files it added there. (The directories below
-    ``work_dir`` -- the model, training runs -- are written atomically and under their own locks.)
-
-    The copies and a manifest (written last, atomically) stay on disk while the notebook runs, so that when the
-    runner itself is killed (SIGKILL, power) the next run of the profile finds them and undoes the notebook
-    first (:meth:`recover`)."""
-
-    MANIFEST = "manifest.json"
-
-    def __init__(self, dirs: list[tuple[Path, bool]], backup: Path, notebook: str = "") -> None:
-        self.dirs, self.backup, self.kept = dirs, backup, {}
-        shutil.rmtree(backup, ignore_errors=True)
-        backup.mkdir(parents=True)
-        for i, (d, recursive) in enumerate(dirs):
-            for f in self._files(d, recursive):
-                copy = backup / str(i) / f.relative_to(d)
-                copy.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, copy)
-                self.kept[f] = copy
-        record = {"notebook": notebook, "dirs": [[str(d), r] for d, r in dirs],
-                  "kept": {str(f): str(c) for f, c in self.kept.items()}}
-        tmp = backup / (self.MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, backup / self.MANIFEST)
-
-    @classmethod
-    def recover(cls, backup: Path) -> str | None:
-        """Undo the notebook a killed run left half done (the name of that notebook), or None when there is none.
-        Copies without a manifest were interrupted before their notebook started: nothing to undo."""
-        manifest = backup / cls.MANIFEST
-        name = None
-        if manifest.is_file():
-            record = json.loads(manifest.read_text())
-            found = cls.__new__(cls)
-            found.dirs = [(Path(d), bool(r)) for d, r in record["dirs"]]
-            found.backup, found.kept = backup, {Path(f): Path(c) for f, c in record["kept"].items()}
-            found.undo()
-            name = str(record.get("notebook") or "?")
-        shutil.rmtree(backup, ignore_errors=True)
-        return name
-
-    @staticmethod
-    def _files(d: Path, recursive: bool) -> list[Path]:
-        if not d.is_dir():
-            return []
-        found = d.rglob("*") if recursive else d.iterdir()
-        return [f for f in found if f.is_file() and not f.is_symlink()]
-
-    def undo(self) -> None:
-        for d, recursive in self.dirs:
-            for f in self._files(d, recursive):
-                if f not in self.kept:
-                    f.unlink()
-        for f, copy in self.kept.items():
-            f.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(copy, f)
-
-    def close(self) -> None:
-        shutil.rmtree(self.backup, ignore_errors=True)
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the runner the way Ctrl-C is, so that the running notebook's outputs are undone."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated()
-
-
 def _kernel_log_manager(log: Path) -> type:
     """A kernel manager whose kernel writes its stderr to ``log`` instead of the runner's: jupyter's start-up
     warnings and a kernel's own tracebacks when it is shut down (e.g. on Ctrl-C) stay out of the one-line error."""
@@ -358,12 +287,12 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits the environment of this process
-    killed = _Rollback.recover(work / "rollback")
+    killed = Rollback.recover(work / "rollback")
     if killed:
         print(f"[{profile}] the previous run was killed during notebook {killed}: what it had written was undone",
               flush=True)
     in_main = threading.current_thread() is threading.main_thread()
-    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
+    old_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main else None
     try:
         for name in names:
             nb = notebooks[name]
@@ -374,7 +303,7 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             jupytext.write(nb, src)
             params = {k: under_out(v, out) for k, v in {**prof.parameters_for(name), **(overrides or {})}.items()
                       if k in declared[name]}
-            rollback = _Rollback([(Path(cwd) / params[k], k == "results_dir") for k in OUTPUT_PARAMETERS
+            rollback = Rollback([(Path(cwd) / params[k], k == "results_dir") for k in OUTPUT_PARAMETERS
                                   if isinstance(params.get(k), str) and params[k]], work / "rollback", name)
             print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
                   flush=True)
@@ -386,7 +315,7 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             except KeyboardInterrupt as exc:
                 rollback.undo()
                 rollback.close()
-                how = "terminated (SIGTERM)" if isinstance(exc, _Terminated) else "interrupted (Ctrl-C)"
+                how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
                 raise Interrupted(f"{how} during notebook {name}: what it wrote was undone and the notebooks before "
                                   "it are kept; rerun the command (with --only to continue)") from None
             except PapermillExecutionError as exc:
@@ -422,7 +351,7 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if (work / "rollback" / _Rollback.MANIFEST).is_file():  # an undo cut short (SIGTERM): the next run redoes it
+        if (work / "rollback" / Rollback.MANIFEST).is_file():  # an undo cut short (SIGTERM): the next run redoes it
             for f in work.iterdir():
                 if f.name != "rollback":
                     shutil.rmtree(f) if f.is_dir() else f.unlink()
