@@ -226,6 +226,11 @@ def under_out(value: Any, out: str | Path) -> Any:
 OUTPUT_PARAMETERS = ("results_dir", "work_dir")  # where a notebook writes: its results, figures and frames
 
 
+def _interrupted(name: str, how: str) -> Interrupted:
+    return Interrupted(f"{how} during notebook {name}: what it wrote was undone and the notebooks before it are "
+                       "kept; rerun the command (with --only to continue)")
+
+
 def _kernel_log_manager(log: Path) -> type:
     """A kernel manager whose kernel writes its stderr to ``log`` instead of the runner's: jupyter's start-up
     warnings and a kernel's own tracebacks when it is shut down (e.g. on Ctrl-C) stay out of the one-line error."""
@@ -315,16 +320,13 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             except KeyboardInterrupt as exc:
                 rollback.undo()
                 rollback.close()
-                how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
-                raise Interrupted(f"{how} during notebook {name}: what it wrote was undone and the notebooks before "
-                                  "it are kept; rerun the command (with --only to continue)") from None
+                raise _interrupted(name, "terminated (SIGTERM)" if isinstance(exc, Terminated) else
+                                   "interrupted (Ctrl-C)") from None
             except PapermillExecutionError as exc:
                 rollback.undo()
                 rollback.close()
                 if getattr(exc, "ename", "") == "KeyboardInterrupt":  # the kernel got the Ctrl-C first
-                    raise Interrupted(f"interrupted (Ctrl-C) during notebook {name}: what it wrote was undone and "
-                                      "the notebooks before it are kept; rerun the command (with --only to continue)"
-                                      ) from None
+                    raise _interrupted(name, "interrupted (Ctrl-C)") from None
                 failed_dir.mkdir(exist_ok=True)
                 kept = failed_dir / f"{name}.ipynb"
                 shutil.move(str(partial), kept)
@@ -353,8 +355,10 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
                 os.environ[k] = v
         if (work / "rollback" / Rollback.MANIFEST).is_file():  # an undo cut short (SIGTERM): the next run redoes it
             for f in work.iterdir():
-                if f.name != "rollback":
-                    shutil.rmtree(f) if f.is_dir() else f.unlink()
+                if f.is_dir() and f.name != "rollback":
+                    shutil.rmtree(f)
+                elif f.is_file():
+                    f.unlink()
         else:
             shutil.rmtree(work, ignore_errors=True)
         if failed_dir.is_dir() and not any(failed_dir.iterdir()):
