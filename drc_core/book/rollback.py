@@ -24,21 +24,27 @@ class Rollback:
 
     MANIFEST = "manifest.json"
 
-    def __init__(self, dirs: list[tuple[Path, bool]], backup: Path, notebook: str = "") -> None:
-        self.dirs, self.backup, self.kept = dirs, backup, {}
+    def __init__(self, dirs: list[tuple[Path, bool]], backup: Path, kept: dict[Path, Path]) -> None:
+        self.dirs, self.backup, self.kept = dirs, backup, kept
+
+    @classmethod
+    def take(cls, dirs: list[tuple[Path, bool]], backup: Path, notebook: str = "") -> Rollback:
+        """Copy what ``notebook`` may change into ``backup``, then write the manifest."""
+        kept = {}
         shutil.rmtree(backup, ignore_errors=True)
         backup.mkdir(parents=True)
         for i, (d, recursive) in enumerate(dirs):
-            for f in self._files(d, recursive):
+            for f in cls._files(d, recursive):
                 copy = backup / str(i) / f.relative_to(d)
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, copy)
-                self.kept[f] = copy
+                kept[f] = copy
         record = {"notebook": notebook, "dirs": [[str(d), r] for d, r in dirs],
-                  "kept": {str(f): str(c) for f, c in self.kept.items()}}
-        tmp = backup / (self.MANIFEST + ".tmp")
+                  "kept": {str(f): str(c) for f, c in kept.items()}}
+        tmp = backup / (cls.MANIFEST + ".tmp")
         tmp.write_text(json.dumps(record))
-        os.replace(tmp, backup / self.MANIFEST)
+        os.replace(tmp, backup / cls.MANIFEST)
+        return cls(dirs, backup, kept)
 
     @classmethod
     def recover(cls, backup: Path) -> str | None:
@@ -48,10 +54,8 @@ class Rollback:
         name = None
         if manifest.is_file():
             record = json.loads(manifest.read_text())
-            found = cls.__new__(cls)
-            found.dirs = [(Path(d), bool(r)) for d, r in record["dirs"]]
-            found.backup, found.kept = backup, {Path(f): Path(c) for f, c in record["kept"].items()}
-            found.undo()
+            cls([(Path(d), bool(r)) for d, r in record["dirs"]], backup,
+                {Path(f): Path(c) for f, c in record["kept"].items()}).undo()
             name = str(record.get("notebook") or "?")
         shutil.rmtree(backup, ignore_errors=True)
         return name

@@ -308,8 +308,8 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             jupytext.write(nb, src)
             params = {k: under_out(v, out) for k, v in {**prof.parameters_for(name), **(overrides or {})}.items()
                       if k in declared[name]}
-            rollback = Rollback([(Path(cwd) / params[k], k == "results_dir") for k in OUTPUT_PARAMETERS
-                                  if isinstance(params.get(k), str) and params[k]], work / "rollback", name)
+            rollback = Rollback.take([(Path(cwd) / params[k], k == "results_dir") for k in OUTPUT_PARAMETERS
+                                       if isinstance(params.get(k), str) and params[k]], work / "rollback", name)
             print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
                   flush=True)
             t0 = time.perf_counter()

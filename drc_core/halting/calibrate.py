@@ -215,8 +215,7 @@ class LossTable:
 def check_calibration(family: str, alpha: float, delta: float, risk: str) -> None:
     """The arguments of a calibration, checked before any model pass: one-line :class:`DrcError` naming the fix."""
     for name, value in (("alpha", alpha), ("delta", delta)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
-            raise DrcError(f"{name}={value!r} is invalid; it must be a number strictly between 0 and 1")
+        need_float(name, value, 0.0, 1.0, lo_open=True, hi_open=True)
     _need_risks((risk,))
     family_specs(family, 1, 1)
 
