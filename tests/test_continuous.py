@@ -122,6 +122,35 @@ def test_a_batch_tensor_and_drawn_states(model, rules):
         assert torch.equal(c.tokens, alone.tokens[0])
 
 
+@pytest.mark.parametrize("family", ["uniform", "state_delta", "kl"])
+def test_items_at_one_loop_read_the_caches_in_place(model, rules, family, monkeypatch):
+    """Rows of equal prompts start in lockstep: attention then reads a strided view of the caches instead of a
+    gathered copy (with no mask when every item is at the same position). Same tokens, exits and logits as
+    decoding each row alone, and both paths are taken."""
+    from drc_core.halting import continuous
+
+    seen: list[bool] = []
+    attend = continuous._Items.attend
+
+    def spy(self, q, kv):
+        seen.append(self.lockstep is not None)
+        return attend(self, q, kv)
+
+    monkeypatch.setattr(continuous._Items, "attend", spy)
+    prompt = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(11))
+    news = [6, 6, 2, 6]
+    drawn = model.initial_state(torch.zeros(4, 5 + 6, 32), torch.Generator().manual_seed(4))
+    states = [s[: 5 + n] for s, n in zip(drawn, news, strict=True)]
+    got = generate_continuous(model, prompt, news, rules[family], states=states)
+    for row, s0, n, c in zip(prompt, states, news, got.completions, strict=True):
+        alone = generate(model, row[None], n, rules[family], state=s0[None])
+        assert torch.equal(c.tokens, alone.tokens[0]) and torch.equal(c.exit_loop, alone.exit_loop[0])
+        torch.testing.assert_close(c.logits, alone.logits[0], atol=ATOL, rtol=RTOL)
+    assert any(seen)
+    if family != "uniform":
+        assert not all(seen), "the rows must leave lockstep to test the gathered path too"
+
+
 @dataclass
 class _Undeclared(HaltingRule):
     """A rule of one's own that does not say what it reads (it could look at other tokens)."""

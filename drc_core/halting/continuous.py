@@ -15,12 +15,15 @@ loops of every request are those of decoding it alone with ``generate`` (``state
 its logits equal them to float tolerance (a decision can only differ where a statistic lies within rounding of
 the threshold).
 
-How. Caches per block are ``(S, L, H, T, hd)`` for S slots and L = ``rule.max_loops`` per-loop slabs; viewed as
-``(S * L, H, T, hd)``, an item of slot b at loop l is a row b * L + l - 1 of one flat batch, so one
+How. Caches per block are ``(L, S, H, T, hd)`` for S slots and L = ``rule.max_loops`` per-loop slabs; viewed as
+``(L * S, H, T, hd)``, an item of slot b at loop l is a row (l - 1) * S + b of one flat batch, so one
 :class:`~drc_core.halting.kvlayout.Attn` layout (one query per row, causal mask by position) serves every core
-and coda block of the step, whatever mix of loops the items are at. A request's prompt is processed alone, by
-:func:`~drc_core.halting.skipping.run_loops` on its slot's view of the caches (exactly what ``generate`` does
-for it). The rule's statistics of each item against the previous loop of the same token are those ``generate``
+and coda block of the step, whatever mix of loops the items are at. Attention gathers each item's row, except
+when the items are a run of slots at one loop (rows in lockstep: a uniform depth, or the first loop of prompts
+of one length): their keys/values are then one contiguous slab, read in place. Prompts are processed by
+:func:`~drc_core.halting.skipping.run_loops` on their slots' view of the caches (exactly what ``generate`` does
+with them); requests admitted together on a run of free slots with prompts of one length run as one batch.
+The rule's statistics of each item against the previous loop of the same token are those ``generate``
 computes (its tracker, only the fields the rule reads), the previous loop's values kept per slot; the decision
 is the rule's :meth:`~drc_core.halting.rules.HaltingRule.criterion` with the
 min/max-loop forcing applied per item. A rule that reads states only runs the coda per step on the items at
@@ -112,13 +115,25 @@ class ContinuousResult:
 class _Items(Attn):
     """The :class:`~drc_core.halting.kvlayout.Attn` of items with one query per flat cache row: item i writes its
     keys/values at position ``pos[i]`` of row ``rows[i]`` of caches (R, H, T, hd) and attends to that row's
-    positions 0..pos[i] (no padding, no per-row counts: every row holds one item)."""
+    positions 0..pos[i] (no padding, no per-row counts: every row holds one item).
+
+    Attention gathers each item's row (a copy of its keys/values) unless ``lockstep`` = (first slot, end slot,
+    loop, S) says the items are the slots first..end-1 in order, all at one loop: their rows are then one slab
+    of the caches (L, S, H, T, hd), read in place (and with no mask when every item is at the same position)."""
 
     def __init__(self, rows: Tensor, pos: Tensor, t_k: int, seq_len: int, heads: int,
-                 rope: tuple[Tensor, Tensor], base: Tensor | None = None) -> None:
-        """``base`` (N,): each item's offset ``rows * heads * seq_len + pos`` when the caller has it."""
+                 rope: tuple[Tensor, Tensor], base: Tensor | None = None,
+                 lockstep: tuple[int, int, int, int] | None = None, same_pos: int | None = None) -> None:
+        """``base`` (N,): each item's offset ``rows * heads * seq_len + pos`` when the caller has it;
+        ``same_pos``: the position of every item, when they share one."""
         self.toks, self.seq_len, self.heads, self.rope, self.t_k = Tokens(rows, pos), seq_len, heads, rope, t_k
-        self.dense, self.pending = False, {}
+        self.dense, self.pending, self.lockstep = False, {}, lockstep
+        self.slab_pos = same_pos if lockstep is not None else None
+        if self.slab_pos is not None:  # one slab, one position: writes are a slice, attention needs no mask
+            n = rows.numel()
+            self.cos, self.sin = rope[0][same_pos].expand(n, -1), rope[1][same_pos].expand(n, -1)
+            self.mask = None
+            return
         self.cos, self.sin = rope[0][pos], rope[1][pos]
         if base is None:
             base = rows * (heads * seq_len) + pos
@@ -126,9 +141,25 @@ class _Items(Attn):
         self.kv_index = (base[:, None] + head_offsets).reshape(-1)  # (N * H,) in (token, head) order
         self.mask = (torch.arange(t_k, device=rows.device) <= pos[:, None])[:, None, None]  # (N, 1, 1, t_k)
 
+    def _slab(self, cache: Tensor) -> Tensor:
+        """The lockstep items' slab of a flat cache (L * S, H, T, hd): (N, H, T, hd), a view."""
+        first, end, loop, n_slots = self.lockstep  # type: ignore[misc]
+        return cache.view(-1, n_slots, *cache.shape[1:])[loop, first:end]
+
+    def write(self, kv: tuple[Tensor, Tensor], k: Tensor, v: Tensor) -> None:
+        if self.slab_pos is None:
+            super().write(kv, k, v)
+            return
+        for cache, new in zip(kv, (k, v), strict=True):
+            self._slab(cache)[:, :, self.slab_pos].copy_(new)
+
     def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
-        rows, t_k = self.toks.rows, self.t_k
-        k, v = kv[0][rows, :, :t_k].to(q.dtype), kv[1][rows, :, :t_k].to(q.dtype)
+        t_k = self.t_k
+        if self.lockstep is not None:
+            k, v = (self._slab(c)[:, :, :t_k].to(q.dtype) for c in kv)
+        else:
+            rows = self.toks.rows
+            k, v = kv[0][rows, :, :t_k].to(q.dtype), kv[1][rows, :, :t_k].to(q.dtype)
         y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=self.mask)
         return y.reshape(q.shape[0], -1)
 
@@ -269,9 +300,10 @@ class _Decoder:
         like = self.like = torch.empty(0, dtype=self.dtype, device=self.device)
         self.T = T = max(p.shape[1] + n for p, n, _ in reqs)
         self.pre_kv = empty_caches(model, len(model.prelude), (n_slots, T), like)
-        self.core_kv = empty_caches(model, len(model.core), (n_slots, self.L, T), like)
-        self.coda_kv = empty_caches(model, len(model.coda), (n_slots, self.L, T), like)
-        flat = [(k.view(n_slots * self.L, *k.shape[2:]), v.view(n_slots * self.L, *v.shape[2:]))
+        # loop-major (L, S, H, T, hd): one loop's slab of a run of slots is contiguous
+        self.core_kv = empty_caches(model, len(model.core), (self.L, n_slots, T), like)
+        self.coda_kv = empty_caches(model, len(model.coda), (self.L, n_slots, T), like)
+        flat = [(k.view(self.L * n_slots, *k.shape[2:]), v.view(self.L * n_slots, *v.shape[2:]))
                 for k, v in (*self.core_kv, *self.coda_kv)]
         self.core_flat, self.coda_flat = flat[: len(model.core)], flat[len(model.core) :]
         self.caches_all = [t for kv in (*self.core_kv, *self.coda_kv) for t in kv]
@@ -315,28 +347,42 @@ class _Decoder:
         sl.x[b] = self.init[r][0, t]
         self.joiners.append(b)
 
-    def admit(self, b: int) -> None:
-        """Run the next queued request's prompt alone on slot b (what ``generate`` does with it)."""
-        model, d = self.model, self.model.cfg.d_model
-        r = self.queue.pop(0)
-        self.times[r][0] = self.now_s()
-        prompt, n, _ = self.reqs[r]
-        t0 = prompt.shape[1]
-        ids = torch.zeros(1, t0 + n, dtype=torch.long, device=self.device)
-        ids[0, :t0] = prompt[0].to(self.device)
-        self.tokens[r] = prompt[0].tolist()
-        e_r = self.like.new_zeros(1, t0 + n, d)
-        s_r = self.init[r].clone()
-        _prelude(model, ids, (0, t0), [(k[b : b + 1], v[b : b + 1]) for k, v in self.pre_kv], e_r, self.work)
-        caches = LoopCaches(core=[(k[b][:, None], v[b][:, None]) for k, v in self.core_kv],
-                            coda=[(k[b][:, None], v[b][:, None]) for k, v in self.coda_kv], per_loop=True)
-        res = run_loops(model, self.rule, s_r, e_r, (0, t0), caches, work=self.work, fused=self.fused)
-        self.sl.request[b] = r
-        self.prompt_exits[r] = res.exit_loop[0]
-        if self.keep_logits:
-            self.outs[r].append(res.logits[0])
-        self.chosen(r, int(_choose(res.logits[:, -1], self.temperature, self.generator)[0]))
-        self.advance(b)
+    def admit(self) -> None:
+        """Run the queued requests' prompts on the free slots (what ``generate`` does with each). Requests that
+        take a run of free slots and have prompts of one length run as one batch."""
+        sl = self.sl
+        free = [b for b in range(self.n_slots) if sl.request[b] < 0]
+        while free and self.queue:
+            t0 = self.reqs[self.queue[0]][0].shape[1]
+            n = 1
+            while (n < len(free) and n < len(self.queue) and free[n] == free[0] + n
+                   and self.reqs[self.queue[n]][0].shape[1] == t0):
+                n += 1
+            self._admit_run(free[0], [self.queue.pop(0) for _ in range(n)], t0)
+            free = free[n:]
+
+    def _admit_run(self, b0: int, rs: list[int], t0: int) -> None:
+        """Prompts ``rs`` (all of length t0) on slots b0..b0+len(rs)-1, one batch."""
+        model, n = self.model, len(rs)
+        now = self.now_s()
+        ids = torch.stack([self.reqs[r][0][0] for r in rs]).to(self.device)
+        e = self.like.new_zeros(n, t0, model.cfg.d_model)
+        s = torch.cat([self.init[r][:, :t0] for r in rs])
+        slots = slice(b0, b0 + n)
+        _prelude(model, ids, (0, t0), [(k[slots], v[slots]) for k, v in self.pre_kv], e, self.work)
+        caches = LoopCaches(core=[(k[:, slots], v[:, slots]) for k, v in self.core_kv],
+                            coda=[(k[:, slots], v[:, slots]) for k, v in self.coda_kv], per_loop=True)
+        res = run_loops(model, self.rule, s, e, (0, t0), caches, work=self.work, fused=self.fused)
+        picks = _choose(res.logits[:, -1], self.temperature, self.generator).tolist()
+        for j, r in enumerate(rs):
+            self.times[r][0] = now
+            self.tokens[r] = self.reqs[r][0][0].tolist()
+            self.sl.request[b0 + j] = r
+            self.prompt_exits[r] = res.exit_loop[j]
+            if self.keep_logits:
+                self.outs[r].append(res.logits[j])
+            self.chosen(r, picks[j])
+            self.advance(b0 + j)
 
     def join(self) -> None:
         """The prelude of every slot's new token (positions differ by row: one flat layout)."""
@@ -363,15 +409,14 @@ class _Decoder:
             return
         b_i, src, t_i, dst = (torch.tensor(c, device=self.device) for c in zip(*pairs, strict=True))
         for c in self.caches_all:
-            c[b_i, dst, :, t_i] = c[b_i, src - 1, :, t_i]
+            c[dst, b_i, :, t_i] = c[src - 1, b_i, :, t_i]
 
     def step(self) -> bool:
         """Admit waiting requests into free slots, run the new tokens' prelude, then one loop of every active
         item; the exiting items choose their next tokens. False when no item is left."""
         sl = self.sl
-        for b in range(self.n_slots):
-            if sl.request[b] < 0 and self.queue:
-                self.admit(b)
+        if self.queue:
+            self.admit()
         self.join()
         items = sl.active()
         if not items:
@@ -379,27 +424,34 @@ class _Decoder:
         self.steps += 1
         loop_list = [sl.loop[b] for b in items]
         pos_list = [sl.pos[b] for b in items]
-        rows = [b * self.L + lp - 1 for b, lp in zip(items, loop_list, strict=True)]
+        rows = [(lp - 1) * self.n_slots + b for b, lp in zip(items, loop_list, strict=True)]
         # one host-to-device copy per step: slots, loops, positions, flat rows and cache offsets
         meta = torch.tensor([items, loop_list, pos_list, rows,
                              [r * self.heads * self.T + t for r, t in zip(rows, pos_list, strict=True)]],
                             device=self.device)
         b_t, loops, pos_t, rows_t, base_t = meta.unbind(0)
-        attn = _Items(rows_t, pos_t, max(pos_list) + 1, self.T, self.heads, self.rope, base=base_t)
-        x = self.model.inject(sl.x[b_t], sl.e[b_t])
+        # items that are a run of slots are read and written through slices (views), not gathers; at one loop
+        # too, attention reads their keys/values in place
+        run = items[-1] - items[0] + 1 == len(items)
+        sel: Tensor | slice = slice(items[0], items[-1] + 1) if run else b_t
+        lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, self.n_slots) if run and min(loop_list) == max(
+            loop_list) else None
+        attn = _Items(rows_t, pos_t, max(pos_list) + 1, self.T, self.heads, self.rope, base=base_t,
+                      lockstep=lockstep, same_pos=pos_list[0] if min(pos_list) == max(pos_list) else None)
+        x = self.model.inject(sl.x[sel], sl.e[sel])
         for block, kv in zip(self.model.core, self.core_flat, strict=True):
             x = block_step(block, x, attn, kv, *self.rope)
         self.work.core += len(items)
-        tracker, res, z = self._statistics(x, attn, b_t, loops, loop_list)
+        tracker, res, z = self._statistics(x, attn, b_t, sel, loops, loop_list)
         decide, gone, gone_list = self._decide(x, res, loops, loop_list)
         logits_g = self._exit_logits(x, attn, loops, loop_list, decide, gone, z)
-        sl.x[b_t] = x
+        sl.x[sel] = x
         if self.per_loop:
-            self.z_prev[b_t] = z
+            self.z_prev[sel] = z
         for k, v in tracker.prev.items():
             if k not in sl.prev:
                 sl.prev[k] = v.new_zeros(self.n_slots, *v.shape[1:])
-            sl.prev[k][b_t] = v
+            sl.prev[k][sel] = v
         if gone_list:
             self._emit(logits_g, [(items[i], loop_list[i], pos_list[i]) for i in gone_list])
         gone_set = set(gone_list)
@@ -408,7 +460,7 @@ class _Decoder:
                 sl.loop[b] += 1
         return True
 
-    def _statistics(self, x: Tensor, attn: _Items, b_t: Tensor, loops: Tensor,
+    def _statistics(self, x: Tensor, attn: _Items, b_t: Tensor, sel: Tensor | slice, loops: Tensor,
                     loop_list: list[int]) -> tuple[Tracker, dict[str, Tensor], Tensor]:
         """The rule's statistics of the items: ``generate``'s own tracker, its previous loop being each item's
         slot's (items at loop 1 get the first loop's values by :func:`_masked`, as their slot's previous values
@@ -416,7 +468,7 @@ class _Decoder:
         n_items = x.shape[0]
         tracker = Tracker(self.need, 0, self.V, self.like, False, self.fused)
         if self.sl.prev:
-            tracker.prev, tracker.loop = {k: v[b_t] for k, v in self.sl.prev.items()}, 1
+            tracker.prev, tracker.loop = {k: v[sel] for k, v in self.sl.prev.items()}, 1
         res = tracker.states(x, 3)
         z = self.z_none
         if self.per_loop:
