@@ -300,13 +300,15 @@ class _Decoder:
         like = self.like = torch.empty(0, dtype=self.dtype, device=self.device)
         self.T = T = max(p.shape[1] + n for p, n, _ in reqs)
         self.pre_kv = empty_caches(model, len(model.prelude), (n_slots, T), like)
+        # every core and coda block's K and V in one tensor (exits copy keys/values once for all of them), each
         # loop-major (L, S, H, T, hd): one loop's slab of a run of slots is contiguous
-        self.core_kv = empty_caches(model, len(model.core), (self.L, n_slots, T), like)
-        self.coda_kv = empty_caches(model, len(model.coda), (self.L, n_slots, T), like)
-        flat = [(k.view(self.L * n_slots, *k.shape[2:]), v.view(self.L * n_slots, *v.shape[2:]))
-                for k, v in (*self.core_kv, *self.coda_kv)]
-        self.core_flat, self.coda_flat = flat[: len(model.core)], flat[len(model.core) :]
-        self.caches_all = [t for kv in (*self.core_kv, *self.coda_kv) for t in kv]
+        n_core = len(model.core)
+        self.looped_kv = k0 = like.new_zeros(2 * (n_core + len(model.coda)), self.L, n_slots, cfg.n_heads, T,
+                                             cfg.head_dim)
+        pairs = [(k0[2 * j], k0[2 * j + 1]) for j in range(k0.shape[0] // 2)]
+        self.core_kv, self.coda_kv = pairs[:n_core], pairs[n_core:]
+        flat = [(k.view(self.L * n_slots, *k.shape[2:]), v.view(self.L * n_slots, *v.shape[2:])) for k, v in pairs]
+        self.core_flat, self.coda_flat = flat[:n_core], flat[n_core:]
         self.rope = (model.rope_cos, model.rope_sin)
         self.per_loop = rule.needs_log_probs
         self.need = stat_fields(rule)
@@ -403,13 +405,13 @@ class _Decoder:
 
     def exited(self, gone: list[tuple[int, int, int]]) -> None:
         """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop: one gather
-        and one scatter per cache tensor."""
+        and one scatter for every block's caches."""
         pairs = [(b, loop, t, later) for b, loop, t in gone for later in range(loop, self.L)]
         if not pairs:
             return
         b_i, src, t_i, dst = (torch.tensor(c, device=self.device) for c in zip(*pairs, strict=True))
-        for c in self.caches_all:
-            c[dst, b_i, :, t_i] = c[src - 1, b_i, :, t_i]
+        kv = self.looped_kv
+        kv[:, dst, b_i, :, t_i] = kv[:, src - 1, b_i, :, t_i]
 
     def step(self) -> bool:
         """Admit waiting requests into free slots, run the new tokens' prelude, then one loop of every active
