@@ -436,8 +436,8 @@ class _Decoder:
         # too, attention reads their keys/values in place
         run = items[-1] - items[0] + 1 == len(items)
         sel: Tensor | slice = slice(items[0], items[-1] + 1) if run else b_t
-        lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, self.n_slots) if run and min(loop_list) == max(
-            loop_list) else None
+        one_loop = min(loop_list) == max(loop_list)
+        lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, self.n_slots) if run and one_loop else None
         attn = _Items(rows_t, pos_t, max(pos_list) + 1, self.T, self.heads, self.rope, base=base_t,
                       lockstep=lockstep, same_pos=pos_list[0] if min(pos_list) == max(pos_list) else None)
         x = self.model.inject(sl.x[sel], sl.e[sel])
