@@ -124,8 +124,8 @@ class Driver:
         corpus = self.corpus(st)
         run = sdir / "run"
         probes_file = sdir / "probes.jsonl"
-        probed = {json.loads(x)["checkpoint"]: json.loads(x) for x in probes_file.read_text().splitlines()} \
-            if probes_file.is_file() else {}
+        lines = probes_file.read_text().splitlines() if probes_file.is_file() else []
+        probed = {rec["checkpoint"]: rec for rec in map(json.loads, lines)}
         met = next((p for p in probed.values() if p["met"]), None)
         wall = json.loads((sdir / "wall.json").read_text())["s"] if (sdir / "wall.json").is_file() else 0.0
         proc = None
