@@ -35,8 +35,14 @@ import torch
 from drc_core.api import load
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
-from drc_core.experiments.depth_tasks import answer_trajectories, copy_accuracy, corpus_task_windows
-from drc_core.training.rundir import open_run
+from drc_core.experiments.depth_tasks import (
+    accuracy_by_k,
+    answer_trajectories,
+    copy_accuracy,
+    corpus_task_windows,
+)
+from drc_core.training.rundir import FINAL_DIR, WEIGHTS_FILE, open_run
+from drc_core.training.train import checkpoints as saved_checkpoints
 
 TOKENIZER = "data/depth-tasks"
 PREPARE = [sys.executable, "-m", "drc_core.data", "prepare", "--source", "wikipedia+sotu+depth-tasks",
@@ -89,7 +95,7 @@ class Driver:
             f.write(line + "\n")
 
     def corpus(self, st: Stage) -> Path:
-        path = Path("data/corpus") / st.corpus
+        path = corpus_dir(st)
         if not (path / "corpus_meta.json").is_file():
             self.log(f"{st.name}: preparing {path}")
             subprocess.run([*PREPARE, *st.prepare, "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
@@ -107,20 +113,19 @@ class Driver:
             tw = corpus_task_windows(Corpus.open(corpus), m.model.max_seq_len, n_docs=PROBE_DOCS, split="val",
                                      seed=1)
             traj = answer_trajectories(m.model, tw, 8)
-            traj = traj[traj.loop.isin([1, 2, 4, 8])]
-            table = traj.groupby(["k", "loop"]).correct.mean()
-            by = {f"k{k}": {int(lp): float(table[(k, lp)]) for lp in (1, 2, 4, 8)}
-                  for k in sorted(traj.k.unique())}
+            acc = accuracy_by_k(traj[traj.loop.isin([1, 2, 4, 8])], n_boot=200)
+            by = {f"k{k}": {int(r.loop): float(r.acc) for r in g.itertuples()} for k, g in acc.groupby("k")}
             met = all(by[f"k{k}"][8] >= st.target for k in map(int, st.skill.split(",")))
         return {"checkpoint": str(ckpt), "met": met, "accuracy": by}
 
-    def run_stage(self, st: Stage, init: Path | None) -> Path:
+    def run_stage(self, st: Stage, init: Path | None) -> dict:
+        """Run (or resume) one stage; its ``done.json`` record: the checkpoint it ended at, met, wall time."""
         sdir = self.out / st.name
         done = sdir / "done.json"
         if done.is_file():
             rec = json.loads(done.read_text())
             self.log(f"{st.name}: done before ({rec['checkpoint']}, target met: {rec['met']})")
-            return Path(rec["checkpoint"])
+            return rec
         corpus = self.corpus(st)
         run = sdir / "run"
         probes_file = sdir / "probes.jsonl"
@@ -134,7 +139,7 @@ class Driver:
                    "--out", str(run), "--quiet", "--set", f"lr={st.lr}", "--set", f"max_steps={st.cap}",
                    "--set", "answer_weight=10", "--set", "eval_loops=1,8", "--set", "keep_last=4",
                    "--set", f"min_lr_ratio={0.1 if st.decay else 1.0}"]
-            if (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step-*")):
+            if saved_checkpoints(run):
                 cmd.append("--resume")
             elif init is not None:
                 cmd += ["--init", str(init)]
@@ -174,20 +179,27 @@ class Driver:
         done.write_text(json.dumps(rec, indent=1))
         self.log(f"{st.name}: {'target met' if last['met'] else 'TARGET MISSED'} at step {last['step']}, "
                  f"trainer wall {wall / 60:.1f} min")
-        return Path(last["checkpoint"])
+        return rec
+
+
+def corpus_dir(st: Stage) -> Path:
+    return Path("data/corpus") / st.corpus
 
 
 def step_of(ckpt: Path) -> int:
-    if ckpt.name.startswith("step-"):
-        return int(ckpt.name[5:])
-    return int(json.loads((ckpt.parent / "config.json").read_text())["max_steps"])  # final/: the run's end
+    """A checkpoint's step; ``final/``'s is its run's ``max_steps``."""
+    if ckpt.name == FINAL_DIR:
+        return open_run(ckpt).train_config().max_steps
+    return int(ckpt.name.split("-")[1])
 
 
 def checkpoints(run: Path) -> list[Path]:
-    found = sorted((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else []
-    found = [c for c in found if (c / "model.safetensors").is_file()]
-    if (run / "final" / "model.safetensors").is_file() and step_of(run / "final") not in map(step_of, found):
-        found.append(run / "final")
+    """The run's saved checkpoints (the trainer writes each whole, then renames it), then ``final/`` when it is
+    not the same step as the last checkpoint."""
+    found = saved_checkpoints(run)
+    final = run / FINAL_DIR
+    if (final / WEIGHTS_FILE).is_file() and step_of(final) not in map(step_of, found):
+        found.append(final)
     return found
 
 
@@ -202,11 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ship", type=Path, default=None, help="ship the last stage's model here when all targets met")
     args = ap.parse_args(argv)
     drv = Driver(args.out, args.threads)
-    ckpt: Path | None = None
-    records = []
+    records: list[dict] = []
     for st in STAGES:
-        ckpt = drv.run_stage(st, ckpt)
-        records.append(json.loads((args.out / st.name / "done.json").read_text()))
+        records.append(drv.run_stage(st, Path(records[-1]["checkpoint"]) if records else None))
+    ckpt = Path(records[-1]["checkpoint"])
     total = sum(r["train_wall_s"] for r in records)
     drv.log(f"all stages: trainer wall {total / 60:.1f} min; targets met: {[r['met'] for r in records]}")
     if args.ship is not None:
@@ -216,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 "of_steps": STAGES[-1].cap, "train_wall_minutes": round(total / 60, 1),
                 "stages": [{"name": r["stage"]["name"], **{k: r[k] for k in ("checkpoint", "step", "met", "accuracy")},
                             "train_wall_minutes": round(r["train_wall_s"] / 60, 1)} for r in records]}
-        dest = open_run(ckpt).ship(args.ship, corpus=Corpus.open(Path("data/corpus") / STAGES[-1].corpus),
+        dest = open_run(ckpt).ship(args.ship, corpus=Corpus.open(corpus_dir(STAGES[-1])),
                                    info=info, replace=True)
         drv.log(f"shipped {ckpt} to {dest}")
     return 0
