@@ -10,7 +10,9 @@ answer accuracy at loop 8 for the stage's k (``depth_probe.py``'s number), or in
 stage. A stage ends at the first checkpoint whose probe meets its target, or at its step cap (then the next
 stage starts from its last checkpoint and ``done.json`` says the target was missed). Every stage but the last runs
 at a constant learning rate after warm-up, so that it can stop at any checkpoint; the last one decays (cosine).
-What it reached on the development machine (k = 3 short of its target in 106 minutes) is in ``docs/training.md``.
+``--plan`` picks the staging (``PLANS``); ``--budget-min`` cuts the last stage (its cosine included) to the
+minutes left. What each plan reached on the development machine (k = 3 at 81-86% in two hours, short of its
+target) is in ``docs/training.md``.
 
 Written to ``--out``: ``<stage>/run`` (the training run), ``<stage>/probes.jsonl``, ``<stage>/done.json`` (the
 checkpoint the next stage starts from, whether the target was met, the trainer's wall time) and ``recipe.log``.
@@ -27,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -68,13 +70,29 @@ class Stage:
     decay: bool = False  # cosine to lr / 10 over `cap` steps; else constant after warm-up
 
 
-STAGES = [
+COPY = Stage("copy", "mixed", [], 2e-3, 4000, "copy", 0.85, 3000)
+K1 = Stage("k1", "links11", links(1, 20000, 0.2), 1e-3, 1000, "1", 0.95, 250)
+K2 = Stage("k2", "links22", links(2, 40000, 0.1), 1e-3, 2000, "2", 0.85, 1500)
+PLANS = {
     # natural text + containers / swaps / hops (k 1..6) + half of the problems said twice: copying forms first
-    Stage("copy", "mixed", [], 2e-3, 4000, "copy", 0.85, 3000),
-    Stage("k1", "links11", links(1, 20000, 0.2), 1e-3, 1000, "1", 0.95, 250),
-    Stage("k2", "links22", links(2, 40000, 0.1), 1e-3, 2000, "2", 0.85, 1500),
-    Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 2750, "1,2,3", 0.90, 1500, decay=True),
-]
+    "copy-first": [
+        COPY, K1, K2,
+        Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 2750, "1,2,3", 0.90, 1500, decay=True),
+    ],
+    # the same first three stages, then two hops trained further (a fresh optimizer), three hops for what is
+    # left of the budget (--budget-min)
+    "long-k2": [
+        COPY, K1, K2,
+        Stage("k2b", "links22", links(2, 40000, 0.1), 1e-3, 1000, "2", 0.92, 250),
+        Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 4000, "1,2,3", 0.90, 1500, decay=True),
+    ],
+    # one-hop lookups from random weights, without the copying stage
+    "links-first": [
+        Stage("k1", "links11", links(1, 20000, 0.2), 2e-3, 2500, "1", 0.95, 500),
+        Stage("k2", "links22", links(2, 40000, 0.1), 1e-3, 3000, "2", 0.92, 1500),
+        Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 4000, "1,2,3", 0.90, 1500, decay=True),
+    ],
+}
 PROBE_DOCS = 60
 
 
@@ -95,10 +113,10 @@ class Driver:
             f.write(line + "\n")
 
     def corpus(self, st: Stage) -> Path:
+        """The stage's corpus, prepared (a no-op when ``path`` already holds it with these flags: prepare's cache)."""
         path = corpus_dir(st)
-        if not (path / "corpus_meta.json").is_file():
-            self.log(f"{st.name}: preparing {path}")
-            subprocess.run([*PREPARE, *st.prepare, "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
+        self.log(f"{st.name}: preparing {path}")
+        subprocess.run([*PREPARE, *st.prepare, "--out", str(path)], check=True, stdout=subprocess.DEVNULL)
         return path
 
     def probe(self, st: Stage, ckpt: Path, corpus: Path) -> dict:
@@ -207,15 +225,40 @@ def fmt(acc: dict) -> str:
     return "  ".join(f"{name} " + "/".join(f"{100 * v:.0f}" for v in by.values()) for name, by in acc.items())
 
 
+def budget_cap(st: Stage, sdir: Path, records: list[dict], budget_min: float | None) -> Stage:
+    """The last stage with its step cap cut to what is left of ``budget_min`` minutes of trainer wall, at the
+    seconds per step the earlier stages took (probes beside the trainer included); fixed once it has started."""
+    plan = sdir / "cap.json"
+    if plan.is_file():
+        return replace(st, cap=json.loads(plan.read_text())["cap"])
+    if budget_min is None or not records:
+        return st
+    spent = sum(r["train_wall_s"] for r in records)
+    per_step = max(r["train_wall_s"] / r["step"] for r in records)  # the slowest stage's rate: probes slow it
+    cap = min(st.cap, int((budget_min * 60 - spent) / per_step) // 250 * 250)
+    if cap < st.first_probe:
+        raise DrcError(f"{spent / 60:.0f} of the {budget_min:g} budgeted minutes are spent: {cap} steps are left "
+                       f"for stage {st.name}, fewer than its first probe ({st.first_probe}); raise --budget-min")
+    sdir.mkdir(parents=True, exist_ok=True)
+    plan.write_text(json.dumps({"cap": cap, "spent_s": spent, "s_per_step": per_step, "budget_min": budget_min}))
+    return replace(st, cap=cap)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="where the stages' runs go (resumable)")
+    ap.add_argument("--plan", choices=sorted(PLANS), default="copy-first", help="which staging")
+    ap.add_argument("--budget-min", type=float, default=None,
+                    help="cut the last stage's steps (its cosine included) to what is left of this many minutes")
     ap.add_argument("--threads", type=int, default=2, help="trainer threads (the probes use one)")
     ap.add_argument("--ship", type=Path, default=None, help="ship the last stage's model here when all targets met")
     args = ap.parse_args(argv)
     drv = Driver(args.out, args.threads)
+    stages = PLANS[args.plan]
     records: list[dict] = []
-    for st in STAGES:
+    for i, st in enumerate(stages):
+        if i == len(stages) - 1:
+            st = budget_cap(st, args.out / st.name, records, args.budget_min)
         records.append(drv.run_stage(st, Path(records[-1]["checkpoint"]) if records else None))
     ckpt = Path(records[-1]["checkpoint"])
     total = sum(r["train_wall_s"] for r in records)
@@ -223,11 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ship is not None:
         if not all(r["met"] for r in records):
             raise DrcError(f"a stage missed its target (see {args.out}/recipe.log): nothing shipped")
-        info = {"kind": "staged recipe (scripts/known_depth_recipe.py)", "step": records[-1]["step"],
-                "of_steps": STAGES[-1].cap, "train_wall_minutes": round(total / 60, 1),
+        info = {"kind": f"staged recipe (scripts/known_depth_recipe.py --plan {args.plan})",
+                "step": records[-1]["step"], "of_steps": records[-1]["stage"]["cap"],
+                "train_wall_minutes": round(total / 60, 1),
                 "stages": [{"name": r["stage"]["name"], **{k: r[k] for k in ("checkpoint", "step", "met", "accuracy")},
                             "train_wall_minutes": round(r["train_wall_s"] / 60, 1)} for r in records]}
-        dest = open_run(ckpt).ship(args.ship, corpus=Corpus.open(corpus_dir(STAGES[-1])),
+        dest = open_run(ckpt).ship(args.ship, corpus=Corpus.open(corpus_dir(stages[-1])),
                                    info=info, replace=True)
         drv.log(f"shipped {ckpt} to {dest}")
     return 0

@@ -1,0 +1,51 @@
+"""scripts/known_depth_recipe.py's plans and its budget: the last stage's step cap is what is left of the budget at
+the slowest earlier stage's seconds per step, fixed once written, and a spent budget is refused in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from drc_core.errors import DrcError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("known_depth_recipe", ROOT / "scripts" / "known_depth_recipe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+recipe = _load_script()
+
+
+def test_plans_end_with_one_decaying_stage_and_distinct_names():
+    for name, stages in recipe.PLANS.items():
+        assert [s.decay for s in stages] == [False] * (len(stages) - 1) + [True], name
+        assert len({s.name for s in stages}) == len(stages), name
+        assert all(s.first_probe <= s.cap for s in stages), name
+
+
+def test_budget_cap(tmp_path):
+    last = recipe.PLANS["long-k2"][-1]
+    records = [{"train_wall_s": 600.0, "step": 1000}, {"train_wall_s": 1200.0, "step": 1000}]  # 0.6, 1.2 s/step
+    st = recipe.budget_cap(last, tmp_path / "k3", records, 60.0)
+    assert st.cap == 1500  # (3600 - 1800) s / 1.2 s per step, rounded down to a checkpoint (250)
+    assert st.name == last.name and st.lr == last.lr
+    # fixed once written: a resumed driver keeps the cap whatever the records now say
+    assert recipe.budget_cap(last, tmp_path / "k3", [{"train_wall_s": 3000.0, "step": 10}], 60.0).cap == 1500
+    assert json.loads((tmp_path / "k3" / "cap.json").read_text())["s_per_step"] == pytest.approx(1.2)
+    # never above the stage's own cap; no budget or no earlier stage: the stage as declared
+    assert recipe.budget_cap(last, tmp_path / "a", records, 1000.0).cap == last.cap
+    assert recipe.budget_cap(last, tmp_path / "b", records, None) == last
+    assert recipe.budget_cap(last, tmp_path / "c", [], 60.0) == last
+    with pytest.raises(DrcError, match="raise --budget-min"):
+        recipe.budget_cap(last, tmp_path / "d", records, 31.0)
+    assert not (tmp_path / "d").exists()
