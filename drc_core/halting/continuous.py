@@ -20,7 +20,8 @@ How. Caches per block are ``(L, S, H, T, hd)`` for S slots and L = ``rule.max_lo
 :class:`~drc_core.halting.kvlayout.Attn` layout (one query per row, causal mask by position) serves every core
 and coda block of the step, whatever mix of loops the items are at. Attention gathers each item's row, except
 when the items are a run of slots at one loop (rows in lockstep: a uniform depth, or the first loop of prompts
-of one length): their keys/values are then one contiguous slab, read in place. Prompts are processed by
+of one length): their keys/values are then one contiguous slab, read in place (so are the prelude's, when the
+new tokens joining a step are such a run at one position). Prompts are processed by
 :func:`~drc_core.halting.skipping.run_loops` on their slots' view of the caches (exactly what ``generate`` does
 with them); requests admitted together on a run of free slots with prompts of one length run as one batch.
 The rule's statistics of each item against the previous loop of the same token are those ``generate``
@@ -394,8 +395,12 @@ class _Decoder:
         joiners = sorted(self.joiners)
         b_t = torch.tensor(joiners, device=self.device)
         pos_list = [sl.pos[b] for b in joiners]
+        # a run of slots at one position (rows in lockstep): their prelude keys/values are read in place, the
+        # prelude caches (S, H, T, hd) being one loop's slab
+        lockstep = ((joiners[0], joiners[-1] + 1, 0, self.n_slots)
+                    if joiners[-1] - joiners[0] + 1 == len(joiners) and min(pos_list) == max(pos_list) else None)
         attn = _Items(b_t, torch.tensor(pos_list, device=self.device), max(pos_list) + 1, self.T, self.heads,
-                      self.rope)
+                      self.rope, lockstep=lockstep, same_pos=pos_list[0] if lockstep else None)
         x = model.token_embedding(torch.tensor([self.tokens[sl.request[b]][-1] for b in joiners],
                                                device=self.device))
         for block, kv in zip(model.prelude, self.pre_kv, strict=True):
