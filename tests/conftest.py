@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -64,3 +67,19 @@ def local_corpus(tmp_path_factory) -> Path:
     prepare(PrepareConfig(source=SourceSpec("local", paths=(str(src),)), out=str(out), vocab_size=300, seq_len=32),
             progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def script() -> Callable[[str], ModuleType]:
+    """``script("readme_tables")``: ``scripts/readme_tables.py`` loaded as a module (the scripts are no package)."""
+
+    def load(name: str) -> ModuleType:
+        if name not in sys.modules:
+            path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # dataclasses and typing look the module up by name
+            spec.loader.exec_module(module)
+        return sys.modules[name]
+
+    return load

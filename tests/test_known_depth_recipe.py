@@ -3,41 +3,30 @@ the slowest earlier stage's seconds per step, fixed once written, and a spent bu
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from drc_core.errors import DrcError
 
-ROOT = Path(__file__).resolve().parents[1]
+
+@pytest.fixture(scope="module")
+def recipe(script):
+    return script("known_depth_recipe")
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("known_depth_recipe", ROOT / "scripts" / "known_depth_recipe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-recipe = _load_script()
-
-
-def test_plans_end_with_one_decaying_stage_and_distinct_names():
+def test_plans_end_with_one_decaying_stage_and_distinct_names(recipe):
     for name, stages in recipe.PLANS.items():
         assert [s.decay for s in stages] == [False] * (len(stages) - 1) + [True], name
         assert len({s.name for s in stages}) == len(stages), name
         assert all(s.first_probe <= s.cap for s in stages), name
 
 
-def test_budget_cap(tmp_path):
+def test_budget_cap(recipe, tmp_path):
     last = recipe.PLANS["long-k2"][-1]
     records = [{"train_wall_s": 600.0, "step": 1000}, {"train_wall_s": 1200.0, "step": 1000}]  # 0.6, 1.2 s/step
     st = recipe.budget_cap(last, tmp_path / "k3", records, 60.0)
-    assert st.cap == 1500  # (3600 - 1800) s / 1.2 s per step, rounded down to a checkpoint (250)
+    assert st.cap == 1500  # (3600 - 1800) s / 1.2 s per step, a multiple of the preset's checkpoint interval (250)
     assert st.name == last.name and st.lr == last.lr
     # fixed once written: a resumed driver keeps the cap whatever the records now say
     assert recipe.budget_cap(last, tmp_path / "k3", [{"train_wall_s": 3000.0, "step": 10}], 60.0).cap == 1500

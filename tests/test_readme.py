@@ -3,11 +3,9 @@ reference book's results, it has at most 250 lines, and its links to docs/ resol
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,18 +15,12 @@ README = ROOT / "README.md"
 MAX_LINES = 250
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and typing look the module up by name
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def tables(script):
+    return script("readme_tables")
 
 
-tables = _load_script()
-
-
-def test_readme_headline_block_is_generated():
+def test_readme_headline_block_is_generated(tables):
     block = tables.readme_block(README.read_text())
     assert block == tables.render(), (
         "README.md's headline block differs from what scripts/readme_tables.py generates from "
@@ -56,7 +48,7 @@ def test_readme_and_docs_links_resolve():
             assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links to missing {target}"
 
 
-def test_headline_numbers_come_from_the_results():
+def test_headline_numbers_come_from_the_results(tables):
     """A changed results file changes the table (the block is not typed in by hand)."""
     block = tables.render()
     train = json.loads((tables.RESULTS / "01_training.json").read_text())
@@ -64,7 +56,7 @@ def test_headline_numbers_come_from_the_results():
     assert f"{train['ce_by_loops']['1']:.3f} / {train['ce_by_loops']['8']:.3f}" in block
 
 
-def test_a_section_whose_results_are_missing_is_left_out(tmp_path):
+def test_a_section_whose_results_are_missing_is_left_out(tables, tmp_path):
     for f in tables.RESULTS.glob("*.json"):
         shutil.copy2(f, tmp_path / f.name)
     (tmp_path / "07_known_depth.json").unlink(missing_ok=True)
@@ -80,12 +72,12 @@ def test_a_section_whose_results_are_missing_is_left_out(tmp_path):
     assert "| known depth |" in tables.render(tmp_path, [*tables.SECTIONS, absent])
 
 
-def test_a_required_results_file_is_named_when_missing(tmp_path):
+def test_a_required_results_file_is_named_when_missing(tables, tmp_path):
     with pytest.raises(FileNotFoundError, match="01_training.json"):
         tables.render(tmp_path)
 
 
-def test_the_script_rewrites_only_the_block():
+def test_the_script_rewrites_only_the_block(tables):
     text = "before\n" + tables.START + "\nold\n" + tables.END + "\nafter\n"
     out = tables.rewrite(text, "\nnew\n")
     assert out == "before\n" + tables.START + "\nnew\n" + tables.END + "\nafter\n"
