@@ -43,10 +43,12 @@ from drc_core.experiments.depth_tasks import (
     copy_accuracy,
     corpus_task_windows,
 )
+from drc_core.training.config import preset
 from drc_core.training.rundir import FINAL_DIR, WEIGHTS_FILE, open_run
 from drc_core.training.train import checkpoints as saved_checkpoints
 
 TOKENIZER = "data/depth-tasks"
+PRESET = "cpu"  # every stage trains this preset
 PREPARE = [sys.executable, "-m", "drc_core.data", "prepare", "--source", "wikipedia+sotu+depth-tasks",
            "--tokenizer", TOKENIZER]
 
@@ -153,7 +155,7 @@ class Driver:
         wall = json.loads((sdir / "wall.json").read_text())["s"] if (sdir / "wall.json").is_file() else 0.0
         proc = None
         if met is None:
-            cmd = [sys.executable, "-m", "drc_core.training.train", "--preset", "cpu", "--data", str(corpus),
+            cmd = [sys.executable, "-m", "drc_core.training.train", "--preset", PRESET, "--data", str(corpus),
                    "--out", str(run), "--quiet", "--set", f"lr={st.lr}", "--set", f"max_steps={st.cap}",
                    "--set", "answer_weight=10", "--set", "eval_loops=1,8", "--set", "keep_last=4",
                    "--set", f"min_lr_ratio={0.1 if st.decay else 1.0}"]
@@ -235,7 +237,8 @@ def budget_cap(st: Stage, sdir: Path, records: list[dict], budget_min: float | N
         return st
     spent = sum(r["train_wall_s"] for r in records)
     per_step = max(r["train_wall_s"] / r["step"] for r in records)  # the slowest stage's rate: probes slow it
-    cap = min(st.cap, int((budget_min * 60 - spent) / per_step) // 250 * 250)
+    every = preset(PRESET).ckpt_every  # a stage can only end at a checkpoint
+    cap = min(st.cap, int((budget_min * 60 - spent) / per_step) // every * every)
     if cap < st.first_probe:
         raise DrcError(f"{spent / 60:.0f} of the {budget_min:g} budgeted minutes are spent: {cap} steps are left "
                        f"for stage {st.name}, fewer than its first probe ({st.first_probe}); raise --budget-min")
