@@ -75,25 +75,16 @@ class Stage:
 COPY = Stage("copy", "mixed", [], 2e-3, 4000, "copy", 0.85, 3000)
 K1 = Stage("k1", "links11", links(1, 20000, 0.2), 1e-3, 1000, "1", 0.95, 250)
 K2 = Stage("k2", "links22", links(2, 40000, 0.1), 1e-3, 2000, "2", 0.85, 1500)
+K3 = Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 2750, "1,2,3", 0.90, 1500, decay=True)
 PLANS = {
     # natural text + containers / swaps / hops (k 1..6) + half of the problems said twice: copying forms first
-    "copy-first": [
-        COPY, K1, K2,
-        Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 2750, "1,2,3", 0.90, 1500, decay=True),
-    ],
+    "copy-first": [COPY, K1, K2, K3],
     # the same first three stages, then two hops trained further (a fresh optimizer), three hops for what is
     # left of the budget (--budget-min)
-    "long-k2": [
-        COPY, K1, K2,
-        Stage("k2b", "links22", links(2, 40000, 0.1), 1e-3, 1000, "2", 0.92, 250),
-        Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 4000, "1,2,3", 0.90, 1500, decay=True),
-    ],
+    "long-k2": [COPY, K1, K2, replace(K2, name="k2b", cap=1000, target=0.92, first_probe=250), replace(K3, cap=4000)],
     # one-hop lookups from random weights, without the copying stage
-    "links-first": [
-        Stage("k1", "links11", links(1, 20000, 0.2), 2e-3, 2500, "1", 0.95, 500),
-        Stage("k2", "links22", links(2, 40000, 0.1), 1e-3, 3000, "2", 0.92, 1500),
-        Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 4000, "1,2,3", 0.90, 1500, decay=True),
-    ],
+    "links-first": [replace(K1, lr=2e-3, cap=2500, first_probe=500), replace(K2, cap=3000, target=0.92),
+                    replace(K3, cap=4000)],
 }
 PROBE_DOCS = 60
 
