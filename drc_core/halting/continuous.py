@@ -186,6 +186,11 @@ class _Slots:
         return [b for b in range(self.n) if self.request[b] >= 0 and self.loop[b] > 0]
 
 
+def _is_run(slots: list[int]) -> bool:
+    """Whether sorted, distinct ``slots`` are consecutive (read and written through a slice, not an index)."""
+    return slots[-1] - slots[0] + 1 == len(slots)
+
+
 def _masked(res: dict[str, Tensor], loops: Tensor) -> dict[str, Tensor]:
     """Give the items at loop 1 (and 2, for the second-order statistics) the values that
     :func:`~drc_core.analysis.loops.loop_stats` gives a first loop (their slot's previous values belong to
@@ -398,7 +403,7 @@ class _Decoder:
         # a run of slots at one position (rows in lockstep): their prelude keys/values are read in place, the
         # prelude caches (S, H, T, hd) being one loop's slab
         lockstep = ((joiners[0], joiners[-1] + 1, 0, self.n_slots)
-                    if joiners[-1] - joiners[0] + 1 == len(joiners) and min(pos_list) == max(pos_list) else None)
+                    if _is_run(joiners) and min(pos_list) == max(pos_list) else None)
         attn = _Items(b_t, torch.tensor(pos_list, device=self.device), max(pos_list) + 1, self.T, self.heads,
                       self.rope, lockstep=lockstep, same_pos=pos_list[0] if lockstep else None)
         x = model.token_embedding(torch.tensor([self.tokens[sl.request[b]][-1] for b in joiners],
@@ -439,7 +444,7 @@ class _Decoder:
         b_t, loops, pos_t, rows_t, base_t = meta.unbind(0)
         # items that are a run of slots are read and written through slices (views), not gathers; at one loop
         # too, attention reads their keys/values in place
-        run = items[-1] - items[0] + 1 == len(items)
+        run = _is_run(items)
         sel: Tensor | slice = slice(items[0], items[-1] + 1) if run else b_t
         one_loop = min(loop_list) == max(loop_list)
         lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, self.n_slots) if run and one_loop else None
