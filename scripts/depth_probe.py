@@ -4,8 +4,9 @@
     .venv/bin/python scripts/depth_probe.py runs/links data/corpus/links --docs 300 --loops 1,2,4,8,16 --copy
 
 Reads the corpus's validation task documents (``--docs`` of them, drawn with ``--seed``), runs the model once to
-the deepest loop asked and prints the share of answers whose argmax is right at each loop, with the number of
-answers per k; ``--copy`` adds in-context copying (the ``repeats`` paragraphs), the step every lookup builds on.
+the deepest loop asked and prints the share of answers whose argmax is right at each loop (``accuracy_by_k``),
+with the number of answers per k and a 95% interval over documents at the deepest loop asked; ``--copy`` adds
+in-context copying (the ``repeats`` paragraphs), the step every lookup builds on.
 Uses one thread unless ``--threads`` says otherwise, so that it can run beside a training run.
 """
 
@@ -20,7 +21,12 @@ import torch
 from drc_core.api import load
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, run_cli
-from drc_core.experiments.depth_tasks import answer_trajectories, copy_accuracy, corpus_task_windows
+from drc_core.experiments.depth_tasks import (
+    accuracy_by_k,
+    answer_trajectories,
+    copy_accuracy,
+    corpus_task_windows,
+)
 
 
 def newest(run: Path) -> Path:
@@ -41,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loops", default="1,2,4,8")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--boot", type=int, default=200, help="bootstrap resamples (documents) of the intervals")
     ap.add_argument("--copy", action="store_true", help="also measure in-context copying")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -50,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     tw = corpus_task_windows(Corpus.open(args.corpus), m.model.max_seq_len, n_docs=args.docs, split="val",
                              seed=args.seed)
     traj = answer_trajectories(m.model, tw, max(loops))
-    traj = traj[traj.loop.isin(loops)]
-    table = traj.pivot_table(index=["family", "k"], columns="loop", values="correct", aggfunc="mean")
-    table["answers"] = traj[traj.loop == loops[0]].groupby(["family", "k"]).size()
+    acc = accuracy_by_k(traj[traj.loop.isin(loops)], by=("family", "k"), n_boot=args.boot)
+    table = acc.pivot(index=["family", "k"], columns="loop", values="acc")
+    table["answers"] = acc.groupby(["family", "k"])["n"].first()
+    table["last 95% CI"] = [f"[{lo:.3f}, {hi:.3f}]" for lo, hi in
+                            acc[acc.loop == loops[-1]][["acc_lo", "acc_hi"]].itertuples(index=False)]
     print(f"{path}: answer accuracy by loop ({len(tw.windows)} documents)")
     print(table.round(3).to_string())
     if args.copy:
