@@ -38,3 +38,14 @@ def test_budget_cap(recipe, tmp_path):
     with pytest.raises(DrcError, match="raise --budget-min"):
         recipe.budget_cap(last, tmp_path / "d", records, 31.0)
     assert not (tmp_path / "d").exists()
+
+
+def test_train_command_carries_the_stage_settings(recipe, tmp_path):
+    copy2 = recipe.PLANS["shallow-copy"][0]
+    cmd = recipe.train_command(copy2, tmp_path / "corpus", tmp_path / "run", tmp_path / "init")
+    sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+    assert "recurrence.mean=2.0" in sets and "recurrence.backprop_loops=2" in sets and "min_lr_ratio=1.0" in sets
+    assert cmd[-2:] == ["--init", str(tmp_path / "init")]
+    last = recipe.PLANS["copy-first"][-1]  # the preset's depth, a decaying rate, from random weights
+    cmd = recipe.train_command(last, tmp_path / "corpus", tmp_path / "run", None)
+    assert not any(a.startswith("recurrence.") for a in cmd) and "min_lr_ratio=0.1" in cmd and "--init" not in cmd
