@@ -122,33 +122,57 @@ def test_a_batch_tensor_and_drawn_states(model, rules):
         assert torch.equal(c.tokens, alone.tokens[0])
 
 
-@pytest.mark.parametrize("family", ["uniform", "state_delta", "kl"])
-def test_items_at_one_loop_read_the_caches_in_place(model, rules, family, monkeypatch):
-    """Rows of equal prompts start in lockstep: attention then reads a strided view of the caches instead of a
-    gathered copy (with no mask when every item is at the same position). Same tokens, exits and logits as
-    decoding each row alone, and both paths are taken."""
+def _layouts(monkeypatch) -> list[str]:
+    """Spy on the decoder's layouts: "dense" (a run of slots at one loop and one position), "slab" (a run at one
+    loop, positions differing: the caches read in place) or "gather" (each item's row copied)."""
     from drc_core.halting import continuous
 
-    seen: list[bool] = []
-    attend = continuous._Items.attend
+    seen: list[str] = []
+    layout = continuous._Decoder.layout
 
-    def spy(self, q, kv):
-        seen.append(self.lockstep is not None)
-        return attend(self, q, kv)
+    def spy(self, *args):
+        out = layout(self, *args)
+        seen.append("dense" if out[0].dense else "slab" if out[0].lockstep is not None else "gather")
+        return out
 
-    monkeypatch.setattr(continuous._Items, "attend", spy)
+    monkeypatch.setattr(continuous._Decoder, "layout", spy)
+    return seen
+
+
+def _alone(model, rule, prompts, news, states, got):
+    for row, s0, n, c in zip(prompts, states, news, got.completions, strict=True):
+        alone = generate(model, row[None], n, rule, state=s0[None])
+        assert torch.equal(c.tokens, alone.tokens[0]) and torch.equal(c.exit_loop, alone.exit_loop[0])
+        torch.testing.assert_close(c.logits, alone.logits[0], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("family", ["uniform", "state_delta", "kl"])
+def test_items_in_lockstep_take_the_dense_layout(model, rules, family, monkeypatch):
+    """Rows of equal prompts start in lockstep: a step then runs in the dense layout of ``generate_fixed`` over
+    views of the caches. Same tokens, exits and logits as decoding each row alone, and the rows that leave
+    lockstep take the gathered layout."""
+    seen = _layouts(monkeypatch)
     prompt = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(11))
     news = [6, 6, 2, 6]
     drawn = model.initial_state(torch.zeros(4, 5 + 6, 32), torch.Generator().manual_seed(4))
     states = [s[: 5 + n] for s, n in zip(drawn, news, strict=True)]
     got = generate_continuous(model, prompt, news, rules[family], states=states)
-    for row, s0, n, c in zip(prompt, states, news, got.completions, strict=True):
-        alone = generate(model, row[None], n, rules[family], state=s0[None])
-        assert torch.equal(c.tokens, alone.tokens[0]) and torch.equal(c.exit_loop, alone.exit_loop[0])
-        torch.testing.assert_close(c.logits, alone.logits[0], atol=ATOL, rtol=RTOL)
-    assert any(seen)
-    if family != "uniform":
-        assert not all(seen), "the rows must leave lockstep to test the gathered path too"
+    _alone(model, rules[family], prompt, news, states, got)
+    assert "dense" in seen
+    assert "gather" in seen, "the rows must leave lockstep to test the gathered path too"
+
+
+def test_items_at_one_loop_and_several_positions_read_the_caches_in_place(model, rules, monkeypatch):
+    """Prompts of different lengths at a uniform depth: every step is a run of slots at one loop, the positions
+    differ, so attention reads one slab of the caches in place, with a mask."""
+    seen = _layouts(monkeypatch)
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, V, (t,), generator=gen) for t in (3, 5, 4)]
+    news = [4, 4, 4]
+    states = [model.initial_state(torch.zeros(1, len(p) + 4, 32), gen)[0] for p in prompts]
+    got = generate_continuous(model, prompts, news, rules["uniform"], states=states)
+    _alone(model, rules["uniform"], prompts, news, states, got)
+    assert "slab" in seen and "gather" not in seen
 
 
 @dataclass

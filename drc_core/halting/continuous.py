@@ -120,21 +120,15 @@ class _Items(Attn):
 
     Attention gathers each item's row (a copy of its keys/values) unless ``lockstep`` = (first slot, end slot,
     loop, S) says the items are the slots first..end-1 in order, all at one loop: their rows are then one slab
-    of the caches (L, S, H, T, hd), read in place (and with no mask when every item is at the same position)."""
+    of the caches (L, S, H, T, hd), read in place. (Items in lockstep at one position too take the dense layout
+    of ``generate_fixed`` instead: :meth:`_Decoder.layout`.)"""
 
     def __init__(self, rows: Tensor, pos: Tensor, t_k: int, seq_len: int, heads: int,
                  rope: tuple[Tensor, Tensor], base: Tensor | None = None,
-                 lockstep: tuple[int, int, int, int] | None = None, same_pos: int | None = None) -> None:
-        """``base`` (N,): each item's offset ``rows * heads * seq_len + pos`` when the caller has it;
-        ``same_pos``: the position of every item, when they share one."""
+                 lockstep: tuple[int, int, int, int] | None = None) -> None:
+        """``base`` (N,): each item's offset ``rows * heads * seq_len + pos`` when the caller has it."""
         self.toks, self.seq_len, self.heads, self.rope, self.t_k = Tokens(rows, pos), seq_len, heads, rope, t_k
         self.dense, self.pending, self.lockstep = False, {}, lockstep
-        self.slab_pos = same_pos if lockstep is not None else None
-        if self.slab_pos is not None:  # one slab, one position: writes are a slice, attention needs no mask
-            n = rows.numel()
-            self.cos, self.sin = rope[0][same_pos].expand(n, -1), rope[1][same_pos].expand(n, -1)
-            self.mask = None
-            return
         self.cos, self.sin = rope[0][pos], rope[1][pos]
         if base is None:
             base = rows * (heads * seq_len) + pos
@@ -142,22 +136,11 @@ class _Items(Attn):
         self.kv_index = (base[:, None] + head_offsets).reshape(-1)  # (N * H,) in (token, head) order
         self.mask = (torch.arange(t_k, device=rows.device) <= pos[:, None])[:, None, None]  # (N, 1, 1, t_k)
 
-    def _slab(self, cache: Tensor) -> Tensor:
-        """The lockstep items' slab of a flat cache (L * S, H, T, hd): (N, H, T, hd), a view."""
-        first, end, loop, n_slots = self.lockstep  # type: ignore[misc]
-        return cache.view(-1, n_slots, *cache.shape[1:])[loop, first:end]
-
-    def write(self, kv: tuple[Tensor, Tensor], k: Tensor, v: Tensor) -> None:
-        if self.slab_pos is None:
-            super().write(kv, k, v)
-            return
-        for cache, new in zip(kv, (k, v), strict=True):
-            self._slab(cache)[:, :, self.slab_pos].copy_(new)
-
     def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
         t_k = self.t_k
         if self.lockstep is not None:
-            k, v = (self._slab(c)[:, :, :t_k].to(q.dtype) for c in kv)
+            first, end, loop, n_slots = self.lockstep
+            k, v = (c.view(-1, n_slots, *c.shape[1:])[loop, first:end, :, :t_k].to(q.dtype) for c in kv)
         else:
             rows = self.toks.rows
             k, v = kv[0][rows, :, :t_k].to(q.dtype), kv[1][rows, :, :t_k].to(q.dtype)
@@ -313,9 +296,10 @@ class _Decoder:
                                              cfg.head_dim)
         pairs = [(k0[2 * j], k0[2 * j + 1]) for j in range(k0.shape[0] // 2)]
         self.core_kv, self.coda_kv = pairs[:n_core], pairs[n_core:]
-        flat = [(k.view(self.L * n_slots, *k.shape[2:]), v.view(self.L * n_slots, *v.shape[2:])) for k, v in pairs]
-        self.core_flat, self.coda_flat = flat[:n_core], flat[n_core:]
         self.rope = (model.rope_cos, model.rope_sin)
+        self.slot_ids = torch.arange(n_slots, device=self.device)
+        self.pre_looped = [(k[None], v[None]) for k, v in self.pre_kv]  # the prelude's caches as one loop's slab
+        self.views: dict[tuple[int, ...], list[list[tuple[Tensor, Tensor]]]] = {}  # slab views of dense steps
         self.per_loop = rule.needs_log_probs
         self.need = stat_fields(rule)
         self.work = Work()
@@ -398,20 +382,50 @@ class _Decoder:
             return
         sl, model = self.sl, self.model
         joiners = sorted(self.joiners)
-        b_t = torch.tensor(joiners, device=self.device)
         pos_list = [sl.pos[b] for b in joiners]
-        # a run of slots at one position (rows in lockstep): their prelude keys/values are read in place, the
-        # prelude caches (S, H, T, hd) being one loop's slab
-        lockstep = ((joiners[0], joiners[-1] + 1, 0, self.n_slots)
-                    if _is_run(joiners) and min(pos_list) == max(pos_list) else None)
-        attn = _Items(b_t, torch.tensor(pos_list, device=self.device), max(pos_list) + 1, self.T, self.heads,
-                      self.rope, lockstep=lockstep, same_pos=pos_list[0] if lockstep else None)
+        # the prelude caches (S, H, T, hd) are one loop's slab
+        attn, (kvs,), _, _ = self.layout(joiners, [1] * len(joiners), pos_list, [self.pre_looped])
         x = model.token_embedding(torch.tensor([self.tokens[sl.request[b]][-1] for b in joiners],
                                                device=self.device))
-        for block, kv in zip(model.prelude, self.pre_kv, strict=True):
+        for block, kv in zip(model.prelude, kvs, strict=True):
             x = block_step(block, x, attn, kv, *self.rope, work=self.work)
-        sl.e[b_t] = x
+        sel = slice(joiners[0], joiners[-1] + 1) if _is_run(joiners) else torch.tensor(joiners, device=self.device)
+        sl.e[sel] = x
         self.joiners.clear()
+
+    def layout(self, items: list[int], loop_list: list[int], pos_list: list[int],
+               caches: list[list[tuple[Tensor, Tensor]]]) -> tuple[Attn, list[list[tuple[Tensor, Tensor]]], Tensor,
+                                                                  Tensor]:
+        """The attention layout of items (slots, their loops and positions), what the blocks of each list of
+        per-block caches (L, S, H, T, hd) read and write through it, and the items' slots and loops on the device.
+        Items that are a run of slots at one loop and one position take the dense layout of ``generate_fixed``
+        (one query per row) over that loop's slab of those slots (views); otherwise one flat row per item
+        (:class:`_Items`) over the (L * S, H, T, hd) caches, from one host-to-device copy of the items' slots,
+        loops, flat rows, positions and cache offsets."""
+        n_slots, t, n = self.n_slots, pos_list[0], len(items)
+        run, one_loop = _is_run(items), min(loop_list) == max(loop_list)
+        if run and one_loop and min(pos_list) == max(pos_list):
+            first, li = items[0], loop_list[0] - 1
+            slots = self.slot_ids[first : first + n]
+            # the Tokens of Tokens.window(n, t, t + 1), in two ops
+            attn = Attn(Tokens(self.slot_ids[:n], slots.new_full((n,), t)), n, self.T, self.heads, self.rope,
+                        (t, t + 1))
+            key = (*map(id, caches), li, first, n)  # caches: lists the decoder keeps, so their ids are stable
+            views = self.views.get(key)
+            if views is None:
+                views = [[(k[li, first : first + n], v[li, first : first + n]) for k, v in kvs] for kvs in caches]
+                self.views[key] = views
+            return attn, views, slots, slots.new_full((n,), loop_list[0])
+        rows = [(lp - 1) * n_slots + b for b, lp in zip(items, loop_list, strict=True)]
+        meta = torch.tensor([items, loop_list, rows, pos_list,
+                             [r * self.heads * self.T + p for r, p in zip(rows, pos_list, strict=True)]],
+                            device=self.device)
+        b_t, loops, rows_t, pos_t, base_t = meta.unbind(0)
+        lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, n_slots) if run and one_loop else None
+        attn = _Items(rows_t, pos_t, max(pos_list) + 1, self.T, self.heads, self.rope, base=base_t,
+                      lockstep=lockstep)
+        flat = [[(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in kvs] for kvs in caches]
+        return attn, flat, b_t, loops
 
     def exited(self, gone: list[tuple[int, int, int]]) -> None:
         """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop: one gather
@@ -436,31 +450,20 @@ class _Decoder:
         self.steps += 1
         loop_list = [sl.loop[b] for b in items]
         pos_list = [sl.pos[b] for b in items]
-        rows = [(lp - 1) * self.n_slots + b for b, lp in zip(items, loop_list, strict=True)]
-        # one host-to-device copy per step: slots, loops, positions, flat rows and cache offsets
-        meta = torch.tensor([items, loop_list, pos_list, rows,
-                             [r * self.heads * self.T + t for r, t in zip(rows, pos_list, strict=True)]],
-                            device=self.device)
-        b_t, loops, pos_t, rows_t, base_t = meta.unbind(0)
-        # items that are a run of slots are read and written through slices (views), not gathers; at one loop
-        # too, attention reads their keys/values in place
-        run = _is_run(items)
-        sel: Tensor | slice = slice(items[0], items[-1] + 1) if run else b_t
-        one_loop = min(loop_list) == max(loop_list)
-        lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, self.n_slots) if run and one_loop else None
-        attn = _Items(rows_t, pos_t, max(pos_list) + 1, self.T, self.heads, self.rope, base=base_t,
-                      lockstep=lockstep, same_pos=pos_list[0] if min(pos_list) == max(pos_list) else None)
+        attn, (core_kv, coda_kv), b_t, loops = self.layout(items, loop_list, pos_list, [self.core_kv, self.coda_kv])
+        # items that are a run of slots are read and written through slices (views), not gathers
+        sel: Tensor | slice = slice(items[0], items[-1] + 1) if _is_run(items) else b_t
         x = self.model.inject(sl.x[sel], sl.e[sel])
-        for block, kv in zip(self.model.core, self.core_flat, strict=True):
+        for block, kv in zip(self.model.core, core_kv, strict=True):
             x = block_step(block, x, attn, kv, *self.rope)
         self.work.core += len(items)
-        tracker, res, z = self._statistics(x, attn, b_t, sel, loops, loop_list)
+        kept, res, z = self._statistics(x, attn, coda_kv, b_t, sel, loops, loop_list)
         decide, gone, gone_list = self._decide(x, res, loops, loop_list)
-        logits_g = self._exit_logits(x, attn, loops, loop_list, decide, gone, z)
+        logits_g = self._exit_logits(x, attn, coda_kv, loops, loop_list, decide, gone, z)
         sl.x[sel] = x
         if self.per_loop:
             self.z_prev[sel] = z
-        for k, v in tracker.prev.items():
+        for k, v in kept.items():
             if k not in sl.prev:
                 sl.prev[k] = v.new_zeros(self.n_slots, *v.shape[1:])
             sl.prev[k][sel] = v
@@ -472,11 +475,14 @@ class _Decoder:
                 sl.loop[b] += 1
         return True
 
-    def _statistics(self, x: Tensor, attn: _Items, b_t: Tensor, sel: Tensor | slice, loops: Tensor,
-                    loop_list: list[int]) -> tuple[Tracker, dict[str, Tensor], Tensor]:
+    def _statistics(self, x: Tensor, attn: Attn, coda_kv: list, b_t: Tensor, sel: Tensor | slice, loops: Tensor,
+                    loop_list: list[int]) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
         """The rule's statistics of the items: ``generate``'s own tracker, its previous loop being each item's
         slot's (items at loop 1 get the first loop's values by :func:`_masked`, as their slot's previous values
-        belong to another token); with the step's logits when the rule reads the output distribution."""
+        belong to another token); with the step's logits when the rule reads the output distribution. Returns the
+        values to keep for the items' next loop, the statistics and the logits."""
+        if not self.need:  # a rule that reads nothing (a uniform depth): no tracker, no statistics
+            return {}, {}, self.z_none
         n_items = x.shape[0]
         tracker = Tracker(self.need, 0, self.V, self.like, False, self.fused)
         if self.sl.prev:
@@ -484,7 +490,7 @@ class _Decoder:
         res = tracker.states(x, 3)
         z = self.z_none
         if self.per_loop:
-            y = coda(self.model, x, attn, self.coda_flat, work=self.work)
+            y = coda(self.model, x, attn, coda_kv, work=self.work)
             tracker.bufs = [self.z_buf[:n_items], self.z_prev[b_t]]
             res.update(tracker.readout(self.model, y, 3))
             z = tracker.bufs[0]
@@ -493,14 +499,15 @@ class _Decoder:
         if min(loop_list) < 3:  # items at loops 1 and 2: the values of a first (second) loop
             res = _masked(res, loops)
         tracker.done(3, x, res)
-        return tracker, res, z
+        return tracker.prev, res, z
 
     def _decide(self, x: Tensor, res: dict[str, Tensor], loops: Tensor,
-                loop_list: list[int]) -> tuple[Tensor, Tensor | None, list[int]]:
-        """Which items exit: the rule's criterion with the min/max-loop forcing per item; the one host sync."""
+                loop_list: list[int]) -> tuple[Tensor | None, Tensor | None, list[int]]:
+        """Which items exit (None: no item may exit yet): the rule's criterion with the min/max-loop forcing per
+        item; the one host sync."""
         rule, n_items = self.rule, x.shape[0]
         if max(loop_list) < rule.min_loops:  # no item may exit yet: no decision, no host sync
-            return torch.zeros(n_items, dtype=torch.bool, device=self.device), None, []
+            return None, None, []
         if min(loop_list) >= rule.max_loops:  # every item must exit
             return (torch.ones(n_items, dtype=torch.bool, device=self.device),
                     torch.arange(n_items, device=self.device), list(range(n_items)))
@@ -512,21 +519,21 @@ class _Decoder:
         gone = decide.nonzero().squeeze(1)
         return decide, gone, gone.tolist()
 
-    def _exit_logits(self, x: Tensor, attn: _Items, loops: Tensor, loop_list: list[int], decide: Tensor,
-                     gone: Tensor | None, z: Tensor) -> Tensor:
+    def _exit_logits(self, x: Tensor, attn: Attn, coda_kv: list, loops: Tensor, loop_list: list[int],
+                     decide: Tensor | None, gone: Tensor | None, z: Tensor) -> Tensor:
         """The logits of the exiting items. A rule that reads states only runs the coda here: every item at loop
         >= ``min_loops`` writes its coda keys/values (later tokens exiting at its loop read them), and only the
         exiting ones run the last coda block and the head."""
         if self.per_loop:
             return z.index_select(0, gone) if gone is not None else z[:0]
         min_loops = self.rule.min_loops
-        if max(loop_list) < min_loops:  # no item at a loop whose coda keys/values are ever read
+        if decide is None:  # no item at a loop whose coda keys/values are ever read
             return self.z_none
         if min(loop_list) >= min_loops:
-            y = coda(self.model, x, attn, self.coda_flat, query=decide, work=self.work)
+            y = coda(self.model, x, attn, coda_kv, query=decide, work=self.work)
         else:
             late = (loops >= min_loops).nonzero().squeeze(1)
-            y = coda(self.model, x.index_select(0, late), attn.select(late), self.coda_flat,
+            y = coda(self.model, x.index_select(0, late), attn.select(late), coda_kv,
                      query=decide.index_select(0, late), work=self.work)
         self.work.head += y.shape[0]
         return self.model.head(y).float()
