@@ -19,9 +19,10 @@ How. Caches per block are ``(L, S, H, T, hd)`` for S slots and L = ``rule.max_lo
 ``(L * S, H, T, hd)``, an item of slot b at loop l is a row (l - 1) * S + b of one flat batch, so one
 :class:`~drc_core.halting.kvlayout.Attn` layout (one query per row, causal mask by position) serves every core
 and coda block of the step, whatever mix of loops the items are at. Attention gathers each item's row, except
-when the items are a run of slots at one loop (rows in lockstep: a uniform depth, or the first loop of prompts
-of one length): their keys/values are then one contiguous slab, read in place (so are the prelude's, when the
-new tokens joining a step are such a run at one position). Prompts are processed by
+when the items are a run of slots at one loop: their keys/values are then one contiguous slab, read in place, and
+when those items are at one position too (rows in lockstep: a uniform depth over prompts of one length) the step
+runs in the dense layout of ``generate_fixed`` over views of that slab (:meth:`_Decoder.layout`; so does the
+prelude of the new tokens joining a step). Prompts are processed by
 :func:`~drc_core.halting.skipping.run_loops` on their slots' view of the caches (exactly what ``generate`` does
 with them); requests admitted together on a run of free slots with prompts of one length run as one batch.
 The rule's statistics of each item against the previous loop of the same token are those ``generate``
