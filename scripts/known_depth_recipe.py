@@ -67,7 +67,7 @@ class Stage:
     lr: float
     cap: int  # max steps
     skill: str  # "copy", or the k of the answers that must be right, comma-separated ("1,2,3")
-    target: float  # accuracy at loop 8
+    target: float  # accuracy at loop `probe_loop`
     first_probe: int  # no checkpoint before this step is probed
     decay: bool = False  # cosine to lr / 10 over `cap` steps; else constant after warm-up
     mean_depth: float | None = None  # training-mean depth (recurrence.mean); None: the preset's

@@ -300,7 +300,7 @@ class _Decoder:
         self.rope = (model.rope_cos, model.rope_sin)
         self.slot_ids = torch.arange(n_slots, device=self.device)
         self.pre_looped = [(k[None], v[None]) for k, v in self.pre_kv]  # the prelude's caches as one loop's slab
-        self.views: dict[tuple[int, ...], list[list[tuple[Tensor, Tensor]]]] = {}  # slab views of dense steps
+        self.views: dict[tuple[int, ...], list[list[tuple[Tensor, Tensor]]]] = {}  # cache views, made once
         self.per_loop = rule.needs_log_probs
         self.need = stat_fields(rule)
         self.work = Work()
@@ -425,7 +425,11 @@ class _Decoder:
         lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, n_slots) if run and one_loop else None
         attn = _Items(rows_t, pos_t, max(pos_list) + 1, self.T, self.heads, self.rope, base=base_t,
                       lockstep=lockstep)
-        flat = [[(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in kvs] for kvs in caches]
+        key = (*map(id, caches), -1)
+        flat = self.views.get(key)
+        if flat is None:
+            flat = [[(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in kvs] for kvs in caches]
+            self.views[key] = flat
         return attn, flat, b_t, loops
 
     def exited(self, gone: list[tuple[int, int, int]]) -> None:
