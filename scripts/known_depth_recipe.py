@@ -95,6 +95,9 @@ PLANS = {
     # lookups, three hops for what is left of the budget
     "mature-copy": [COPY, replace(COPY, name="copy-more", cap=1500, target=0.97, first_probe=250), K1, K2,
                     replace(K3, cap=5000)],
+    # the copying stage run longer in one go (its optimizer kept) until copying is reliable at loop 8, then the
+    # lookups, three hops for what is left of the budget
+    "long-copy": [replace(COPY, name="copy-long", cap=5500, target=0.97), K1, K2, replace(K3, cap=5000)],
     # one-hop lookups from random weights, without the copying stage
     "links-first": [replace(K1, lr=2e-3, cap=2500, first_probe=500), replace(K2, cap=3000, target=0.92),
                     replace(K3, cap=4000)],
