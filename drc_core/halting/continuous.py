@@ -408,9 +408,7 @@ class _Decoder:
         if run and one_loop and min(pos_list) == max(pos_list):
             first, li = items[0], loop_list[0] - 1
             slots = self.slot_ids[first : first + n]
-            # the Tokens of Tokens.window(n, t, t + 1), in two ops
-            attn = Attn(Tokens(self.slot_ids[:n], slots.new_full((n,), t)), n, self.T, self.heads, self.rope,
-                        (t, t + 1))
+            attn = Attn(Tokens.window(n, t, t + 1, self.device), n, self.T, self.heads, self.rope, (t, t + 1))
             key = (*map(id, caches), li, first, n)  # caches: lists the decoder keeps, so their ids are stable
             views = self.views.get(key)
             if views is None:

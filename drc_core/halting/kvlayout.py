@@ -40,6 +40,8 @@ class Tokens:
     @classmethod
     def window(cls, batch: int, t0: int, t1: int, device: torch.device) -> Tokens:
         """Every row's positions t0..t1-1."""
+        if t1 - t0 == 1:  # one position per row (a decode step): two ops instead of four
+            return cls(torch.arange(batch, device=device), torch.full((batch,), t0, dtype=torch.long, device=device))
         rows = torch.arange(batch, device=device).repeat_interleave(t1 - t0)
         return cls(rows, torch.arange(t0, t1, device=device).repeat(batch))
 
