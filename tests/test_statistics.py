@@ -22,6 +22,7 @@ from drc_core.analysis.loops import (
     iterate_stats,
     register_statistic,
     unregister_statistic,
+    with_needs,
 )
 from drc_core.analysis.measure import FRAME_COLUMNS, load_frame, measure_windows, save_frame
 from drc_core.errors import DrcError
@@ -100,6 +101,37 @@ def test_the_builtins_are_loopstats_fields_and_the_frame_columns():
     assert names == set(BUILTIN_STATISTICS) == set(STATISTICS)
     assert set(frame_statistics()) <= set(FRAME_COLUMNS)
     assert {"kl", "state_delta", "entropy", "argmax"} == set(frame_statistics())
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_STATISTICS))
+def test_a_caller_reading_one_statistic_gets_the_same_values_and_placeholders(moving_model, name):
+    idx = _idx()
+    full = list(iterate_stats(moving_model, idx, L, generator=_gen()))
+    part = list(iterate_stats(moving_model, idx, L, generator=_gen(), only={name}))
+    needed = with_needs({name})
+    for a, b in zip(full, part, strict=True):
+        for n in needed:
+            torch.testing.assert_close(getattr(b, n), getattr(a, n), rtol=0, atol=0)
+    if "minp_kl" not in needed:  # the costliest statistic: not computed, a NaN placeholder
+        assert all(torch.isnan(st.minp_kl).all() for st in part)
+
+
+def test_the_min_p_outputs_are_filtered_once_per_loop(moving_model, monkeypatch):
+    from drc_core.analysis import loops
+
+    calls = []
+    real = loops.minp_log_probs
+    monkeypatch.setattr(loops, "minp_log_probs", lambda *a: calls.append(1) or real(*a))
+    stats = list(iterate_stats(moving_model, _idx(), L, generator=_gen(), only={"minp_kl"}))
+    assert len(calls) == L
+    q = [real(st.log_probs) for st in stats]
+    for prev_q, cur_q, st in zip(q[:-1], q[1:], stats[1:], strict=True):
+        torch.testing.assert_close(st.minp_kl, (prev_q.exp() * (prev_q - cur_q)).sum(-1))
+    calls.clear()
+    list(iterate_stats(moving_model, _idx(), L, generator=_gen(), only={"kl", "state_delta"}))
+    assert not calls
+    with pytest.raises(DrcError, match="'klx' is no statistic"):
+        with_needs({"klx"})
 
 
 def test_a_registered_statistic_is_in_loopstats_and_the_frame(moving_model, registered):

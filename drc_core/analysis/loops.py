@@ -18,7 +18,7 @@ paths.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,7 +31,7 @@ from drc_core.model.lm import RecurrentModel, iterate
 
 __all__ = ["BUILTIN_STATISTICS", "MIN_P", "STATISTICS", "LoopStats", "Statistic", "extra_statistics", "extra_values",
            "frame_statistics", "iterate_stats", "loop_stats", "minp_log_probs", "register_statistic", "state_change",
-           "trajectory_step", "unregister_statistic"]
+           "trajectory_step", "unregister_statistic", "with_needs", "with_placeholders"]
 
 
 @dataclass(frozen=True)
@@ -215,12 +215,12 @@ def state_change(state: Tensor, prev_state: Tensor) -> tuple[Tensor, Tensor]:
 MIN_P = 0.1  # Huginn's min-p filter: probabilities below MIN_P * max are replaced by 1/V
 
 
-def minp_log_probs(log_probs: Tensor) -> Tensor:
+def minp_log_probs(log_probs: Tensor, p: Tensor | None = None) -> Tensor:
     """Huginn's min-p filtered log-distribution of log-probs (..., V): p below ``MIN_P * max p`` -> 1/V,
-    renormalised."""
+    renormalised. ``p``: ``log_probs.exp()`` where the caller has it already."""
     v = log_probs.shape[-1]
     top = log_probs.amax(dim=-1, keepdim=True)
-    q = torch.where(log_probs < top + math.log(MIN_P), torch.full_like(log_probs, 1.0 / v), log_probs.exp())
+    q = torch.where(log_probs < top + math.log(MIN_P), 1.0 / v, log_probs.exp() if p is None else p)
     return q.log() - q.sum(dim=-1, keepdim=True).log()
 
 
@@ -239,9 +239,50 @@ def trajectory_step(state: Tensor, prev: LoopStats | None) -> tuple[Tensor, Tens
     return step, accel, prev.accel
 
 
-def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tensor) -> LoopStats:
+def with_needs(names: Iterable[str], needs: Callable[[str], Iterable[str]] | None = None) -> frozenset[str]:
+    """``names`` and, transitively, the statistics they are computed from (``needs``: a statistic's
+    :attr:`Statistic.needs` without the state, by default). A name that is no statistic is a :class:`DrcError`."""
+    out = set(names)
+    unknown = sorted(out - set(STATISTICS))
+    if unknown:
+        raise DrcError(f"{unknown[0]!r} is no statistic: use one of {', '.join(STATISTICS)} (or register_statistic it)")
+    step = needs or (lambda name: set(STATISTICS[name].needs) - {"state"})
+    todo = list(out)
+    while todo:
+        for more in step(todo.pop()):
+            if more not in out:
+                out.add(more)
+                todo.append(more)
+    return frozenset(out)
+
+
+def with_placeholders(values: Mapping[str, Tensor], shape: tuple[int, ...], device: torch.device | str
+                      ) -> dict[str, Tensor]:
+    """``values`` and, for every statistic missing from it, its :meth:`Statistic.placeholder` of ``shape`` (an empty
+    (..., 0) tensor for a vector or a distribution): one tensor shared by the statistics of one kind and value, which
+    a caller that computed only what it reads never looks at."""
+    out = dict(values)
+    shared: dict[tuple[str, float | None], Tensor] = {}
+    for name, stat in STATISTICS.items():
+        if name in out:
+            continue
+        key = ("vector", None) if stat.kind in ("distribution", "vector") else (stat.kind, stat.missing)
+        if key not in shared:
+            shared[key] = (torch.empty(*shape, 0, device=device) if key[0] == "vector"
+                           else stat.placeholder(shape, device))
+        out[name] = shared[key]
+    return out
+
+
+def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tensor, *,
+               only: Iterable[str] | None = None) -> LoopStats:
     """The :class:`LoopStats` of loop ``loop`` from its log-probs (B, T, V) and state (B, T, d), given the
-    previous loop's stats ``prev`` (None at the first loop)."""
+    previous loop's stats ``prev`` (None at the first loop).
+
+    ``only``: the statistics the caller reads (e.g. a rule's :attr:`~drc_core.halting.rules.HaltingRule.reads`);
+    those, what they are computed from (:func:`with_needs`) and what comes free with them are computed, the others
+    are placeholders (:func:`with_placeholders`). The values computed are the same as with ``only=None`` (every
+    statistic), as long as the same ``only`` is given at every loop."""
     if log_probs.dim() != 3 or state.dim() != 3 or log_probs.shape[:2] != state.shape[:2]:
         raise DrcError(
             f"log_probs must be (B, T, V) and state (B, T, d) with the same (B, T); got log_probs "
@@ -252,41 +293,46 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
             f"loop {loop}'s log_probs {tuple(log_probs.shape)} / state {tuple(state.shape)} do not match the "
             f"previous loop's {tuple(prev.log_probs.shape)} / {tuple(prev.state.shape)}"
         )
+    want = frozenset(STATISTICS) if only is None else with_needs(only)
     log_probs = log_probs.float()
-    p = log_probs.exp()
-    entropy = _entropy(log_probs, p)
-    top_logp, argmax = log_probs.max(dim=-1)
+    res: dict[str, Tensor] = {"log_probs": log_probs}
+    shape, device = tuple(state.shape[:2]), state.device
+    p = log_probs.exp() if want & {"kl", "entropy", "entropy_delta", "minp_kl"} else None
+    if want & {"entropy", "entropy_delta"}:
+        res["entropy"] = _entropy(log_probs, p)
+    if want & {"argmax", "argmax_run", "top_prob"}:
+        top_logp, res["argmax"] = log_probs.max(dim=-1)
+        res["top_prob"] = top_logp.exp()
+    minp = minp_log_probs(log_probs, p) if "minp_kl" in want else None  # kept: the next loop's q_{l-1}
     if prev is None:
-        inf = torch.full(entropy.shape, math.inf, device=entropy.device)
-        kl, state_delta, entropy_delta, cosine, minp_kl = inf, inf, inf, -inf, inf
-        argmax_run = torch.ones_like(argmax)
+        inf = torch.full(shape, math.inf, device=device)
+        res.update({name: inf for name in ("kl", "state_delta", "entropy_delta", "minp_kl") if name in want})
+        if "cosine" in want:
+            res["cosine"] = -inf
+        if "argmax_run" in want:
+            res["argmax_run"] = torch.ones_like(res["argmax"])
     else:
-        kl = _dot(p, log_probs - prev.log_probs)  # = kl_successive(log_probs, prev.log_probs)
-        state_delta, cosine = state_change(state, prev.state)
-        entropy_delta = (entropy - prev.entropy).abs()
-        argmax_run = torch.where(argmax == prev.argmax, prev.argmax_run + 1, torch.ones_like(argmax))
-        q_prev, q = minp_log_probs(prev.log_probs), minp_log_probs(log_probs)
-        minp_kl = _dot(q_prev.exp(), q_prev - q)
-    state_step, accel, accel_prev = trajectory_step(state, prev)
-    extra = extra_values(log_probs, state, None if prev is None else prev.values()) if extra_statistics() else {}
-    return LoopStats(
-        loop=loop,
-        log_probs=log_probs,
-        state=state,
-        kl=kl,
-        state_delta=state_delta,
-        entropy=entropy,
-        entropy_delta=entropy_delta,
-        cosine=cosine,
-        argmax=argmax,
-        argmax_run=argmax_run,
-        top_prob=top_logp.exp(),
-        minp_kl=minp_kl,
-        state_step=state_step,
-        accel=accel,
-        accel_prev=accel_prev,
-        extra=extra,
-    )
+        if "kl" in want:
+            assert p is not None
+            res["kl"] = _dot(p, log_probs - prev.log_probs)  # = kl_successive(log_probs, prev.log_probs)
+        if want & {"state_delta", "cosine"}:
+            res["state_delta"], res["cosine"] = state_change(state, prev.state)
+        if "entropy_delta" in want:
+            res["entropy_delta"] = (res["entropy"] - prev.entropy).abs()
+        if "argmax_run" in want:
+            res["argmax_run"] = torch.where(res["argmax"] == prev.argmax, prev.argmax_run + 1,
+                                            torch.ones_like(res["argmax"]))
+        if minp is not None:
+            q_prev = getattr(prev, "_minp", None)  # kept by the previous loop_stats call
+            q_prev = minp_log_probs(prev.log_probs) if q_prev is None else q_prev
+            res["minp_kl"] = _dot(q_prev.exp(), q_prev - minp)
+    if want & {"state_step", "accel", "accel_prev"}:
+        res["state_step"], res["accel"], res["accel_prev"] = trajectory_step(state, prev)
+    if extra_statistics():
+        res.update(extra_values(log_probs, state, None if prev is None else prev.values(), only=want))
+    stats = LoopStats.of(loop, state, with_placeholders(res, shape, device))
+    stats._minp = minp  # not a statistic: the min-p filtered log-probs, so that the next loop does not redo them
+    return stats
 
 
 def extra_values(log_probs: Tensor | None, state: Tensor, prev: Mapping[str, Tensor] | None,
@@ -319,20 +365,22 @@ def iterate_stats(
     generator: torch.Generator | None = None,
     state: Tensor | None = None,
     where: Tensor | None = None,
+    only: Iterable[str] | None = None,
 ) -> Iterator[LoopStats]:
     """:class:`LoopStats` after each loop 1..max_loops of a run without halting (uniform depth). ``where``:
     a (B, T) bool mask; the statistics are then those of its n tokens only, shaped (1, n) in row-major order
     (every token still runs through core and coda: attention reads them all; only the head and the statistics
-    are skipped)."""
+    are skipped). ``only``: the statistics the caller reads (:func:`loop_stats`); None computes every one."""
     if where is not None and (where.dtype != torch.bool or tuple(where.shape) != tuple(idx.shape)):
         raise DrcError(f"where must be a bool mask shaped like idx {tuple(idx.shape)}; got {where.dtype} "
                        f"{tuple(where.shape)}")
+    want = None if only is None else with_needs(only)
     prev: LoopStats | None = None
     for out in iterate(model, idx, max_loops, generator=generator, readout="log_probs", state=state,
                        positions=where):
         assert out.out is not None
         if where is None:
-            prev = loop_stats(prev, out.loop, out.out, out.state)
+            prev = loop_stats(prev, out.loop, out.out, out.state, only=want)
         else:
-            prev = loop_stats(prev, out.loop, out.out[None], out.state[where][None])
+            prev = loop_stats(prev, out.loop, out.out[None], out.state[where][None], only=want)
         yield prev

@@ -156,6 +156,8 @@ def measure_windows(
     stat_names = ("kl", "kl_final", "state_delta", "entropy", "ce", *(x.name for x in extras),
                   *(DYNAMICS_COLUMNS if dynamics else ()))
     floats: dict[str, list[np.ndarray]] = {k: [] for k in stat_names}
+    reads = {"kl", "state_delta", "entropy", "argmax", *(x.name for x in extras),
+             *(("state_step",) if dynamics else ())}  # what the frame's columns are made of
     argmaxes: list[np.ndarray] = []
     for b, batch in enumerate(eval_batches(model, windows, batch_size, seed)):
         x, y, gen = batch.x, batch.y, batch.generator
@@ -171,7 +173,7 @@ def measure_windows(
             gen.set_state(replay)
         per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
         prev_step = None
-        for st in iterate_stats(model, x, max_loops, generator=gen, where=where):
+        for st in iterate_stats(model, x, max_loops, generator=gen, where=where, only=reads):
             nan = torch.full_like(st.entropy, math.nan)
             first = st.loop == 1
             if dynamics:  # state_step = s_l - s_{l-1} (zero at loop 1): two of them span s_l - s_{l-2}

@@ -22,6 +22,8 @@ from drc_core.analysis.loops import (
     minp_log_probs,
     state_change,
     trajectory_step,
+    with_needs,
+    with_placeholders,
 )
 from drc_core.errors import DrcError
 from drc_core.halting.rules import HaltingRule
@@ -47,20 +49,14 @@ def _needs(name: str) -> set[str]:
 
 def stat_fields(rule: HaltingRule) -> frozenset[str]:
     """The statistics the skipping paths compute for ``rule``: what it reads (:attr:`HaltingRule.reads`) and,
-    transitively, what those need (:data:`~drc_core.analysis.loops.STATISTICS`); every statistic where it reads
-    None."""
+    transitively, what those need on the compact layout (:func:`_needs`); every statistic where it reads None."""
     if rule.reads is None:
         return frozenset(STATISTICS)
     unknown = sorted(set(rule.reads) - set(STATISTICS))
     if unknown:
         raise DrcError(f"rule {type(rule).__name__} reads {unknown[0]!r}, which is no statistic: use one of "
                        f"{', '.join(STATISTICS)} (or register_statistic it)")
-    need = set(rule.reads)
-    while True:
-        more = set().union(*(_needs(f) for f in need)) - need
-        if not more:
-            return frozenset(need)
-        need |= more
+    return with_needs(rule.reads, _needs)
 
 
 def _vecdot(a: Tensor, b: Tensor) -> Tensor:
@@ -286,21 +282,11 @@ class Trajectory:
 
 
 def compact_stats(loop: int, x: Tensor, res: dict[str, Tensor]) -> LoopStats:
-    """The (1, N) :class:`LoopStats` of the computed fields ``res``; the others are placeholders (NaN, argmax -1,
-    run 0, empty log-probs and steps) that a rule declaring its ``reads`` never looks at (each statistic's
-    :meth:`~drc_core.analysis.loops.Statistic.placeholder`, one tensor shared by the fields of one kind and value)."""
-    n = x.shape[0]
-    filled: dict[str, Tensor] = {}
-    shared: dict[tuple[str, float | None], Tensor] = {}  # one placeholder per kind and value
-    for name, stat in STATISTICS.items():
-        if name in res:
-            filled[name] = res[name][None]
-            continue
-        key = ("vector", None) if stat.kind in ("distribution", "vector") else (stat.kind, stat.missing)
-        if key not in shared:
-            shared[key] = x.new_empty(1, n, 0) if key[0] == "vector" else stat.placeholder((1, n), x.device)
-        filled[name] = shared[key]
-    return LoopStats.of(loop, x[None], filled)
+    """The (1, N) :class:`LoopStats` of the computed fields ``res``; the others are placeholders
+    (:func:`~drc_core.analysis.loops.with_placeholders`: NaN, argmax -1, run 0, empty log-probs and steps) that a
+    rule declaring its ``reads`` never looks at."""
+    return LoopStats.of(loop, x[None], with_placeholders({k: v[None] for k, v in res.items()}, (1, x.shape[0]),
+                                                        x.device))
 
 
 class FullLayout:

@@ -41,7 +41,7 @@ class _RuleHalt:
         if out.out.shape[:2] != out.state.shape[:2]:
             raise DrcError("the halting rule needs every position read out; call iterate with positions=None")
         logp = out.out if self.readout == "log_probs" else F.log_softmax(out.out.float(), dim=-1)
-        self.stats = loop_stats(self.stats, out.loop, logp, out.state)
+        self.stats = loop_stats(self.stats, out.loop, logp, out.state, only=self.rule.reads)
         return self.rule.decide(self.stats)
 
 

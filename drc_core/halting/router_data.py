@@ -24,7 +24,8 @@ from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 __all__ = ["FeatureSpec", "RouterData", "harvest", "router_features", "split_windows"]
 
 _LOOP_FEATURES = ("none", "scalar", "onehot")
-_N_READOUT_STATS = 5
+_READOUT_STATS = frozenset({"entropy", "top_prob", "kl", "state_delta", "cosine"})  # router_features' order below
+_N_READOUT_STATS = len(_READOUT_STATS)
 _LOG_CLAMP = (-12.0, 4.0)
 
 
@@ -57,6 +58,12 @@ class FeatureSpec:
         need_int("max_loops", self.max_loops, 1, "FeatureSpec")
         if not (self.state or self.readout_stats or self.loop != "none"):
             raise DrcError("FeatureSpec selects no features; enable state, readout_stats or a loop feature")
+
+    @property
+    def reads(self) -> frozenset[str]:
+        """The statistics (:data:`~drc_core.analysis.loops.STATISTICS`) these features read (the state always
+        comes with a loop's stats)."""
+        return _READOUT_STATS if self.readout_stats else frozenset()
 
     def dim(self, d_model: int) -> int:
         """The number of features for a model with state size ``d_model``."""
@@ -211,7 +218,7 @@ def harvest(
     for batch in eval_batches(model, windows, batch_size, seed):
         sel = pos_idx[batch.start : batch.start + batch_size].to(batch.x.device)  # (B, P)
         kls, kept = [], []
-        for st in iterate_stats(model, batch.x, max_loops, generator=batch.generator):
+        for st in iterate_stats(model, batch.x, max_loops, generator=batch.generator, only=spec.reads | {"kl"}):
             if st.loop >= 2:
                 kls.append(st.kl)
             if st.loop in keep_set:

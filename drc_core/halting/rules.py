@@ -26,13 +26,14 @@ depth is the mean exit loop over all tokens of the batch (the FLOP proxy: prelud
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from drc_core.analysis.loops import STATISTICS, LoopStats
+from drc_core.analysis.loops import STATISTICS, LoopStats, with_needs
 from drc_core.errors import MAX_LOOPS, DrcError, fmt_number, need_float, need_int
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "huginn_presets",
     "Uniform",
     "make_rule",
+    "statistics_read",
     "unregister_rule",
 ]
 
@@ -186,16 +188,8 @@ class HaltingRule:
         """Whether the rule reads a statistic computed from the loop's readout (see the class docstring)."""
         if self.reads is None:
             return True
-        todo, seen = list(self.reads), set()
-        while todo:
-            stat = STATISTICS.get(name := todo.pop())
-            if name in seen or stat is None:
-                continue
-            if stat.reads == "output":
-                return True
-            seen.add(name)
-            todo += stat.needs
-        return False
+        known = with_needs(n for n in self.reads if n in STATISTICS)
+        return any(STATISTICS[n].reads == "output" for n in known)
 
     @property
     def name(self) -> str:
@@ -209,6 +203,17 @@ class HaltingRule:
         if self.max_loops != 32:
             extra.append(f"max {self.max_loops}")
         return self.name + (f" ({', '.join(extra)})" if extra else "")
+
+
+def statistics_read(rules: Iterable[HaltingRule]) -> frozenset[str] | None:
+    """What ``rules`` read together: the union of their :attr:`HaltingRule.reads`; None (every statistic) when one
+    of them declares none."""
+    out: set[str] = set()
+    for rule in rules:
+        if rule.reads is None:
+            return None
+        out |= rule.reads
+    return frozenset(out)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from drc_core.analysis.intervals import bootstrap_ci, cluster_codes, cluster_dra
 from drc_core.analysis.loops import iterate_stats
 from drc_core.errors import DrcError, need_int, need_level
 from drc_core.halting.reference import AdaptiveResult, first_within, masked_forward, offline_exits
-from drc_core.halting.rules import RULE_FAMILIES, HaltingRule
+from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, statistics_read
 from drc_core.model.checks import check_token_ids
 from drc_core.model.lm import RecurrentModel, logits_at
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
@@ -292,9 +292,11 @@ def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: tor
     (:func:`drc_core.halting.reference.offline_exits`: the decisions when halting changes no other token), and
     the per-loop argmax (loops, B, T)."""
     ces, kls, args = [], [], []
+    read = statistics_read(spec.rule for spec in rules)
+    only = None if read is None else read | {"argmax"}
 
     def stats():
-        for st in iterate_stats(model, x, loops, state=s0):
+        for st in iterate_stats(model, x, loops, state=s0, only=only):
             ce, kl = _token_quality(st.log_probs, y, ref)
             ces.append(ce)
             kls.append(kl)
