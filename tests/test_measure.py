@@ -135,6 +135,26 @@ def test_positions_give_the_full_frames_rows_of_those_tokens(model, windows, fra
         measure_windows(model, windows, L, positions=mask[:, :-1])
 
 
+def test_one_pass_and_two_passes_give_the_same_frame(model, windows, frame, monkeypatch):
+    """Log-probs of every loop kept (small batches, e.g. a task's answers) or a first pass to the deepest output
+    (the default above a size): the same frame, and only the second makes the extra pass."""
+    from drc_core.analysis import measure as m
+
+    calls = []
+    real = m.logits_at
+    monkeypatch.setattr(m, "logits_at", lambda *a, **k: calls.append(1) or real(*a, **k))
+    docs = torch.tensor([0, 0, 1, 2, 2])
+    mask = torch.rand(N, T, generator=torch.Generator().manual_seed(5)) < 0.3
+    one = [measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=pos) for pos in (None, mask)]
+    assert not calls  # these batches fit ONE_PASS_BYTES
+    monkeypatch.setattr(m, "ONE_PASS_BYTES", 0)
+    two = [measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=pos) for pos in (None, mask)]
+    assert len(calls) == 2 * 3  # a first pass per batch of 2 of the 5 windows, twice
+    for a, b in zip(one, two, strict=True):
+        pd.testing.assert_frame_equal(a, b)
+    pd.testing.assert_frame_equal(one[0], frame)
+
+
 def test_per_loop_summary_cis(frame):
     s = per_loop_summary(frame, n_boot=200, seed=3)
     for m in ("kl", "state_delta", "ce", "kl_final", "entropy"):

@@ -17,12 +17,15 @@ Measurement (:func:`measure_windows`). For each batch of windows the main pass i
 ``max_loops`` loops (prelude once, core L times, coda + head + log-softmax at every loop). Per batch it keeps
 the (B, T) statistics of every loop (O(L*T) floats per window) and at most two loops' (B, T, V) log-probs
 (the current and the previous loop); the L x T x V log-probs are never stored. ``kl_to_final=True`` needs
-p_L before loop 1's statistics can be compared with it, so it adds a first, cheaper pass per batch (prelude +
-L core loops + one readout, i.e. about one depth-L ``forward``) and keeps p_L during the main pass: the
-core-loop compute doubles (the main pass, which reads out every loop, grows less: +7% wall time on one CPU
-thread for d=256, V=8192, T=128, L=32), and three (B, T, V) tensors are held (previous, current, deepest). Both passes
-start from the same initial state s_0 (the generator's state is replayed), so the deepest output is exactly
-loop L's output of the main pass. With ``kl_to_final=False`` the column is NaN and the cost is one pass.
+p_L before loop 1's statistics can be compared with it. Where a batch's L loops of log-probs at the measured
+positions fit in :data:`ONE_PASS_BYTES` (a few positions per window, e.g. a task's answers: ``positions``), they
+are kept and compared with the last loop's after the one pass. Otherwise (every position of a batch of windows)
+a first, cheaper pass per batch (prelude + L core loops + one readout, i.e. about one depth-L ``forward``) gives
+p_L, kept during the main pass: the core-loop compute doubles (the main pass, which reads out every loop, grows
+less: +7% wall time on one CPU thread for d=256, V=8192, T=128, L=32), and three (B, T, V) tensors are held
+(previous, current, deepest). Both passes start from the same initial state s_0 (the generator's state is
+replayed), so the deepest output is exactly loop L's output of the main pass, and both ways give the same numbers.
+With ``kl_to_final=False`` the column is NaN and the cost is one pass.
 
 Summaries (:func:`per_loop_summary`, :func:`convergence_depth`, :func:`depth_summary`,
 :func:`eps_sensitivity`) carry percentile bootstrap CIs from one helper,
@@ -53,6 +56,7 @@ from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
 __all__ = [
     "DEFAULT_EPS",
+    "ONE_PASS_BYTES",
     "DYNAMICS_COLUMNS",
     "FRAME_COLUMNS",
     "convergence_depth",
@@ -67,6 +71,8 @@ __all__ = [
     "save_frame",
     "val_windows_with_docs",
 ]
+
+ONE_PASS_BYTES = 512 * 2**20  # a batch's log-probs over every loop kept (one pass) up to this size, else two passes
 
 DEFAULT_EPS = 1e-3  # the default convergence threshold on KL(p_l || p_{l-1}); see eps_sensitivity
 FRAME_COLUMNS = (
@@ -165,7 +171,9 @@ def measure_windows(
         if where is not None:
             y = y[where][None]  # (1, n): the statistics come shaped so
         final = p_final = None
-        if kl_to_final:
+        one_pass = kl_to_final and y.numel() * vocab * max_loops * 4 <= ONE_PASS_BYTES
+        kept: list[torch.Tensor] = []  # one pass: every loop's log-probs, compared with the last one's at the end
+        if kl_to_final and not one_pass:
             replay = gen.get_state()
             logits = logits_at(model, x, max_loops, generator=gen, positions=where)
             final = torch.log_softmax(logits.float() if where is None else logits.float()[None], dim=-1)
@@ -188,8 +196,15 @@ def measure_windows(
             per_loop["entropy"].append(st.entropy)
             per_loop["argmax"].append(st.argmax)
             per_loop["ce"].append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
-            per_loop["kl_final"].append(nan if final is None else kl_successive(final, st.log_probs, p_final))
-        del final, p_final, st  # free this batch's (B, T, V) tensors before the next one
+            if one_pass:
+                kept.append(st.log_probs)
+            else:
+                per_loop["kl_final"].append(nan if final is None else kl_successive(final, st.log_probs, p_final))
+        if one_pass:
+            final = kept[-1]
+            p_final = final.exp()
+            per_loop["kl_final"] = [kl_successive(final, lp, p_final) for lp in kept]
+        del final, p_final, st, kept  # free this batch's (B, T, V) tensors before the next one
         for k in stat_names:  # (L, B, T) -> (B, T, L) -> flat in (window, pos, loop) order
             floats[k].append(torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1).float().cpu().numpy())
         argmaxes.append(torch.stack(per_loop["argmax"]).permute(1, 2, 0).reshape(-1).cpu().numpy())
