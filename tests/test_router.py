@@ -4,6 +4,7 @@ import torch
 
 from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import convergence_depth, measure_windows
+from drc_core.errors import DrcError
 from drc_core.halting.reference import masked_forward, offline_exits
 from drc_core.halting.router import (
     FeatureSpec,
@@ -12,6 +13,7 @@ from drc_core.halting.router import (
     RouterData,
     RouterRule,
     harvest,
+    harvest_specs,
     load_router,
     router_metrics,
     save_router,
@@ -109,6 +111,25 @@ def test_harvest_subsampling_and_features(model, windows):
     assert torch.equal(full.labels[rows], sub.labels)
     torch.testing.assert_close(full.features[rows], sub.features[:, :32])
     assert len(sub.take_windows([0, 3])) == 2 * 5 * 3
+
+
+def test_several_feature_sets_from_one_pass_equal_one_harvest_each(model, windows, monkeypatch):
+    from drc_core.halting import router_data
+
+    specs = [FeatureSpec(max_loops=L), FeatureSpec(loop="onehot", readout_stats=True, max_loops=L)]
+    alone = [harvest(model, windows, L, EPS, batch_size=8, positions=5, loop_feature=sp.loop,
+                     readout_stats=sp.readout_stats) for sp in specs]
+    passes = []
+    real = router_data.iterate_stats
+    monkeypatch.setattr(router_data, "iterate_stats", lambda *a, **k: passes.append(1) or real(*a, **k))
+    together = harvest_specs(model, windows, specs, L, EPS, batch_size=8, positions=5)
+    assert len(passes) == N // 8  # one pass per batch of 8 windows, for both feature sets
+    for a, b in zip(alone, together, strict=True):
+        assert a.spec == b.spec
+        for name in ("features", "labels", "loop", "window", "pos", "depth"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(DrcError, match="specs must be one or more FeatureSpec with max_loops"):
+        harvest_specs(model, windows, [FeatureSpec(max_loops=L + 1)], L, EPS)
 
 
 def test_split_windows():

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from drc_core.analysis.loops import LoopStats
 from drc_core.analysis.measure import DEFAULT_EPS
 from drc_core.errors import DrcError, need_float, need_int
-from drc_core.halting.router_data import FeatureSpec, RouterData, harvest, router_features, split_windows
+from drc_core.halting.router_data import FeatureSpec, RouterData, harvest, harvest_specs, router_features, split_windows
 from drc_core.halting.rules import HaltingRule
 from drc_core.halting.sweep import RuleSpec
 from drc_core.model.lm import RecurrentModel
@@ -61,6 +61,7 @@ __all__ = [
     "RouterRule",
     "TrainLog",
     "harvest",
+    "harvest_specs",
     "load_router",
     "router_features",
     "router_metrics",
@@ -442,11 +443,11 @@ def trained_router_specs(model: RecurrentModel, windows: Tensor, max_loops: int,
     ``tau``, every rule with ``max_loops``) and each router's training metrics (:func:`router_metrics`, plus
     ``rows`` and ``positive_rate``)."""
     specs, metrics = [], {}
-    for kind, make, kw in [
-        ("linear", lambda d: LinearRouter(d), {}),
-        ("mlp", lambda d: MLPRouter(d, hidden=64), {"loop_feature": "onehot", "readout_stats": True}),
-    ]:
-        data = harvest(model, windows, max_loops, eps, positions=positions, **kw)
+    kinds = [("linear", lambda d: LinearRouter(d), FeatureSpec(max_loops=max_loops)),
+             ("mlp", lambda d: MLPRouter(d, hidden=64), FeatureSpec(loop="onehot", readout_stats=True,
+                                                                    max_loops=max_loops))]
+    harvested = harvest_specs(model, windows, [spec for _, _, spec in kinds], max_loops, eps, positions=positions)
+    for (kind, make, _), data in zip(kinds, harvested, strict=True):
         router = make(data.n_features)
         train_router(router, data, seed=seed)
         metrics[kind] = {"rows": len(data), "positive_rate": data.positive_rate, **router_metrics(router, data)}

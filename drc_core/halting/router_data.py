@@ -21,7 +21,7 @@ from drc_core.model.checks import check_token_ids
 from drc_core.model.lm import RecurrentModel
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
 
-__all__ = ["FeatureSpec", "RouterData", "harvest", "router_features", "split_windows"]
+__all__ = ["FeatureSpec", "RouterData", "harvest", "harvest_specs", "router_features", "split_windows"]
 
 _LOOP_FEATURES = ("none", "scalar", "onehot")
 _READOUT_STATS = frozenset({"entropy", "top_prob", "kl", "state_delta", "cosine"})  # router_features' order below
@@ -165,7 +165,6 @@ class RouterData:
         return self.subset(torch.isin(self.window, wanted))
 
 
-@torch.no_grad()
 def harvest(
     model: RecurrentModel,
     windows: Tensor,
@@ -190,13 +189,40 @@ def harvest(
     many positions per window, drawn without replacement from a generator seeded with
     ``(subsample_seed, window)`` (independent of ``batch_size``; None keeps all). The number of rows is
     N * positions * len(loops); only those rows' features are stored. Runs in eval mode under no_grad.
+    Several feature sets from the same pass: :func:`harvest_specs`.
     """
+    spec = FeatureSpec(state=state_feature, loop=loop_feature, readout_stats=readout_stats,
+                       max_loops=need_int("max_loops", max_loops, 2, "harvest"))
+    (data,) = harvest_specs(model, windows, [spec], max_loops, eps, seed=seed, batch_size=batch_size, loops=loops,
+                            positions=positions, subsample_seed=subsample_seed)
+    return data
+
+
+@torch.no_grad()
+def harvest_specs(
+    model: RecurrentModel,
+    windows: Tensor,
+    specs: Sequence[FeatureSpec],
+    max_loops: int = 32,
+    eps: float = DEFAULT_EPS,
+    *,
+    seed: int = EVAL_STATE_SEED,
+    batch_size: int = 16,
+    loops: Sequence[int] | None = None,
+    positions: int | None = None,
+    subsample_seed: int = 0,
+) -> list[RouterData]:
+    """:func:`harvest` of several feature sets (each :class:`FeatureSpec`'s ``max_loops`` = ``max_loops``) in one
+    pass: the same rows, labels and initial states as one :func:`harvest` call each, one :class:`RouterData` per
+    spec in order."""
     owner = "harvest"
     windows = check_token_ids(model, windows)
     max_loops = need_int("max_loops", max_loops, 2, owner)
     eps = need_float("eps", eps, 0.0, lo_open=True, owner=owner)
     batch_size = need_int("batch_size", batch_size, 1, owner)
-    spec = FeatureSpec(state=state_feature, loop=loop_feature, readout_stats=readout_stats, max_loops=max_loops)
+    specs = list(specs)
+    if not specs or any(not isinstance(sp, FeatureSpec) or sp.max_loops != max_loops for sp in specs):
+        raise DrcError(f"{owner}: specs must be one or more FeatureSpec with max_loops={max_loops}; got {specs!r}")
     n, t_len = windows.shape[0], windows.shape[1] - 1
     if loops is None:
         keep = list(range(1, max_loops))
@@ -213,32 +239,40 @@ def harvest(
     ]).long()  # (N, P)
     n_pos = pos_idx.shape[1]
     keep_set = set(keep)
+    reads = frozenset({"kl"}).union(*(sp.reads for sp in specs))
 
-    feats, depths = [], []
+    feats: list[list[Tensor]] = [[] for _ in specs]
+    depths = []
     for batch in eval_batches(model, windows, batch_size, seed):
         sel = pos_idx[batch.start : batch.start + batch_size].to(batch.x.device)  # (B, P)
-        kls, kept = [], []
-        for st in iterate_stats(model, batch.x, max_loops, generator=batch.generator, only=spec.reads | {"kl"}):
+        kls: list[Tensor] = []
+        kept: list[list[Tensor]] = [[] for _ in specs]
+        for st in iterate_stats(model, batch.x, max_loops, generator=batch.generator, only=reads):
             if st.loop >= 2:
                 kls.append(st.kl)
             if st.loop in keep_set:
-                f = router_features(st, spec)  # (B, T, F)
-                kept.append(f.gather(1, sel[..., None].expand(-1, -1, f.shape[-1])).cpu())
+                for sp, k in zip(specs, kept, strict=True):
+                    f = router_features(st, sp)  # (B, T, F)
+                    k.append(f.gather(1, sel[..., None].expand(-1, -1, f.shape[-1])).cpu())
         del st
         depth = depth_from_successive_kl(torch.stack(kls, dim=-1).cpu().numpy(), eps)  # (B, T)
         depths.append(torch.from_numpy(depth).gather(1, sel.cpu()))  # (B, P)
-        feats.append(torch.stack(kept, dim=2))  # (B, P, K, F)
+        for out, k in zip(feats, kept, strict=True):
+            out.append(torch.stack(k, dim=2))  # (B, P, K, F)
 
-    features = torch.cat(feats).reshape(-1, feats[0].shape[-1]).float().contiguous()
     n_keep = len(keep)
     window = torch.arange(n).view(n, 1, 1).expand(n, n_pos, n_keep).reshape(-1)
     pos = pos_idx.view(n, n_pos, 1).expand(n, n_pos, n_keep).reshape(-1)
     loop = torch.tensor(keep).view(1, 1, n_keep).expand(n, n_pos, n_keep).reshape(-1)
     depth = torch.cat(depths).view(n, n_pos, 1).expand(n, n_pos, n_keep).reshape(-1).long()
-    return RouterData(
-        features=features, labels=loop >= depth, loop=loop.clone(), window=window.clone(), pos=pos.clone(),
-        depth=depth.clone(), eps=eps, max_loops=max_loops, spec=spec,
-    )
+    return [
+        RouterData(
+            features=torch.cat(f).reshape(-1, f[0].shape[-1]).float().contiguous(), labels=loop >= depth,
+            loop=loop.clone(), window=window.clone(), pos=pos.clone(), depth=depth.clone(), eps=eps,
+            max_loops=max_loops, spec=sp,
+        )
+        for sp, f in zip(specs, feats, strict=True)
+    ]
 
 
 def split_windows(n_windows: int, train_fraction: float = 0.5, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
