@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from drc_core.book.paths import ROOT_ENV, RUN_ENV
-from drc_core.book.runner import build_book, find_browser, load_profiles, main, run_book, toc_for
+from drc_core.book.runner import build_book, find_browser, load_profiles, main, run_book, slowest_cells, toc_for
 from drc_core.book.runner import declared_parameters as declare
 from drc_core.errors import DrcError
 
@@ -61,9 +61,10 @@ def outputs(nb_path: Path) -> str:
     return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
 
 
-def test_run_injects_only_declared_parameters(fixture_book: Path) -> None:
+def test_run_injects_only_declared_parameters(fixture_book: Path, capsys: pytest.CaptureFixture) -> None:
     spec = load_profiles("book/profiles.toml")
     timings = run_book(spec, "p", "papermill_runs", only=["01_pass"], progress=False)
+    assert "01_pass: done in" in (said := capsys.readouterr().out) and "slowest cells: #" in said
     assert set(timings) == {"01_pass"} and timings["01_pass"] > 0
     # the runner tells the kernel that it runs the profile (drc_core.book.paths.RUN_ENV): results may go to the
     # committed results_dir only then
@@ -74,6 +75,14 @@ def test_run_injects_only_declared_parameters(fixture_book: Path) -> None:
         "tags", [])]
     assert len(injected) == 1 and "not_declared_anywhere" not in injected[0].source
     assert json.loads(Path("papermill_runs/p/timings.json").read_text())["01_pass"] == timings["01_pass"]
+
+
+def test_slowest_cells_reads_papermills_durations() -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# title"),
+                                         *(nbformat.v4.new_code_cell(f"x = {i}\ny = 2") for i in range(4))])
+    for cell, sec in zip(nb.cells[1:], (0.5, 30.0, None, 2.0), strict=True):
+        cell.metadata["papermill"] = {"duration": sec}
+    assert slowest_cells(nb, top=2) == [(2, 30.0, "x = 1"), (4, 2.0, "x = 3")]
 
 
 def test_executed_notebook_shows_the_parameters_once(fixture_book: Path) -> None:

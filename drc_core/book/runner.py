@@ -48,7 +48,7 @@ from drc_core.errors import DrcError, Interrupted
 from drc_core.guard import exclusive
 
 __all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
-           "load_profiles", "present", "render_png", "reproduction_markdown", "run_book", "toc_for"]
+           "load_profiles", "present", "render_png", "reproduction_markdown", "run_book", "slowest_cells", "toc_for"]
 
 DEFAULT_PROFILES = Path("book") / "profiles.toml"
 DEFAULT_OUT = Path("papermill_runs")
@@ -344,7 +344,8 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             (failed_dir / f"{name}.ipynb").unlink(missing_ok=True)
             timings[name] = round(seconds, 1)
             timings_path.write_text(json.dumps(timings, indent=2) + "\n")
-            print(f"[{profile}] {name}: done in {seconds:.1f} s -> {dest / (name + '.ipynb')}", flush=True)
+            print(f"[{profile}] {name}: done in {seconds:.1f} s -> {dest / (name + '.ipynb')}; slowest cells: "
+                  + "; ".join(f"#{i} {sec:.0f} s ({line})" for i, sec, line in slowest_cells(executed)), flush=True)
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
@@ -364,6 +365,14 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
         if failed_dir.is_dir() and not any(failed_dir.iterdir()):
             failed_dir.rmdir()
     return {n: timings[n] for n in names}
+
+
+def slowest_cells(nb: Any, top: int = 3) -> list[tuple[int, float, str]]:
+    """The ``top`` code cells of an executed notebook that took longest (papermill's per-cell ``duration``):
+    ``(index among the notebook's cells, seconds, first source line)``, slowest first."""
+    cells = [(i, float(c.metadata.get("papermill", {}).get("duration") or 0.0), c.source.strip().split("\n")[0][:60])
+             for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    return sorted(cells, key=lambda c: -c[1])[:top]
 
 
 def toc_for(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root_dir: str | Path = ".") -> str:
