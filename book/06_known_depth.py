@@ -25,7 +25,12 @@
 #   swaps on Ann's backward path plus the starting statement;
 # - **hops**: p-hop induction over letters ("Jump 3 times from the last letter: *d*").
 #
-# The label `k` of each answer comes from a solver that parses the text, never from the generator. Every
+# The label `k` of each answer comes from a solver that parses the text, never from the generator: the fewest
+# lookups that reach the answer from what is said before its question. An answered question says where its
+# object is, so with `task_ask_every` a question asked after one about an object further down the same chain
+# (`? box barn .` before `? cup barn .` in `cup box . box bag . bag barn .`) is one lookup short of its chain's
+# length, and its `k` says so (`task_ask_order = "deepest-first"` asks each chain from its first object, leaving
+# no such shortcut). Every
 # per-token claim of the book is tested against it: does accuracy need loops that grow with `k`, does the
 # convergence depth follow `k`, and do the halting rules give depth to the answers that need it?
 #
@@ -51,6 +56,7 @@ task_min_k = 3
 task_max_k = 3
 task_families: list[str] = ["links"]  # of containers, swaps, hops, links
 task_ask_every = True  # ask about every object of a chain, not only its first
+task_ask_order = "shuffled"  # or "deepest-first": each chain's objects asked from its first (no shortcut)
 task_repeat_share = 0.1
 task_tokenizer = "data/depth-tasks"  # reuse this model's tokenizer; empty: train one on the corpus
 preset = "cpu"
@@ -127,6 +133,7 @@ tasks = DepthTaskConfig(
     families=tuple(task_families),
     repeat_share=task_repeat_share,
     ask_every=task_ask_every,
+    ask_order=task_ask_order,
     seed=seed,
 )
 corpus = ensure_corpus(
@@ -420,6 +427,7 @@ extra = DepthTaskConfig(
     max_k=2 * task_max_k,
     families=tuple(task_families),
     ask_every=task_ask_every,
+    ask_order=task_ask_order,
     seed=seed + 1000,
     repeat_share=0.0,
 )

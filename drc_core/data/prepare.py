@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from drc_core.data.depth_tasks import SOURCE_NAME as TASK_SOURCE
 from drc_core.data.depth_tasks import solve, token_labels
-from drc_core.data.labels import LABELS_FILE, write_labels
+from drc_core.data.labels import LABELS_FILE, LABELS_VERSION, labels_version, write_labels
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec, fingerprint, load_documents
 from drc_core.data.tokenizer import EOT, check_vocab_size, load_tokenizer, tokenizer_hash, train_bpe
@@ -189,7 +189,8 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise DrcError(f"'{out}' holds a damaged prepared corpus (meta.json: {exc}): rebuild it with --force, or "
                            "choose another --out") from None
-        if meta.get("fingerprint") == fp and all((out / f).exists() for f in files):
+        if meta.get("fingerprint") == fp and all((out / f).exists() for f in files) and (
+                LABELS_FILE not in files or labels_version(out / LABELS_FILE) == LABELS_VERSION):
             Corpus.open(out)  # up to date only if intact: sizes, the tokenizer's hash, the token ids
             return PrepareResult(out, meta, cached=True, seconds=time.perf_counter() - t0)
     foreign = foreign_files(out)
