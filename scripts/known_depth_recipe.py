@@ -98,6 +98,12 @@ PLANS = {
     # the copying stage run longer in one go (its optimizer kept) until copying is reliable at loop 8, then the
     # lookups, three hops for what is left of the budget
     "long-copy": [replace(COPY, name="copy-long", cap=5500, target=0.97), K1, K2, replace(K3, cap=5000)],
+    # the long-copy plan's stages, then three hops on chains whose objects are asked deepest first: shuffled, a
+    # question after one about the object below it in its chain is answered in two lookups (half of the k = 3
+    # questions), so only a sixth of the answers needed three; deepest first, a third do
+    "deep-k3": [replace(COPY, name="copy-long", cap=5500, target=0.97), K1, K2,
+                replace(K3, corpus="links33d", prepare=[*links(3, 40000, 0.1), "--task-ask-order", "deepest-first"],
+                        cap=5000)],
     # one-hop lookups from random weights, without the copying stage
     "links-first": [replace(K1, lr=2e-3, cap=2500, first_probe=500), replace(K2, cap=3000, target=0.92),
                     replace(K3, cap=4000)],
