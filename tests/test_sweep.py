@@ -231,34 +231,6 @@ def test_one_offline_pass_gives_the_sweep_and_the_token_exits(model, windows):
         op.frame(uniform_loops=[9])
 
 
-def test_the_reference_from_the_same_pass_or_its_own_gives_the_same_numbers(model, windows, monkeypatch):
-    """Where a batch's loops up to the reference fit ONE_PASS_BYTES the reference is the trajectory's own loop
-    (no second pass); above it, a pass of its own: the same offline pass and the same online sweep bit for bit."""
-    from drc_core.halting import sweep as sw
-
-    calls = []
-    real = sw.logits_at
-    monkeypatch.setattr(sw, "logits_at", lambda *a, **k: calls.append(1) or real(*a, **k))
-    rules = [RuleSpec("kl", t, KLThreshold(t, max_loops=6)) for t in (1e-1, 1e-3)]
-
-    def both():
-        op = offline_pass(model, windows, rules, reference_loops=4, batch_size=4)
-        return op, sweep(model, windows, rules, reference_loops=4, batch_size=4, oracle_eps=(1e-3,), mode="online")
-
-    one_op, one_on = both()
-    assert not calls
-    monkeypatch.setattr(sw, "ONE_PASS_BYTES", 0)
-    two_op, two_on = both()
-    n_batches = (len(windows) + 3) // 4
-    assert len(calls) == 2 * n_batches
-    for name in ("ce", "kl_ref", "argmax"):
-        torch.testing.assert_close(getattr(one_op, name), getattr(two_op, name), rtol=0, atol=0)
-    assert one_op.exits.keys() == two_op.exits.keys()
-    for name in one_op.exits:
-        torch.testing.assert_close(one_op.exits[name], two_op.exits[name], rtol=0, atol=0)
-    pd.testing.assert_frame_equal(one_on, two_on)
-
-
 def test_offline_equals_online_for_one_token_windows(model):
     g = torch.Generator().manual_seed(5)
     w = torch.randint(0, V, (8, 2), generator=g)  # T = 1: no earlier token whose freezing could matter

@@ -36,7 +36,6 @@ from tqdm.auto import tqdm
 
 from drc_core.analysis.intervals import bootstrap_ci, cluster_codes, cluster_draws, percentile_interval
 from drc_core.analysis.loops import iterate_stats
-from drc_core.analysis.measure import ONE_PASS_BYTES
 from drc_core.errors import DrcError, need_int, need_level
 from drc_core.halting.reference import AdaptiveResult, first_within, masked_forward, offline_exits
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, statistics_read
@@ -178,8 +177,8 @@ def sweep(
     for batch in eval_batches(model, windows, batch_size, seed):
         b0, x, y = batch.start, batch.x, batch.y
         s0 = batch.initial_state(model)
-        ce_l, kl_l, _, _, ref = _trajectory(model, x, y, s0, _reference(model, x, s0, reference_loops),
-                                            reference_loops, max(uniform[-1], deepest), [])
+        ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
+        ce_l, kl_l, _, _ = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), [])
         rows += _uniform_and_oracle(ce_l, kl_l, y, b0, uniform, reference_loops, oracle_eps)
         bar.update()
         for spec in rules:
@@ -264,8 +263,8 @@ def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[R
     for batch in tqdm(eval_batches(model, windows, batch_size, seed), total=n_batches, desc="offline pass",
                       disable=not progress):
         s0 = batch.initial_state(model)
-        ref = _reference(model, batch.x, s0, reference_loops)
-        ce_l, kl_l, ex, arg, _ = _trajectory(model, batch.x, batch.y, s0, ref, reference_loops, loops, rules)
+        ref = F.log_softmax(logits_at(model, batch.x, reference_loops, state=s0).float(), dim=-1)
+        ce_l, kl_l, ex, arg = _trajectory(model, batch.x, batch.y, s0, ref, loops, rules)
         ces.append(ce_l)
         kls.append(kl_l)
         args.append(arg)
@@ -285,50 +284,30 @@ def token_exits(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[Ru
                         seed=seed).token_exits(oracle_eps)
 
 
-def _reference(model: RecurrentModel, x: torch.Tensor, s0: torch.Tensor, reference_loops: int) -> torch.Tensor | None:
-    """The reference log-probs of a batch from a pass of their own, or None where the trajectory's loops up to
-    ``reference_loops`` fit :data:`~drc_core.analysis.measure.ONE_PASS_BYTES` (one pass: :func:`_trajectory`
-    takes its own loop ``reference_loops``, the same numbers)."""
-    if x.numel() * model.cfg.vocab_size * 4 * reference_loops <= ONE_PASS_BYTES:
-        return None
-    return F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
-
-
-def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor | None,
-                reference_loops: int, loops: int, rules: Sequence[RuleSpec]
-                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor,
+                loops: int, rules: Sequence[RuleSpec]
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """One uniform ``iterate`` pass of ``loops`` loops: per-loop CE and KL(p_ref || p_l), each (loops, B, T),
     for ``rules`` (offline mode) each rule's exit loops replayed on this trajectory
     (:func:`drc_core.halting.reference.offline_exits`: the decisions when halting changes no other token), and
-    the per-loop argmax (loops, B, T), and the reference log-probs. ``ref``: the reference log-probs, or None
-    to take this pass's loop ``reference_loops`` (the loops before it keep their log-probs until then)."""
+    the per-loop argmax (loops, B, T)."""
     ces, kls, args = [], [], []
-    waiting: list[torch.Tensor] = []  # with ref None: the log-probs of the loops before the reference
     read = statistics_read(spec.rule for spec in rules)
     only = None if read is None else read | {"argmax"}
 
     def stats():
-        nonlocal ref
         for st in iterate_stats(model, x, loops, state=s0, only=only):
+            ce, kl = _token_quality(st.log_probs, y, ref)
+            ces.append(ce)
+            kls.append(kl)
             args.append(st.argmax)
-            if ref is None and st.loop < reference_loops:
-                ces.append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
-                waiting.append(st.log_probs)
-            else:
-                if ref is None:
-                    ref = st.log_probs
-                    kls.extend(kl_successive(ref, lp) for lp in waiting)
-                    waiting.clear()
-                ce, kl = _token_quality(st.log_probs, y, ref)
-                ces.append(ce)
-                kls.append(kl)
             yield st
 
     it = stats()
     exits = offline_exits(it, [spec.rule for spec in rules]) if rules else []
     for _ in it:  # the uniform depths need every loop, even after every rule has halted
         pass
-    return torch.stack(ces), torch.stack(kls), exits, torch.stack(args), ref
+    return torch.stack(ces), torch.stack(kls), exits, torch.stack(args)
 
 
 def _uniform_and_oracle(ce_l: torch.Tensor, kl_l: torch.Tensor, y: torch.Tensor, b0: int, uniform: list[int],
