@@ -27,10 +27,10 @@
 #
 # The label `k` of each answer comes from a solver that parses the text, never from the generator: the fewest
 # lookups that reach the answer from what is said before its question. An answered question says where its
-# object is, so with `task_ask_every` a question asked after one about an object further down the same chain
-# (`? box barn .` before `? cup barn .` in `cup box . box bag . bag barn .`) is one lookup short of its chain's
-# length, and its `k` says so (`task_ask_order = "deepest-first"` asks each chain from its first object, leaving
-# no such shortcut). Every
+# object is, so a question asked after one about an object further down the same chain (`? box barn .` before
+# `? cup barn .` in `cup box . box bag . bag barn .`) is one lookup short of its chain's length, and its `k` says
+# so; `task_ask_order = "deepest-first"` (the shipped model's corpus) asks each chain from its first object, so no
+# answer shortens a later question and every chain of length 3 is asked at `k` = 3, 2 and 1. Every
 # per-token claim of the book is tested against it: does accuracy need loops that grow with `k`, does the
 # convergence depth follow `k`, and do the halting rules give depth to the answers that need it?
 #
@@ -56,7 +56,7 @@ task_min_k = 3
 task_max_k = 3
 task_families: list[str] = ["links"]  # of containers, swaps, hops, links
 task_ask_every = True  # ask about every object of a chain, not only its first
-task_ask_order = "shuffled"  # or "deepest-first": each chain's objects asked from its first (no shortcut)
+task_ask_order = "deepest-first"  # each chain asked from its first object (no shortcut); or "shuffled"
 task_repeat_share = 0.1
 task_tokenizer = "data/depth-tasks"  # reuse this model's tokenizer; empty: train one on the corpus
 preset = "cpu"

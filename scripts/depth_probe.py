@@ -2,11 +2,13 @@
 
     .venv/bin/python scripts/depth_probe.py runs/links data/corpus/links            # newest checkpoint (or final/)
     .venv/bin/python scripts/depth_probe.py runs/links data/corpus/links --docs 300 --loops 1,2,4,8,16 --copy
+    .venv/bin/python scripts/depth_probe.py data/known-depth data/corpus/links33d --on data/corpus/links33
 
 Reads the corpus's validation task documents (``--docs`` of them, drawn with ``--seed``), runs the model once to
 the deepest loop asked and prints the share of answers whose argmax is right at each loop (``accuracy_by_k``),
 with the number of answers per k and a 95% interval over documents at the deepest loop asked; ``--copy`` adds
-in-context copying (the ``repeats`` paragraphs), the step every lookup builds on.
+in-context copying (the ``repeats`` paragraphs), the step every lookup builds on; ``--on`` reads the task
+documents of another corpus prepared with the same tokenizer (e.g. the same problems asked in another order).
 Uses one thread unless ``--threads`` says otherwise, so that it can run beside a training run.
 """
 
@@ -49,12 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--boot", type=int, default=200, help="bootstrap resamples (documents) of the intervals")
     ap.add_argument("--copy", action="store_true", help="also measure in-context copying")
+    ap.add_argument("--on", type=Path, default=None,
+                    help="measure on this corpus's task documents instead (prepared with the same tokenizer)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loops = [int(x) for x in args.loops.split(",")]
     path = newest(args.run) if (args.run / "checkpoints").is_dir() or (args.run / "final").is_dir() else args.run
     m = load(path, corpus=args.corpus)
-    tw = corpus_task_windows(Corpus.open(args.corpus), m.model.max_seq_len, n_docs=args.docs, split="val",
+    on = Corpus.open(args.corpus)
+    if args.on is not None:
+        on = Corpus.open(args.on)
+        if on.tokenizer_hash != Corpus.open(args.corpus).tokenizer_hash:
+            raise DrcError(f"corpus '{args.on}' has another tokenizer than '{args.corpus}': prepare it with "
+                           f"--tokenizer {args.corpus}")
+    tw = corpus_task_windows(on, m.model.max_seq_len, n_docs=args.docs, split="val",
                              seed=args.seed)
     traj = answer_trajectories(m.model, tw, max(loops))
     acc = accuracy_by_k(traj[traj.loop.isin(loops)], by=("family", "k"), n_boot=args.boot)
@@ -62,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     table["answers"] = acc.groupby(["family", "k"])["n"].first()
     table["last 95% CI"] = [f"[{lo:.3f}, {hi:.3f}]" for lo, hi in
                             acc[acc.loop == loops[-1]][["acc_lo", "acc_hi"]].itertuples(index=False)]
-    print(f"{path}: answer accuracy by loop ({len(tw.windows)} documents)")
+    print(f"{path}: answer accuracy by loop ({len(tw.windows)} documents of {args.on or args.corpus})")
     print(table.round(3).to_string())
     if args.copy:
         print(copy_accuracy(m.model, m.tokenizer, loops, docs=24).round(3).to_string(index=False))
