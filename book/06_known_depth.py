@@ -34,12 +34,13 @@
 # per-token claim of the book is tested against it: does accuracy need loops that grow with `k`, does the
 # convergence depth follow `k`, and do the halting rules give depth to the answers that need it?
 #
-# The shipped model (`task_checkpoint`) was trained in stages, each starting from the previous one's weights
-# (`task_init`; the recipe and the probes behind it are in `docs/training.md` and the model's README): from
-# random weights on natural text and all four families nothing but in-context copying was learned at our
-# budget, so the lookups are taught on top of that copying. With `retrain` the notebook trains one stage here,
-# from `task_init` with `train_overrides`: a shorter recipe than the shipped model's (whose intermediate stages
-# are not shipped), so what it learns is measured here, not assumed.
+# The shipped model (`task_checkpoint`) was trained in two hours, in stages, each starting from the previous
+# one's weights (`scripts/known_depth_recipe.py --plan deep-k3`; the probes behind it are in `docs/training.md`
+# and the model's README): from random weights on natural text and all four families nothing but in-context
+# copying was learned at our budget, so the lookups are taught on top of that copying, one hop at a time. With
+# `retrain` the notebook trains one stage here, from `task_init` (a copying model) with `train_overrides`: a
+# shorter recipe than the shipped model's (whose intermediate stages are not shipped), so what it learns is
+# measured here, not assumed.
 
 # %% tags=["parameters"]
 profile = "reference"
@@ -56,7 +57,7 @@ task_min_k = 3
 task_max_k = 3
 task_families: list[str] = ["links"]  # of containers, swaps, hops, links
 task_ask_every = True  # ask about every object of a chain, not only its first
-task_ask_order = "deepest-first"  # each chain asked from its first object (no shortcut); or "shuffled"
+task_ask_order = "deepest-first"  # each chain asked from its first object; or "shuffled"
 task_repeat_share = 0.1
 task_tokenizer = "data/depth-tasks"  # reuse this model's tokenizer; empty: train one on the corpus
 preset = "cpu"

@@ -182,11 +182,20 @@ def controlled_depth(res: Results) -> str | None:
     rho = known["spearman_depth"]
     lo, hi = known["k_range"]
     shipped = ROOT / known["model_source"]["path"]
-    steps = [json.loads(ln)["step"] for ln in (shipped / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    planned = json.loads((shipped / "train_config.json").read_text())["max_steps"]
-    stage = "" if max(steps) >= planned else f" (an interim checkpoint: step {max(steps):,} of {planned:,})"
-    verdict = ("the lookups are learned" if known["min_accuracy_at_R"] >= 0.9
-               else "the lookups are not learned yet: the target is 90%")
+    source = json.loads((shipped / "source.json").read_text()) if (shipped / "source.json").is_file() else {}
+    if "step" in source and "of_steps" in source:  # a staged recipe stops its last stage at a met probe
+        step, planned = int(source["step"]), int(source["of_steps"])
+    else:
+        step = max(json.loads(ln)["step"] for ln in (shipped / "metrics.jsonl").read_text().splitlines() if ln.strip())
+        planned = json.loads((shipped / "train_config.json").read_text())["max_steps"]
+    stage = "" if step >= planned else f"step {step:,} of a {planned:,}-step schedule"
+    if "train_wall_minutes" in source:
+        stage += ("; " if stage else "") + f"{source['train_wall_minutes']:.0f} minutes of training in all"
+    stage = f" ({stage})" if stage else ""
+    k_low = min(known["accuracy_at_R"], key=known["accuracy_at_R"].get)
+    at_r = next(a for a in known["accuracy"] if str(a["k"]) == k_low and a["loop"] == known["reference_loops"])
+    verdict = (f"k = {k_low}, [{at_r['acc_lo'] * 100:.1f}%, {at_r['acc_hi'] * 100:.1f}%]; the target is 90%"
+               + (": met" if known["min_accuracy_at_R"] >= 0.9 else ": missed"))
     head = (f"Controlled depth (`06_known_depth.json`): a second model{stage} trained on the same text mixed with "
             f"generated documents ({pct(known['task_share'])} of its training tokens) whose answers need k = "
             f"{lo}..{hi} lookups. Answer accuracy at {known['reference_loops']} loops, lowest over k: "
