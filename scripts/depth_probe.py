@@ -58,12 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     loops = [int(x) for x in args.loops.split(",")]
     path = newest(args.run) if (args.run / "checkpoints").is_dir() or (args.run / "final").is_dir() else args.run
     m = load(path, corpus=args.corpus)
-    on = Corpus.open(args.corpus)
-    if args.on is not None:
-        on = Corpus.open(args.on)
-        if on.tokenizer_hash != Corpus.open(args.corpus).tokenizer_hash:
-            raise DrcError(f"corpus '{args.on}' has another tokenizer than '{args.corpus}': prepare it with "
-                           f"--tokenizer {args.corpus}")
+    trained = Corpus.open(args.corpus)
+    on = trained if args.on is None else Corpus.open(args.on)
+    if on.tokenizer_hash != trained.tokenizer_hash:
+        raise DrcError(f"corpus '{args.on}' has another tokenizer than '{args.corpus}': prepare it with "
+                       f"--tokenizer {args.corpus}")
     tw = corpus_task_windows(on, m.model.max_seq_len, n_docs=args.docs, split="val",
                              seed=args.seed)
     traj = answer_trajectories(m.model, tw, max(loops))

@@ -79,6 +79,7 @@ COPY = Stage("copy", "mixed", [], 2e-3, 4000, "copy", 0.85, 3000)
 K1 = Stage("k1", "links11", links(1, 20000, 0.2), 1e-3, 1000, "1", 0.95, 250)
 K2 = Stage("k2", "links22", links(2, 40000, 0.1), 1e-3, 2000, "2", 0.85, 1500)
 K3 = Stage("k3", "links33", links(3, 40000, 0.1), 1e-3, 2750, "1,2,3", 0.90, 1500, decay=True)  # shuffled questions
+COPY_LONG = replace(COPY, name="copy-long", cap=5500, target=0.97)  # one run until copying is reliable
 PLANS = {
     # natural text + containers / swaps / hops (k 1..6) + half of the problems said twice: copying forms first
     "copy-first": [COPY, K1, K2, K3],
@@ -97,11 +98,11 @@ PLANS = {
                     replace(K3, cap=5000)],
     # the copying stage run longer in one go (its optimizer kept) until copying is reliable at loop 8, then the
     # lookups, three hops for what is left of the budget
-    "long-copy": [replace(COPY, name="copy-long", cap=5500, target=0.97), K1, K2, replace(K3, cap=5000)],
+    "long-copy": [COPY_LONG, K1, K2, replace(K3, cap=5000)],
     # the long-copy plan's stages, then three hops on chains whose objects are asked deepest first: shuffled, a
     # question after one about the object below it in its chain is answered in two lookups (half of the k = 3
     # questions), so only a sixth of the answers needed three; deepest first, a third do
-    "deep-k3": [replace(COPY, name="copy-long", cap=5500, target=0.97), K1, K2,
+    "deep-k3": [COPY_LONG, K1, K2,
                 replace(K3, corpus="links33d", prepare=[*links(3, 40000, 0.1), "--task-ask-order", "deepest-first"],
                         cap=5000)],
     # one-hop lookups from random weights, without the copying stage

@@ -55,8 +55,9 @@ def read_labels(corpus_dir: str | Path, split: str | None = None) -> pd.DataFram
     if not p.is_file():
         raise DrcError(f"corpus '{corpus_dir}' has no {LABELS_FILE}: prepare it with the depth-tasks source, e.g. "
                        f"`python -m drc_core.data prepare --source wikipedia+sotu+depth-tasks --out {corpus_dir}`")
-    if labels_version(p) != LABELS_VERSION:
-        raise DrcError(f"'{p}' holds labels of an older rule (version {labels_version(p)}, now {LABELS_VERSION}: "
+    version = labels_version(p)
+    if version != LABELS_VERSION:
+        raise DrcError(f"'{p}' holds labels of an older rule (version {version}, now {LABELS_VERSION}: "
                        "k did not count answered questions): prepare the corpus again (the same command)")
     frame = pd.read_parquet(p)
     missing = [c for c in LABEL_COLUMNS if c not in frame.columns]
