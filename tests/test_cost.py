@@ -42,6 +42,10 @@ def test_interleaved_times_every_variant_once_per_round():
     assert calls == ["a", "b", "b", "a", "a", "b"]
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3} and len(lines) == 3
     assert median([3.0, 1.0, 2.0]) == 2.0
+    counter = iter(range(100))
+    kept: list[tuple[str, int]] = []
+    interleaved({"a": lambda: next(counter), "b": lambda: next(counter)}, 2, None, "x", keep=lambda *kv: kept.append(kv))
+    assert kept == [("a", 0), ("b", 1)]  # the first round's outputs only
     assert spread([1.0, 2.0, 3.0]) == pytest.approx(1.0) and spread([5.0]) == 0.0
 
 

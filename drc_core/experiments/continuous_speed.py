@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,8 +31,8 @@ from drc_core.errors import DrcError
 from drc_core.experiments.cost import Log, honest_flops, interleaved, median, spread
 from drc_core.experiments.decode_speed import _decode_setup, _step_seconds
 from drc_core.experiments.speed import RuleSpec, SpeedConfig, _memory, _specs
-from drc_core.halting.continuous import generate_continuous
-from drc_core.halting.generate import generate, generate_fixed
+from drc_core.halting.continuous import ContinuousResult, generate_continuous
+from drc_core.halting.generate import GenerationResult, generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.model.lm import DepthRecurrentLM
 
@@ -66,42 +67,43 @@ def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
     rows = []
     with torch.inference_mode():
         model.eval()
+        t0 = prompt.shape[1]
         for b in batches:
             p, s = prompt[:b], s0[:b]
-            t0 = p.shape[1]
-            s1 = s[:, : t0 + 1]  # the initial states of a call that generates one token
             dense_flops = float(model.flops_per_token(r, t0 + n))
-            variants: dict[str, Callable[[], object]] = {
-                "dense [n]": lambda p=p, s=s: generate_fixed(model, p, n, r, state=s),
-                "dense [1]": lambda p=p, s1=s1: generate_fixed(model, p, 1, r, state=s1)}
-            for v in variants.values():
-                v()  # warm-up
-            meta = [{"batch": b, "rule": f"uniform={r}", "family": "uniform", "path": "dense decode",
-                     "avg_loops": float(r), "honest_flops": dense_flops, "key": "dense"}]
+            # one call per decoder and rule, generating `new` tokens (the initial states of a call that generates
+            # `new` tokens: the first t0 + new of s)
+            calls: dict[str, Callable[[int], object]] = {
+                "dense": lambda new, p=p, s=s: generate_fixed(model, p, new, r, state=s[:, : t0 + new])}
             for spec in specs:
                 name = str(spec.rule)
-                full = generate(model, p, n, spec.rule, state=s, fused=cfg.fused)
-                one = generate(model, p, 1, spec.rule, state=s1, fused=cfg.fused)
-                cont = generate_continuous(model, p, n, spec.rule, states=s, fused=cfg.fused, keep_logits=False)
-                cone = generate_continuous(model, p, 1, spec.rule, states=s1, fused=cfg.fused, keep_logits=False)
-                same = all(torch.equal(c.tokens, full.tokens[i]) and torch.equal(c.exit_loop, full.exit_loop[i])
-                           for i, c in enumerate(cont.completions))
+                calls[f"gen {name}"] = lambda new, p=p, s=s, rule=spec.rule: generate(
+                    model, p, new, rule, state=s[:, : t0 + new], fused=cfg.fused)
+                calls[f"cont {name}"] = lambda new, p=p, s=s, rule=spec.rule: generate_continuous(
+                    model, p, new, rule, states=s[:, : t0 + new], fused=cfg.fused, keep_logits=False)
+            for call in calls.values():  # warm-up: the prompt pass and one decode step
+                call(min(n, 2))
+            variants = {f"{key} [{tag}]": (lambda call=call, new=new: call(new))
+                        for key, call in calls.items() for tag, new in (("n", n), ("1", 1))}
+            kept: dict[str, dict[str, Any]] = {}
+            times = interleaved(variants, cfg.rounds, log, f"decoders, batch {b}", cfg.clock,
+                                keep=lambda name, out, kept=kept: kept.update({name: _summary(out)}))
+            meta = [{"batch": b, "rule": f"uniform={r}", "family": "uniform", "path": "dense decode",
+                     "avg_loops": float(r), "honest_flops": dense_flops, "key": "dense"}]
+            for spec in specs:  # the results of the first timed round
+                name = str(spec.rule)
+                full, one = kept[f"gen {name} [n]"], kept[f"gen {name} [1]"]
+                cont, cone = kept[f"cont {name} [n]"], kept[f"cont {name} [1]"]
+                same = all(torch.equal(tok, full["tokens"][i]) and torch.equal(ex, full["exit_loop"][i])
+                           for i, (tok, ex) in enumerate(zip(cont["tokens"], cont["exit_loop"], strict=True)))
                 per_token = b * (n - 1)
                 for path, res_n, res_1, key in (("generate", full, one, f"gen {name}"),
                                                 ("continuous", cont, cone, f"cont {name}")):
-                    work = honest_flops(model, res_n.work, t0 + n) - honest_flops(model, res_1.work, t0 + n)
+                    work = honest_flops(model, res_n["work"], t0 + n) - honest_flops(model, res_1["work"], t0 + n)
                     meta.append({"batch": b, "rule": name, "family": spec.family, "path": path,
-                                 "avg_loops": full.new_avg_depth, "honest_flops": work / per_token, "key": key,
-                                 **({"same_as_generate": same, "steps": cont.steps} if path == "continuous" else {})})
-                variants[f"gen {name} [n]"] = lambda p=p, s=s, rule=spec.rule: generate(
-                    model, p, n, rule, state=s, fused=cfg.fused)
-                variants[f"gen {name} [1]"] = lambda p=p, s1=s1, rule=spec.rule: generate(
-                    model, p, 1, rule, state=s1, fused=cfg.fused)
-                variants[f"cont {name} [n]"] = lambda p=p, s=s, rule=spec.rule: generate_continuous(
-                    model, p, n, rule, states=s, fused=cfg.fused, keep_logits=False)
-                variants[f"cont {name} [1]"] = lambda p=p, s1=s1, rule=spec.rule: generate_continuous(
-                    model, p, 1, rule, states=s1, fused=cfg.fused, keep_logits=False)
-            times = interleaved(variants, cfg.rounds, log, f"decoders, batch {b}", cfg.clock)
+                                 "avg_loops": full["avg_loops"], "honest_flops": work / per_token, "key": key,
+                                 **({"same_as_generate": same, "steps": cont["steps"]} if path == "continuous"
+                                    else {})})
             base = _step_seconds(times["dense [n]"], times["dense [1]"], n)
             for row in meta:
                 key = row.pop("key")
@@ -111,6 +113,17 @@ def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
                 row["realization"] = row["x_dense"] / row["flop_speedup"]
                 rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _summary(out: object) -> dict[str, Any]:
+    """What :func:`time_decoders` reads of a decoder's output: each row's tokens and exit loops, the work done, the
+    mean exit loop of the new tokens and the core steps (continuous)."""
+    if isinstance(out, ContinuousResult):
+        return {"tokens": [c.tokens for c in out.completions], "exit_loop": [c.exit_loop for c in out.completions],
+                "work": out.work, "avg_loops": out.new_avg_depth, "steps": out.steps}
+    if isinstance(out, GenerationResult):
+        return {"tokens": out.tokens, "exit_loop": out.exit_loop, "work": out.work, "avg_loops": out.new_avg_depth}
+    return {}
 
 
 def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] = ("state_delta", "cosine", "acceleration"),

@@ -122,8 +122,12 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 
 
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str,
-                clock: str = "wall") -> dict[str, list[float]]:
+                clock: str = "wall", *, keep: Callable[[str, object], None] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each variant, one call per round, the order rotating from round to round.
+
+    ``keep(name, output)``: called with what each variant returned in the first round, after its clock stopped
+    (so a caller reads its results from a timed call instead of an extra untimed one; keep what you need, as the
+    output is dropped at once).
 
     ``clock``: "wall" (``time.perf_counter``, the default) or "cpu" (``time.process_time``: this process's CPU
     seconds, all threads summed; with one torch thread on a machine shared with other jobs it is the wall-clock
@@ -137,8 +141,11 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log
         for name in order:
             gc.collect()
             t0 = tick()
-            variants[name]()
+            out = variants[name]()
             times[name].append(tick() - t0)
+            if keep is not None and rnd == 0:
+                keep(name, out)
+            del out
         if log:
             log(f"{what} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
     return times

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -24,7 +25,7 @@ from torch import Tensor
 from drc_core.errors import DrcError
 from drc_core.experiments.cost import Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
 from drc_core.experiments.speed import SpeedConfig, _memory, _on_device, _skip_path, _specs, _speed_columns
-from drc_core.halting.generate import generate, generate_fixed
+from drc_core.halting.generate import GenerationResult, generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.halting.sweep import RuleSpec
 from drc_core.model.lm import DepthRecurrentLM
@@ -92,33 +93,42 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
     n, r = cfg.new_tokens, cfg.reference_loops
     specs = [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]
     dense = f"uniform={r} dense decode"
+    calls: dict[str, Callable[[int], object]] = {
+        dense: lambda new: generate_fixed(model, prompt, new, r, state=s0[:, : t0 + new])}
+    for spec in specs:
+        calls[str(spec.rule)] = lambda new, rule=spec.rule: generate(model, prompt, new, rule,
+                                                                     state=s0[:, : t0 + new], fused=cfg.fused)
+    variants = {f"{name} [{tag}]": (lambda call=call, new=new: call(new))
+                for name, call in calls.items() for tag, new in (("n", n), ("1", 1))}
+    kept: dict[str, Any] = {}
+
+    def keep(name: str, out: object) -> None:
+        if isinstance(out, GenerationResult):
+            kept[name] = (out.tokens, out.exit_loop, out.work, out.new_avg_depth)
+        else:
+            kept[name] = out
+
     with torch.inference_mode():
         model.eval()
-        dense_tokens = generate_fixed(model, prompt, n, r, state=s0)[:, t0:]
-        generate_fixed(model, prompt, 1, r, state=s0[:, : t0 + 1])
-        rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": dense,
-                 "path": "dense decode", "baseline": True, "needs_log_probs": False, "avg_loops": float(r),
-                 "same_tokens": 1.0, "first_divergence": float(n), "loops_run": float(r),
-                 "honest_flops": float(model.flops_per_token(r, t0 + n))}]
-        variants = {f"{dense} [n]": lambda: generate_fixed(model, prompt, n, r, state=s0),
-                    f"{dense} [1]": lambda: generate_fixed(model, prompt, 1, r, state=s0[:, : t0 + 1])}
-        for spec in specs:  # untimed: warm-up, exit loops and tokens
-            res = generate(model, prompt, n, spec.rule, state=s0, fused=cfg.fused)
-            one = generate(model, prompt, 1, spec.rule, state=s0[:, : t0 + 1], fused=cfg.fused)
-            work = honest_flops(model, res.work, t0 + n) - honest_flops(model, one.work, t0 + n)
-            rows.append({"setting": "generation", "family": spec.family, "param": float(spec.param),
-                         "rule": str(spec.rule), "path": "generate", "baseline": False,
-                         "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": res.new_avg_depth,
-                         "same_tokens": float((res.new_tokens == dense_tokens).double().mean()),
-                         "first_divergence": _first_divergence(res.new_tokens, dense_tokens),
-                         "loops_run": _loops_run(res.exit_loop[:, t0 - 1 :]),
-                         "honest_flops": work / (B * (n - 1))})
-            name = str(spec.rule)
-            variants[f"{name} [n]"] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
-                                                                      fused=cfg.fused)
-            variants[f"{name} [1]"] = lambda rule=spec.rule: generate(model, prompt, 1, rule, state=s0[:, : t0 + 1],
-                                                                      fused=cfg.fused)
-        times = interleaved(variants, cfg.rounds, log, "generation", cfg.clock)
+        for call in calls.values():  # warm-up: the prompt pass and one decode step
+            call(min(n, 2))
+        times = interleaved(variants, cfg.rounds, log, "generation", cfg.clock, keep=keep)
+    dense_tokens = kept[f"{dense} [n]"][:, t0:]
+    rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": dense,
+             "path": "dense decode", "baseline": True, "needs_log_probs": False, "avg_loops": float(r),
+             "same_tokens": 1.0, "first_divergence": float(n), "loops_run": float(r),
+             "honest_flops": float(model.flops_per_token(r, t0 + n))}]
+    for spec in specs:  # exit loops and tokens of the first timed round
+        tokens, exit_loop, work_n, avg = kept[f"{spec.rule} [n]"]
+        work = honest_flops(model, work_n, t0 + n) - honest_flops(model, kept[f"{spec.rule} [1]"][2], t0 + n)
+        new_tokens = tokens[:, t0:]
+        rows.append({"setting": "generation", "family": spec.family, "param": float(spec.param),
+                     "rule": str(spec.rule), "path": "generate", "baseline": False,
+                     "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": avg,
+                     "same_tokens": float((new_tokens == dense_tokens).double().mean()),
+                     "first_divergence": _first_divergence(new_tokens, dense_tokens),
+                     "loops_run": _loops_run(exit_loop[:, t0 - 1 :]),
+                     "honest_flops": work / (B * (n - 1))})
     for row in rows:
         full, first = times[f"{row['rule']} [n]"], times[f"{row['rule']} [1]"]
         row["seconds"] = _step_seconds(full, first, n)
@@ -162,7 +172,8 @@ def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig |
         for b, depth, new in itertools.product(rows, (1, r), (1, n)):
             def call(b: int = b, depth: int = depth, new: int = new) -> Tensor:
                 return generate_fixed(model, prompt[:b], new, depth, state=s0[:b, : prompt.shape[1] + new])
-            call()  # warm-up
+            if new == 1:  # warm-up: the prompt pass and one decode step
+                call(new=min(n, 2))
             variants[f"B={b} r={depth} n={new}"] = call
         times = interleaved(variants, cfg.rounds, log, "decode loop cost", cfg.clock)
 
