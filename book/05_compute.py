@@ -63,6 +63,7 @@ threads = 0  # torch threads; 0 keeps torch's default
 gen_batches = [1, 8]  # generation batch sizes (rows decoded together)
 decode_rows = [1, 2, 4, 8]  # active rows at which one decode loop is timed (at most n_windows)
 decoder_batches = [1, 8, 32]  # batch sizes of the three-decoder comparison
+decoder_families = ["kl", "state_delta", "cosine", "acceleration"]  # the rules timed on the continuous decoder
 serving_slots = 8  # slots of the serving comparison, 0 skips it
 fused = True  # readout statistics through the compiled kernel (loopstats.fused_stats_kernel)
 clock = "wall"  # "wall" or "cpu" (process time; robust to other jobs with one thread)
@@ -84,9 +85,9 @@ from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import decode_viz, viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_study, save_results
-from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
+from drc_core.experiments.continuous_speed import decoder_targets, serving_latency
 from drc_core.experiments.cost import flop_parts, matmul_flops_per_token
-from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction, time_generation
+from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction, time_decoding
 from drc_core.experiments.speed import (
     TARGET_RATIO,
     SpeedConfig,
@@ -229,16 +230,24 @@ batched[
 # `Uniform(r)` row is `generate` at the same depth (the machinery's own overhead).
 # Matched quality is an average over tokens, not identical output: `first_divergence` is the index of the
 # first greedy token that differs from the baseline's (after it the contexts differ, so `same_tokens`, the
-# position-by-position agreement, falls).
+# position-by-position agreement, falls). The prompts are the first tokens of evenly spaced validation windows,
+# the same as in the continuous-batching section below: one interleaved timing per batch size gives both
+# sections' tables (`time_decoding`), so no decoder is timed twice.
 
 # %%
-generation = pd.concat(
-    [
-        time_generation(model, windows[:rows, :prompt_len], matched.specs, speed)
-        for rows in gen_batches
-    ],
-    ignore_index=True,
-)
+decoder_rules = [sp for sp in matched.specs if sp.family in decoder_families]
+prompts, _ = val_windows_with_docs(corpus, cfg.seq_len, max([*gen_batches, *decoder_batches]))
+prompts = prompts[:, :prompt_len]
+gen_batches_here = [b for b in gen_batches if b <= len(prompts)]
+decoder_batches_here = [b for b in decoder_batches if b <= len(prompts)]
+# the generation batch sizes: every matched rule with generate, the decoder families with both decoders; the
+# other decoder batch sizes: the decoder families only
+decoding = [time_decoding(model, prompts, matched.specs, speed, batches=gen_batches_here,
+                          continuous=decoder_families)]
+more = [b for b in decoder_batches_here if b not in gen_batches_here]
+if more:
+    decoding.append(time_decoding(model, prompts, decoder_rules, speed, batches=more))
+generation = decoding[0].generation
 generation[
     [
         "rows",
@@ -284,16 +293,12 @@ display(prediction.round(3))
 # (`same_as_generate`). Three decoders side by side for each batch size: the dense decoder at depth r,
 # `generate` and `generate_continuous`, for uniform depth r (the machinery's cost at equal depth) and the
 # matched KL, state-change, cosine and acceleration rules. `realization` is the wall-clock speed-up over the
-# dense decoder divided by the honest-FLOP speed-up (the work the path really did, counted op by op).
+# dense decoder divided by the honest-FLOP speed-up (the work the path really did, counted op by op). The
+# generation batch sizes' rows come from the generation section's timing (the same calls).
 
 # %%
-decoder_rules = [
-    sp for sp in matched.specs if sp.family in ("kl", "state_delta", "cosine", "acceleration")
-]
-prompts, _ = val_windows_with_docs(corpus, cfg.seq_len, max(decoder_batches))
-prompts = prompts[:, :prompt_len]
-decoder_batches_here = [b for b in decoder_batches if b <= len(prompts)]
-decoders = time_decoders(model, prompts, decoder_rules, speed, batches=decoder_batches_here)
+decoders = pd.concat([d.decoders for d in decoding], ignore_index=True)
+decoders = decoders[decoders.batch.isin(decoder_batches_here)].sort_values("batch", kind="stable")
 display(
     decoders[
         [

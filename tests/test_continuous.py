@@ -222,6 +222,27 @@ def test_decoder_timing_table(model, rules):
     assert (lat.p50 <= lat.p99).all() and (lat.p99 <= lat.seconds * 1.5).all()
 
 
+def test_one_timing_gives_both_decoder_tables(model, rules):
+    from drc_core.experiments.decode_speed import time_decoding, time_generation
+    from drc_core.experiments.speed import SpeedConfig
+
+    cfg = SpeedConfig(reference_loops=4, new_tokens=4, rounds=1, keep_freed=False)
+    prompt = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(9))
+    both = time_decoding(model, prompt, [rules["state_delta"], rules["kl"]], cfg, batches=(1, 3),
+                         continuous=("StateDelta",))  # a bare rule's family: its class name
+    gen, dec = both.generation, both.decoders
+    assert list(gen.rows) == [1] * 4 + [3] * 4  # dense, generate with uniform, the state rule and KL
+    assert set(dec.rule) == {"uniform=4", str(rules["state_delta"])} and len(dec) == 2 * 5  # KL: generate only
+    # the generate rows of both tables come from the same timed calls
+    g = gen[gen.path == "generate"].set_index(["rows", "rule"]).ms_per_token
+    d = dec[dec.path == "generate"].set_index(["batch", "rule"]).ms_per_step
+    assert (g.loc[d.index] == d).all()
+    alone = time_generation(model, prompt, [rules["state_delta"], rules["kl"]], cfg)
+    assert list(alone.columns) == list(gen.columns) and list(alone.rule) == list(gen[gen.rows == 3].rule)
+    cols = ["avg_loops", "same_tokens", "first_divergence", "loops_run", "honest_flops"]
+    assert (alone[cols].to_numpy() == gen[gen.rows == 3][cols].to_numpy()).all()
+
+
 def test_exported_from_the_package():
     import drc_core
 

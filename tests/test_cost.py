@@ -44,7 +44,8 @@ def test_interleaved_times_every_variant_once_per_round():
     assert median([3.0, 1.0, 2.0]) == 2.0
     counter = iter(range(100))
     kept: list[tuple[str, int]] = []
-    interleaved({"a": lambda: next(counter), "b": lambda: next(counter)}, 2, None, "x", keep=lambda *kv: kept.append(kv))
+    interleaved({"a": lambda: next(counter), "b": lambda: next(counter)}, 2, None, "x",
+                keep=lambda *kv: kept.append(kv))
     assert kept == [("a", 0), ("b", 1)]  # the first round's outputs only
     assert spread([1.0, 2.0, 3.0]) == pytest.approx(1.0) and spread([5.0]) == 0.0
 

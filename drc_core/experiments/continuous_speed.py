@@ -18,22 +18,20 @@ Timing as in :mod:`drc_core.experiments.speed`: time per decode step = (time of 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
 
-from drc_core.errors import DrcError
-from drc_core.experiments.cost import Log, honest_flops, interleaved, median, spread
-from drc_core.experiments.decode_speed import _decode_setup, _step_seconds
-from drc_core.experiments.speed import RuleSpec, SpeedConfig, _memory, _specs
-from drc_core.halting.continuous import ContinuousResult, generate_continuous
-from drc_core.halting.generate import GenerationResult, generate, generate_fixed
-from drc_core.halting.rules import HaltingRule, Uniform
+from drc_core.experiments.cost import Log, interleaved, median
+from drc_core.experiments.decode_speed import _decode_setup, time_decoding
+from drc_core.experiments.speed import RuleSpec, SpeedConfig
+from drc_core.halting.continuous import generate_continuous
+from drc_core.halting.generate import generate
+from drc_core.halting.rules import HaltingRule
 from drc_core.model.lm import DepthRecurrentLM
 
 __all__ = ["PATHS", "decoder_targets", "serving_latency", "time_decoders"]
@@ -56,74 +54,7 @@ def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
     the path's), ``realization`` (x_dense / flop_speedup), ``same_as_generate`` (continuous only: every request's
     tokens and exit loops equal ``generate``'s), ``spread`` and ``steps`` (core steps of the continuous decode
     phase)."""
-    cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    prompt, s0 = _decode_setup(model, prompt, cfg)
-    if not batches or min(batches) < 1 or max(batches) > prompt.shape[0]:
-        raise DrcError(f"batches {list(batches)} must lie in 1..{prompt.shape[0]} (the prompts given); pass more "
-                       "prompts or smaller batches")
-    n, r = cfg.new_tokens, cfg.reference_loops
-    specs = [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]
-    rows = []
-    with torch.inference_mode():
-        model.eval()
-        t0 = prompt.shape[1]
-        for b in batches:
-            p, s = prompt[:b], s0[:b]
-            dense_flops = float(model.flops_per_token(r, t0 + n))
-            # one call per decoder and rule, generating `new` tokens (the initial states of a call that generates
-            # `new` tokens: the first t0 + new of s)
-            calls: dict[str, Callable[[int], object]] = {
-                "dense": lambda new, p=p, s=s: generate_fixed(model, p, new, r, state=s[:, : t0 + new])}
-            for spec in specs:
-                name = str(spec.rule)
-                calls[f"gen {name}"] = lambda new, p=p, s=s, rule=spec.rule: generate(
-                    model, p, new, rule, state=s[:, : t0 + new], fused=cfg.fused)
-                calls[f"cont {name}"] = lambda new, p=p, s=s, rule=spec.rule: generate_continuous(
-                    model, p, new, rule, states=s[:, : t0 + new], fused=cfg.fused, keep_logits=False)
-            for call in calls.values():  # warm-up: the prompt pass and one decode step
-                call(min(n, 2))
-            variants = {f"{key} [{tag}]": (lambda call=call, new=new: call(new))
-                        for key, call in calls.items() for tag, new in (("n", n), ("1", 1))}
-            kept: dict[str, dict[str, Any]] = {}
-            times = interleaved(variants, cfg.rounds, log, f"decoders, batch {b}", cfg.clock,
-                                keep=lambda name, out, kept=kept: kept.update({name: _summary(out)}))
-            meta = [{"batch": b, "rule": f"uniform={r}", "family": "uniform", "path": "dense decode",
-                     "avg_loops": float(r), "honest_flops": dense_flops, "key": "dense"}]
-            for spec in specs:  # the results of the first timed round
-                name = str(spec.rule)
-                full, one = kept[f"gen {name} [n]"], kept[f"gen {name} [1]"]
-                cont, cone = kept[f"cont {name} [n]"], kept[f"cont {name} [1]"]
-                same = all(torch.equal(tok, full["tokens"][i]) and torch.equal(ex, full["exit_loop"][i])
-                           for i, (tok, ex) in enumerate(zip(cont["tokens"], cont["exit_loop"], strict=True)))
-                per_token = b * (n - 1)
-                for path, res_n, res_1, key in (("generate", full, one, f"gen {name}"),
-                                                ("continuous", cont, cone, f"cont {name}")):
-                    work = honest_flops(model, res_n["work"], t0 + n) - honest_flops(model, res_1["work"], t0 + n)
-                    meta.append({"batch": b, "rule": name, "family": spec.family, "path": path,
-                                 "avg_loops": full["avg_loops"], "honest_flops": work / per_token, "key": key,
-                                 **({"same_as_generate": same, "steps": cont["steps"]} if path == "continuous"
-                                    else {})})
-            base = _step_seconds(times["dense [n]"], times["dense [1]"], n)
-            for row in meta:
-                key = row.pop("key")
-                sec = _step_seconds(times[f"{key} [n]"], times[f"{key} [1]"], n)
-                row.update(ms_per_step=1e3 * sec, tokens_per_s=b / sec, x_dense=base / sec,
-                           flop_speedup=dense_flops / row["honest_flops"], spread=spread(times[f"{key} [n]"]))
-                row["realization"] = row["x_dense"] / row["flop_speedup"]
-                rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def _summary(out: object) -> dict[str, Any]:
-    """What :func:`time_decoders` reads of a decoder's output: each row's tokens and exit loops, the work done, the
-    mean exit loop of the new tokens and the core steps (continuous)."""
-    if isinstance(out, ContinuousResult):
-        return {"tokens": [c.tokens for c in out.completions], "exit_loop": [c.exit_loop for c in out.completions],
-                "work": out.work, "avg_loops": out.new_avg_depth, "steps": out.steps}
-    if isinstance(out, GenerationResult):
-        return {"tokens": out.tokens, "exit_loop": out.exit_loop, "work": out.work, "avg_loops": out.new_avg_depth}
-    return {}
+    return time_decoding(model, prompt, rules, cfg, batches=batches, log=log).decoders
 
 
 def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] = ("state_delta", "cosine", "acceleration"),

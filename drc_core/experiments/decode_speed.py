@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,12 +26,13 @@ from torch import Tensor
 from drc_core.errors import DrcError
 from drc_core.experiments.cost import Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
 from drc_core.experiments.speed import SpeedConfig, _memory, _on_device, _skip_path, _specs, _speed_columns
+from drc_core.halting.continuous import ContinuousResult, generate_continuous
 from drc_core.halting.generate import GenerationResult, generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.halting.sweep import RuleSpec
 from drc_core.model.lm import DepthRecurrentLM
 
-__all__ = ["decode_loop_cost", "decode_prediction", "time_generation"]
+__all__ = ["DecodeTimes", "decode_loop_cost", "decode_prediction", "time_decoding", "time_generation"]
 
 
 def _first_divergence(tokens: Tensor, reference: Tensor) -> float:
@@ -68,6 +70,16 @@ def _decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> 
     return prompt, s0
 
 
+@dataclass
+class DecodeTimes:
+    """The tables of one interleaved timing of the decoders (:func:`time_decoding`): ``generation`` (the
+    :func:`time_generation` table of every batch size, column ``rows``) and ``decoders`` (the
+    :func:`~drc_core.experiments.continuous_speed.time_decoders` table of the rules timed on both decoders)."""
+
+    generation: pd.DataFrame
+    decoders: pd.DataFrame
+
+
 def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
     """Time per new token of greedy :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` against each rule.
@@ -84,66 +96,140 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
     token that differs; n if none; mean over rows), ``loops_run`` (loops a decode step runs: the mean over the n
     positions of the deepest exit among the B rows; ``avg_loops`` when B = 1) and no CE. ``honest_flops`` is
     per new token (the work of n new tokens minus that of 1, over n - 1, per row); ``flop_speedup`` uses a
-    context of T0 + n tokens.
+    context of T0 + n tokens. (:func:`time_decoding` with one batch size and no continuous decoder.)
     """
+    prompt = _on_device(model, prompt, "prompt", targets=False)
+    return time_decoding(model, prompt, rules, cfg, batches=[prompt.shape[0]], continuous=(), log=log).generation
+
+
+def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                  cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (1, 8, 32),
+                  continuous: Sequence[str] | None = None, log: Log = None) -> DecodeTimes:
+    """One interleaved timing, per batch size B of ``batches`` (the first B prompts of ``prompt``), of greedy
+    decoding of ``cfg.new_tokens`` tokens by the dense decoder (``generate_fixed`` at ``cfg.reference_loops`` r),
+    by ``generate`` with ``Uniform(r)`` and each rule, and by ``generate_continuous`` with ``Uniform(r)`` and the
+    rules whose family is in ``continuous`` (None: every rule; empty: no continuous decoder). Each decoder's time
+    per step is (time of n new tokens - time of 1) / (n - 1), medians over ``cfg.rounds`` interleaved rounds
+    after a warm-up of one decode step; tokens, exit loops and work come from the first timed round. Returns
+    both tables (:class:`DecodeTimes`), so a book that shows both times every decoder once."""
     cfg = cfg or SpeedConfig()
     _memory(cfg)
     prompt, s0 = _decode_setup(model, prompt, cfg)
-    B, t0 = prompt.shape
+    if not batches or min(batches) < 1 or max(batches) > prompt.shape[0]:
+        raise DrcError(f"batches {list(batches)} must lie in 1..{prompt.shape[0]} (the prompts given); pass more "
+                       "prompts or smaller batches")
     n, r = cfg.new_tokens, cfg.reference_loops
-    specs = [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]
-    dense = f"uniform={r} dense decode"
-    calls: dict[str, Callable[[int], object]] = {
-        dense: lambda new: generate_fixed(model, prompt, new, r, state=s0[:, : t0 + new])}
-    for spec in specs:
-        calls[str(spec.rule)] = lambda new, rule=spec.rule: generate(model, prompt, new, rule,
-                                                                     state=s0[:, : t0 + new], fused=cfg.fused)
-    variants = {f"{name} [{tag}]": (lambda call=call, new=new: call(new))
-                for name, call in calls.items() for tag, new in (("n", n), ("1", 1))}
-    kept: dict[str, Any] = {}
-
-    def keep(name: str, out: object) -> None:
-        if isinstance(out, GenerationResult):
-            kept[name] = (out.tokens, out.exit_loop, out.work, out.new_avg_depth)
-        else:
-            kept[name] = out
-
+    t0 = prompt.shape[1]
+    uniform = RuleSpec("uniform", float(r), Uniform(r))
+    specs = [uniform, *_specs(rules, r)]
+    both = [sp for sp in specs if continuous is None or sp.family in continuous or (sp is uniform and continuous)]
+    generation, decoders = [], []
     with torch.inference_mode():
         model.eval()
-        for call in calls.values():  # warm-up: the prompt pass and one decode step
-            call(min(n, 2))
-        times = interleaved(variants, cfg.rounds, log, "generation", cfg.clock, keep=keep)
-    dense_tokens = kept[f"{dense} [n]"][:, t0:]
-    rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": dense,
+        for b in batches:
+            p, s = prompt[:b], s0[:b]
+            # one call per decoder and rule, generating `new` tokens (from the first t0 + new initial states)
+            calls: dict[str, Callable[[int], object]] = {
+                "dense": lambda new, p=p, s=s: generate_fixed(model, p, new, r, state=s[:, : t0 + new])}
+            for spec in specs:
+                calls[f"gen {spec.rule}"] = lambda new, p=p, s=s, rule=spec.rule: generate(
+                    model, p, new, rule, state=s[:, : t0 + new], fused=cfg.fused)
+                if spec in both:
+                    calls[f"cont {spec.rule}"] = lambda new, p=p, s=s, rule=spec.rule: generate_continuous(
+                        model, p, new, rule, states=s[:, : t0 + new], fused=cfg.fused, keep_logits=False)
+            for call in calls.values():  # warm-up: the prompt pass and one decode step
+                call(min(n, 2))
+            variants = {f"{key} [{tag}]": (lambda call=call, new=new: call(new))
+                        for key, call in calls.items() for tag, new in (("n", n), ("1", 1))}
+            kept: dict[str, dict[str, Any]] = {}
+            times = interleaved(variants, cfg.rounds, log, f"decoders, batch {b}", cfg.clock,
+                                keep=lambda name, out, kept=kept: kept.update({name: _summary(out)}))
+            step = {key: _step_seconds(times[f"{key} [n]"], times[f"{key} [1]"], n) for key in calls}
+            generation += _generation_rows(model, specs, kept, times, step, b, t0, n, r)
+            decoders += _decoder_rows(model, both, kept, times, step, b, t0, n, r)
+    return DecodeTimes(pd.DataFrame(generation), pd.DataFrame(decoders))
+
+
+def _summary(out: object) -> dict[str, Any]:
+    """What the tables read of a decoder's output: the tokens and exit loops (one tensor, or one per request of a
+    continuous decoder), the work done, the mean exit loop of the new tokens and the core steps (continuous)."""
+    if isinstance(out, ContinuousResult):
+        return {"tokens": [c.tokens for c in out.completions], "exit_loop": [c.exit_loop for c in out.completions],
+                "work": out.work, "avg_loops": out.new_avg_depth, "steps": out.steps}
+    if isinstance(out, GenerationResult):
+        return {"tokens": out.tokens, "exit_loop": out.exit_loop, "work": out.work, "avg_loops": out.new_avg_depth}
+    return {"tokens": out}  # generate_fixed: the tokens
+
+
+def _work_per_token(model: DepthRecurrentLM, kept: dict[str, dict[str, Any]], key: str, b: int, t_len: int,
+                    n: int) -> float:
+    """Honest FLOPs per new token: the work of n new tokens minus that of 1, over b (n - 1)."""
+    work = honest_flops(model, kept[f"{key} [n]"]["work"], t_len) - honest_flops(model, kept[f"{key} [1]"]["work"],
+                                                                                 t_len)
+    return work / (b * (n - 1))
+
+
+def _generation_rows(model: DepthRecurrentLM, specs: list[RuleSpec], kept: dict[str, dict[str, Any]],
+                     times: dict[str, list[float]], step: dict[str, float], b: int, t0: int, n: int,
+                     r: int) -> list[dict]:
+    """The :func:`time_generation` rows of one batch size."""
+    dense_tokens = kept["dense [n]"]["tokens"][:, t0:]
+    rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": f"uniform={r} dense decode",
              "path": "dense decode", "baseline": True, "needs_log_probs": False, "avg_loops": float(r),
              "same_tokens": 1.0, "first_divergence": float(n), "loops_run": float(r),
-             "honest_flops": float(model.flops_per_token(r, t0 + n))}]
-    for spec in specs:  # exit loops and tokens of the first timed round
-        tokens, exit_loop, work_n, avg = kept[f"{spec.rule} [n]"]
-        work = honest_flops(model, work_n, t0 + n) - honest_flops(model, kept[f"{spec.rule} [1]"][2], t0 + n)
-        new_tokens = tokens[:, t0:]
+             "honest_flops": float(model.flops_per_token(r, t0 + n)), "key": "dense"}]
+    for spec in specs:
+        key = f"gen {spec.rule}"
+        out = kept[f"{key} [n]"]
+        new_tokens = out["tokens"][:, t0:]
         rows.append({"setting": "generation", "family": spec.family, "param": float(spec.param),
                      "rule": str(spec.rule), "path": "generate", "baseline": False,
-                     "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": avg,
+                     "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": out["avg_loops"],
                      "same_tokens": float((new_tokens == dense_tokens).double().mean()),
                      "first_divergence": _first_divergence(new_tokens, dense_tokens),
-                     "loops_run": _loops_run(exit_loop[:, t0 - 1 :]),
-                     "honest_flops": work / (B * (n - 1))})
-    for row in rows:
-        full, first = times[f"{row['rule']} [n]"], times[f"{row['rule']} [1]"]
-        row["seconds"] = _step_seconds(full, first, n)
-        row["ms_per_token"] = 1e3 * row["seconds"]
-        row["tokens_per_s"] = B / row["seconds"]
-        row["rows"] = B
-        row["prompt_ms"] = 1e3 * median(first)
-        row["spread"] = spread(full)
-    base = rows[0]
+                     "loops_run": _loops_run(out["exit_loop"][:, t0 - 1 :]),
+                     "honest_flops": _work_per_token(model, kept, key, b, t0 + n, n), "key": key})
     base_flops = matmul_flops_per_token(model, r, t0 + n, "forward")
     for row, spec in zip(rows, [None, *specs], strict=True):
+        key = row.pop("key")
+        row["seconds"] = step[key]
+        row["ms_per_token"] = 1e3 * row["seconds"]
+        row["tokens_per_s"] = b / row["seconds"]
+        row["rows"] = b
+        row["prompt_ms"] = 1e3 * median(times[f"{key} [1]"])
+        row["spread"] = spread(times[f"{key} [n]"])
         path = "forward" if spec is None else _skip_path(spec.rule)
-        _speed_columns(row, base["seconds"], r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t0 + n,
-                                                                                    path))
-    return pd.DataFrame(rows)
+        _speed_columns(row, step["dense"], r, base_flops,
+                       matmul_flops_per_token(model, row["avg_loops"], t0 + n, path))
+    return rows
+
+
+def _decoder_rows(model: DepthRecurrentLM, specs: list[RuleSpec], kept: dict[str, dict[str, Any]],
+                  times: dict[str, list[float]], step: dict[str, float], b: int, t0: int, n: int,
+                  r: int) -> list[dict]:
+    """The :func:`~drc_core.experiments.continuous_speed.time_decoders` rows of one batch size (none without a
+    continuous decoder)."""
+    if not specs:
+        return []
+    dense_flops = float(model.flops_per_token(r, t0 + n))
+    rows = [{"batch": b, "rule": f"uniform={r}", "family": "uniform", "path": "dense decode", "avg_loops": float(r),
+             "honest_flops": dense_flops, "key": "dense"}]
+    for spec in specs:
+        name = str(spec.rule)
+        full, cont = kept[f"gen {name} [n]"], kept[f"cont {name} [n]"]
+        same = all(torch.equal(tok, full["tokens"][i]) and torch.equal(ex, full["exit_loop"][i])
+                   for i, (tok, ex) in enumerate(zip(cont["tokens"], cont["exit_loop"], strict=True)))
+        for path, key in (("generate", f"gen {name}"), ("continuous", f"cont {name}")):
+            extra = {"same_as_generate": same, "steps": cont["steps"]} if path == "continuous" else {}
+            rows.append({"batch": b, "rule": name, "family": spec.family, "path": path, "avg_loops": full["avg_loops"],
+                         "honest_flops": _work_per_token(model, kept, key, b, t0 + n, n), "key": key, **extra})
+    for row in rows:
+        key = row.pop("key")
+        sec = step[key]
+        row.update(ms_per_step=1e3 * sec, tokens_per_s=b / sec, x_dense=step["dense"] / sec,
+                   flop_speedup=dense_flops / row["honest_flops"], spread=spread(times[f"{key} [n]"]))
+        row["realization"] = row["x_dense"] / row["flop_speedup"]
+    return rows
 
 
 def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig | None = None, *,
