@@ -42,8 +42,10 @@
 # compacted, rebuilding their attention layout when some halt; the row "uniform via skip_forward" measures
 # it at equal depth).
 #
-# Times are medians over interleaved rounds (the order rotates each round), after an untimed warm-up pass
-# that also gives the quality numbers, so load on a shared machine slows every variant alike.
+# Times are medians over interleaved rounds (the order rotates each round), so load on a shared machine slows
+# every variant alike. Before them, an untimed warm-up: for batched evaluation a full pass, which also gives the
+# quality numbers; for the decoders one decode step each (their tokens, exit loops and work are read from the
+# first timed round, which runs within the rounds' spread of the later ones).
 
 # %% tags=["parameters"]
 profile = "reference"
