@@ -44,6 +44,7 @@ from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import ensure_corpus, open_model, provide_model, save_results
+from drc_core.experiments.cost import keep_freed_memory
 from drc_core.training.evaluate import (
     depth_gain_by_step,
     loss_by_depth,
@@ -54,6 +55,7 @@ from drc_core.training.evaluate import (
 work_dir, corpus_dir, checkpoint = at_root(work_dir, corpus_dir, checkpoint)
 data_files = [at_root(f) for f in data_files]
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+keep_freed_memory()  # glibc reuses freed buffers: a pass's vocabulary-sized temporaries stop faulting in fresh pages
 
 # %%
 t0 = time.time()

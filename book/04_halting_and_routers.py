@@ -61,6 +61,7 @@ from drc_core.api import document_windows
 from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_study, save_results
+from drc_core.experiments.cost import keep_freed_memory
 from drc_core.halting.calibrate import loss_tables, min_units, validity, validity_summary
 from drc_core.halting.router import split_windows, trained_router_specs
 from drc_core.halting.sweep import (
@@ -78,6 +79,7 @@ from drc_core.halting.sweep import (
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+keep_freed_memory()  # glibc reuses freed buffers: a pass's vocabulary-sized temporaries stop faulting in fresh pages
 
 # %%
 t0 = time.time()

@@ -88,7 +88,7 @@ from drc_core.book import decode_viz, viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import open_study, save_results
 from drc_core.experiments.continuous_speed import decoder_targets, serving_latency
-from drc_core.experiments.cost import flop_parts, matmul_flops_per_token
+from drc_core.experiments.cost import flop_parts, keep_freed_memory, matmul_flops_per_token
 from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction, time_decoding
 from drc_core.experiments.speed import (
     TARGET_RATIO,
@@ -115,6 +115,8 @@ from drc_core.model.precision import bf16_support
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+if keep_freed:
+    keep_freed_memory()  # glibc reuses freed buffers (the timings' own setting, for every cell)
 
 # %%
 t0 = time.time()

@@ -101,6 +101,7 @@ from drc_core.data.depth_tasks import SOURCE_NAME as TASK_SOURCE
 from drc_core.data.depth_tasks import DepthTaskConfig, generate_document
 from drc_core.data.sampler import Corpus
 from drc_core.experiments import depth_tasks as dt
+from drc_core.experiments.cost import keep_freed_memory
 from drc_core.experiments.handoff import KnownDepth
 from drc_core.experiments.report import known_depth_targets
 from drc_core.halting.calibrate import min_units, pass_loss_tables, validity, validity_summary
@@ -124,6 +125,7 @@ task_work = str(Path(work_dir) / "depth_tasks")
 task_corpus = task_corpus_dir or str(Path(task_work) / "corpus")
 data_files = [at_root(f) for f in data_files]
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+keep_freed_memory()  # glibc reuses freed buffers: a pass's vocabulary-sized temporaries stop faulting in fresh pages
 
 # %%
 t0 = time.time()

@@ -57,6 +57,7 @@ from drc_core.book import viz
 from drc_core.book.paths import at_root, results_for
 from drc_core.book.workspace import load_results, open_model, provide_run, save_results
 from drc_core.data.sampler import Corpus
+from drc_core.experiments.cost import keep_freed_memory
 from drc_core.experiments.handoff import Convergence, Halting, KnownDepth, TokenTypes, Training
 from drc_core.experiments.report import (
     across_seeds,
@@ -79,6 +80,7 @@ work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, dampi
     work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, damping_file
 )
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+keep_freed_memory()  # glibc reuses freed buffers: a pass's vocabulary-sized temporaries stop faulting in fresh pages
 
 # %%
 t0 = time.time()
