@@ -420,15 +420,17 @@ def solve(text: str) -> list[Answer]:
 # -------------------------------------------------------------------------------------------- token alignment
 
 
-def token_labels(text: str, encoding, strict: bool = True) -> list[tuple[int, Answer]]:
+def token_labels(text: str, encoding, strict: bool = True,
+                 answers: list[Answer] | None = None) -> list[tuple[int, Answer]]:
     """``(token index, answer)`` for each answer of ``text``, given its ``tokenizers`` encoding: the answer must
     be exactly one token (its word, with the space before it). A split answer is a :class:`DrcError`, or, with
-    ``strict=False``, left out (a small vocabulary may not hold every answer word as one token)."""
+    ``strict=False``, left out (a small vocabulary may not hold every answer word as one token). ``answers``:
+    ``solve(text)``, where the caller has it already."""
     starts = {}
     for i, (a, b) in enumerate(encoding.offsets):
         starts.setdefault(b, []).append((i, a))
     out = []
-    for ans in solve(text):
+    for ans in solve(text) if answers is None else answers:
         hit = [i for i, a in starts.get(ans.end, []) if a <= ans.start and a >= ans.start - 1]
         if len(hit) != 1:
             if not strict:

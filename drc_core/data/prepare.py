@@ -143,10 +143,11 @@ def _encode(tok, texts: list[str], labelled: list[bool], eot_id: int, desc: str,
             chunks.append(ids)
             total += len(ids)
             if labelled[i]:
-                found = token_labels(texts[i], enc, strict=False)
+                answers = solve(texts[i])
+                found = token_labels(texts[i], enc, strict=False, answers=answers)
                 labels += [{"doc": i, "pos": pos, "k": a.k, "family": a.family, "answer": a.word,
                             "problem": a.problem} for pos, a in found]
-                split_answers += len(solve(texts[i])) - len(found)
+                split_answers += len(answers) - len(found)
         bar.update(len(batch))
     bar.close()
     return chunks, total, labels, split_answers
