@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
 import sys
 
@@ -47,6 +48,9 @@ def test_interleaved_times_every_variant_once_per_round():
     interleaved({"a": lambda: next(counter), "b": lambda: next(counter)}, 2, None, "x",
                 keep=lambda *kv: kept.append(kv))
     assert kept == [("a", 0), ("b", 1)]  # the first round's outputs only
+    frozen: list[int] = []
+    interleaved({"a": lambda: frozen.append(gc.get_freeze_count())}, 1, None, "x")
+    assert frozen[0] > 0 and gc.get_freeze_count() == 0  # frozen while timing (cheap collections), thawed after
     assert spread([1.0, 2.0, 3.0]) == pytest.approx(1.0) and spread([5.0]) == 0.0
 
 

@@ -461,6 +461,21 @@ def test_profile_generation_variants(model, windows, cfg, capfd):
     assert ops.groupby("variant").size().le(5).all() and ops.calls.gt(0).all()
 
 
+def test_self_cpu_ms_is_what_key_averages_gives(model, windows):
+    from torch.profiler import ProfilerActivity, profile
+
+    from drc_core.experiments.speed_checks import self_cpu_ms
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        generate(model, windows[:2, :6], 3, KLThreshold(1e-2, max_loops=6))  # redispatched ops (add_, div_) too
+    mine = self_cpu_ms(prof)
+    ref = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
+    assert set(mine) == set(ref) and len(mine) > 20
+    for op, (ms, calls) in ref.items():
+        assert mine[op][1] == calls, op
+        assert mine[op][0] == pytest.approx(ms, rel=1e-9, abs=1e-9), op
+
+
 def test_bad_clock_and_rows_are_one_line():
     with pytest.raises(DrcError, match="clock"):
         SpeedConfig(clock="sundial")

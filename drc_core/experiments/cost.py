@@ -137,17 +137,25 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log
     tick = CLOCKS[clock]
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for rnd, order in rotations(names, rounds):
-        for name in order:
-            gc.collect()
-            t0 = tick()
-            out = variants[name]()
-            times[name].append(tick() - t0)
-            if keep is not None and rnd == 0:
-                keep(name, out)
-            del out
-        if log:
-            log(f"{what} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
+    gc.collect()
+    own_freeze = gc.get_freeze_count() == 0  # a caller's own gc.freeze() is left as it was
+    if own_freeze:
+        gc.freeze()  # what lives now is left alone by the collections below: each scans only what the rounds made
+    try:
+        for rnd, order in rotations(names, rounds):
+            for name in order:
+                gc.collect()  # no garbage of an earlier call collected inside this one's clock
+                t0 = tick()
+                out = variants[name]()
+                times[name].append(tick() - t0)
+                if keep is not None and rnd == 0:
+                    keep(name, out)
+                del out
+            if log:
+                log(f"{what} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
+    finally:
+        if own_freeze:
+            gc.unfreeze()
     return times
 
 

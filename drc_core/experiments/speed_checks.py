@@ -156,6 +156,41 @@ def _quiet_fd2() -> Iterator[None]:
         os.close(devnull)
 
 
+def self_cpu_ms(prof: object) -> dict[str, tuple[float, int]]:
+    """``{op name: (self CPU ms, calls)}`` of a finished ``torch.profiler.profile`` over the CPU, read from its raw
+    events: an op's self time is its duration minus that of the ops nested directly in it on the same thread, the
+    ``self_cpu_time_total`` of ``prof.key_averages()``, without building its Python event tree (several seconds
+    for the ~150 k events of a generation; this takes a fraction of that)."""
+    from torch.autograd import DeviceType
+
+    threads: dict[int, list[tuple[int, int, str]]] = {}
+    for e in prof.profiler.kineto_results.events():  # type: ignore[attr-defined]
+        if e.device_type() == DeviceType.CPU:
+            threads.setdefault(e.start_thread_id(), []).append((e.start_ns(), e.end_ns(), e.name()))
+    out: dict[str, list[float]] = {}
+
+    def close(ev: list) -> None:
+        acc = out.setdefault(ev[2], [0.0, 0])
+        acc[0] += (ev[1] - ev[0] - ev[3]) / 1e6
+        # an op whose only direct child is an op of its own name (a redispatch) is one call, as key_averages counts
+        acc[1] += 0 if ev[4] == 1 and ev[5] == ev[2] else 1
+
+    for events in threads.values():
+        events.sort(key=lambda ev: (ev[0], -ev[1]))  # an enclosing op before the ops it starts with
+        stack: list[list] = []  # [start, end, name, ns of direct children, their number, the last one's name]
+        for start, end, name in events:
+            while stack and stack[-1][1] <= start:
+                close(stack.pop())
+            if stack:
+                stack[-1][3] += end - start
+                stack[-1][4] += 1
+                stack[-1][5] = name
+            stack.append([start, end, name, 0, 0, None])
+        while stack:
+            close(stack.pop())
+    return {name: (ms, int(calls)) for name, (ms, calls) in out.items()}
+
+
 def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``torch.profiler`` over one call of each variant (after an untimed warm-up call): ``(kinds, ops)`` as
     described in :func:`profile_batched`."""
@@ -166,20 +201,19 @@ def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.Da
         fn()
         with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
-        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-        total = sum(e.self_cpu_time_total for e in events) / 1e3
+        events = {op: v for op, v in self_cpu_ms(prof).items() if v[0] > 0}
+        total = sum(ms for ms, _ in events.values())
         by_kind: dict[str, list[float]] = {}
-        for e in events:
-            acc = by_kind.setdefault(_op_kind(e.key), [0.0, 0.0])
-            acc[0] += e.self_cpu_time_total / 1e3
-            acc[1] += e.count
+        for op, (ms, calls) in events.items():
+            acc = by_kind.setdefault(_op_kind(op), [0.0, 0.0])
+            acc[0] += ms
+            acc[1] += calls
         for kind, (ms, calls) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
             kinds.append({"variant": name, "kind": kind, "ms": ms, "calls": int(calls), "share": ms / total})
         kinds.append({"variant": name, "kind": "total", "ms": total,
-                      "calls": int(sum(e.count for e in events)), "share": 1.0})
-        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
-            ops.append({"variant": name, "op": e.key, "ms": e.self_cpu_time_total / 1e3, "calls": e.count,
-                        "share": e.self_cpu_time_total / 1e3 / total})
+                      "calls": int(sum(calls for _, calls in events.values())), "share": 1.0})
+        for op, (ms, calls) in sorted(events.items(), key=lambda kv: -kv[1][0])[:top]:
+            ops.append({"variant": name, "op": op, "ms": ms, "calls": calls, "share": ms / total})
     return pd.DataFrame(kinds), pd.DataFrame(ops)
 
 
