@@ -306,15 +306,19 @@ def test_copy_accuracy_reads_the_second_saying(mixed_corpus, monkeypatch, one_th
     table = dt.copy_accuracy(model, mixed_corpus.tokenizer(), [1, 2], docs=4, max_len=128)
     assert table.loop.tolist() == [1, 2] and ((table.copy_acc >= 0) & (table.copy_acc <= 1)).all()
     assert (table.n == 4).all()
+    seeds: list[tuple[int, int]] = []
 
-    def oracle(_model, x, loops):  # the true next token everywhere it is known
+    def oracle(_model, x, loops, generator):  # the true next token everywhere it is known
+        seeds.append((loops, generator.initial_seed()))
         out = torch.zeros(1, x.shape[1], mixed_corpus.vocab_size)
         out[0, torch.arange(x.shape[1] - 1), x[0, 1:]] = 1.0
         return out
 
     monkeypatch.setattr(dt, "logits_at", oracle)
-    perfect = dt.copy_accuracy(model, mixed_corpus.tokenizer(), [1], docs=6, max_len=128, seed=5)
-    assert perfect.copy_acc.item() == 1.0  # the span is exactly the repeated words, each scored once
+    perfect = dt.copy_accuracy(model, mixed_corpus.tokenizer(), [1, 3], docs=6, max_len=128, seed=5)
+    assert (perfect.copy_acc == 1.0).all()  # the span is exactly the repeated words, each scored once
+    # paragraph i starts from the state seeded with seed + i at every loop count, not from the global RNG
+    assert seeds == [(lp, 5 + i) for i in range(6) for lp in (1, 3)]
 
 
 def test_labels_of_an_older_rule_are_refused_and_prepared_again(tmp_path, one_thread):

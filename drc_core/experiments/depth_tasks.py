@@ -116,7 +116,9 @@ def copy_accuracy(model: RecurrentModel, tokenizer, loops: Sequence[int], *, doc
                   max_len: int | None = None) -> pd.DataFrame:
     """In-context copying: generated ``repeats`` paragraphs (a random word sequence said twice); per loop, the share
     of the second saying's tokens predicted exactly (each is predictable only by copying from the first), with a
-    95% interval over paragraphs. ``tokenizer`` is the model's; words it splits into several tokens count each."""
+    95% interval over paragraphs. ``tokenizer`` is the model's; words it splits into several tokens count each.
+    Paragraph i starts from the initial state drawn by a generator seeded with ``seed + i`` at every loop count,
+    so the table does not depend on the global RNG."""
     cfg = DepthTaskConfig(docs=docs, families=(), repeat_share=1.0, problems=1, seed=seed)
     loops = sorted({need_int("loops", lp, 1) for lp in loops})
     hits: dict[int, list[float]] = {lp: [] for lp in loops}
@@ -131,7 +133,8 @@ def copy_accuracy(model: RecurrentModel, tokenizer, loops: Sequence[int], *, doc
             target = torch.tensor(ids[1:])
             span = slice(start, len(ids) - 2)  # the repeated words, not the closing " ."
             for lp in loops:
-                pred = logits_at(model, x, lp)[0].argmax(-1)
+                gen = torch.Generator(device=x.device).manual_seed(seed + i)
+                pred = logits_at(model, x, lp, generator=gen)[0].argmax(-1)
                 hits[lp].append(float((pred[span] == target[span]).float().mean()))
     rows = []
     for lp, v in hits.items():
