@@ -55,7 +55,7 @@ from drc_core.training.evaluate import (
 work_dir, corpus_dir, checkpoint = at_root(work_dir, corpus_dir, checkpoint)
 data_files = [at_root(f) for f in data_files]
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-keep_freed_memory()  # glibc reuses freed buffers: a pass's vocabulary-sized temporaries stop faulting in fresh pages
+keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
 
 # %%
 t0 = time.time()

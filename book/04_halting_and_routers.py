@@ -79,7 +79,7 @@ from drc_core.halting.sweep import (
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-keep_freed_memory()  # glibc reuses freed buffers: a pass's vocabulary-sized temporaries stop faulting in fresh pages
+keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
 
 # %%
 t0 = time.time()

@@ -65,7 +65,7 @@ threads = 0  # torch threads; 0 keeps torch's default
 gen_batches = [1, 8]  # generation batch sizes (rows decoded together)
 decode_rows = [1, 2, 4, 8]  # active rows at which one decode loop is timed (at most n_windows)
 decoder_batches = [1, 8, 32]  # batch sizes of the three-decoder comparison
-decoder_families = ["kl", "state_delta", "cosine", "acceleration"]  # the rules timed on the continuous decoder
+decoder_families = ["kl", "state_delta", "cosine", "acceleration"]  # continuous decoder too
 serving_slots = 8  # slots of the serving comparison, 0 skips it
 fused = True  # readout statistics through the compiled kernel (loopstats.fused_stats_kernel)
 clock = "wall"  # "wall" or "cpu" (process time; robust to other jobs with one thread)
@@ -244,8 +244,8 @@ prompts, _ = val_windows_with_docs(corpus, cfg.seq_len, max([*gen_batches, *deco
 prompts = prompts[:, :prompt_len]
 gen_batches_here = [b for b in gen_batches if b <= len(prompts)]
 decoder_batches_here = [b for b in decoder_batches if b <= len(prompts)]
-# the generation batch sizes: every matched rule with generate, the decoder families with both decoders; the
-# other decoder batch sizes: the decoder families only
+# the generation batch sizes: every matched rule with generate, the decoder families with both
+# decoders; the other decoder batch sizes: the decoder families only
 decoding = [time_decoding(model, prompts, matched.specs, speed, batches=gen_batches_here,
                           continuous=decoder_families)]
 more = [b for b in decoder_batches_here if b not in gen_batches_here]

@@ -125,7 +125,7 @@ task_work = str(Path(work_dir) / "depth_tasks")
 task_corpus = task_corpus_dir or str(Path(task_work) / "corpus")
 data_files = [at_root(f) for f in data_files]
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-keep_freed_memory()  # glibc reuses freed buffers: a pass's vocabulary-sized temporaries stop faulting in fresh pages
+keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
 
 # %%
 t0 = time.time()

@@ -80,7 +80,7 @@ work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, dampi
     work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, damping_file
 )
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-keep_freed_memory()  # glibc reuses freed buffers: a pass's vocabulary-sized temporaries stop faulting in fresh pages
+keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
 
 # %%
 t0 = time.time()
