@@ -394,6 +394,12 @@ print(
 #   cost table: a pass over the weights), and generation writes the coda's keys/values at every loop a row is
 #   active. So `loop_cost_speedup` is an upper bound, and closing the gap needs rows whose exits do not wait
 #   for each other (continuous batching, the section below), not a faster loop.
+# - **Continuous batching** (the `continuous` rows of the generation profile with several rows): each core
+#   step runs one loop of every row at its own depth, but the rows whose tokens exit at that step run the
+#   coda, the head and the next token's prelude on their own, so per new token it makes more calls of small
+#   ops than the dense decoder (the `ops` column), each costing a few microseconds whatever its rows; once
+#   rows leave lockstep, attention gathers every item's keys/values and an exiting token's keys/values are
+#   copied into every later loop's slab (`gather / scatter`).
 # - **Noise**: on a 2-core machine single runs vary from round to round, so ratios near a threshold are within
 #   noise; the tables report medians over `rounds` interleaved rounds, with their `spread`.
 # - **bf16**: the section below measures it on this machine; the rules' readout statistics stay fp32, and the
@@ -413,7 +419,9 @@ if not profile.startswith("smoke"):
     display(by_kind(kinds))
     display(ops.round(3))
     for rows in gen_batches:
-        gen_kinds, _ = profile_generation(model, windows[:rows, :prompt_len], named, speed)
+        gen_kinds, _ = profile_generation(
+            model, windows[:rows, :prompt_len], named, speed, continuous=rows > 1
+        )
         print(f"generation, {rows} row(s), {new_tokens} new tokens:")
         display(by_kind(gen_kinds))
 

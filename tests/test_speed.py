@@ -459,6 +459,8 @@ def test_profile_generation_variants(model, windows, cfg, capfd):
         assert g[g.kind != "total"].ms.sum() == pytest.approx(g[g.kind == "total"].ms.iloc[0], rel=1e-6)
         assert "matmul" in set(g.kind)
     assert ops.groupby("variant").size().le(5).all() and ops.calls.gt(0).all()
+    kinds, _ = profile_generation(model, windows[:2, :6], rules[:1], cfg, top=5, continuous=True)
+    assert list(dict.fromkeys(kinds.variant))[-1] == f"continuous {rules[0]}"
 
 
 def test_self_cpu_ms_is_what_key_averages_gives(model, windows):

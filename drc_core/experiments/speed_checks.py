@@ -34,6 +34,7 @@ from drc_core.experiments.speed import (
     _on_device,
     _specs,
 )
+from drc_core.halting.continuous import generate_continuous
 from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform
 from drc_core.halting.skipping import skip_forward
@@ -241,11 +242,13 @@ def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[Ru
 
 
 def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
-                       cfg: SpeedConfig | None = None, *, top: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
+                       cfg: SpeedConfig | None = None, *, top: int = 8,
+                       continuous: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Where the time of generation goes: ``torch.profiler`` over ``new_tokens`` greedy tokens after ``prompt``
     (B, T0) with :func:`~drc_core.halting.generate.generate_fixed` at depth r (variant "uniform=r dense
-    decode"), ``generate`` with ``Uniform(r)`` and with each rule; same initial states as
-    :func:`time_generation`. Returns ``(kinds, ops)`` as :func:`profile_batched` does."""
+    decode"), ``generate`` with ``Uniform(r)`` and with each rule, and with ``continuous`` also
+    :func:`~drc_core.halting.continuous.generate_continuous` with each rule (variants "continuous <rule>"); same
+    initial states as :func:`time_generation`. Returns ``(kinds, ops)`` as :func:`profile_batched` does."""
     cfg = cfg or SpeedConfig()
     _memory(cfg)
     prompt, s0 = _decode_setup(model, prompt, cfg)
@@ -254,9 +257,13 @@ def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[
         model.eval()
         variants: dict[str, Callable[[], object]] = {
             f"uniform={r} dense decode": lambda: generate_fixed(model, prompt, n, r, state=s0)}
-        for spec in [RuleSpec("uniform", float(r), Uniform(r)), *_specs(rules, r)]:
+        specs = _specs(rules, r)
+        for spec in [RuleSpec("uniform", float(r), Uniform(r)), *specs]:
             variants[str(spec.rule)] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
                                                                        fused=cfg.fused)
+        for spec in specs if continuous else []:
+            variants[f"continuous {spec.rule}"] = lambda rule=spec.rule: generate_continuous(
+                model, prompt, n, rule, states=s0, fused=cfg.fused, keep_logits=False)
         return _profile(variants, top)
 
 
