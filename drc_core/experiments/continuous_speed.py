@@ -53,7 +53,8 @@ def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
     dense decoder), ``honest_flops`` (per new token), ``flop_speedup`` (the dense decoder's honest FLOPs over
     the path's), ``realization`` (x_dense / flop_speedup), ``same_as_generate`` (continuous only: every request's
     tokens and exit loops equal ``generate``'s), ``spread`` and ``steps`` (core steps of the continuous decode
-    phase)."""
+    phase). (:func:`~drc_core.experiments.decode_speed.time_decoding`, which also gives the generation table of the
+    same timing.)"""
     return time_decoding(model, prompt, rules, cfg, batches=batches, log=log).decoders
 
 

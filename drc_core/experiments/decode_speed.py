@@ -7,6 +7,9 @@ module shares).
   halting machinery) against :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` and with each matched
   rule: same prompts, same number of new tokens, greedy. Time per step = (time of n new tokens - time of 1) /
   (n - 1), so the prompt pass drops out; tokens/s = rows / time per step.
+- :func:`time_decoding`: one interleaved timing per batch size that gives both :func:`time_generation`'s table and
+  :func:`~drc_core.experiments.continuous_speed.time_decoders`' (with continuous depth batching for the rules
+  asked), so that a book showing both times each decoder once.
 - :func:`decode_loop_cost`: the time of one loop of the decoder against the number of rows it runs (a fixed cost
   plus a per-row cost), and :func:`decode_prediction`: the speed-up that cost model predicts for each rule.
 """
