@@ -125,7 +125,11 @@ def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
     t0 = prompt.shape[1]
     uniform = RuleSpec("uniform", float(r), Uniform(r))
     specs = [uniform, *_specs(rules, r)]
-    both = [sp for sp in specs if continuous is None or sp.family in continuous or (sp is uniform and continuous)]
+
+    def timed_continuously(sp: RuleSpec) -> bool:
+        return continuous is None or sp.family in continuous or (sp is uniform and len(continuous) > 0)
+
+    both = [sp for sp in specs if timed_continuously(sp)]
     generation, decoders = [], []
     with torch.inference_mode():
         model.eval()
@@ -137,7 +141,7 @@ def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
             for spec in specs:
                 calls[f"gen {spec.rule}"] = lambda new, p=p, s=s, rule=spec.rule: generate(
                     model, p, new, rule, state=s[:, : t0 + new], fused=cfg.fused)
-                if spec in both:
+                if timed_continuously(spec):  # (not `spec in both`: that compares rules by value)
                     calls[f"cont {spec.rule}"] = lambda new, p=p, s=s, rule=spec.rule: generate_continuous(
                         model, p, new, rule, states=s[:, : t0 + new], fused=cfg.fused, keep_logits=False)
             for call in calls.values():  # warm-up: the prompt pass and one decode step
