@@ -50,10 +50,10 @@ test-slow: venv
 book: book-run book-html
 
 book-run: data
-	$(PY) -m drc_core.book run --profile $(PROFILE) $(if $(RETRAIN),--set retrain=true)
+	$(PY) -m drc_book run --profile $(PROFILE) $(if $(RETRAIN),--set retrain=true)
 
 book-html: venv
-	$(PY) -m drc_core.book build --profile $(PROFILE)
+	$(PY) -m drc_book build --profile $(PROFILE)
 
 # JupyterLab from the venv on 127.0.0.1, at the repository root (book/*.py open as notebooks); extra options go in
 # LAB_ARGS, e.g. `make lab LAB_ARGS="--port 8890 --no-browser"`. As root (containers) it needs --allow-root.

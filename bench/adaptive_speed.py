@@ -4,7 +4,7 @@
     .venv/bin/python bench/adaptive_speed.py --run data/reference --windows 64 --rounds 5 --json runs/bench/speed.json
     .venv/bin/python bench/adaptive_speed.py --run runs/cpu/final --families kl,state_delta,cosine --threads 2
 
-In one process (``drc_core.experiments.speed_report.run_speed``): each rule family's threshold is matched to
+In one process (``drc_book.speed_report.run_speed``): each rule family's threshold is matched to
 uniform depth r's validation cross-entropy (within ``--ce-tolerance`` nats, on the same windows:
 lowest-average-depth grid point, offline sweep checked online); then, interleaved over ``--rounds`` rounds with medians,
 
@@ -36,26 +36,26 @@ from pathlib import Path
 
 import torch
 
-from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.book.workspace import save_results
-from drc_core.data.sampler import Corpus
-from drc_core.errors import DrcError, run_cli
-from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
-from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction
-from drc_core.experiments.speed import (
+from drc_book.continuous_speed import decoder_targets, serving_latency, time_decoders
+from drc_book.decode_speed import decode_loop_cost, decode_prediction
+from drc_book.speed import (
     TARGET_MEASURE,
     TARGET_RATIO,
     SpeedConfig,
     matched_rules,
     skip_overhead,
 )
-from drc_core.experiments.speed_checks import (
+from drc_book.speed_checks import (
     anderson_configs,
     anderson_table,
     bf16_check,
     measurement_pass,
 )
-from drc_core.experiments.speed_report import SpeedReport, run_speed
+from drc_book.speed_report import SpeedReport, run_speed
+from drc_book.workspace import save_results
+from drc_core.analysis.measure import val_windows_with_docs
+from drc_core.data.sampler import Corpus
+from drc_core.errors import DrcError, run_cli
 from drc_core.halting.sweep import default_families
 from drc_core.model.lm import DepthRecurrentLM
 from drc_core.model.precision import bf16_support
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall (perf_counter) or cpu (process time: robust to other jobs with --threads 1)")
     ap.add_argument("--allocator", choices=("keep", "default"), default="keep",
-                    help="keep: glibc keeps freed memory for reuse while timing (drc_core.experiments.cost."
+                    help="keep: glibc keeps freed memory for reuse while timing (drc_book.cost."
                          "keep_freed_memory); default: glibc's own settings (fresh buffers fault, by luck of order)")
     ap.add_argument("--no-presets", action="store_true", help="do not time Huginn's presets")
     ap.add_argument("--no-profile", action="store_true", help="do not profile one batch")

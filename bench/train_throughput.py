@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from drc_core.experiments.cost import median, rotations, spread, train_flops_per_token
+from drc_book.cost import median, rotations, spread, train_flops_per_token
 from drc_core.model import precision
 from drc_core.model.lm import DepthRecurrentLM
 from drc_core.model.recurrence import RecurrenceSampler

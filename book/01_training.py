@@ -40,11 +40,11 @@ import time
 
 import pandas as pd
 
+from drc_book import viz
+from drc_book.cost import keep_freed_memory
+from drc_book.paths import at_root, results_for
+from drc_book.workspace import ensure_corpus, open_model, provide_model, save_results
 from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.book import viz
-from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import ensure_corpus, open_model, provide_model, save_results
-from drc_core.experiments.cost import keep_freed_memory
 from drc_core.training.evaluate import (
     depth_gain_by_step,
     loss_by_depth,

@@ -36,6 +36,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from drc_book import viz
+from drc_book.cost import keep_freed_memory
+from drc_book.paths import at_root, results_for
+from drc_book.workspace import open_study, save_results
 from drc_core.analysis.dynamics import (
     Dynamics,
     class_shares,
@@ -56,10 +60,6 @@ from drc_core.analysis.measure import (
     save_frame,
 )
 from drc_core.analysis.tokens import classify_sequence
-from drc_core.book import viz
-from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import open_study, save_results
-from drc_core.experiments.cost import keep_freed_memory
 from drc_core.halting.sweep import default_rules, token_exits
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
@@ -90,7 +90,7 @@ fig = viz.per_loop_figure(summary)
 Path(results_dir).mkdir(parents=True, exist_ok=True)
 fig.write_json(
     Path(results_dir) / "02_convergence_per_loop.figure.json"
-)  # the README's figure (drc_core.book figure)
+)  # the README's figure (drc_book figure)
 fig
 
 # %%

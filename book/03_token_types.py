@@ -35,11 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
+import drc_core
+from drc_book import viz
+from drc_book.paths import at_root, results_for
+from drc_book.workspace import save_results
 from drc_core.analysis.measure import convergence_depth, load_frame
 from drc_core.analysis.tokens import class_depth_summary, classify_sequence
-from drc_core.book import depth_explorer, viz
-from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import save_results
 from drc_core.data.sampler import Corpus
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
@@ -67,12 +68,12 @@ viz.class_depth_bars(by_class)
 # %% [markdown]
 # ## The per-token depth explorer
 # Each token of a validation passage coloured by its successive KL at loop *l* (drag the slider; press
-# play). In JupyterLab, `depth_explorer.DepthExplorer(frame, tokenizer).widget` gives the live version: a text box to
+# play). In JupyterLab, `drc_core.DepthExplorer(frame, tokenizer).widget` gives the live version: a text box to
 # trace any text of your own, a loop slider, a metric toggle (KL, state change, entropy, converged / still
 # updating), the passage as clickable tokens and the selected token's trajectory.
 
 # %%
-depth_explorer.depth_slider_figure(
+drc_core.depth_slider_figure(
     frame, explorer_window, tokenizer, eps=eps, max_tokens=explorer_tokens
 )
 
@@ -83,11 +84,11 @@ depth_explorer.depth_slider_figure(
 # %%
 from IPython.display import HTML, display  # noqa: E402
 
-from drc_core.book.workspace import open_model  # noqa: E402
+from drc_book.workspace import open_model  # noqa: E402
 
 model, cfg, _ = open_model(work_dir)
 HTML(
-    depth_explorer.token_strip_html(
+    drc_core.token_strip_html(
         frame,
         explorer_window,
         int(cfg.recurrence.mean),
@@ -106,7 +107,7 @@ if live_explorer:  # live in JupyterLab; the static book has the slider figure a
         """Any text through the studied model: its token x loop frame (drc_core.trace)."""
         return drc_core.trace(model, text, int(frame.loop.max()), tokenizer=tokenizer).frame
 
-    explorer = depth_explorer.DepthExplorer(
+    explorer = drc_core.DepthExplorer(
         frame, tokenizer, window=explorer_window, eps=eps, tracer=trace_text
     )
     display(explorer.widget)

@@ -57,11 +57,11 @@ import numpy as np
 import pandas as pd
 from IPython.display import display
 
+from drc_book import viz
+from drc_book.cost import keep_freed_memory
+from drc_book.paths import at_root, results_for
+from drc_book.workspace import open_study, save_results
 from drc_core.api import document_windows
-from drc_core.book import viz
-from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import open_study, save_results
-from drc_core.experiments.cost import keep_freed_memory
 from drc_core.halting.calibrate import loss_tables, min_units, validity, validity_summary
 from drc_core.halting.router import split_windows, trained_router_specs
 from drc_core.halting.sweep import (

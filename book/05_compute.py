@@ -14,7 +14,7 @@
 # Notebook 4 counted a halting rule's savings as the *FLOP proxy* `r / a`: uniform depth `r` against the
 # rule's average exit loop `a`, counting only the core (prelude and coda run once). Here we measure what
 # that becomes on the clock, at matched quality, on the same validation windows and in the same process
-# (`drc_core.experiments.speed`):
+# (`drc_book.speed`):
 #
 # - **batched evaluation**: `model(x, r)` (uniform depth, one readout) against
 #   `drc_core.halting.skipping.skip_forward`, which really skips the halted tokens: at loop `l` the core runs only
@@ -25,7 +25,7 @@
 #
 # ## The cost model
 # Matmul FLOPs per token (`block` one transformer block, `core = R·block + adapter`, `head = 2dV`; P, R, C
-# prelude/core/coda blocks; `drc_core.experiments.cost.matmul_flops_per_token`):
+# prelude/core/coda blocks; `drc_book.cost.matmul_flops_per_token`):
 #
 # | path | FLOPs per token |
 # |---|---|
@@ -83,14 +83,12 @@ import pandas as pd
 import torch
 from IPython.display import display
 
-from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.book import decode_viz, viz
-from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import open_study, save_results
-from drc_core.experiments.continuous_speed import decoder_targets, serving_latency
-from drc_core.experiments.cost import flop_parts, keep_freed_memory, matmul_flops_per_token
-from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction, time_decoding
-from drc_core.experiments.speed import (
+from drc_book import decode_viz, viz
+from drc_book.continuous_speed import decoder_targets, serving_latency
+from drc_book.cost import flop_parts, keep_freed_memory, matmul_flops_per_token
+from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_decoding
+from drc_book.paths import at_root, results_for
+from drc_book.speed import (
     TARGET_RATIO,
     SpeedConfig,
     matched_rules,
@@ -101,7 +99,7 @@ from drc_core.experiments.speed import (
     targets_met,
     time_batched,
 )
-from drc_core.experiments.speed_checks import (
+from drc_book.speed_checks import (
     anderson_configs,
     anderson_table,
     bf16_check,
@@ -110,6 +108,8 @@ from drc_core.experiments.speed_checks import (
     profile_batched,
     profile_generation,
 )
+from drc_book.workspace import open_study, save_results
+from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.halting.sweep import default_families
 from drc_core.model.precision import bf16_support
 
@@ -147,7 +147,7 @@ print(
 
 # %% [markdown]
 # ### The cost model on this model
-# FLOPs per token of each part (`drc_core.experiments.cost.flop_parts`), then the matmul speed-up over
+# FLOPs per token of each part (`drc_book.cost.flop_parts`), then the matmul speed-up over
 # uniform depth `r` at a few average depths `a`: the readout term is what keeps a log-prob rule's
 # realisable speed-up small.
 
@@ -202,7 +202,7 @@ matched.table[
 # Huginn's exit criteria at its default thresholds (family `huginn`, not matched: their CE gap shows what
 # its settings give on our model). `ce` is the cross-entropy of exactly the outputs that were timed;
 # `honest_flops` the FLOPs per token of the work each run really did (core for the active tokens, the
-# readouts it performed, its vocabulary-sized statistics; `drc_core.experiments.cost.honest_flops`), beside
+# readouts it performed, its vocabulary-sized statistics; `drc_book.cost.honest_flops`), beside
 # the loop proxy `r / a`.
 
 # %%

@@ -92,18 +92,19 @@ import numpy as np
 import pandas as pd
 from IPython.display import display
 
+import drc_core
+from drc_book import known_depth as dt
+from drc_book import depth_viz, viz
+from drc_book.cost import keep_freed_memory
+from drc_book.handoff import KnownDepth
+from drc_book.paths import at_root, results_for
+from drc_book.report import known_depth_targets
+from drc_book.workspace import ensure_corpus, open_model, provide_model, save_results
 from drc_core.analysis.dynamics import Dynamics, class_shares, classify
 from drc_core.analysis.measure import measure_windows, val_windows_with_docs
-from drc_core.book import depth_explorer, depth_viz, viz
-from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import ensure_corpus, open_model, provide_model, save_results
 from drc_core.data.depth_tasks import SOURCE_NAME as TASK_SOURCE
 from drc_core.data.depth_tasks import DepthTaskConfig, generate_document
 from drc_core.data.sampler import Corpus
-from drc_core.experiments import depth_tasks as dt
-from drc_core.experiments.cost import keep_freed_memory
-from drc_core.experiments.handoff import KnownDepth
-from drc_core.experiments.report import known_depth_targets
 from drc_core.halting.calibrate import min_units, pass_loss_tables, validity, validity_summary
 from drc_core.halting.router import split_windows, trained_router_specs
 from drc_core.halting.sweep import (
@@ -496,7 +497,7 @@ cost.round(4)
 
 # %%
 explorer_frame = measure_windows(model, tw.windows[:1], max_loops)
-depth_explorer.depth_slider_figure(explorer_frame, 0, tokenizer, eps=eps, max_tokens=cfg.seq_len)
+drc_core.depth_slider_figure(explorer_frame, 0, tokenizer, eps=eps, max_tokens=cfg.seq_len)
 
 # %%
 ans0 = depths[depths.window == 0][["pos", "k", "family", "depth", "commit", "first_correct"]]

@@ -14,7 +14,7 @@
 # Claim by claim, the paper's number, ours on the reference model (with 95% bootstrap intervals over
 # documents where the notebook that measured it gives one), the mean and t-interval across seeds of a
 # smaller preset (the paper trained one seed), and whether they agree by a criterion stated in advance
-# (`drc_core.experiments.report.PAPER`). Then the paper's open question: does a model gain from loops beyond its
+# (`drc_book.report.PAPER`). Then the paper's open question: does a model gain from loops beyond its
 # training-mean depth? We train the small preset at mean depths 4, 8 and 12 and find where each model's
 # validation loss stops improving.
 
@@ -52,14 +52,11 @@ from pathlib import Path
 import pandas as pd
 from IPython.display import display
 
-from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.book import viz
-from drc_core.book.paths import at_root, results_for
-from drc_core.book.workspace import load_results, open_model, provide_run, save_results
-from drc_core.data.sampler import Corpus
-from drc_core.experiments.cost import keep_freed_memory
-from drc_core.experiments.handoff import Convergence, Halting, KnownDepth, TokenTypes, Training
-from drc_core.experiments.report import (
+from drc_book import viz
+from drc_book.cost import keep_freed_memory
+from drc_book.handoff import Convergence, Halting, KnownDepth, TokenTypes, Training
+from drc_book.paths import at_root, results_for
+from drc_book.report import (
     across_seeds,
     depth_curve,
     depth_gain_side_by_side,
@@ -73,6 +70,9 @@ from drc_core.experiments.report import (
     runs_table,
     scale_table,
 )
+from drc_book.workspace import load_results, open_model, provide_run, save_results
+from drc_core.analysis.measure import val_windows_with_docs
+from drc_core.data.sampler import Corpus
 from drc_core.training.evaluate import loss_by_depth
 from drc_core.training.rundir import open_run
 
@@ -110,7 +110,7 @@ def run(mean: float, s: int):
 # %% [markdown]
 # ## Our numbers on the reference model
 # Gathered from notebooks 1-4 (same windows, same ε, same definitions) through their typed records
-# (`drc_core.experiments.handoff`).
+# (`drc_book.handoff`).
 
 # %%
 ours, intervals, scale = ours_from(*handed, max_loops=max_loops)
@@ -264,7 +264,7 @@ grid = scale_table(scale_dir) if scale_dir and Path(scale_dir).is_dir() else pd.
 viz.number_table(grid) if len(grid) else "no depth-scale runs shipped"
 
 # %% [markdown]
-# What each lever changes, one change at a time (`drc_core.experiments.report.lever_effects`; `d` is changed
+# What each lever changes, one change at a time (`drc_book.report.lever_effects`; `d` is changed
 # run minus baseline, so a negative `d CE@R` is a better deep model). The depth-gain target asks for a gain
 # that comes from a better deep model, not a worse shallow one: `deep share` is the part of a gain increase
 # that the deep model's improvement accounts for (−`d CE@R` / `d gain`; below 0.5, mostly a worse one-loop

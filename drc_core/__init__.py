@@ -14,6 +14,9 @@ does not import the analysis and plotting layers):
 - halting rules by short name (:func:`make_rule`, :data:`RULE_FAMILIES`) and the rule classes: every class of
   the registry in :mod:`drc_core.halting.rules` (:func:`~drc_core.halting.rules.rule_classes`, the oracle
   included), looked up there on each use, so a rule defined later is exported too;
+- the per-token depth explorer: :class:`DepthExplorer` (live, ipywidgets), :func:`depth_slider_figure` (static,
+  a plotly slider) and :func:`token_strip_html` (one loop as coloured text), and :mod:`plotting`, the look it
+  shares with the book's figures;
 - :class:`DepthRecurrentLM`, :class:`ModelConfig`, :func:`open_run`, :class:`DrcError`;
 - :class:`RecurrentModel`, the protocol a model of your own implements to use the analysis and halting code,
   and :func:`iterate`, the loop they all run.
@@ -49,7 +52,12 @@ _EXPORTS = {
     "iterate": "drc_core.model.lm",
     "open_run": "drc_core.training.rundir",
     "DrcError": "drc_core.errors",
+    "DepthExplorer": "drc_core.explorer",
+    "depth_slider_figure": "drc_core.explorer",
+    "token_strip_html": "drc_core.explorer",
 }
+# public modules: ``from drc_core import plotting`` (the look the explorer and the book's figures share)
+_MODULES = {"plotting": "drc_core.plotting"}
 
 _RULES = "drc_core.halting.rules"  # its rule_classes(): the registered rule classes, exported under their names
 
@@ -64,9 +72,17 @@ def _submodules() -> set[str]:
 
 def __getattr__(name: str) -> Any:
     if name == "__all__":  # computed on use: the registry may grow (and importing it here would load torch)
-        return sorted({*_EXPORTS, *_rule_classes()})
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        return sorted({*_EXPORTS, *_MODULES, *_rule_classes()})
+    if name in _MODULES or name in _EXPORTS:
+        try:
+            module = importlib.import_module(_MODULES.get(name) or _EXPORTS[name])
+        except ImportError as exc:  # the explorer and plotting need the book extras (plotly, ipywidgets)
+            from drc_core.errors import DrcError
+
+            raise DrcError(f"drc_core.{name} needs the book extras ({exc}): pip install 'drc-book[book]'") from None
+        if name in _MODULES:
+            return module
+        value = getattr(module, name)
         globals()[name] = value
         return value
     # a dunder or a submodule (``from drc_core import errors`` asks here first) is not looked up in the registry,
@@ -77,4 +93,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, *_rule_classes()})
+    return sorted({*globals(), *_EXPORTS, *_MODULES, *_rule_classes()})

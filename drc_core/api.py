@@ -43,7 +43,7 @@ from drc_core.training.config import TrainConfig
 from drc_core.training.rundir import RunDir, open_run
 
 if TYPE_CHECKING:  # the explorer needs the book extras (plotly, ipywidgets): imported where one is made
-    from drc_core.book.depth_explorer import DepthExplorer
+    from drc_core.explorer import DepthExplorer
 
 __all__ = ["Generation", "Model", "Trace", "calibrate", "generate", "load", "trace"]
 
@@ -115,7 +115,7 @@ class Trace:
         """The live per-token depth explorer (JupyterLab widgets; display ``.widget``). Needs the book extras
         (``pip install drc-book[book]``: plotly, ipywidgets)."""
         try:
-            from drc_core.book.depth_explorer import DepthExplorer
+            from drc_core.explorer import DepthExplorer
         except ImportError as exc:
             raise DrcError(f"Trace.explorer needs the book extras ({exc}): pip install 'drc-book[book]'") from None
         return DepthExplorer(self.frame, self.tokenizer, window=0, eps=eps, max_tokens=max(len(self.ids), 1))

@@ -26,9 +26,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from drc_book.fixed_point import fixed_point_costs
 from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.data.sampler import Corpus
-from drc_core.experiments.fixed_point import fixed_point_costs
 from drc_core.model.anderson import PLAIN, AndersonConfig
 from drc_core.training.rundir import open_run
 

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from drc_core.api import load
-from drc_core.data.sampler import Corpus
-from drc_core.errors import DrcError, run_cli
-from drc_core.experiments.depth_tasks import (
+from drc_book.known_depth import (
     accuracy_by_k,
     answer_trajectories,
     copy_accuracy,
     corpus_task_windows,
 )
+from drc_core.api import load
+from drc_core.data.sampler import Corpus
+from drc_core.errors import DrcError, run_cli
 
 
 def newest(run: Path) -> Path:

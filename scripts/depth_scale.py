@@ -136,8 +136,8 @@ def run(name: str) -> None:
 
 
 def table() -> str:
-    """The grid (drc_core.experiments.report.scale_table) as a markdown table, in the order of RUNS."""
-    from drc_core.experiments.report import scale_table
+    """The grid (drc_book.report.scale_table) as a markdown table, in the order of RUNS."""
+    from drc_book.report import scale_table
 
     df = scale_table(DEST)
     df = df.loc[[n for n in RUNS if n in df.index] + sorted(set(df.index) - set(RUNS))]

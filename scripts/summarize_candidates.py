@@ -7,7 +7,7 @@ import sys
 
 import pandas as pd
 
-from drc_core.experiments.report import runs_table
+from drc_book.report import runs_table
 
 if __name__ == "__main__":
     root = sys.argv[1] if len(sys.argv) > 1 else "runs/candidates"

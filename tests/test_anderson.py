@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from drc_book.fixed_point import fixed_point_costs, seconds_per_eval
 from drc_core.analysis.measure import depth_from_successive_kl
 from drc_core.errors import DrcError
-from drc_core.experiments.fixed_point import fixed_point_costs, seconds_per_eval
 from drc_core.model.anderson import PLAIN, AndersonConfig, anderson_iterate, anderson_weights, evals_to_converge
 from drc_core.model.lm import iterate
 from drc_core.training.evaluate import loss_by_depth

@@ -1,4 +1,4 @@
-"""The book runner (drc_core.book): profiles, papermill execution, failures, the Jupyter Book build, and a real
+"""The book runner (drc_book): profiles, papermill execution, failures, the Jupyter Book build, and a real
 browser drawing a plotly figure of a built page.
 
 The fixture book (tests/book_fixtures) has a passing notebook, a failing one and one with a plotly figure. The
@@ -18,9 +18,9 @@ import nbformat
 import pytest
 import yaml
 
-from drc_core.book.paths import ROOT_ENV, RUN_ENV
-from drc_core.book.runner import build_book, find_browser, load_profiles, main, run_book, slowest_cells, toc_for
-from drc_core.book.runner import declared_parameters as declare
+from drc_book.paths import ROOT_ENV, RUN_ENV
+from drc_book.runner import build_book, find_browser, load_profiles, main, run_book, slowest_cells, toc_for
+from drc_book.runner import declared_parameters as declare
 from drc_core.errors import DrcError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_run_injects_only_declared_parameters(fixture_book: Path, capsys: pytest
     timings = run_book(spec, "p", "papermill_runs", only=["01_pass"], progress=False)
     assert "01_pass: done in" in (said := capsys.readouterr().out) and "slowest cells: #" in said
     assert set(timings) == {"01_pass"} and timings["01_pass"] > 0
-    # the runner tells the kernel that it runs the profile (drc_core.book.paths.RUN_ENV): results may go to the
+    # the runner tells the kernel that it runs the profile (drc_book.paths.RUN_ENV): results may go to the
     # committed results_dir only then
     assert json.loads(Path("res/01_pass.json").read_text()) == {"profile": "p", "n_windows": 3, "run": "p"}
     executed = Path("papermill_runs/p/01_pass.ipynb")
@@ -89,7 +89,7 @@ def test_executed_notebook_shows_the_parameters_once(fixture_book: Path) -> None
     """The runner presents each executed notebook for the book: papermill's injected cell is tagged remove-cell
     (Jupyter Book drops it) after its values went into the notebook's own parameters cell, which keeps its
     comments and is collapsed (hide-input); presenting again changes nothing."""
-    from drc_core.book.runner import present
+    from drc_book.runner import present
 
     run_book(load_profiles("book/profiles.toml"), "p", "papermill_runs", only=["01_pass"], progress=False)
     nb = nbformat.read("papermill_runs/p/01_pass.ipynb", as_version=4)
@@ -105,7 +105,7 @@ def test_executed_notebook_shows_the_parameters_once(fixture_book: Path) -> None
 
 
 def test_merge_parameters_keeps_comments_and_unchanged_values() -> None:
-    from drc_core.book.runner import _merge_parameters
+    from drc_book.runner import _merge_parameters
 
     source = ('checkpoint = "data/reference"  # "" = train here\nxs: list[str] = []\neps = 1e-3  # ε, see 02\n'
               "n = 64\nnested = {\n    'a': 1,\n}")
@@ -118,7 +118,7 @@ def test_merge_parameters_keeps_comments_and_unchanged_values() -> None:
 
 
 def test_landing_page_table_from_the_results(tmp_path: Path) -> None:
-    from drc_core.book.runner import reproduction_markdown
+    from drc_book.runner import reproduction_markdown
 
     assert "No reproduction table yet" in reproduction_markdown(tmp_path)
     (tmp_path / "07_reproduction.json").write_text(json.dumps({"table": [
@@ -344,7 +344,7 @@ def page_problems(pages: list[Path], shots: Path) -> dict[str, dict]:
 def test_render_png_draws_a_saved_figure(tmp_path: Path) -> None:
     import plotly.graph_objects as go
 
-    from drc_core.book.runner import render_png
+    from drc_book.runner import render_png
 
     chromium()  # skip without a browser
     fig_json = tmp_path / "f.figure.json"
@@ -366,7 +366,7 @@ def no_book_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_repo_root_walks_up_from_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        no_book_env: None) -> None:
-    from drc_core.book.paths import at_root, repo_root
+    from drc_book.paths import at_root, repo_root
 
     (tmp_path / "repo" / "book" / "deeper").mkdir(parents=True)
     (tmp_path / "repo" / "_config.yml").write_text("title: t\n")
@@ -426,8 +426,8 @@ def test_interactive_results_never_touch_the_committed_ones(tmp_path: Path, monk
     """Without the runner's RUN_ENV, results_for sends a results directory inside the repository to runs/lab/;
     save_results writes there, the committed file keeps its bytes, and load_results reads this session's result
     where there is one and the committed one otherwise."""
-    from drc_core.book.paths import committed_counterpart, results_for
-    from drc_core.book.workspace import load_results, save_results
+    from drc_book.paths import committed_counterpart, results_for
+    from drc_book.workspace import load_results, save_results
 
     repo = tmp_path / "repo"
     committed = repo / "papermill_runs" / "p" / "results"

@@ -199,8 +199,8 @@ def test_bad_arguments_are_one_line_errors(model, kwargs, match):
 
 
 def test_decoder_timing_table(model, rules):
-    from drc_core.experiments.continuous_speed import decoder_targets, serving_latency, time_decoders
-    from drc_core.experiments.speed import SpeedConfig
+    from drc_book.continuous_speed import decoder_targets, serving_latency, time_decoders
+    from drc_book.speed import SpeedConfig
 
     cfg = SpeedConfig(reference_loops=4, new_tokens=4, rounds=1, keep_freed=False)
     prompt = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(9))
@@ -223,8 +223,8 @@ def test_decoder_timing_table(model, rules):
 
 
 def test_one_timing_gives_both_decoder_tables(model, rules):
-    from drc_core.experiments.decode_speed import time_decoding, time_generation
-    from drc_core.experiments.speed import SpeedConfig
+    from drc_book.decode_speed import time_decoding, time_generation
+    from drc_book.speed import SpeedConfig
 
     cfg = SpeedConfig(reference_loops=4, new_tokens=4, rounds=1, keep_freed=False)
     prompt = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(9))

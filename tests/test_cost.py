@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from drc_core.experiments.cost import (
+from drc_book.cost import (
     interleaved,
     keep_freed_memory,
     median,

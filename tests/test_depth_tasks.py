@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
+from drc_book import known_depth as dt
 from drc_core.data.depth_tasks import (
     FAMILIES,
     DepthTaskConfig,
@@ -26,7 +27,6 @@ from drc_core.data.prepare import PrepareConfig, prepare
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec
 from drc_core.errors import DrcError
-from drc_core.experiments import depth_tasks as dt
 from drc_core.halting.rules import KLThreshold, Never
 from drc_core.halting.sweep import RuleSpec, offline_pass
 from drc_core.model.config import ModelConfig

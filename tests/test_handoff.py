@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from drc_book.handoff import HANDOFFS, Convergence, Halting, TokenTypes, Training
+from drc_book.report import ours_from
 from drc_core.errors import DrcError
-from drc_core.experiments.handoff import HANDOFFS, Convergence, Halting, TokenTypes, Training
-from drc_core.experiments.report import ours_from
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "papermill_runs" / "reference" / "results"

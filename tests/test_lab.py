@@ -34,7 +34,7 @@ import nbformat
 import pytest
 from jupytext.config import load_jupytext_configuration_file
 
-from drc_core.book.paths import ROOT_ENV, RUN_ENV
+from drc_book.paths import ROOT_ENV, RUN_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "book").glob("[0-9][0-9]_*.py"))
@@ -146,12 +146,12 @@ def lab_site(tmp_path: Path) -> Path:
     dir under the path the notebook's parameters name, and the prepared corpus (read only, via a link).
 
     The notebook's parameters are paths relative to the repository root and the kernel starts in book/: the
-    notebook resolves them with drc_core.book.paths.at_root, against $DRC_BOOK_ROOT, which the JupyterLab fixture
+    notebook resolves them with drc_book.paths.at_root, against $DRC_BOOK_ROOT, which the JupyterLab fixture
     points at this site (so nothing resolves against the real repository).
     """
     data = tmp_path / "smoke"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "drc_core.book", "--out", str(data / "runs"), "run", "--profile",
+    res = subprocess.run([sys.executable, "-m", "drc_book", "--out", str(data / "runs"), "run", "--profile",
                           "smoke", "--only", "01_training", "02_convergence", "--quiet", "--set",
                           f"work_dir={data / 'work'}", "--set", f"results_dir={data / 'results'}"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -227,7 +227,7 @@ def browser():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    from drc_core.book.runner import find_browser
+    from drc_book.runner import find_browser
 
     driver_path = shutil.which("chromedriver")
     chromium = find_browser()

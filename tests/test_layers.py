@@ -18,8 +18,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("training", ("drc_core.training",)),
     ("analysis", ("drc_core.analysis",)),
     ("halting", ("drc_core.halting",)),
-    ("experiments", ("drc_core.experiments",)),
-    ("book", ("drc_core.book",)),
+    ("explorer", ("drc_core.plotting", "drc_core.explorer")),
     ("api", ("drc_core.api", "drc_core")),
 )
 
@@ -165,7 +164,7 @@ def test_checker_sees_function_local_upward_imports_and_cycles(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(("mod", "layer"), [("drc_core.halting.skipping", "halting"),
-                                            ("drc_core.book.__main__", "book"), ("drc_core", "api"),
+                                            ("drc_core.explorer", "explorer"), ("drc_core", "api"),
                                             ("drc_core.errors", "base"), ("drc_core.model.lm", "model"),
                                             ("drc_core.training.train", "training")])
 def test_layer_lookup(mod: str, layer: str) -> None:

@@ -183,7 +183,7 @@ class Row:
     code: int = 2
 
 
-DATA, TRAIN, EVAL, BOOK = "drc_core.data", "drc_core.training.train", "drc_core.training.evaluate", "drc_core.book"
+DATA, TRAIN, EVAL, BOOK = "drc_core.data", "drc_core.training.train", "drc_core.training.evaluate", "drc_book"
 
 ROWS = [
     # ---- data prepare
@@ -338,7 +338,7 @@ ROWS = [
         lambda s: ["figure", str(s.run / "config.json"), str(s.run / "config.json")],
         ("exists and is not a PNG image", "choose a new file name")),
     Row("book-build-nothing-executed", BOOK, lambda s: ["--out", str(s.tmp / "pm"), "build", "--profile", "smoke"],
-        ("no executed notebook", "run `python -m drc_core.book run --profile smoke` first")),
+        ("no executed notebook", "run `python -m drc_book run --profile smoke` first")),
 ]
 
 

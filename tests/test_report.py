@@ -1,4 +1,4 @@
-"""The reproduction report's pieces (drc_core/experiments/report.py)."""
+"""The reproduction report's pieces (drc_book/report.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from drc_core.analysis.tokens import TokenClass
-from drc_core.data.tokenizer import train_bpe
-from drc_core.errors import DrcError
-from drc_core.experiments.handoff import Convergence, Cycles, Halting, Interval
-from drc_core.experiments.report import (
+from drc_book.handoff import Convergence, Cycles, Halting, Interval
+from drc_book.report import (
     PAPER,
     across_seeds,
     headline_numbers,
@@ -23,6 +20,9 @@ from drc_core.experiments.report import (
     reproduction_table,
     scale_table,
 )
+from drc_core.analysis.tokens import TokenClass
+from drc_core.data.tokenizer import train_bpe
+from drc_core.errors import DrcError
 
 
 def test_plateau_depth():
@@ -96,7 +96,7 @@ def test_headline_numbers_on_a_tiny_model(one_thread, tiny_model_factory, tmp_pa
 
 
 def test_table_intervals_and_explanations():
-    from drc_core.experiments.report import explain
+    from drc_book.report import explain
 
     ours = {"kl_2": 0.2, "kl_16": 2e-5, "median_depth": 4.0, "frac_updating": 0.03,
             "class_order": ["whitespace/newline", "content word"], "kl_rule_depth": 3.6, "router_depth": 7.0,
@@ -112,7 +112,7 @@ def test_table_intervals_and_explanations():
 
 
 def test_class_order_verdict_leaves_out_special_tokens() -> None:
-    from drc_core.experiments.report import _verdict
+    from drc_book.report import _verdict
 
     text, ok = _verdict("class_order", {"class_order": ["special", "whitespace", "function", "content"]})
     assert ok and text == "whitespace < function < content"
@@ -121,7 +121,7 @@ def test_class_order_verdict_leaves_out_special_tokens() -> None:
 
 
 def test_depth_curve_and_its_plateau_row():
-    from drc_core.experiments.report import depth_curve
+    from drc_book.report import depth_curve
 
     loss = {1: 4.0, 2: 3.5, 3: 3.3, 4: 3.301, 5: 3.302, 6: 3.299}
     curve, row = depth_curve(loss, 4, tol=0.005)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import drc_core
+from drc_book.speed import SpeedConfig
 from drc_core.errors import DrcError
-from drc_core.experiments.speed import SpeedConfig
 from drc_core.halting.rules import (
     RULE_FAMILIES,
     Acceleration,

@@ -1,5 +1,5 @@
 """Realized speedup: matched rules, timing frames, measurement-pass cost, and the benchmark script
-(drc_core/experiments/speed.py, bench/adaptive_speed.py). Behaviour only: no assertion depends on how fast anything
+(drc_book/speed.py, bench/adaptive_speed.py). Behaviour only: no assertion depends on how fast anything
 ran."""
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import pandas as pd
 import pytest
 import torch
 
-from drc_core.data import PrepareConfig, SourceSpec, prepare
-from drc_core.errors import DrcError, run_cli
-from drc_core.experiments.cost import VOCAB_STAT_FLOPS, flop_parts, matmul_flops_per_token
-from drc_core.experiments.decode_speed import decode_loop_cost, decode_prediction, time_generation
-from drc_core.experiments.fixed_point import fixed_point_costs
-from drc_core.experiments.speed import (
+from drc_book.cost import VOCAB_STAT_FLOPS, flop_parts, matmul_flops_per_token
+from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_generation
+from drc_book.fixed_point import fixed_point_costs
+from drc_book.speed import (
     TARGET_RATIO,
     SpeedConfig,
     matched_rules,
@@ -30,7 +28,7 @@ from drc_core.experiments.speed import (
     targets_met,
     time_batched,
 )
-from drc_core.experiments.speed_checks import (
+from drc_book.speed_checks import (
     anderson_configs,
     anderson_table,
     measurement_cost,
@@ -38,7 +36,9 @@ from drc_core.experiments.speed_checks import (
     measurement_summary,
     profile_generation,
 )
-from drc_core.experiments.speed_report import run_speed
+from drc_book.speed_report import run_speed
+from drc_core.data import PrepareConfig, SourceSpec, prepare
+from drc_core.errors import DrcError, run_cli
 from drc_core.halting.generate import generate
 from drc_core.halting.rules import KLThreshold, StateDelta
 from drc_core.training.evaluate import loss_by_depth
@@ -466,7 +466,7 @@ def test_profile_generation_variants(model, windows, cfg, capfd):
 def test_self_cpu_ms_is_what_key_averages_gives(model, windows):
     from torch.profiler import ProfilerActivity, profile
 
-    from drc_core.experiments.speed_checks import self_cpu_ms
+    from drc_book.speed_checks import self_cpu_ms
 
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
         generate(model, windows[:2, :6], 3, KLThreshold(1e-2, max_loops=6))  # redispatched ops (add_, div_) too
@@ -486,7 +486,7 @@ def test_bad_clock_and_rows_are_one_line():
 
 
 def test_bf16_check_rows(model, windows, cfg):
-    from drc_core.experiments.speed_checks import bf16_check
+    from drc_book.speed_checks import bf16_check
 
     frame, kl = bf16_check(model, windows[:4], [KLThreshold(1e-2, max_loops=6)], cfg)
     assert list(frame.precision) == ["fp32", "bf16", "fp32", "bf16"]

@@ -1,4 +1,4 @@
-"""Figures and the per-token depth explorer (drc_core.book.viz), on a real frame of the tiny model and a tiny BPE."""
+"""Figures and the per-token depth explorer (drc_book.viz), on a real frame of the tiny model and a tiny BPE."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
+import drc_core
+from drc_book import viz
+from drc_core import explorer
 from drc_core.analysis.measure import convergence_depth, measure_windows, per_loop_summary
 from drc_core.analysis.tokens import class_depth_summary, token_texts
-from drc_core.book import depth_explorer, viz
 from drc_core.data.tokenizer import train_bpe
 from drc_core.errors import DrcError
 
@@ -191,7 +193,7 @@ def test_token_texts_decode_each_id(tok):
 
 
 def test_slider_figure_one_frame_per_loop_coloured_by_log_kl(frame, tok):
-    fig = depth_explorer.depth_slider_figure(frame, 1, tok, eps=EPS, max_tokens=20)
+    fig = drc_core.depth_slider_figure(frame, 1, tok, eps=EPS, max_tokens=20)
     assert [f.name for f in fig.frames] == [str(lp) for lp in range(1, L + 1)]
     assert len(fig.layout.sliders[0].steps) == L and fig.layout.sliders[0].active == 1  # opens at loop 2
     kl = token_rows(frame, 1, "kl")[:20]
@@ -211,14 +213,14 @@ def test_slider_figure_one_frame_per_loop_coloured_by_log_kl(frame, tok):
         assert s[0] == 0 and np.all(s[1:] == s[:-1] + w[:-1])
     status = {c[2] for f in fig.frames for c in f.data[0].customdata}
     assert status <= {"converged", "still updating"}
-    entropy = depth_explorer.depth_slider_figure(frame, 1, tok, metric="entropy", max_tokens=20)
+    entropy = drc_core.depth_slider_figure(frame, 1, tok, metric="entropy", max_tokens=20)
     np.testing.assert_allclose(entropy.frames[0].data[0].marker.color,
                                np.round(token_rows(frame, 1, "entropy")[:20, 0], 3), atol=1e-9)
 
 
 def test_slider_figure_stays_small(tok):
     big = synthetic_frame(n_pos=120, n_loops=32, vocab=tok.get_vocab_size())
-    fig = depth_explorer.depth_slider_figure(big, 0, tok, max_tokens=96)
+    fig = drc_core.depth_slider_figure(big, 0, tok, max_tokens=96)
     assert len(fig.frames) == 32 and len(fig.data[0].x) == 96
     size = len(fig.to_json())
     assert size < 300_000, f"{size} bytes"
@@ -226,22 +228,22 @@ def test_slider_figure_stays_small(tok):
 
 
 def test_token_strip_html_escapes_and_follows_the_loop(frame, tok):
-    html2 = depth_explorer.token_strip_html(frame, 0, 2, tok, eps=EPS, max_tokens=T)
-    html_last = depth_explorer.token_strip_html(frame, 0, L, tok, eps=EPS, max_tokens=T)
+    html2 = drc_core.token_strip_html(frame, 0, 2, tok, eps=EPS, max_tokens=T)
+    html_last = drc_core.token_strip_html(frame, 0, L, tok, eps=EPS, max_tokens=T)
     assert html2 != html_last
     text_nodes = re.sub(r"<[^>]*>", "", html2)  # attribute values are escaped too, so tags end at their own >
     assert "<" not in text_nodes and ">" not in text_nodes
     assert "a &lt; b &amp; c &gt; d" in text_nodes
     assert html2.count("<span title=") == T
     assert "↵<br>" in html2  # the first line of TEXT ends at token 22 of window 0
-    assert viz.NAN_COLOR in depth_explorer.token_strip_html(frame, 0, 1, tok, eps=EPS, max_tokens=T)
+    assert viz.NAN_COLOR in drc_core.token_strip_html(frame, 0, 1, tok, eps=EPS, max_tokens=T)
 
 
 def test_token_strip_html_converged_mode_matches_convergence_depth(frame, tok):
     depths = convergence_depth(frame, EPS)
     d0 = depths[depths.window == 0].head(20)
     for lp in (2, 4, L):
-        out = depth_explorer.token_strip_html(frame, 0, lp, tok, eps=EPS, mode="converged", max_tokens=20)
+        out = drc_core.token_strip_html(frame, 0, lp, tok, eps=EPS, mode="converged", max_tokens=20)
         n_green = out.count(f"background:{viz.CONVERGED_COLOR};")
         assert n_green == int((d0.converged & (d0.depth <= lp)).sum())
         assert out.count(f"background:{viz.UPDATING_COLOR};") == 20 - n_green
@@ -253,7 +255,7 @@ def span_colors(strip_html: str) -> list[str]:
 
 
 def test_depth_explorer_headless(frame, tok):
-    ex = depth_explorer.DepthExplorer(frame, tok, window=2, eps=EPS, max_tokens=16)
+    ex = drc_core.DepthExplorer(frame, tok, window=2, eps=EPS, max_tokens=16)
     assert ex.slider.min == 1 and ex.slider.max == L and ex.slider.value == 2
     assert ex.slider.layout.width == "auto"  # stretched to the output: wide enough to hit every loop
     assert len(ex.token_buttons) == 16
@@ -262,16 +264,16 @@ def test_depth_explorer_headless(frame, tok):
         return [b.style.button_color for b in ex.token_buttons]
 
     # the passage is the token buttons, coloured as token_strip_html colours its spans; the header is its first line
-    strip = depth_explorer.token_strip_html(frame, 2, 2, tok, eps=EPS, max_tokens=16)
+    strip = drc_core.token_strip_html(frame, 2, 2, tok, eps=EPS, max_tokens=16)
     assert shown_colors() == span_colors(strip) and "loop 2 of 6" in ex.text.value and ex.text.value in strip
     ex.slider.value = 5
-    assert shown_colors() == span_colors(depth_explorer.token_strip_html(frame, 2, 5, tok, eps=EPS, max_tokens=16))
+    assert shown_colors() == span_colors(drc_core.token_strip_html(frame, 2, 5, tok, eps=EPS, max_tokens=16))
     assert shown_colors() != span_colors(strip)
     ex.metric.value = "state"
-    assert shown_colors() == span_colors(depth_explorer.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="state",
+    assert shown_colors() == span_colors(drc_core.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="state",
                                                               max_tokens=16))
     ex.metric.value = "converged"
-    assert shown_colors() == span_colors(depth_explorer.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="converged",
+    assert shown_colors() == span_colors(drc_core.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="converged",
                                                               max_tokens=16))
     texts = token_texts(tok, frame[(frame.window == 2) & (frame.loop == 1)].token.to_numpy()[:16])
     assert [b.description for b in ex.token_buttons] == [t.replace("\n", "↵").replace(" ", "\u00a0") or "\u00a0"
@@ -302,7 +304,7 @@ def test_explorer_kl_floor_on_log_axes(frame, tok):
     sel = (noisy.window == 0) & (noisy.pos == 0)
     noisy.loc[sel & (noisy.loop == 3), "kl"] = -1.5e-7
     noisy.loc[sel & (noisy.loop == 4), "kl"] = 0.0
-    ex = depth_explorer.DepthExplorer(noisy, tok, window=0, eps=EPS, max_tokens=4)
+    ex = drc_core.DepthExplorer(noisy, tok, window=0, eps=EPS, max_tokens=4)
     kl = ex.trajectory.data[0]
     assert kl.y[2] == viz.LOG_FLOOR and kl.y[3] == viz.LOG_FLOOR and math.isnan(kl.y[0])
     assert kl.customdata[2] == pytest.approx(-1.5e-7)
@@ -324,8 +326,8 @@ def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
         return drc_core.trace(model, text, 8, tokenizer=tok).frame
 
     with pytest.raises(DrcError, match="needs tracer"):
-        depth_explorer.DepthExplorer(frame, tok, text="x")
-    ex = depth_explorer.DepthExplorer(frame, tok, window=1, eps=EPS, max_tokens=32, tracer=tracer)
+        drc_core.DepthExplorer(frame, tok, text="x")
+    ex = drc_core.DepthExplorer(frame, tok, window=1, eps=EPS, max_tokens=32, tracer=tracer)
     assert ex.widget.children[0].children == (ex.input, ex.trace_button)
     sentence = "The dog ran up the tree."
     ex.input.value = sentence  # what pressing Enter in the text box does
@@ -345,18 +347,18 @@ def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
     before = ex.passage
     ex.show_text("   ")
     assert ex.passage is before and "type a text" in ex.status.value
-    ex2 = depth_explorer.DepthExplorer(frame, tok, eps=EPS, tracer=tracer, text="a mat")
+    ex2 = drc_core.DepthExplorer(frame, tok, eps=EPS, tracer=tracer, text="a mat")
     assert calls[-1] == "a mat" and "".join(ex2.passage.texts) == "a mat"
 
 
 @pytest.mark.parametrize(("call", "message"), [
-    (lambda f, t: depth_explorer.token_strip_html(f, 99, 2, t), "window=99 is not in the frame"),
-    (lambda f, t: depth_explorer.token_strip_html(f, 0, L + 1, t), f"loop={L + 1} is out of range"),
-    (lambda f, t: depth_explorer.token_strip_html(f, 0, 2, t, mode="rainbow"), "unknown metric/mode 'rainbow'"),
-    (lambda f, t: depth_explorer.depth_slider_figure(f, 0, t, metric="converged"), "unknown metric/mode 'converged'"),
-    (lambda f, t: depth_explorer.depth_slider_figure(f, 0, t, max_tokens=0), "max_tokens=0 is invalid"),
-    (lambda f, t: depth_explorer.DepthExplorer(f.drop(columns="kl"), t), "lacks column 'kl'"),
-    (lambda f, t: depth_explorer.DepthExplorer(f, t, eps=0), "eps=0 is invalid"),
+    (lambda f, t: drc_core.token_strip_html(f, 99, 2, t), "window=99 is not in the frame"),
+    (lambda f, t: drc_core.token_strip_html(f, 0, L + 1, t), f"loop={L + 1} is out of range"),
+    (lambda f, t: drc_core.token_strip_html(f, 0, 2, t, mode="rainbow"), "unknown metric/mode 'rainbow'"),
+    (lambda f, t: drc_core.depth_slider_figure(f, 0, t, metric="converged"), "unknown metric/mode 'converged'"),
+    (lambda f, t: drc_core.depth_slider_figure(f, 0, t, max_tokens=0), "max_tokens=0 is invalid"),
+    (lambda f, t: drc_core.DepthExplorer(f.drop(columns="kl"), t), "lacks column 'kl'"),
+    (lambda f, t: drc_core.DepthExplorer(f, t, eps=0), "eps=0 is invalid"),
 ])
 def test_bad_input_is_one_clear_line(frame, tok, call, message):
     with pytest.raises(DrcError, match=message) as err:
@@ -379,34 +381,34 @@ def test_explorer_colours_by_the_per_token_dynamics(tok, tiny_model_factory, fra
 
     model = tiny_model_factory(tok.get_vocab_size(), core_scale=3.0)
     tr = drc_core.trace(model, "The dog ran after the cat, and the cat ran up the tree.", 12, tokenizer=tok)
-    ex = depth_explorer.DepthExplorer(tr.frame, tok, eps=EPS)
+    ex = drc_core.DepthExplorer(tr.frame, tok, eps=EPS)
     values = [v for _, v in ex.metric.options]
     assert values == ["kl", "state", "entropy", "contraction", "commit", "class", "converged"]
     per_token = tr.dynamics()
     ex.metric.value = "class"
     colours = [b.style.button_color for b in ex.token_buttons]
-    assert colours == [depth_explorer.CLASS_COLORS[c] for c in per_token["dyn_class"]]
-    assert colours == span_colors(depth_explorer.token_strip_html(tr.frame, 0, 2, tok, eps=EPS, mode="class"))
+    assert colours == [explorer.CLASS_COLORS[c] for c in per_token["dyn_class"]]
+    assert colours == span_colors(drc_core.token_strip_html(tr.frame, 0, 2, tok, eps=EPS, mode="class"))
     assert "oscillating" in ex.text.value and per_token["dyn_class"][0] in ex.token_buttons[0].tooltip
     for mode in ("commit", "contraction"):
         ex.metric.value = mode
         ex.slider.value = 6
         assert [b.style.button_color for b in ex.token_buttons] == span_colors(
-            depth_explorer.token_strip_html(tr.frame, 0, 6, tok, eps=EPS, mode=mode))
+            drc_core.token_strip_html(tr.frame, 0, 6, tok, eps=EPS, mode=mode))
     commit = per_token["commit_loop"].to_numpy()
     ex.metric.value = "commit"
     first = [b.style.button_color for b, c in zip(ex.token_buttons, commit, strict=True) if c == commit.min()]
     assert len(set(first)) == 1  # one commit loop, one colour
     assert f"commits at loop {commit[0]}" in ex.token_buttons[0].tooltip
-    fig = depth_explorer.depth_slider_figure(tr.frame, 0, tok, eps=EPS, metric="contraction")
+    fig = drc_core.depth_slider_figure(tr.frame, 0, tok, eps=EPS, metric="contraction")
     assert len(fig.frames) == 12
     # the measured frame has none of these: the options stay the statistics, a request is refused
-    plain = depth_explorer.DepthExplorer(frame, tok, window=0, eps=EPS, max_tokens=8)
+    plain = drc_core.DepthExplorer(frame, tok, window=0, eps=EPS, max_tokens=8)
     assert [v for _, v in plain.metric.options] == ["kl", "state", "entropy", "converged"]
     with pytest.raises(DrcError, match="needs the frame's 'dyn_class' column"):
-        depth_explorer.token_strip_html(frame, 0, 2, tok, mode="class")
+        drc_core.token_strip_html(frame, 0, 2, tok, mode="class")
     with pytest.raises(DrcError, match="unknown metric/mode 'class'"):
-        depth_explorer.depth_slider_figure(tr.frame, 0, tok, metric="class")
+        drc_core.depth_slider_figure(tr.frame, 0, tok, metric="class")
 
 
 def test_commit_vs_convergence_and_norm_figures():
@@ -423,7 +425,7 @@ def test_commit_vs_convergence_and_norm_figures():
 
 
 def test_decoder_bars_one_bar_per_path_and_a_flop_marker():
-    from drc_core.book.decode_viz import decoder_bars
+    from drc_book.decode_viz import decoder_bars
 
     table = pd.DataFrame([
         {"batch": b, "rule": rule, "path": path, "x_dense": x, "flop_speedup": f, "avg_loops": 4.0,

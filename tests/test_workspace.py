@@ -1,4 +1,4 @@
-"""The book's artifacts: corpus, studied model, side runs and results files (drc_core/book/workspace.py)."""
+"""The book's artifacts: corpus, studied model, side runs and results files (drc_book/workspace.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from drc_core.book.workspace import ensure_corpus, load_results, open_model, provide_model, provide_run, save_results
+from drc_book.workspace import ensure_corpus, load_results, open_model, provide_model, provide_run, save_results
 from drc_core.errors import DrcError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,3 +1,3 @@
-"""Layer 3, analysis: per-loop statistics (``loops``), per-token x loop measurement frames, convergence
+"""The analysis layer: per-loop statistics (``loops``), per-token x loop measurement frames, convergence
 depth and bootstrap intervals (``measure``), token types (``tokens``). Imports data, model and training
 only."""

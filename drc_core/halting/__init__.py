@@ -1,4 +1,4 @@
-"""Layer 4, halting: the rules (``rules``), the masked reference forward, offline replay and the oracle
+"""The halting layer: the rules (``rules``), the masked reference forward, offline replay and the oracle
 (``reference``), the compute-skipping forward
 (``skipping``, built from ``kvlayout``, ``loopstats`` and ``work``), KV-cached generation with per-token exits
 (``generate``) and with continuous depth batching (``continuous``), learned routers (``router``),

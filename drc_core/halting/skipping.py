@@ -48,7 +48,7 @@ the head runs once at the end on every token, as in the dense forward). A rule w
 ``reads=None`` (routers, rules of your own) gets every statistic in the (B, T) layout, as before.
 
 Work actually done is counted (:class:`Work`: token passes through the core, full blocks, key/value-only
-projections, the head and the vocabulary-sized statistics); :func:`drc_core.experiments.cost.honest_flops`
+projections, the head and the vocabulary-sized statistics); :func:`drc_book.cost.honest_flops`
 turns it into the honest FLOP count.
 
 Cost model (matmul FLOPs per token, ``block`` and ``head = 2 d V`` as in

@@ -1,4 +1,4 @@
-"""The work a skipping run actually did, counted as it runs; :func:`drc_core.experiments.cost.honest_flops`
+"""The work a skipping run actually did, counted as it runs; :func:`drc_book.cost.honest_flops`
 prices it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class Work:
     projected their coda keys/values as context), ``head`` (readouts through the final norm and the head) and
     ``vocab_stats`` (token-loops x vocabulary-sized passes: the softmax and what the rule reads, three passes for
     min-p KL), and
-    ``tokens`` (the tokens processed). :func:`drc_core.experiments.cost.honest_flops` prices them."""
+    ``tokens`` (the tokens processed). :func:`drc_book.cost.honest_flops` prices them."""
 
     core: int = 0
     blocks: int = 0

@@ -10,7 +10,7 @@ What is where:
   (:func:`drc_core.analysis.tokens.class_depth_summary`);
 - halting and compute: :func:`quality_vs_depth` (quality against average exit loop per rule family, as
   :func:`drc_core.halting.sweep.summarize` gives it), :func:`speedup_bars` (FLOP-proxy vs wall-clock speed-ups);
-- the per-token depth explorer: :mod:`drc_core.book.depth_explorer`.
+- the per-token depth explorer: :mod:`drc_core.explorer`.
 
 Every figure uses the ``plotly_white`` template; none is a ``FigureWidget`` (executed notebooks stay small).
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -27,11 +26,10 @@ import plotly.colors as pcolors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from drc_core.errors import DrcError, need_int
+from drc_core import DrcError, plotting
+from drc_core.errors import need_int
 
 __all__ = [
-    "LOG_FLOOR",
-    "NAN_COLOR",
     "class_depth_bars",
     "depth_histogram",
     "loss_curves",
@@ -44,39 +42,9 @@ __all__ = [
     "norm_by_loop",
 ]
 
-TEMPLATE = "plotly_white"
-HEIGHT = 400
-LOG_FLOOR = 1e-10  # log-scale colours clip smaller values (and zeros) to this
-NAN_COLOR = "#d9d9d9"  # tokens without a value at a loop (successive KL / state change at loop 1)
-CONVERGED_COLOR = "#a6dba0"
-UPDATING_COLOR = "#f4a582"
-_PALETTE = pcolors.qualitative.Plotly
-_KL_SCALE = ("#1a9850", "#ffffbf", "#d73027")  # low (converged) -> eps -> high (still changing)
-_SEQ_SCALE = "YlOrRd"
-_LINE_CHARS = 72  # characters per row of the passage layout
-_TRAJECTORY_HEIGHT = 340  # px, the live explorer's trajectory figure
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Small shared helpers
-
-
-def _style(fig: go.Figure, title: str, height: int = HEIGHT, **layout) -> go.Figure:
-    layout.setdefault("margin", {"l": 60, "r": 30, "t": 60, "b": 50})
-    fig.update_layout(template=TEMPLATE, title=title, height=height, **layout)
-    return fig
-
-
-def _need_columns(df: object, columns: Sequence[str], what: str) -> pd.DataFrame:
-    """A DataFrame with ``columns``, else one-line DrcError naming the first missing column and the source."""
-    if not isinstance(df, pd.DataFrame):
-        raise DrcError(f"expected a pandas DataFrame ({what}); got {type(df).__name__}")
-    missing = [c for c in columns if c not in df.columns]
-    if missing:
-        raise DrcError(f"the table lacks column {missing[0]!r} (has {list(map(str, df.columns))}); pass {what}")
-    if len(df) == 0:
-        raise DrcError(f"the table is empty; pass {what}")
-    return df
+_PALETTE, _style, _need_columns = plotting.PALETTE, plotting.style, plotting.need_columns
+HEIGHT, LOG_FLOOR, NAN_COLOR = plotting.HEIGHT, plotting.LOG_FLOOR, plotting.NAN_COLOR
+CONVERGED_COLOR, UPDATING_COLOR = plotting.CONVERGED_COLOR, plotting.UPDATING_COLOR
 
 
 def _rgba(color: str, alpha: float) -> str:
@@ -143,7 +111,7 @@ def loss_curves(metrics: pd.DataFrame) -> go.Figure:
     Each training step ran at its own sampled depth; the validation lines are fixed depths. When there are
     validation rows the y range is zoomed to them (the first training steps lie above; autoscale shows all).
     """
-    _need_columns(metrics, ("step", "loss"), "metrics.jsonl as a frame (drc_core.book.workspace.open_model)")
+    _need_columns(metrics, ("step", "loss"), "metrics.jsonl as a frame (drc_book.workspace.open_model)")
     kind = metrics["kind"] if "kind" in metrics.columns else pd.Series("train", index=metrics.index)
     train = metrics[kind == "train"].dropna(subset=["step", "loss"]).sort_values("step")
     evals = metrics[kind == "eval"].dropna(subset=["step", "loss"])
@@ -382,7 +350,7 @@ def commit_vs_convergence(commit, depth, max_loops: int) -> go.Figure:
     loops = np.arange(1, max_loops + 1)
     with np.errstate(divide="ignore"):
         z = np.where(share > 0, np.log10(share), np.nan)
-    fig = go.Figure(go.Heatmap(x=loops, y=loops, z=z, customdata=share, colorscale=_SEQ_SCALE,
+    fig = go.Figure(go.Heatmap(x=loops, y=loops, z=z, customdata=share, colorscale=plotting.SEQ_SCALE,
                                colorbar={"title": {"text": "log10 share"}},
                                hovertemplate="convergence depth %{x}<br>commit loop %{y}<br>%{customdata:.3%} of "
                                              "tokens<extra></extra>"))

@@ -1,6 +1,6 @@
 """Realized speedup of per-token halting in generation: the KV-cached decoder at fixed depth against the halting
 decoder, on the clock, beside the FLOP proxy and the honest FLOPs (the batched comparison is
-:mod:`drc_core.experiments.speed`, whose :class:`~drc_core.experiments.speed.SpeedConfig` and timing protocol this
+:mod:`drc_book.speed`, whose :class:`~drc_book.speed.SpeedConfig` and timing protocol this
 module shares).
 
 - :func:`time_generation`: :func:`~drc_core.halting.generate.generate_fixed` (the decoder at fixed depth r with no
@@ -8,7 +8,7 @@ module shares).
   rule: same prompts, same number of new tokens, greedy. Time per step = (time of n new tokens - time of 1) /
   (n - 1), so the prompt pass drops out; tokens/s = rows / time per step.
 - :func:`time_decoding`: one interleaved timing per batch size that gives both :func:`time_generation`'s table and
-  :func:`~drc_core.experiments.continuous_speed.time_decoders`' (with continuous depth batching for the rules
+  :func:`~drc_book.continuous_speed.time_decoders`' (with continuous depth batching for the rules
   asked), so that a book showing both times each decoder once.
 - :func:`decode_loop_cost`: the time of one loop of the decoder against the number of rows it runs (a fixed cost
   plus a per-row cost), and :func:`decode_prediction`: the speed-up that cost model predicts for each rule.
@@ -26,9 +26,9 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from drc_book.cost import Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
+from drc_book.speed import SpeedConfig, _memory, _on_device, _skip_path, _specs, _speed_columns
 from drc_core.errors import DrcError
-from drc_core.experiments.cost import Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
-from drc_core.experiments.speed import SpeedConfig, _memory, _on_device, _skip_path, _specs, _speed_columns
 from drc_core.halting.continuous import ContinuousResult, generate_continuous
 from drc_core.halting.generate import GenerationResult, generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform
@@ -77,7 +77,7 @@ def _decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> 
 class DecodeTimes:
     """The tables of one interleaved timing of the decoders (:func:`time_decoding`): ``generation`` (the
     :func:`time_generation` table of every batch size, column ``rows``) and ``decoders`` (the
-    :func:`~drc_core.experiments.continuous_speed.time_decoders` table of the rules timed on both decoders)."""
+    :func:`~drc_book.continuous_speed.time_decoders` table of the rules timed on both decoders)."""
 
     generation: pd.DataFrame
     decoders: pd.DataFrame
@@ -214,7 +214,7 @@ def _generation_rows(model: DepthRecurrentLM, specs: list[RuleSpec], kept: dict[
 def _decoder_rows(model: DepthRecurrentLM, specs: list[RuleSpec], kept: dict[str, dict[str, Any]],
                   times: dict[str, list[float]], step: dict[str, float], b: int, t0: int, n: int,
                   r: int) -> list[dict]:
-    """The :func:`~drc_core.experiments.continuous_speed.time_decoders` rows of one batch size (none without a
+    """The :func:`~drc_book.continuous_speed.time_decoders` rows of one batch size (none without a
     continuous decoder)."""
     if not specs:
         return []

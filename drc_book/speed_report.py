@@ -1,4 +1,4 @@
-"""Everything of :mod:`drc_core.experiments.speed` and :mod:`drc_core.experiments.speed_checks` in one call
+"""Everything of :mod:`drc_book.speed` and :mod:`drc_book.speed_checks` in one call
 (:func:`run_speed`), as ``bench/adaptive_speed.py`` runs it, and its record (:class:`SpeedReport`)."""
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 from torch import Tensor
 
-from drc_core.errors import DrcError
-from drc_core.experiments.cost import Log
-from drc_core.experiments.decode_speed import time_generation
-from drc_core.experiments.speed import (
+from drc_book.cost import Log
+from drc_book.decode_speed import time_generation
+from drc_book.speed import (
     Matched,
     SpeedConfig,
     _on_device,
@@ -21,7 +20,8 @@ from drc_core.experiments.speed import (
     speedup_table,
     time_batched,
 )
-from drc_core.experiments.speed_checks import measurement_cost, profile_batched
+from drc_book.speed_checks import measurement_cost, profile_batched
+from drc_core.errors import DrcError
 from drc_core.model.lm import DepthRecurrentLM
 
 __all__ = ["SpeedReport", "run_speed"]

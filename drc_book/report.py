@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 from scipy import stats as _stats
 
+from drc_book.handoff import Convergence, Halting, Interval, KnownDepth, TokenTypes, Training
 from drc_core.analysis.measure import convergence_depth, depth_summary, measure_windows, per_loop_summary
 from drc_core.analysis.tokens import class_depth_summary, classify_sequence
 from drc_core.errors import DrcError
-from drc_core.experiments.handoff import Convergence, Halting, Interval, KnownDepth, TokenTypes, Training
 from drc_core.halting.rules import KLThreshold
 from drc_core.halting.sweep import RuleSpec, matching_depth, summarize, sweep
 from drc_core.model.lm import DepthRecurrentLM
@@ -415,7 +415,7 @@ def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = S
         })
     if not rows:
         raise DrcError("no lever of the grid has both its runs: run scripts/depth_scale.py for the runs named in "
-                       "drc_core.experiments.report.SCALE_LEVERS")
+                       "drc_book.report.SCALE_LEVERS")
     return pd.DataFrame(rows).set_index("lever")
 
 

@@ -1,8 +1,8 @@
 """What else notebook 05 and ``bench/adaptive_speed.py`` measure beside the speed-ups of
-:mod:`drc_core.experiments.speed` (same :class:`~drc_core.experiments.speed.SpeedConfig`, same interleaved timing):
+:mod:`drc_book.speed` (same :class:`~drc_book.speed.SpeedConfig`, same interleaved timing):
 
 - :func:`measurement_cost`: what the 32-loop measurement pass costs against one depth-32 forward and a bare
-  every-loop readout pass (why "<= 1.2 x one forward" cannot hold as worded: see :mod:`drc_core.experiments.speed`);
+  every-loop readout pass (why "<= 1.2 x one forward" cannot hold as worded: see :mod:`drc_book.speed`);
 - :func:`profile_batched` / :func:`profile_generation`: where the time goes, by kind of op (``torch.profiler``);
 - :func:`bf16_check`: bf16 autocast against fp32 (time, exits, and the successive KL's relative error);
 - :func:`anderson_table`: Anderson acceleration of the core iteration.
@@ -19,13 +19,10 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from drc_core.analysis.loops import iterate_stats
-from drc_core.analysis.measure import measure_windows
-from drc_core.errors import DrcError
-from drc_core.experiments.cost import Log, interleaved, median, spread
-from drc_core.experiments.decode_speed import _decode_setup
-from drc_core.experiments.fixed_point import fixed_point_costs, seconds_per_eval
-from drc_core.experiments.speed import (
+from drc_book.cost import Log, interleaved, median, spread
+from drc_book.decode_speed import _decode_setup
+from drc_book.fixed_point import fixed_point_costs, seconds_per_eval
+from drc_book.speed import (
     TARGET_MEASURE,
     SpeedConfig,
     _batches,
@@ -34,6 +31,9 @@ from drc_core.experiments.speed import (
     _on_device,
     _specs,
 )
+from drc_core.analysis.loops import iterate_stats
+from drc_core.analysis.measure import measure_windows
+from drc_core.errors import DrcError
 from drc_core.halting.continuous import generate_continuous
 from drc_core.halting.generate import generate, generate_fixed
 from drc_core.halting.rules import HaltingRule, Uniform
@@ -348,11 +348,11 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
                    max_evals: int = 16, ref_loops: int = 32, at_evals: int = 8, batch_size: int = 16,
                    time_rounds: int = 3) -> pd.DataFrame:
     """One row per config: mean core evaluations per token until the successive KL stays below 1e-3 and 1e-5
-    (:func:`drc_core.experiments.fixed_point.fixed_point_costs`, ``max_evals`` evaluations, reference: plain
+    (:func:`drc_book.fixed_point.fixed_point_costs`, ``max_evals`` evaluations, reference: plain
     iteration at ``ref_loops``), CE and KL to the reference after ``at_evals`` evaluations, the mean successive KL
     at the last evaluation (``kl_prev_at_<max_evals>``: the KL floor, e.g. for the reference model's fixed-point
     target at 2R), and seconds per core evaluation on the first batch
-    (:func:`~drc_core.experiments.fixed_point.seconds_per_eval`, no readout).
+    (:func:`~drc_book.fixed_point.seconds_per_eval`, no readout).
     ``at_evals`` must not exceed ``max_evals``."""
     if not 1 <= at_evals <= max_evals:
         raise DrcError(f"at_evals={at_evals} must lie in 1..max_evals={max_evals}: compare the methods at an "

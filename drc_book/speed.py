@@ -15,10 +15,10 @@ same process, what that becomes on the clock:
 - :func:`time_batched`: ``model(x, r)`` (uniform depth r, one readout) against ``skip_forward`` with each
   matched rule, and against ``skip_forward`` with ``Uniform(r)`` (the skipping machinery's own overhead at
   equal depth), over the same windows with the same initial states.
-- generation (:mod:`drc_core.experiments.decode_speed`): the same comparison for the KV-cached decoder.
+- generation (:mod:`drc_book.decode_speed`): the same comparison for the KV-cached decoder.
 - honest FLOPs: every skipping run counts the work it did (:class:`~drc_core.halting.work.Work`),
-  priced by :func:`drc_core.experiments.cost.honest_flops`; ``wall_over_honest`` beside ``wall_over_proxy``;
-  :func:`speed_targets` checks the speed targets at matched quality; :mod:`drc_core.experiments.speed_checks` shows
+  priced by :func:`drc_book.cost.honest_flops`; ``wall_over_honest`` beside ``wall_over_proxy``;
+  :func:`speed_targets` checks the speed targets at matched quality; :mod:`drc_book.speed_checks` shows
   where the time goes, compares bf16 autocast with fp32, measures Anderson acceleration and what the 32-loop
   measurement pass costs (against one depth-32 forward and a bare pass that reads out at every loop).
 
@@ -28,7 +28,7 @@ reported times are medians over rounds, so load on a shared machine slows all va
 runs under ``torch.inference_mode()`` in eval mode.
 
 Why the clock falls short of the proxy (the cost model of :mod:`drc_core.halting.skipping`; ``block`` one transformer
-block, ``core = R * block + adapter``, ``head = 2 d V``; :func:`drc_core.experiments.cost.matmul_flops_per_token`)::
+block, ``core = R * block + adapter``, ``head = 2 d V``; :func:`drc_book.cost.matmul_flops_per_token`)::
 
     uniform depth r (forward)             (P + C) * block + r * core + head
     skip_forward, rule with log-probs     P * block + a * (core + C * block + head)   (+ a V-sized softmax per loop)
@@ -60,8 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.errors import DrcError, need_float, need_int
-from drc_core.experiments.cost import (
+from drc_book.cost import (
     CLOCKS,
     Log,
     honest_flops,
@@ -72,6 +71,7 @@ from drc_core.experiments.cost import (
     page_faults,
     spread,
 )
+from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import HaltingRule, Uniform, huginn_presets
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec, default_families, default_rules, matching_depth, summarize, sweep
@@ -114,10 +114,10 @@ class SpeedConfig:
     ``max_online_tries``: stricter grid points tried when the offline-matched one misses the target online.
     ``fused``: rules with log-probs compute their readout statistics with the compiled kernel
     (:func:`drc_core.halting.loopstats.fused_stats_kernel`; needs a C++ compiler). ``clock``: "wall" or "cpu"
-    (:func:`drc_core.experiments.cost.interleaved`). ``more_gen_rows``: further batch sizes for generation
+    (:func:`drc_book.cost.interleaved`). ``more_gen_rows``: further batch sizes for generation
     (e.g. (8,)). ``presets``: also time Huginn's presets in batched evaluation. ``profile``: also profile one
     batch (:func:`profile_batched`). ``keep_freed``: before timing, make glibc keep freed memory for reuse
-    (:func:`drc_core.experiments.cost.keep_freed_memory`, for the whole process), so that no variant pays page
+    (:func:`drc_book.cost.keep_freed_memory`, for the whole process), so that no variant pays page
     faults on fresh buffers by the luck of its allocation order.
     """
 
@@ -311,9 +311,9 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     (mean next-token CE of exactly the timed outputs), ``ce_uniform``, ``ce_gap``, ``within_tolerance``,
     ``seconds`` (median over rounds for all windows), ``spread``, ``page_faults_per_batch`` (minor page faults,
     median over rounds), ``tokens_per_s``, ``proxy_speedup`` (r /
-    avg_loops), ``flop_speedup`` (:func:`~drc_core.experiments.cost.matmul_flops_per_token` ratio),
+    avg_loops), ``flop_speedup`` (:func:`~drc_book.cost.matmul_flops_per_token` ratio),
     ``wallclock_speedup`` and ``wall_over_proxy`` (target: >= 0.9), ``honest_flops`` (per token:
-    :func:`~drc_core.experiments.cost.honest_flops` of the work the run really did; the forward's
+    :func:`~drc_book.cost.honest_flops` of the work the run really did; the forward's
     ``flops_per_token(r, T)``), ``honest_speedup`` and ``wall_over_honest`` (target: >= 0.9).
     """
     cfg = cfg or SpeedConfig()
@@ -459,7 +459,7 @@ def preset_specs(cfg: SpeedConfig, taken: Sequence[RuleSpec] = ()) -> list[RuleS
 def speedup_table(*frames: pd.DataFrame) -> pd.DataFrame:
     """The non-baseline rows of :func:`time_batched` / :func:`time_generation` frames: ``setting``, ``rule``,
     ``avg_loops``, ``proxy_speedup``, ``flop_speedup``, ``wallclock_speedup``, ``wall_over_proxy`` (what
-    ``drc_core.book.viz.speedup_bars`` draws)."""
+    ``drc_book.viz.speedup_bars`` draws)."""
     cols = ["setting", "rule", "avg_loops", "proxy_speedup", "flop_speedup", "wallclock_speedup", "wall_over_proxy"]
     rows = pd.concat([f[~f.baseline] for f in frames], ignore_index=True)
     return rows[cols].assign(rule=rows.rule.astype(str)).reset_index(drop=True)

@@ -1,6 +1,6 @@
 """The numbers one notebook hands to a later one, as typed records: the only way notebook 07 reads 01-04 and 06.
 
-Each notebook writes its results as JSON (``drc_core.book.workspace.save_results``, integer keys become
+Each notebook writes its results as JSON (``drc_book.workspace.save_results``, integer keys become
 strings). A class here names the fields a later notebook reads from one of those files and parses them
 (:meth:`from_results`); a missing field is a one-line :class:`~drc_core.errors.DrcError` that names the
 notebook to re-run. ``tests/test_handoff.py`` checks that every field is among the keys the producing

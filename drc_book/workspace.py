@@ -9,7 +9,7 @@ place that knows their layout:
   ``metrics.jsonl`` and ``source.json`` (where it came from: a shipped checkpoint or a training run);
 - ``work_dir/train/``: a training run made by the book (resumable, :func:`drc_core.training.train.train`);
 - ``results_dir/<notebook>.json``: what :func:`save_results` wrote (the committed ``papermill_runs/<profile>/results``
-  only in a book-runner run; interactive runs write under ``runs/lab/``, see :mod:`drc_core.book.paths`).
+  only in a book-runner run; interactive runs write under ``runs/lab/``, see :mod:`drc_book.paths`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from drc_book.paths import committed_counterpart
 from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.book.paths import committed_counterpart
 from drc_core.data.depth_tasks import DepthTaskConfig
 from drc_core.data.prepare import PrepareConfig, prepare
 from drc_core.data.sampler import Corpus
@@ -180,7 +180,7 @@ def save_results(results_dir: str | Path, name: str, results: dict[str, Any]) ->
 
 def load_results(results_dir: str | Path, name: str) -> dict[str, Any]:
     """Read ``results_dir/<name>.json``; a missing file names the notebook to run. For an interactive run's
-    results directory (under ``runs/lab/``, :func:`drc_core.book.paths.results_for`) a notebook this session has
+    results directory (under ``runs/lab/``, :func:`drc_book.paths.results_for`) a notebook this session has
     not run yet is read from the committed results it stands for."""
     path = Path(results_dir) / f"{name}.json"
     committed = committed_counterpart(results_dir)

@@ -1,5 +1,5 @@
 """Figures of the known-depth chapter (answers of :mod:`drc_core.data.depth_tasks`, measured by
-:mod:`drc_core.experiments.depth_tasks`): accuracy by required lookups and loop, and where each measure of depth
+:mod:`drc_book.known_depth`): accuracy by required lookups and loop, and where each measure of depth
 lands for answers of each ``k``."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from drc_core.book.viz import _PALETTE, _band, _need_columns, _style
+from drc_book.viz import _PALETTE, _band, _need_columns, _style
 
 __all__ = ["accuracy_heatmap", "depth_by_k_figure"]
 
 
 def accuracy_heatmap(acc: pd.DataFrame, value: str = "acc", title: str = "") -> go.Figure:
     """Rows ``k`` (lookups the answer needs), columns loops; each cell the answers' ``value`` (``acc`` or ``ce``)
-    at that loop, from :func:`drc_core.experiments.depth_tasks.accuracy_by_k`. Hover shows the 95% interval."""
+    at that loop, from :func:`drc_book.known_depth.accuracy_by_k`. Hover shows the 95% interval."""
     _need_columns(acc, ("k", "loop", value, f"{value}_lo", f"{value}_hi", "n"),
-                  "the output of drc_core.experiments.depth_tasks.accuracy_by_k")
+                  "the output of drc_book.known_depth.accuracy_by_k")
     grid = acc.pivot(index="k", columns="loop", values=value)
     lo = acc.pivot(index="k", columns="loop", values=f"{value}_lo").to_numpy()
     hi = acc.pivot(index="k", columns="loop", values=f"{value}_hi").to_numpy()

@@ -11,7 +11,7 @@ layout (:func:`_wrap`), the per-window matrices (:class:`_Passage`) and the colo
 The successive KL is coloured by ``log10`` on a diverging scale whose middle (yellow) is ``eps``: green tokens are
 below the convergence threshold at that loop, red ones above. At loop 1 the successive KL and the state change are
 undefined (NaN in the frame: there is no previous loop); those tokens are drawn grey
-(:data:`~drc_core.book.viz.NAN_COLOR`). Values below :data:`~drc_core.book.viz.LOG_FLOOR` (and exact zeros) are
+(:data:`~drc_core.plotting.NAN_COLOR`). Values below :data:`~drc_core.plotting.LOG_FLOOR` (and exact zeros) are
 drawn at the floor. "Converged at loop l" means the token's convergence depth
 (:func:`drc_core.analysis.measure.convergence_depth`, the loop after which its successive KL stays below ``eps``) is
 <= l and the token did settle within the frame's loops. The live explorer renders its trajectory figure into an
@@ -33,20 +33,16 @@ import plotly.graph_objects as go
 
 from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth
 from drc_core.analysis.tokens import token_texts
-from drc_core.book.viz import (
-    _KL_SCALE,
-    _LINE_CHARS,
-    _PALETTE,
-    _SEQ_SCALE,
-    _TRAJECTORY_HEIGHT,
-    CONVERGED_COLOR,
-    LOG_FLOOR,
-    NAN_COLOR,
-    UPDATING_COLOR,
-    _need_columns,
-    _style,
-)
 from drc_core.errors import DrcError, need_eps, need_int
+from drc_core.plotting import CONVERGED_COLOR, LOG_FLOOR, NAN_COLOR, UPDATING_COLOR
+from drc_core.plotting import KL_SCALE as _KL_SCALE
+from drc_core.plotting import PALETTE as _PALETTE
+from drc_core.plotting import SEQ_SCALE as _SEQ_SCALE
+from drc_core.plotting import need_columns as _need_columns
+from drc_core.plotting import style as _style
+
+_LINE_CHARS = 72  # characters per row of the passage layout
+_TRAJECTORY_HEIGHT = 340  # px, the live explorer's trajectory figure
 
 __all__ = ["CLASS_COLORS", "DepthExplorer", "depth_slider_figure", "token_strip_html"]
 

@@ -4,14 +4,14 @@ step-synchronous :func:`~drc_core.halting.generate.generate` and continuous dept
 
 - :func:`time_decoders`: for each batch size, one interleaved timing of the three decoders for ``Uniform(r)``
   (the machinery's cost at equal depth) and each rule; tokens/s, the wall-clock speed-up over the dense
-  decoder, the honest-FLOP speed-up (:func:`drc_core.experiments.cost.honest_flops` of the work each path did)
+  decoder, the honest-FLOP speed-up (:func:`drc_book.cost.honest_flops` of the work each path did)
   and the **realization ratio** = wall-clock speed-up / honest-FLOP speed-up (1 = the clock gets all the
   compute the rule saves).
 - :func:`serving_latency`: requests queued behind a fixed number of slots; per-request latency percentiles of
   continuous depth batching (a finished row's slot takes the next request at once) against the step-synchronous
   decoder run batch after batch.
 
-Timing as in :mod:`drc_core.experiments.speed`: time per decode step = (time of n new tokens - time of 1) /
+Timing as in :mod:`drc_book.speed`: time per decode step = (time of n new tokens - time of 1) /
 (n - 1), medians over interleaved rounds, the same prompts and initial states for every variant.
 """
 
@@ -26,9 +26,9 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from drc_core.experiments.cost import Log, interleaved, median
-from drc_core.experiments.decode_speed import _decode_setup, time_decoding
-from drc_core.experiments.speed import RuleSpec, SpeedConfig
+from drc_book.cost import Log, interleaved, median
+from drc_book.decode_speed import _decode_setup, time_decoding
+from drc_book.speed import RuleSpec, SpeedConfig
 from drc_core.halting.continuous import generate_continuous
 from drc_core.halting.generate import generate
 from drc_core.halting.rules import HaltingRule
@@ -53,7 +53,7 @@ def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
     dense decoder), ``honest_flops`` (per new token), ``flop_speedup`` (the dense decoder's honest FLOPs over
     the path's), ``realization`` (x_dense / flop_speedup), ``same_as_generate`` (continuous only: every request's
     tokens and exit loops equal ``generate``'s), ``spread`` and ``steps`` (core steps of the continuous decode
-    phase). (:func:`~drc_core.experiments.decode_speed.time_decoding`, which also gives the generation table of the
+    phase). (:func:`~drc_book.decode_speed.time_decoding`, which also gives the generation table of the
     same timing.)"""
     return time_decoding(model, prompt, rules, cfg, batches=batches, log=log).decoders
 

@@ -14,7 +14,7 @@ Results: the committed ``papermill_runs/<profile>/results/`` is written only whe
 profile (it sets ``$DRC_BOOK_RUN`` to the profile's name for the kernels). In an interactive run
 :func:`results_for` sends a results directory inside the repository to the same path under ``runs/lab/``
 (untracked), and :func:`committed_counterpart` maps it back, so that reading a result that this interactive
-session has not written yet falls back to the committed one (:func:`drc_core.book.workspace.load_results`).
+session has not written yet falls back to the committed one (:func:`drc_book.workspace.load_results`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Figures of the decoder comparison (:mod:`drc_core.experiments.continuous_speed`): tokens per second of the
+"""Figures of the decoder comparison (:mod:`drc_book.continuous_speed`): tokens per second of the
 dense decoder, the step-synchronous decoder and continuous depth batching, per batch size and rule."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from drc_core.book.viz import _PALETTE, _need_columns, _style
+from drc_book.viz import _PALETTE, _need_columns, _style
 
 __all__ = ["decoder_bars"]
 
@@ -15,10 +15,10 @@ _PATH_ORDER = ("dense decode", "generate", "continuous")
 
 def decoder_bars(table: pd.DataFrame) -> go.Figure:
     """Wall-clock speed-up over the dense decoder (bars, one colour per path) for each (batch, rule) of a
-    :func:`~drc_core.experiments.continuous_speed.time_decoders` table; a marker at the honest-FLOP speed-up
+    :func:`~drc_book.continuous_speed.time_decoders` table; a marker at the honest-FLOP speed-up
     (what the clock would give if it followed the work) and a dotted line at 1."""
     _need_columns(table, ("batch", "rule", "path", "x_dense", "flop_speedup", "avg_loops", "tokens_per_s"),
-                  "the output of drc_core.experiments.continuous_speed.time_decoders")
+                  "the output of drc_book.continuous_speed.time_decoders")
     rows = table[table.path != "dense decode"]
     fig = go.Figure()
     for i, path in enumerate(p for p in _PATH_ORDER if p in set(rows.path)):
