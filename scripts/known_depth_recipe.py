@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
-from drc_core.api import load
-from drc_core.data.sampler import Corpus
-from drc_core.errors import DrcError, run_cli
-from drc_core.experiments.depth_tasks import (
+from drc_book.known_depth import (
     accuracy_by_k,
     answer_trajectories,
     copy_accuracy,
     corpus_task_windows,
 )
+from drc_core.api import load
+from drc_core.data.sampler import Corpus
+from drc_core.errors import DrcError, run_cli
 from drc_core.training.config import preset
 from drc_core.training.rundir import FINAL_DIR, WEIGHTS_FILE, open_run
 from drc_core.training.train import checkpoints as saved_checkpoints
@@ -53,10 +53,11 @@ PREPARE = [sys.executable, "-m", "drc_core.data", "prepare", "--source", "wikipe
            "--tokenizer", TOKENIZER]
 
 
-def links(k: int, docs: int, repeats: float) -> list[str]:
-    """Prepare flags of a corpus whose ``links`` chains have exactly ``k`` hops, every object asked."""
-    return ["--task-families", "links", "--task-ask-every", "--task-min-k", str(k), "--task-max-k", str(k),
-            "--task-docs", str(docs), "--task-repeat-share", str(repeats)]
+def links(k: int, docs: int, repeats: float, max_k: int | None = None) -> list[str]:
+    """Prepare flags of a corpus whose ``links`` chains have exactly ``k`` hops (``k..max_k``, drawn per chain, when
+    ``max_k`` is given), every object asked."""
+    return ["--task-families", "links", "--task-ask-every", "--task-min-k", str(k), "--task-max-k",
+            str(k if max_k is None else max_k), "--task-docs", str(docs), "--task-repeat-share", str(repeats)]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Stage:
     decay: bool = False  # cosine to lr / 10 over `cap` steps; else constant after warm-up
     mean_depth: float | None = None  # training-mean depth (recurrence.mean); None: the preset's
     backprop_loops: int | None = None  # truncated backprop (recurrence.backprop_loops); None: the preset's
+    sigma: float | None = None  # spread of the loop-count distribution (recurrence.sigma); None: the preset's
     probe_loop: int = 8  # the loop at which the target must be met
 
 
@@ -105,10 +107,16 @@ PLANS = {
     "deep-k3": [COPY_LONG, K1, K2,
                 replace(K3, corpus="links33d", prepare=[*links(3, 40000, 0.1), "--task-ask-order", "deepest-first"],
                         cap=5000)],
+    # from the shipped known-depth model (three hops, asked deepest first): chains of 1..4 links drawn per chain,
+    # every object asked in shuffled order (depth, not question order), and a heavier-tailed loop count in training
+    # (sigma 1.0 against 0.5), so that the model meets loop counts well past its mean; tested on chains up to 8
+    "extrapolate": [Stage("k4mix", "links14m", links(1, 60000, 0.1, max_k=4), 1e-3, 5000, "1,2,3,4", 0.95, 500,
+                          decay=True, sigma=1.0)],
     # one-hop lookups from random weights, without the copying stage
     "links-first": [replace(K1, lr=2e-3, cap=2500, first_probe=500), replace(K2, cap=3000, target=0.92),
                     replace(K3, cap=4000)],
 }
+PLAN_INIT = {"extrapolate": Path("data/known-depth")}  # plans whose first stage starts from a shipped model
 PROBE_DOCS = 60
 
 
@@ -221,6 +229,8 @@ def train_command(st: Stage, corpus: Path, run: Path, init: Path | None) -> list
         cmd += ["--set", f"recurrence.mean={st.mean_depth}"]
     if st.backprop_loops is not None:
         cmd += ["--set", f"recurrence.backprop_loops={st.backprop_loops}"]
+    if st.sigma is not None:
+        cmd += ["--set", f"recurrence.sigma={st.sigma}"]
     if saved_checkpoints(run):
         return [*cmd, "--resume"]
     return cmd if init is None else [*cmd, "--init", str(init)]
@@ -286,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, st in enumerate(stages):
         if i == len(stages) - 1:
             st = budget_cap(st, args.out / st.name, records, args.budget_min)
-        records.append(drv.run_stage(st, Path(records[-1]["checkpoint"]) if records else None))
+        records.append(drv.run_stage(st, Path(records[-1]["checkpoint"]) if records else PLAN_INIT.get(args.plan)))
     ckpt = Path(records[-1]["checkpoint"])
     total = sum(r["train_wall_s"] for r in records)
     drv.log(f"all stages: trainer wall {total / 60:.1f} min; targets met: {[r['met'] for r in records]}")
