@@ -56,7 +56,7 @@ n_windows = 64
 rounds = 3  # timed, interleaved rounds
 rule_max_loops = 16  # every rule's max_loops (as in notebook 4)
 ce_tolerance = 0.005  # matched quality: CE at most this above uniform depth r, in nats
-families: list[str] = []  # families of sweep.default_rules to time; [] = all (default_families())
+families = []  # families of sweep.default_rules to time (empty: all of default_families())
 new_tokens = 64  # greedy tokens per timed generation
 prompt_len = 32  # the prompt: the first tokens of the first validation window
 max_loops = 32  # depth of the measurement pass (as in notebook 2)

@@ -513,3 +513,18 @@ def test_paper_profile_end_to_end_on_a_fineweb_shard(tmp_path: Path, fineweb_sha
     params = next(c.source for c in nbformat.read(out / "paper" / "01_training.ipynb", as_version=4).cells
                   if "parameters" in c.metadata.get("tags", []))
     assert "the 'paper' profile" in params and 'source = "fineweb-edu"' in params
+
+
+@pytest.mark.parametrize("source", sorted((ROOT / "book").glob("0*.py")), ids=lambda p: p.stem)
+def test_papermill_reads_every_parameter(source: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``papermill --help-notebook`` lists every name the parameters cell assigns, without a warning (papermill
+    skips a line it cannot parse, such as an annotated assignment, and says so only in its log)."""
+    import jupytext
+    import papermill
+
+    nb = tmp_path / f"{source.stem}.ipynb"
+    nbformat.write(jupytext.read(source), nb)
+    with caplog.at_level("WARNING", logger="papermill"):
+        inferred = papermill.inspect_notebook(str(nb))
+    assert not [r.getMessage() for r in caplog.records], f"{source.name}: papermill warned"
+    assert set(inferred) == set(declare(jupytext.read(source))), source.name
