@@ -83,7 +83,7 @@ import pandas as pd
 import torch
 from IPython.display import display
 
-from drc_book import decode_viz, viz
+from drc_book import viz
 from drc_book.continuous_speed import decoder_targets, serving_latency
 from drc_book.cost import flop_parts, keep_freed_memory, matmul_flops_per_token
 from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_decoding
@@ -313,7 +313,7 @@ display(
 )
 decoder_checks = decoder_targets(decoders, batches=[b for b in decoder_batches_here if b > 1])
 display(decoder_checks.round(3))
-decode_viz.decoder_bars(decoders)
+viz.decoder_bars(decoders)
 
 # %% [markdown]
 # ### Serving: requests behind a fixed number of slots

@@ -94,7 +94,7 @@ from IPython.display import display
 
 import drc_core
 from drc_book import known_depth as dt
-from drc_book import depth_viz, viz
+from drc_book import viz
 from drc_book.cost import keep_freed_memory
 from drc_book.handoff import KnownDepth
 from drc_book.paths import at_root, results_for
@@ -198,10 +198,10 @@ traj = dt.answer_trajectories(model, tw, max_loops)
 acc = dt.accuracy_by_k(traj, seed=seed)
 acc_family = dt.accuracy_by_k(traj, by=("family", "k"), seed=seed)
 print(f"{len(tw.answers):,} answers in {len(tw.windows)} documents")
-depth_viz.accuracy_heatmap(acc)
+viz.accuracy_heatmap(acc)
 
 # %%
-depth_viz.accuracy_heatmap(acc, value="ce")
+viz.accuracy_heatmap(acc, value="ce")
 
 # %% [markdown]
 # Per family, at one loop, at the training-mean depth `R` and at `max_loops`:
@@ -242,7 +242,7 @@ print(
     f"[{rho_commit[1]:.3f}, {rho_commit[2]:.3f}]"
 )
 by_k = dt.mean_by_k(depths, ["depth", "commit", "first_correct"], seed=seed)
-depth_viz.depth_by_k_figure(by_k, "Convergence depth, commit loop and first correct loop by k")
+viz.depth_by_k_figure(by_k, "Convergence depth, commit loop and first correct loop by k")
 
 # %%
 by_k.pivot(index="k", columns="series", values="value").round(2)
@@ -331,7 +331,7 @@ exit_table = exits.pivot(index="rule", columns="k", values="exit")
 exit_table.round(2)
 
 # %%
-depth_viz.depth_by_k_figure(
+viz.depth_by_k_figure(
     exits[exits.k != "all tokens"]
     .rename(columns={"rule": "series", "exit": "value"})
     .astype({"k": int}),
@@ -441,7 +441,7 @@ acc_extra = pd.DataFrame(columns=["k", "loop", "n", "acc"])
 if len(tw_extra.answers):
     traj_extra = dt.answer_trajectories(model, tw_extra, max_loops)
     acc_extra = dt.accuracy_by_k(traj_extra, seed=seed)
-    display(depth_viz.accuracy_heatmap(acc_extra, title="Answer accuracy beyond the trained k"))
+    display(viz.accuracy_heatmap(acc_extra, title="Answer accuracy beyond the trained k"))
 else:  # the longer chains' questions start beyond the model's window
     print(f"no answer fits in {cfg.seq_len} tokens: nothing to measure at this scale")
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from drc_book.cost import Log, interleaved, median
-from drc_book.decode_speed import _decode_setup, time_decoding
+from drc_book.decode_speed import decode_setup, time_decoding
 from drc_book.speed import RuleSpec, SpeedConfig
 from drc_core.halting.continuous import generate_continuous
 from drc_core.halting.generate import generate
@@ -91,7 +91,7 @@ def serving_latency(model: DepthRecurrentLM, prompt: Tensor, rule: HaltingRule, 
     tokens asked for, per second); medians over ``cfg.rounds`` interleaved rounds."""
     cfg = cfg or SpeedConfig()
     n_max = max(new_tokens)
-    prompt, s0 = _decode_setup(model, prompt, replace(cfg, new_tokens=n_max))
+    prompt, s0 = decode_setup(model, prompt, replace(cfg, new_tokens=n_max))
     n_req, t0 = prompt.shape
     asks = [new_tokens[i % len(new_tokens)] for i in range(n_req)]
     states = [s0[i, : t0 + asks[i]] for i in range(n_req)]

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from drc_book.cost import Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
-from drc_book.speed import SpeedConfig, _memory, _on_device, _skip_path, _specs, _speed_columns
+from drc_book.speed import SpeedConfig, on_device, prepare_memory, rule_specs, skip_path, speed_columns
 from drc_core.errors import DrcError
 from drc_core.halting.continuous import ContinuousResult, generate_continuous
 from drc_core.halting.generate import GenerationResult, generate, generate_fixed
@@ -58,10 +58,10 @@ def _step_seconds(full: Sequence[float], first: Sequence[float], n: int) -> floa
     return decode if decode > 0 else median(full) / n
 
 
-def _decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
+def decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
     """The prompt (B, T0) on the model's device, checked against ``max_seq_len`` with ``new_tokens`` more, and
     the initial states (B, T0 + n, d) every generation comparison starts from (seeded by ``cfg.seed``)."""
-    prompt = _on_device(model, prompt, "prompt", targets=False)
+    prompt = on_device(model, prompt, "prompt", targets=False)
     B, t0 = prompt.shape
     n = cfg.new_tokens
     if t0 + n > model.cfg.max_seq_len:
@@ -101,7 +101,7 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
     per new token (the work of n new tokens minus that of 1, over n - 1, per row); ``flop_speedup`` uses a
     context of T0 + n tokens. (:func:`time_decoding` with one batch size and no continuous decoder.)
     """
-    prompt = _on_device(model, prompt, "prompt", targets=False)
+    prompt = on_device(model, prompt, "prompt", targets=False)
     return time_decoding(model, prompt, rules, cfg, batches=[prompt.shape[0]], continuous=(), log=log).generation
 
 
@@ -116,15 +116,15 @@ def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
     after a warm-up of one decode step; tokens, exit loops and work come from the first timed round. Returns
     both tables (:class:`DecodeTimes`), so a book that shows both times every decoder once."""
     cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    prompt, s0 = _decode_setup(model, prompt, cfg)
+    prepare_memory(cfg)
+    prompt, s0 = decode_setup(model, prompt, cfg)
     if not batches or min(batches) < 1 or max(batches) > prompt.shape[0]:
         raise DrcError(f"batches {list(batches)} must lie in 1..{prompt.shape[0]} (the prompts given); pass more "
                        "prompts or smaller batches")
     n, r = cfg.new_tokens, cfg.reference_loops
     t0 = prompt.shape[1]
     uniform = RuleSpec("uniform", float(r), Uniform(r))
-    specs = [uniform, *_specs(rules, r)]
+    specs = [uniform, *rule_specs(rules, r)]
 
     def timed_continuously(sp: RuleSpec) -> bool:
         return continuous is None or sp.family in continuous or (sp is uniform and len(continuous) > 0)
@@ -205,8 +205,8 @@ def _generation_rows(model: DepthRecurrentLM, specs: list[RuleSpec], kept: dict[
         row["rows"] = b
         row["prompt_ms"] = 1e3 * median(times[f"{key} [1]"])
         row["spread"] = spread(times[f"{key} [n]"])
-        path = "forward" if spec is None else _skip_path(spec.rule)
-        _speed_columns(row, step["dense"], r, base_flops,
+        path = "forward" if spec is None else skip_path(spec.rule)
+        speed_columns(row, step["dense"], r, base_flops,
                        matmul_flops_per_token(model, row["avg_loops"], t0 + n, path))
     return rows
 
@@ -252,13 +252,13 @@ def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig |
     few rows is latency-bound (one pass over the weights, ~40 small ops), not FLOP-bound: see
     :func:`decode_prediction`."""
     cfg = cfg or SpeedConfig()
-    _memory(cfg)
+    prepare_memory(cfg)
     n, r = cfg.new_tokens, cfg.reference_loops
     if r < 2 or n < 2:
         raise DrcError(f"decode_loop_cost needs reference_loops >= 2 and new_tokens >= 2 (got {r}, {n}): raise them")
     if max(rows) > len(prompt) or min(rows) < 1:
         raise DrcError(f"rows {list(rows)} must lie in 1..{len(prompt)} (the prompts given): pass more prompts")
-    prompt, s0 = _decode_setup(model, prompt[: max(rows)], cfg)
+    prompt, s0 = decode_setup(model, prompt[: max(rows)], cfg)
     variants: dict[str, Callable[[], object]] = {}
     with torch.inference_mode():
         model.eval()

@@ -160,28 +160,28 @@ class SpeedConfig:
 # Cost model and timing helpers
 
 
-def _memory(cfg: SpeedConfig) -> None:
+def prepare_memory(cfg: SpeedConfig) -> None:
     """Before timing: the allocator setting ``cfg.keep_freed`` asks for."""
     if cfg.keep_freed:
         keep_freed_memory()
 
 
-def _skip_path(rule: HaltingRule) -> str:
+def skip_path(rule: HaltingRule) -> str:
     return "skip_log_probs" if rule.needs_log_probs else "skip_states"
 
 
-def _on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targets: bool = True) -> Tensor:
+def on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targets: bool = True) -> Tensor:
     """:func:`drc_core.model.lm.check_token_ids`, then moved to the model's device."""
     return check_token_ids(model, ids, what, targets=targets).to(next(model.parameters()).device)
 
 
-def _batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[tuple[Tensor, Tensor, Tensor]]:
+def timing_batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[tuple[Tensor, Tensor, Tensor]]:
     """(inputs, targets, s_0) per batch; s_0 drawn exactly as :func:`drc_core.halting.sweep.sweep` and
     :func:`drc_core.training.evaluate.loss_by_depth` draw it for the same ``seed`` and ``batch_size``."""
     return [(b.x, b.y, b.initial_state(model)) for b in eval_batches(model, windows, cfg.batch_size, cfg.seed)]
 
 
-def _ce_sum(logits: Tensor, y: Tensor) -> float:
+def ce_sum(logits: Tensor, y: Tensor) -> float:
     return float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
 
 
@@ -208,7 +208,7 @@ def _online(model: DepthRecurrentLM, batches: list[tuple[Tensor, Tensor, Tensor]
     for x, y, s0 in batches:
         res = skip_forward(model, x, rule, state=s0, fused=fused)
         loops += float(res.exit_loop.double().sum())
-        ce += _ce_sum(res.logits, y)
+        ce += ce_sum(res.logits, y)
         n += x.numel()
     return loops / n, ce / n
 
@@ -225,7 +225,7 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
     ``within_tolerance`` says whether the chosen point meets the target online, ``note`` why not.
     """
     cfg = cfg or SpeedConfig()
-    windows = _on_device(model, windows)
+    windows = on_device(model, windows)
     r = cfg.reference_loops
     specs = [s for s in default_rules(cfg.rule_max_loops) if s.family in cfg.families]
     with torch.inference_mode():
@@ -237,7 +237,7 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
         if log:
             log(f"matching: offline sweep of {len(specs)} grid points; target CE <= {ce_uniform:.4f} + "
                 f"{cfg.ce_tolerance:g} = {target:.4f}")
-        batches = _batches(model, windows, cfg)
+        batches = timing_batches(model, windows, cfg)
         by_param = {(s.family, float(s.param)): s for s in specs}
         grid["chosen"] = False
         chosen: list[RuleSpec] = []
@@ -277,7 +277,7 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
 # Batched evaluation
 
 
-def _specs(rules: Sequence[RuleSpec | HaltingRule], r: int) -> list[RuleSpec]:
+def rule_specs(rules: Sequence[RuleSpec | HaltingRule], r: int) -> list[RuleSpec]:
     """Rules as :class:`RuleSpec` (a bare rule: family = its class name, param NaN), distinct by name and
     distinct from the baselines."""
     specs = [s if isinstance(s, RuleSpec) else RuleSpec(type(s).__name__, math.nan, s) for s in rules]
@@ -290,7 +290,7 @@ def _specs(rules: Sequence[RuleSpec | HaltingRule], r: int) -> list[RuleSpec]:
     return specs
 
 
-def _speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flops: float) -> dict:
+def speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flops: float) -> dict:
     row["proxy_speedup"] = r / row["avg_loops"]
     row["flop_speedup"] = base_flops / flops
     row["wallclock_speedup"] = base_seconds / row["seconds"]
@@ -317,10 +317,10 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     ``flops_per_token(r, T)``), ``honest_speedup`` and ``wall_over_honest`` (target: >= 0.9).
     """
     cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    windows = _on_device(model, windows)
+    prepare_memory(cfg)
+    windows = on_device(model, windows)
     r = cfg.reference_loops
-    specs = _specs(rules, r)
+    specs = rule_specs(rules, r)
     t_len = windows.shape[1] - 1
     variants: list[tuple[dict, Callable[[Tensor, Tensor], Tensor]]] = [
         ({"family": "uniform", "param": float(r), "rule": f"uniform={r}", "path": "forward", "baseline": True,
@@ -331,12 +331,12 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     ]
     for spec in specs:
         variants.append(({"family": spec.family, "param": float(spec.param), "rule": str(spec.rule),
-                          "path": _skip_path(spec.rule), "baseline": False,
+                          "path": skip_path(spec.rule), "baseline": False,
                           "needs_log_probs": spec.rule.needs_log_probs},
                          lambda x, s, rule=spec.rule: skip_forward(model, x, rule, state=s, fused=cfg.fused)))
     with torch.inference_mode():
         model.eval()
-        batches = _batches(model, windows, cfg)
+        batches = timing_batches(model, windows, cfg)
         n_tok = sum(x.numel() for x, _, _ in batches)
         rows = []
         for info, fn in variants:  # untimed pass: warm-up and the quality of exactly what is timed
@@ -347,7 +347,7 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
                 loops += r * x.numel() if isinstance(out, Tensor) else float(out.exit_loop.double().sum())
                 flops += (model.flops_per_token(r, t_len) * x.numel() if isinstance(out, Tensor)
                           else honest_flops(model, out.work, t_len))
-                ce += _ce_sum(logits, y)
+                ce += ce_sum(logits, y)
                 del out, logits
             rows.append({"setting": "batched eval", **info, "avg_loops": loops / n_tok, "ce": ce / n_tok,
                          "honest_flops": flops / n_tok})
@@ -375,7 +375,7 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
         row["spread"] = spread(times[row["rule"]])
         row["page_faults_per_batch"] = median(faults[row["rule"]]) / len(batches)
         row["tokens_per_s"] = n_tok / row["seconds"]
-        _speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
+        speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
     return pd.DataFrame(rows)
 
 

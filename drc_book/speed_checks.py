@@ -20,16 +20,16 @@ import torch
 from torch import Tensor
 
 from drc_book.cost import Log, interleaved, median, spread
-from drc_book.decode_speed import _decode_setup
+from drc_book.decode_speed import decode_setup
 from drc_book.fixed_point import fixed_point_costs, seconds_per_eval
 from drc_book.speed import (
     TARGET_MEASURE,
     SpeedConfig,
-    _batches,
-    _ce_sum,
-    _memory,
-    _on_device,
-    _specs,
+    ce_sum,
+    on_device,
+    prepare_memory,
+    rule_specs,
+    timing_batches,
 )
 from drc_core.analysis.loops import iterate_stats
 from drc_core.analysis.measure import measure_windows
@@ -63,11 +63,11 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
     ``target_as_worded`` (``x_forward`` <= 1.2).
     """
     cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    windows = _on_device(model, windows)[: cfg.measure_windows]
+    prepare_memory(cfg)
+    windows = on_device(model, windows)[: cfg.measure_windows]
     L, bs = cfg.measure_loops, cfg.batch_size
 
-    batches, one = _batches(model, windows, cfg), _batches(model, windows[:1], cfg)
+    batches, one = timing_batches(model, windows, cfg), timing_batches(model, windows[:1], cfg)
 
     def forward(w: Tensor, b: list[tuple[Tensor, Tensor, Tensor]]) -> None:
         for x, _, s0 in b:
@@ -227,14 +227,14 @@ def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[Ru
     gather/scatter, other) with ``ms`` (self CPU time), ``calls`` and ``share``, plus a ``total`` row; ``ops`` the
     ``top`` ops of each variant by self CPU time (``op``, ``ms``, ``calls``, ``share``)."""
     cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    windows = _on_device(model, windows)
+    prepare_memory(cfg)
+    windows = on_device(model, windows)
     r = cfg.reference_loops
-    x, _, s0 = _batches(model, windows[: cfg.batch_size], cfg)[0]
+    x, _, s0 = timing_batches(model, windows[: cfg.batch_size], cfg)[0]
     variants: dict[str, Callable[[], object]] = {
         f"uniform={r}": lambda: model(x, r, state=s0),
         f"uniform={r} via skip_forward": lambda: skip_forward(model, x, Uniform(r), state=s0, fused=cfg.fused)}
-    for spec in _specs(rules, r):
+    for spec in rule_specs(rules, r):
         variants[str(spec.rule)] = lambda rule=spec.rule: skip_forward(model, x, rule, state=s0, fused=cfg.fused)
     with torch.inference_mode():
         model.eval()
@@ -250,14 +250,14 @@ def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[
     :func:`~drc_core.halting.continuous.generate_continuous` with each rule (variants "continuous <rule>"); same
     initial states as :func:`time_generation`. Returns ``(kinds, ops)`` as :func:`profile_batched` does."""
     cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    prompt, s0 = _decode_setup(model, prompt, cfg)
+    prepare_memory(cfg)
+    prompt, s0 = decode_setup(model, prompt, cfg)
     n, r = cfg.new_tokens, cfg.reference_loops
     with torch.inference_mode():
         model.eval()
         variants: dict[str, Callable[[], object]] = {
             f"uniform={r} dense decode": lambda: generate_fixed(model, prompt, n, r, state=s0)}
-        specs = _specs(rules, r)
+        specs = rule_specs(rules, r)
         for spec in [RuleSpec("uniform", float(r), Uniform(r)), *specs]:
             variants[str(spec.rule)] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
                                                                        fused=cfg.fused)
@@ -279,11 +279,11 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
     |KL_bf16 - KL_fp32| / KL_fp32 of the successive KL (:func:`drc_core.analysis.loops.iterate_stats` on the
     first batch), and the fp32 median KL: the precision check that the rule's statistic stays within noise."""
     cfg = cfg or SpeedConfig()
-    _memory(cfg)
-    windows = _on_device(model, windows)
+    prepare_memory(cfg)
+    windows = on_device(model, windows)
     r = cfg.reference_loops
     device = windows.device
-    specs = _specs(rules, r)
+    specs = rule_specs(rules, r)
 
     def under(bf16: bool, fn: Callable[[], object]) -> Callable[[], object]:
         def go() -> object:
@@ -294,7 +294,7 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
     rows, variants = [], {}
     with torch.inference_mode():
         model.eval()
-        batches = _batches(model, windows, cfg)
+        batches = timing_batches(model, windows, cfg)
         n_tok = sum(x.numel() for x, _, _ in batches)
         base_exits: dict[str, list[Tensor]] = {}
         for name, make in [(f"uniform={r}", None), *((str(sp.rule), sp.rule) for sp in specs)]:
@@ -304,7 +304,7 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
                                                                                        fused=cfg.fused)
                             for x, _, s0 in batches]
                 outs = under(bf16, run)()
-                ce = sum(_ce_sum(o if isinstance(o, Tensor) else o.logits, y)
+                ce = sum(ce_sum(o if isinstance(o, Tensor) else o.logits, y)
                          for o, (_, y, _) in zip(outs, batches, strict=True)) / n_tok
                 exits = [torch.full(x.shape, r) if isinstance(o, Tensor) else o.exit_loop
                          for o, (x, _, _) in zip(outs, batches, strict=True)]
@@ -357,7 +357,7 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
     if not 1 <= at_evals <= max_evals:
         raise DrcError(f"at_evals={at_evals} must lie in 1..max_evals={max_evals}: compare the methods at an "
                        "evaluation count the pass reaches")
-    windows = _on_device(model, windows)
+    windows = on_device(model, windows)
     with torch.inference_mode():
         model.eval()
         costs = fixed_point_costs(model, windows, configs, max_evals=max_evals, ref_loops=ref_loops,

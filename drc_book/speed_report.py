@@ -13,8 +13,8 @@ from drc_book.decode_speed import time_generation
 from drc_book.speed import (
     Matched,
     SpeedConfig,
-    _on_device,
     matched_rules,
+    on_device,
     preset_specs,
     speed_targets,
     speedup_table,
@@ -66,7 +66,7 @@ def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None 
     each of ``more_gen_rows`` prompts (the first ``prompt_len`` tokens of the first windows), then
     :func:`measurement_cost`, :func:`speed_targets` and, with ``profile``, :func:`profile_batched`."""
     cfg = cfg or SpeedConfig()
-    windows = _on_device(model, windows)
+    windows = on_device(model, windows)
     most = max((cfg.gen_rows, *cfg.more_gen_rows))
     if cfg.prompt_len > windows.shape[1] or most > len(windows):
         raise DrcError(f"prompt_len={cfg.prompt_len} / gen_rows={most} exceed the windows "

@@ -40,6 +40,9 @@ __all__ = [
     "speedup_bars",
     "commit_vs_convergence",
     "norm_by_loop",
+    "accuracy_heatmap",
+    "depth_by_k_figure",
+    "decoder_bars",
 ]
 
 _PALETTE, _style, _need_columns = plotting.PALETTE, plotting.style, plotting.need_columns
@@ -405,3 +408,79 @@ def risk_validity(summary: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(title_text="share of splits", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="share of loops saved", tickformat=".0%", row=1, col=2)
     return _style(fig, "Is the guarantee kept? Random halvings of the documents", height=HEIGHT + 40)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The known-depth chapter: answers of drc_core.data.depth_tasks, measured by drc_book.known_depth
+
+
+def accuracy_heatmap(acc: pd.DataFrame, value: str = "acc", title: str = "") -> go.Figure:
+    """Rows ``k`` (lookups the answer needs), columns loops; each cell the answers' ``value`` (``acc`` or ``ce``)
+    at that loop, from :func:`drc_book.known_depth.accuracy_by_k`. Hover shows the 95% interval."""
+    _need_columns(acc, ("k", "loop", value, f"{value}_lo", f"{value}_hi", "n"),
+                  "the output of drc_book.known_depth.accuracy_by_k")
+    grid = acc.pivot(index="k", columns="loop", values=value)
+    lo = acc.pivot(index="k", columns="loop", values=f"{value}_lo").to_numpy()
+    hi = acc.pivot(index="k", columns="loop", values=f"{value}_hi").to_numpy()
+    n = acc.pivot(index="k", columns="loop", values="n").to_numpy()
+    custom = np.stack([lo, hi, n], axis=-1)
+    is_acc = value == "acc"
+    fig = go.Figure(go.Heatmap(
+        z=grid.to_numpy(), x=grid.columns.to_numpy(), y=[str(k) for k in grid.index], customdata=custom,
+        colorscale="Viridis" if is_acc else "Viridis_r", zmin=0 if is_acc else None, zmax=1 if is_acc else None,
+        colorbar={"title": {"text": "accuracy" if is_acc else "CE (nats)"}},
+        hovertemplate="k=%{y}, loop %{x}: %{z:.3f} [%{customdata[0]:.3f}, %{customdata[1]:.3f}], "
+                      "n=%{customdata[2]}<extra></extra>"))
+    fig.update_xaxes(title_text="loops", dtick=1 if grid.shape[1] <= 16 else 2)
+    fig.update_yaxes(title_text="lookups needed (k)")
+    return _style(fig, title or ("Answer accuracy" if is_acc else "Answer cross-entropy") + " by k and loop")
+
+
+def depth_by_k_figure(table: pd.DataFrame, title: str = "") -> go.Figure:
+    """One line per ``series`` of ``table`` (columns ``series, k, value, lo, hi``): a loop count for the answers of
+    each ``k`` (e.g. convergence depth, commit loop, a rule's exit loop), with its 95% interval as a band, and the
+    diagonal ``loops = k`` for reference."""
+    _need_columns(table, ("series", "k", "value", "lo", "hi"), "a table with series, k, value, lo, hi")
+    fig = go.Figure()
+    ks = np.sort(table["k"].unique()).astype(float)
+    fig.add_trace(go.Scatter(x=ks, y=ks, mode="lines", name="loops = k", line={"color": "grey", "dash": "dot"}))
+    for i, (name, g) in enumerate(table.groupby("series", sort=False)):
+        g = g.sort_values("k")
+        color = _PALETTE[i % len(_PALETTE)]
+        _band(fig, g["k"], g["lo"], g["hi"], color, str(name))
+        fig.add_trace(go.Scatter(x=g["k"], y=g["value"], mode="lines+markers", name=str(name),
+                                 line={"color": color}, legendgroup=str(name)))
+    fig.update_xaxes(title_text="lookups needed (k)", dtick=1)
+    fig.update_yaxes(title_text="loops")
+    return _style(fig, title or "Depth by k")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The decoder comparison (drc_book.continuous_speed): tokens per second per batch size and rule
+
+_PATH_ORDER = ("dense decode", "generate", "continuous")
+
+
+def decoder_bars(table: pd.DataFrame) -> go.Figure:
+    """Wall-clock speed-up over the dense decoder (bars, one colour per path) for each (batch, rule) of a
+    :func:`~drc_book.continuous_speed.time_decoders` table; a marker at the honest-FLOP speed-up
+    (what the clock would give if it followed the work) and a dotted line at 1."""
+    _need_columns(table, ("batch", "rule", "path", "x_dense", "flop_speedup", "avg_loops", "tokens_per_s"),
+                  "the output of drc_book.continuous_speed.time_decoders")
+    rows = table[table.path != "dense decode"]
+    fig = go.Figure()
+    for i, path in enumerate(p for p in _PATH_ORDER if p in set(rows.path)):
+        part = rows[rows.path == path]
+        x = [[f"batch {b}" for b in part.batch], part.rule.astype(str).tolist()]
+        fig.add_bar(x=x, y=part.x_dense, name=path, marker_color=_PALETTE[i], offsetgroup=path,
+                    customdata=part[["avg_loops", "tokens_per_s"]].to_numpy(),
+                    text=[f"{v:.2f}x" for v in part.x_dense], textposition="outside",
+                    hovertemplate="%{x}<br>%{y:.2f}x the dense decoder<br>avg loops %{customdata[0]:.2f}<br>"
+                                  "%{customdata[1]:.0f} tokens/s<extra>%{fullData.name}</extra>")
+        fig.add_scatter(x=x, y=part.flop_speedup, mode="markers", name=f"honest-FLOP speed-up ({path})",
+                        offsetgroup=path, showlegend=i == 0, legendgroup="flops",
+                        marker={"symbol": "line-ew-open", "size": 22, "color": "black", "line": {"width": 2}},
+                        hovertemplate="%{x}<br>honest FLOPs: %{y:.2f}x<extra></extra>")
+    fig.add_hline(y=1, line_dash="dot", line_color="grey")
+    return _style(fig, "Decoding speed-up over the dense decoder at depth r", barmode="group", scattermode="group",
+                  xaxis_title="batch / rule", yaxis_title="speed-up (x)", legend={"orientation": "h", "y": -0.3})

@@ -174,3 +174,46 @@ def test_layer_lookup(mod: str, layer: str) -> None:
 def test_a_module_outside_every_layer_fails() -> None:
     with pytest.raises(AssertionError, match="belongs to no layer"):
         layer_of("drc_core.newthing")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# No module reaches into another's private names: what two modules share is public in the one that defines it.
+
+CODE_DIRS = ("drc_core", "drc_book", "book", "scripts", "bench")
+
+
+def private_imports(root: Path, dirs: tuple[str, ...] = CODE_DIRS) -> list[str]:
+    """``from drc_x.m import _name`` and ``m._name`` on an imported project module, in every .py under ``dirs``."""
+    found = []
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            modules = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("drc_core", "drc_book"):
+                    found += [f"{path.relative_to(root)}: from {node.module} import {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+                    modules |= {a.asname or a.name for a in node.names}
+                elif isinstance(node, ast.Import):
+                    modules |= {(a.asname or a.name).split(".")[0] for a in node.names
+                                if a.name.split(".")[0] in ("drc_core", "drc_book")}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                    base = node.value
+                    while isinstance(base, ast.Attribute):
+                        base = base.value
+                    if isinstance(base, ast.Name) and base.id in modules:
+                        found.append(f"{path.relative_to(root)}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    assert private_imports(PACKAGE.parent) == []
+
+
+def test_private_import_check_sees_both_forms(tmp_path: Path) -> None:
+    (tmp_path / "drc_book").mkdir()
+    (tmp_path / "drc_book" / "m.py").write_text("from drc_core.halting.generate import _check, ok\n"
+                                                 "from drc_core.model import lm\nx = lm._kv_hook\ny = lm.fine\n")
+    assert private_imports(tmp_path, ("drc_book",)) == [
+        "drc_book/m.py: from drc_core.halting.generate import _check", "drc_book/m.py: lm._kv_hook"]

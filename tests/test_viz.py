@@ -425,7 +425,7 @@ def test_commit_vs_convergence_and_norm_figures():
 
 
 def test_decoder_bars_one_bar_per_path_and_a_flop_marker():
-    from drc_book.decode_viz import decoder_bars
+    from drc_book.viz import decoder_bars
 
     table = pd.DataFrame([
         {"batch": b, "rule": rule, "path": path, "x_dense": x, "flop_speedup": f, "avg_loops": 4.0,

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from drc_core.analysis.loops import STATISTICS
 from drc_core.errors import DrcError
-from drc_core.halting.generate import _check, _choose, _prelude
+from drc_core.halting.generate import check_generate_args, choose_next, prelude_step
 from drc_core.halting.kvlayout import Attn, LoopCaches, Tokens, block_step, coda, empty_caches
 from drc_core.halting.loopstats import Tracker, compact_stats, stat_fields
 from drc_core.halting.rules import HaltingRule
@@ -251,7 +251,7 @@ def generate_continuous(
     t_start = time.perf_counter()
     reqs = _request_list(prompts, max_new_tokens, states)
     for p, n, _ in reqs:
-        _check(model, p, n, rule, temperature)
+        check_generate_args(model, p, n, rule, temperature)
     if rule.reads is None:
         raise DrcError(f"rule {rule} does not declare the statistics it reads (reads=None: a router or a rule of "
                        "your own); continuous batching decides token by token, so use generate for it")
@@ -362,11 +362,11 @@ class _Decoder:
         e = self.like.new_zeros(n, t0, model.cfg.d_model)
         s = torch.cat([self.init[r][:, :t0] for r in rs])
         slots = slice(b0, b0 + n)
-        _prelude(model, ids, (0, t0), [(k[slots], v[slots]) for k, v in self.pre_kv], e, self.work)
+        prelude_step(model, ids, (0, t0), [(k[slots], v[slots]) for k, v in self.pre_kv], e, self.work)
         caches = LoopCaches(core=[(k[:, slots], v[:, slots]) for k, v in self.core_kv],
                             coda=[(k[:, slots], v[:, slots]) for k, v in self.coda_kv], per_loop=True)
         res = run_loops(model, self.rule, s, e, (0, t0), caches, work=self.work, fused=self.fused)
-        picks = _choose(res.logits[:, -1], self.temperature, self.generator).tolist()
+        picks = choose_next(res.logits[:, -1], self.temperature, self.generator).tolist()
         for j, r in enumerate(rs):
             self.times[r][0] = now
             self.tokens[r] = self.reqs[r][0][0].tolist()
@@ -544,7 +544,7 @@ class _Decoder:
     def _emit(self, logits_g: Tensor, gone: list[tuple[int, int, int]]) -> None:
         """The exiting items (slot, exit loop, position) choose their next tokens; their keys/values fill the
         later loops' slabs."""
-        picks = _choose(logits_g, self.temperature, self.generator).tolist()
+        picks = choose_next(logits_g, self.temperature, self.generator).tolist()
         self.exited(gone)
         rows = logits_g.to(self.dtype) if self.keep_logits else None
         for j, (b, loop, _) in enumerate(gone):

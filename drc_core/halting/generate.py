@@ -70,7 +70,7 @@ class GenerationResult:
         return self.tokens[:, self.prompt_len :]
 
 
-def _check(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, rule: object,
+def check_generate_args(model: DepthRecurrentLM, prompt_ids: object, max_new_tokens: object, rule: object,
            temperature: object) -> None:
     """One-line DrcErrors naming the bad argument and the fix."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -104,7 +104,7 @@ def _layout(model: DepthRecurrentLM, batch: int, window: tuple[int, int], total:
                 (model.rope_cos, model.rope_sin), window)
 
 
-def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor,
+def prelude_step(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor,
              work: Work | None = None) -> None:
     """:meth:`DepthRecurrentLM.embed <drc_core.model.lm.DepthRecurrentLM.embed>` on positions [t0, t1) of every
     row, the prelude attending over cached keys/values (:func:`~drc_core.halting.kvlayout.block_step`); write e
@@ -116,7 +116,7 @@ def _prelude(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], k
     e[:, window[0] : window[1]] = x.view(tokens.shape[0], window[1] - window[0], -1)
 
 
-def _choose(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+def choose_next(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
     """(B, V) -> (B,) next tokens: argmax (temperature 0) or a draw from softmax(logits / temperature)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -148,7 +148,7 @@ def generate(
     ``fused``: the readout statistics through the compiled kernel (see
     :func:`~drc_core.halting.skipping.skip_forward`).
     """
-    _check(model, prompt_ids, max_new_tokens, rule, temperature)
+    check_generate_args(model, prompt_ids, max_new_tokens, rule, temperature)
     B, T0 = prompt_ids.shape
     total, d = T0 + max_new_tokens, model.cfg.d_model
     check_state(state, (B, total, d), "(B, T0 + max_new_tokens, d_model)")
@@ -168,12 +168,12 @@ def generate(
     window = (0, T0)
     work = Work()
     while True:
-        _prelude(model, tokens, window, pre_kv, e, work)
+        prelude_step(model, tokens, window, pre_kv, e, work)
         res = run_loops(model, rule, s, e, window, caches, work=work, fused=fused)
         exits.append(res.exit_loop)
         outs.append(res.logits)
         t = window[1]
-        tokens[:, t] = _choose(res.logits[:, -1], temperature, generator)
+        tokens[:, t] = choose_next(res.logits[:, -1], temperature, generator)
         if t == total - 1:
             break
         window = (t, t + 1)
@@ -196,7 +196,7 @@ def generate_fixed(model: DepthRecurrentLM, prompt_ids: Tensor, max_new_tokens: 
     keys/values are ever read) and the head; no statistics, no decisions, no exit bookkeeping. Returns the
     tokens (B, T0 + max_new_tokens). ``state``/``generator``: the initial states, as in :func:`generate`.
     """
-    _check(model, prompt_ids, max_new_tokens, Uniform(loops), 0.0)
+    check_generate_args(model, prompt_ids, max_new_tokens, Uniform(loops), 0.0)
     B, T0 = prompt_ids.shape
     total, d = T0 + max_new_tokens, model.cfg.d_model
     check_state(state, (B, total, d), "(B, T0 + max_new_tokens, d_model)")
@@ -212,7 +212,7 @@ def generate_fixed(model: DepthRecurrentLM, prompt_ids: Tensor, max_new_tokens: 
     window = (0, T0)
     while True:
         t0, t1 = window
-        _prelude(model, tokens, window, pre_kv, e)
+        prelude_step(model, tokens, window, pre_kv, e)
         attn = _layout(model, B, window, total, device)
         x, inj = s[:, t0:t1].reshape(-1, d), e[:, t0:t1].reshape(-1, d)
         for loop in range(loops):
