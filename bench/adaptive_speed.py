@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+import drc_core
 from drc_book.continuous_speed import decoder_targets, serving_latency, time_decoders
 from drc_book.decode_speed import decode_loop_cost, decode_prediction
 from drc_book.speed import (
@@ -219,7 +220,7 @@ def decoders(model: DepthRecurrentLM, windows: torch.Tensor, specs: list, cfg: S
              slots: int) -> dict:
     """The decoder comparison and serving latency, printed; returns them for the JSON."""
     out: dict = {}
-    rules = [sp for sp in specs if sp.family in ("kl", "state_delta", "cosine", "acceleration")]
+    rules = [sp for sp in specs if sp.family in (drc_core.KLThreshold.family, *drc_core.state_families())]
     prompt = windows[:, : cfg.prompt_len]
     batches = tuple(b for b in batches if b <= len(prompt))
     if batches:
@@ -317,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = kl_check = None
     fast = bf16_support(next(model.parameters()).device)
     if args.bf16 == "on" or (args.bf16 == "auto" and fast):
-        named = [sp for sp in rep.matched.specs if sp.family in ("kl", "state_delta")]
+        named = [sp for sp in rep.matched.specs
+                 if sp.family in (drc_core.KLThreshold.family, drc_core.StateDelta.family)]
         bf16, kl_check = bf16_check(model, windows, named, cfg)
         print(f"\nbf16 autocast against fp32 ({fast or 'no fast bf16 on this device'}); same windows, "
               f"medians of {cfg.rounds} interleaved rounds:")

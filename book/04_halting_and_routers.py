@@ -57,6 +57,7 @@ import numpy as np
 import pandas as pd
 from IPython.display import display
 
+import drc_core
 from drc_book import viz
 from drc_book.cost import keep_freed_memory
 from drc_book.paths import at_root, results_for
@@ -376,7 +377,7 @@ if len(shift):
 # %%
 # each threshold's mean per-document risk on each source (all documents; KL and state change)
 by_source = []
-for fam in [f for f in ("kl", "state_delta") if f in risk_families]:
+for fam in [f for f in (drc_core.KLThreshold.family, drc_core.StateDelta.family) if f in risk_families]:
     for j, spec in enumerate(top1.specs[fam]):
         row = {"family": fam, "threshold": spec.param}
         for src, idx in (("wikipedia", wiki), ("sotu", sotu)):
@@ -441,10 +442,8 @@ results = {
     "notebook_seconds": time.time() - t0,
 }
 save_results(results_dir, "04_halting_and_routers", results)
-for fam in ("uniform", "kl", "router_linear", "router_mlp", "oracle"):
-    if fam in match.index:
-        r = match.loc[fam]
-        print(
-            f"{fam:14s} matches CE(uniform {reference}) at {r.ce_depth_interp:.2f} loops "
-            f"({r.cut_vs_8_ce:+.0%} vs {reference}); KL<={kl_target:g} at {r.kl_depth_interp:.2f}"
-        )
+for fam, r in match.iterrows():
+    print(
+        f"{fam:16s} matches CE(uniform {reference}) at {r.ce_depth_interp:.2f} loops "
+        f"({r.cut_vs_8_ce:+.0%} vs {reference}); KL<={kl_target:g} at {r.kl_depth_interp:.2f}"
+    )

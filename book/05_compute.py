@@ -65,7 +65,7 @@ threads = 0  # torch threads; 0 keeps torch's default
 gen_batches = [1, 8]  # generation batch sizes (rows decoded together)
 decode_rows = [1, 2, 4, 8]  # active rows at which one decode loop is timed (at most n_windows)
 decoder_batches = [1, 8, 32]  # batch sizes of the three-decoder comparison
-decoder_families = ["kl", "state_delta", "cosine", "acceleration"]  # continuous decoder too
+decoder_families = []  # families the continuous decoder runs too (empty: KL and the state families)
 serving_slots = 8  # slots of the serving comparison, 0 skips it
 fused = True  # readout statistics through the compiled kernel (loopstats.fused_stats_kernel)
 clock = "wall"  # "wall" or "cpu" (process time; robust to other jobs with one thread)
@@ -83,6 +83,7 @@ import pandas as pd
 import torch
 from IPython.display import display
 
+import drc_core
 from drc_book import viz
 from drc_book.continuous_speed import decoder_targets, serving_latency
 from drc_book.cost import flop_parts, keep_freed_memory, matmul_flops_per_token
@@ -239,6 +240,7 @@ batched[
 # sections' tables (`time_decoding`), so no decoder is timed twice.
 
 # %%
+decoder_families = decoder_families or [drc_core.KLThreshold.family, *drc_core.state_families()]
 decoder_rules = [sp for sp in matched.specs if sp.family in decoder_families]
 prompts, _ = val_windows_with_docs(corpus, cfg.seq_len, max([*gen_batches, *decoder_batches]))
 prompts = prompts[:, :prompt_len]
@@ -414,7 +416,7 @@ def by_kind(kinds: pd.DataFrame) -> pd.DataFrame:
 
 
 if not profile.startswith("smoke"):
-    named = [spec for spec in matched.specs if spec.family in ("kl", "state_delta")]
+    named = [spec for spec in matched.specs if spec.family in (drc_core.KLThreshold.family, drc_core.StateDelta.family)]
     kinds, ops = profile_batched(model, windows, named, speed)
     display(by_kind(kinds))
     display(ops.round(3))
@@ -435,7 +437,7 @@ if not profile.startswith("smoke"):
 fast_bf16 = bf16_support(next(model.parameters()).device)
 print(fast_bf16 or "no fast bf16 on this device: skipped")
 if bf16_compare and fast_bf16:
-    named = [spec for spec in matched.specs if spec.family in ("kl", "state_delta")]
+    named = [spec for spec in matched.specs if spec.family in (drc_core.KLThreshold.family, drc_core.StateDelta.family)]
     bf16_frame, bf16_kl = bf16_check(model, windows, named, speed)
     display(bf16_frame.round(4))
     display(bf16_kl.round(5))

@@ -98,7 +98,7 @@ from drc_book import viz
 from drc_book.cost import keep_freed_memory
 from drc_book.handoff import KnownDepth
 from drc_book.paths import at_root, results_for
-from drc_book.report import known_depth_targets
+from drc_book.report import GAIN_FAMILIES, known_depth_targets
 from drc_book.workspace import ensure_corpus, open_model, provide_model, save_results
 from drc_core.analysis.dynamics import Dynamics, class_shares, classify
 from drc_core.analysis.measure import measure_windows, val_windows_with_docs
@@ -550,7 +550,7 @@ headline = {
             f"[{mixed_gaps.loc[fam, 'saved_frac_lo']:.1%}, "
             f"{mixed_gaps.loc[fam, 'saved_frac_hi']:.1%}]"
         )
-        for fam in ("oracle", "kl", "state_delta", "router_mlp")
+        for fam in GAIN_FAMILIES
         if fam in mixed_gaps.index
     },
 }

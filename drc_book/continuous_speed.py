@@ -26,6 +26,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+import drc_core
 from drc_book.cost import Log, interleaved, median
 from drc_book.decode_speed import decode_setup, time_decoding
 from drc_book.speed import RuleSpec, SpeedConfig
@@ -58,12 +59,13 @@ def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
     return time_decoding(model, prompt, rules, cfg, batches=batches, log=log).decoders
 
 
-def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] = ("state_delta", "cosine", "acceleration"),
+def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] | None = None,
                     batches: Sequence[int] = (8, 32)) -> pd.DataFrame:
     """The targets on a :func:`time_decoders` table: at each batch of ``batches``, (1) every state rule's continuous
     decoder beats the dense decoder (``x_dense`` > 1) and (2) realizes >= 0.9 of its honest-FLOP speed-up, and (3)
     continuous batching at equal depth (``Uniform(r)``) costs <= 1.05x the dense decoder. One row per check with
-    the measured ``value``, the ``target`` and ``met``."""
+    the measured ``value``, the ``target`` and ``met``. ``state_families``: default :func:`drc_core.state_families`."""
+    state_families = drc_core.state_families() if state_families is None else state_families
     out = []
     cont = table[table.path == "continuous"]
     for b in batches:

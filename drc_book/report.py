@@ -22,10 +22,10 @@ import pandas as pd
 from scipy import stats as _stats
 
 from drc_book.handoff import Convergence, Halting, Interval, KnownDepth, TokenTypes, Training
+from drc_core import ROUTER_FAMILIES, KLThreshold, Oracle, state_families
 from drc_core.analysis.measure import convergence_depth, depth_summary, measure_windows, per_loop_summary
 from drc_core.analysis.tokens import class_depth_summary, classify_sequence
 from drc_core.errors import DrcError
-from drc_core.halting.rules import KLThreshold
 from drc_core.halting.sweep import RuleSpec, matching_depth, summarize, sweep
 from drc_core.model.lm import DepthRecurrentLM
 from drc_core.training.rundir import open_run
@@ -419,7 +419,8 @@ def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = S
     return pd.DataFrame(rows).set_index("lever")
 
 
-GAIN_FAMILIES = ("oracle", "kl", "state_delta", "cosine", "acceleration", "router_linear", "router_mlp")
+# the oracle (the bound), the paper's KL rule, the rules that read the state, and the learned routers
+GAIN_FAMILIES = (Oracle.family, KLThreshold.family, *state_families(), *ROUTER_FAMILIES)
 
 
 def _saved_text(iv) -> str:

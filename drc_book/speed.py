@@ -72,7 +72,7 @@ from drc_book.cost import (
     spread,
 )
 from drc_core.errors import DrcError, need_float, need_int
-from drc_core.halting.rules import HaltingRule, Uniform, huginn_presets
+from drc_core.halting.rules import HaltingRule, KLThreshold, StateDelta, Uniform, huginn_presets
 from drc_core.halting.skipping import skip_forward
 from drc_core.halting.sweep import RuleSpec, default_families, default_rules, matching_depth, summarize, sweep
 from drc_core.model.checks import check_token_ids
@@ -123,7 +123,7 @@ class SpeedConfig:
 
     reference_loops: int = 8
     rule_max_loops: int = 16
-    families: tuple[str, ...] = ("kl", "state_delta")
+    families: tuple[str, ...] = (KLThreshold.family, StateDelta.family)
     ce_tolerance: float = 0.005
     batch_size: int = 16
     rounds: int = 3

@@ -22,26 +22,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import drc_core
+from drc_book.report import GAIN_FAMILIES
+from drc_core import KLThreshold, Oracle
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "papermill_runs" / "reference" / "results"
 README = ROOT / "README.md"
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
-
-# the halting-rule families and routers in words (the results files use drc_core.RULE_FAMILIES's short names)
-NAMES = {
-    "kl": "KL",
-    "state_delta": "state change",
-    "entropy_delta": "entropy change",
-    "cosine": "cosine",
-    "argmax_patience": "argmax patience",
-    "confidence": "top probability",
-    "minp_kl": "min-p KL",
-    "acceleration": "acceleration",
-    "router_linear": "linear router",
-    "router_mlp": "MLP router",
-    "oracle": "oracle",
-    "uniform": "uniform depth",
-}
 
 
 class Results:
@@ -78,7 +66,8 @@ def section(fn: Section) -> Section:
 
 
 def name(family: str) -> str:
-    return NAMES.get(family, family)
+    """A family in words, as the registry titles it ("state change" for ``state_delta``)."""
+    return drc_core.family_title(family)
 
 
 def sci(x: float) -> str:
@@ -121,7 +110,8 @@ def reference_model(res: Results) -> str:
         return (f"{g['family_depth']:.2f} loops: {pct(g['saved_frac'])} [{pct(g['saved_frac_lo'])}, "
                 f"{pct(g['saved_frac_hi'])}] fewer than uniform depth")
 
-    others = sorted((g["family_depth"], f) for f, g in gaps.items() if f not in ("kl", "oracle"))
+    own_rows = {KLThreshold.family, Oracle.family}  # the rows above; the others share one row
+    others = sorted((g["family_depth"], f) for f, g in gaps.items() if f not in own_rows)
     matched = {m["family"] for m in speed["matched"]}
     batched = speedups(speed["batched"], matched)
     faster = [f"{name(f)} {x:.2f}x" for f, x in batched if x >= 1.0]
@@ -147,8 +137,9 @@ def reference_model(res: Results) -> str:
          "`02_convergence.json`: `median_depth`, `frac_updating`"),
         (f"uniform depth with the loss of depth {ref} (within {tol:g} nats)",
          f"{uniform['ce_depth_interp']:.2f} loops", "`04_halting_and_routers.json`: `matching`"),
-        ("KL halting rule at that loss", saved("kl"), "`04_halting_and_routers.json`: `gaps`"),
-        ("per-token oracle (offline bound) at that loss", saved("oracle"), "`04_halting_and_routers.json`: `gaps`"),
+        ("KL halting rule at that loss", saved(KLThreshold.family), "`04_halting_and_routers.json`: `gaps`"),
+        ("per-token oracle (offline bound) at that loss", saved(Oracle.family),
+         "`04_halting_and_routers.json`: `gaps`"),
         ("the other rules and routers at that loss, loops",
          ", ".join(f"{name(f)} {d:.2f}" for d, f in others), "`04_halting_and_routers.json`: `gaps`"),
         (f"wall-clock speed-up over uniform depth {ref} at its loss, batched evaluation, "
@@ -178,7 +169,7 @@ def controlled_depth(res: Results) -> str | None:
     rows = [("uniform depth of equal quality, loops",
              *(f"{next(iter(g.values()))['uniform_depth']:.2f}" for g in sets.values()))]
     rows += [(f"{name(f)}: loops saved against it", *(cell(g, f) for g in sets.values()))
-             for f in ("oracle", "kl", "state_delta", "cosine", "router_mlp") if f in first or f in known["gaps"]]
+             for f in GAIN_FAMILIES if f in first or f in known["gaps"]]
     rho = known["spearman_depth"]
     lo, hi = known["k_range"]
     shipped = ROOT / known["model_source"]["path"]

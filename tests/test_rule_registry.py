@@ -3,6 +3,7 @@ place changes no number."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import re
 from dataclasses import dataclass
@@ -188,3 +189,57 @@ def test_readme_lists_every_rule_family():
 def test_oracle_rule_still_replays_exits():
     rule = Oracle(exit_loops=torch.tensor([[1, 2]]), max_loops=2)
     assert rule.avg_depth == 1.5 and rule.name == "oracle"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rule and family lists come from the registry: no literal collection of family names outside it
+
+_ROOT = Path(__file__).resolve().parents[1]
+# the registry itself, and the statistics modules (their statistics share names with the rules built on them)
+_NAMES_ALLOWED_IN = {"drc_core/halting/rules.py", "drc_core/analysis/loops.py", "drc_core/halting/loopstats.py"}
+
+
+def literal_family_lists(root: Path, dirs: tuple[str, ...] = ("drc_core", "drc_book", "book", "scripts", "bench")
+                         ) -> list[str]:
+    """Tuples, lists, sets and dict key sets written as two or more string literals that are all rule or router
+    families (as the registry names them), in every .py under ``dirs`` but the registry and statistics modules."""
+    from drc_core.halting.sweep import ROUTER_FAMILIES
+
+    families = {cls.family for cls in rule_classes().values()} | set(ROUTER_FAMILIES)
+    found = []
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel in _NAMES_ALLOWED_IN:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                elts = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else (
+                    node.keys if isinstance(node, ast.Dict) else None)
+                if not elts or len(elts) < 2:
+                    continue
+                if all(isinstance(e, ast.Constant) and e.value in families for e in elts):
+                    found.append(f"{rel}:{node.lineno}: {[e.value for e in elts]}")
+    return found
+
+
+def test_no_hand_typed_list_of_rule_families() -> None:
+    assert literal_family_lists(_ROOT) == []
+
+
+def test_family_list_check_sees_each_form(tmp_path: Path) -> None:
+    (tmp_path / "book").mkdir()
+    (tmp_path / "book" / "n.py").write_text('a = ("kl", "cosine")\nb = {"oracle": 1, "router_mlp": 2}\n'
+                                            'c = ["kl", "loop"]\nd = ("kl",)\n')
+    assert literal_family_lists(tmp_path, ("book",)) == [
+        "book/n.py:1: ['kl', 'cosine']", "book/n.py:2: ['oracle', 'router_mlp']"]
+
+
+def test_family_titles_and_state_families() -> None:
+    assert drc_core.family_title("state_delta") == "state change" and drc_core.family_title("kl") == "KL"
+    assert drc_core.family_title("router_mlp") == "MLP router"
+    assert drc_core.family_title("argmax_patience") == "argmax patience"  # no title: the family, spaced
+    # the state families are exactly the swept rules that read no readout statistic
+    for fam in drc_core.default_families():
+        rule = drc_core.RULE_FAMILIES[fam](drc_core.RULE_FAMILIES[fam].grid[0])
+        assert (fam in drc_core.state_families()) == (not rule.needs_log_probs)
+    assert drc_core.state_families() == ["state_delta", "cosine", "acceleration"]

@@ -48,7 +48,7 @@ from drc_core.analysis.loops import LoopStats
 from drc_core.analysis.measure import DEFAULT_EPS
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.router_data import FeatureSpec, RouterData, harvest, harvest_specs, router_features, split_windows
-from drc_core.halting.rules import HaltingRule
+from drc_core.halting.rules import HaltingRule, rule_classes
 from drc_core.halting.sweep import RuleSpec
 from drc_core.model.lm import RecurrentModel
 
@@ -63,6 +63,7 @@ __all__ = [
     "harvest",
     "harvest_specs",
     "load_router",
+    "family_title",
     "router_features",
     "router_metrics",
     "save_router",
@@ -86,6 +87,7 @@ class Router(nn.Module):
     """
 
     kind = "router"
+    title = "router"  # the family in words (family_title)
 
     def __init__(self, d_in: int) -> None:
         super().__init__()
@@ -117,7 +119,7 @@ class Router(nn.Module):
 class LinearRouter(Router):
     """Logistic regression on the standardised features: one Linear(d_in -> 1) and a sigmoid."""
 
-    kind = "linear"
+    kind, title = "linear", "linear router"
 
     def __init__(self, d_in: int) -> None:
         super().__init__(d_in)
@@ -130,7 +132,7 @@ class LinearRouter(Router):
 class MLPRouter(Router):
     """A one-hidden-layer MLP on the standardised features: Linear(d_in -> hidden), GELU, Linear(hidden -> 1)."""
 
-    kind = "mlp"
+    kind, title = "mlp", "MLP router"
 
     def __init__(self, d_in: int, hidden: int = 64) -> None:
         super().__init__(d_in)
@@ -144,7 +146,18 @@ class MLPRouter(Router):
         return {**super().config(), "hidden": self.hidden}
 
 
-_KINDS: dict[str, type[Router]] = {"linear": LinearRouter, "mlp": MLPRouter}
+_KINDS: dict[str, type[Router]] = {cls.kind: cls for cls in (LinearRouter, MLPRouter)}
+
+
+def family_title(family: str) -> str:
+    """A family of the sweeps in words: a rule's :attr:`~drc_core.halting.rules.HaltingRule.title` ("state change"
+    for ``state_delta``), a learned router's (``router_mlp``: "MLP router"), else the family with its underscores
+    read as spaces."""
+    kind = family.removeprefix("router_")
+    if family.startswith("router_") and kind in _KINDS:
+        return _KINDS[kind].title
+    cls = next((c for c in rule_classes().values() if c.family == family), None)
+    return cls.title if cls is not None and cls.title else family.replace("_", " ")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -136,7 +136,8 @@ class HaltingRule:
     The registry (class attributes, set in a subclass's own body): :attr:`family`, the short name -- a
     subclass that sets it is registered when it is defined (:data:`RULE_FAMILIES`, :func:`make_rule`, the
     ``drc_core`` exports); :attr:`grid`, the default sweep grid of its first argument (the threshold;
-    :func:`drc_core.halting.sweep.default_rules` sweeps every family with a non-empty one); :attr:`deployable`,
+    :func:`drc_core.halting.sweep.default_rules` sweeps every family with a non-empty one); :attr:`title`, the family
+    in words (:func:`family_title`); :attr:`deployable`,
     False for a rule that :func:`make_rule` cannot build by name (:class:`Oracle`).
     """
 
@@ -144,6 +145,7 @@ class HaltingRule:
     max_loops: int = 32
     reads: ClassVar[frozenset[str] | None] = None  # a class attribute too (see above)
     family: ClassVar[str | None] = None
+    title: ClassVar[str] = ""  # the family in words, for tables and figures ("" : the family, "_" read as " ")
     grid: ClassVar[tuple[float, ...]] = ()
     deployable: ClassVar[bool] = True
 
@@ -244,6 +246,7 @@ class KLThreshold(_BelowThreshold):
     """Halt once the successive-output KL(p_l || p_{l-1}) < ``tau`` (the paper's training-free rule)."""
 
     family, grid = "kl", HALF_DECADES
+    title = "KL"
     _stat = _label = "kl"
 
 
@@ -252,6 +255,7 @@ class StateDelta(_BelowThreshold):
     """Halt once the relative latent change ||s_l - s_{l-1}|| / ||s_l|| < ``tau``."""
 
     family, grid = "state_delta", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4)
+    title = "state change"
     _stat, _label = "state_delta", "dstate"
 
 
@@ -260,6 +264,7 @@ class EntropyDelta(_BelowThreshold):
     """Halt once the output entropy changes by less than ``tau`` nats: |H_l - H_{l-1}| < ``tau``."""
 
     family, grid = "entropy_delta", HALF_DECADES
+    title = "entropy change"
     _stat, _label = "entropy_delta", "dH"
 
 
@@ -307,6 +312,7 @@ class SoftmaxConfidence(HaltingRule):
     """Halt once the top probability max_v p_l(v) >= ``tau`` (``tau`` in (0, 1])."""
 
     family, grid = "confidence", (0.3, 0.5, 0.7, 0.9, 0.95, 0.99)
+    title = "top probability"
     tau: float
     reads = frozenset({"top_prob"})
 
@@ -327,6 +333,7 @@ class MinPKL(_BelowThreshold):
     :class:`~drc_core.analysis.loops.LoopStats`)."""
 
     family, grid = "minp_kl", (*HALF_DECADES, 3e-6, 1e-6)
+    title = "min-p KL"
     _stat, _label = "minp_kl", "minp-kl"
 
 
@@ -356,6 +363,7 @@ class Uniform(HaltingRule):
     """Every token halts at loop ``k`` exactly (``min_loops = max_loops = k``): the fixed-depth baseline."""
 
     family = "uniform"  # no grid: sweeps run every uniform depth themselves
+    title = "uniform depth"
     k: int
     min_loops: int = field(default=1, init=False)
     max_loops: int = field(default=1, init=False)

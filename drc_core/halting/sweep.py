@@ -53,6 +53,7 @@ __all__ = [
     "RuleSpec",
     "calibrate",
     "calibrated_families",
+    "state_families",
     "calibration_table",
     "default_families",
     "default_rules",
@@ -84,6 +85,12 @@ def default_families() -> list[str]:
     """The rule families that :func:`default_rules` sweeps, in order: every family of
     :data:`~drc_core.halting.rules.RULE_FAMILIES` with a default grid (every training-free rule)."""
     return [family for family, cls in RULE_FAMILIES.items() if cls.grid]
+
+
+def state_families() -> list[str]:
+    """The families of :func:`default_families` whose rule reads only the latent state (no readout statistic: the
+    rules a decoder can run without the per-loop head), in order."""
+    return [f for f in default_families() if not RULE_FAMILIES[f](RULE_FAMILIES[f].grid[0]).needs_log_probs]
 
 
 def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
@@ -510,7 +517,8 @@ def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: f
 # ----------------------------------------------------------------------------------------------------------
 # The tables of notebook 4
 
-ROUTER_FAMILIES = ("router_linear", "router_mlp")  # drc_core.halting.router.trained_router_specs's families
+ROUTER_KINDS = ("linear", "mlp")  # drc_core.halting.router's router kinds, trained by trained_router_specs
+ROUTER_FAMILIES = tuple(f"router_{kind}" for kind in ROUTER_KINDS)  # the families of their sweep rows
 
 
 def calibrated_families() -> list[str]:
