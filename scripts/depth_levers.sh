@@ -5,7 +5,7 @@
 # 4-layer core, and backprop through 8 loops. The baseline is the shipped
 # data/experiments/small-mean8-seed0 (same config and seed). Two lanes of one thread each; resumable (a
 # finished run is skipped). Evaluation (loss by depth, successive KL) and metrics, without weights, are copied to
-# data/levers/<name>/ for the book (notebook 07 tabulates them with drc_core.report.runs_table).
+# data/levers/<name>/ for the book (notebook 07 tabulates them with drc_book.report.runs_table).
 # Shipped (2026-12-03, all runs below finished): base, mean-4, mean-12 (copies), mean-16, mean-24, steps-2x,
 # core-4, backprop-8.
 set -euo pipefail
