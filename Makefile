@@ -16,7 +16,7 @@ STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 PROFILE ?= reference
 RETRAIN ?=
 
-.PHONY: venv data test test-slow lint book book-run book-html lab clean
+.PHONY: venv data test test-slow lint book book-run book-html docs lab clean
 
 # JupyterLab reads settings overrides from the venv: jupyter/overrides.json makes jupytext's notebook view the
 # default for Python files, so book/*.py open as notebooks (a user's own settings still take precedence).
@@ -54,6 +54,10 @@ book-run: data
 
 book-html: venv
 	$(PY) -m drc_book build --profile $(PROFILE)
+
+# the README's headline block and the generated tables of docs/*.md, from papermill_runs/reference/results
+docs: venv
+	$(PY) scripts/readme_tables.py --write
 
 # JupyterLab from the venv on 127.0.0.1, at the repository root (book/*.py open as notebooks); extra options go in
 # LAB_ARGS, e.g. `make lab LAB_ARGS="--port 8890 --no-browser"`. As root (containers) it needs --allow-root.

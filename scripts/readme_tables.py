@@ -1,8 +1,12 @@
-"""The README's "Headline results" block, generated from the executed reference book's results.
+"""The README's "Headline results" block and the generated tables of docs/*.md, from the executed reference book's
+results (``make docs`` runs ``--write``).
 
-    .venv/bin/python scripts/readme_tables.py            # print the block
-    .venv/bin/python scripts/readme_tables.py --write    # rewrite README.md between the markers
-    .venv/bin/python scripts/readme_tables.py --check    # exit 1 if README.md's block is not what this prints
+    .venv/bin/python scripts/readme_tables.py            # print the README block
+    .venv/bin/python scripts/readme_tables.py --write    # rewrite README.md and every docs block between its markers
+    .venv/bin/python scripts/readme_tables.py --check    # exit 1 if any of them is not what this generates
+
+A docs page holds a generated table between ``<!-- generated:NAME:start -->`` and ``<!-- generated:NAME:end -->``;
+the function that writes it is registered with ``@doc_block(page, NAME)`` below (:data:`DOC_BLOCKS`).
 
 Every number comes from ``papermill_runs/reference/results/*.json`` (what ``make book`` writes); the table names
 the file and key of each row. ``tests/test_readme.py`` checks that README.md holds exactly this block.
@@ -60,6 +64,22 @@ def section(fn: Section) -> Section:
     """Register a table of the block (in definition order)."""
     SECTIONS.append(fn)
     return fn
+
+
+DOCS = ROOT / "docs"
+DOC_BLOCKS: dict[tuple[str, str], Section] = {}  # (page under docs/, block name) -> its renderer
+
+
+def doc_block(page: str, block: str) -> Callable[[Section], Section]:
+    """Register the renderer of the generated block ``block`` of ``docs/<page>``."""
+    def register(fn: Section) -> Section:
+        DOC_BLOCKS[(page, block)] = fn
+        return fn
+    return register
+
+
+def markers(block: str) -> tuple[str, str]:
+    return f"<!-- generated:{block}:start -->", f"<!-- generated:{block}:end -->"
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -199,6 +219,90 @@ def controlled_depth(res: Results) -> str | None:
 # --------------------------------------------------------------------------------------------------- the block
 
 
+# ------------------------------------------------------------------------------------------------- docs blocks
+
+
+def x(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+@doc_block("measurements.md", "batched")
+def batched_table(res: Results) -> str:
+    """Notebook 05's batched evaluation: every variant against uniform depth through the dense forward."""
+    speed = res.need("05_compute")
+    rows = [(f"`{e['rule']}` ({e['path']})", f"{e['avg_loops']:.2f}", x(e["proxy_speedup"]), x(e["honest_speedup"]),
+             x(e["wallclock_speedup"]), f"{e['wall_over_proxy']:.2f}", f"{e['wall_over_honest']:.2f}",
+             f"{e['page_faults_per_batch']:.0f}") for e in speed["batched"]]
+    return (f"{speed['n_windows']} windows x {speed['seq_len']} tokens, medians of {speed['rounds']} interleaved "
+            f"rounds, {speed['threads']} threads (`05_compute.json`: `batched`).\n\n"
+            + table(("rule (path)", "avg loops", "FLOP proxy", "honest speed-up", "wall-clock", "wall / proxy",
+                     "wall / honest", "page faults per batch"), rows))
+
+
+@doc_block("measurements.md", "generation")
+def generation_table(res: Results) -> str:
+    """Notebook 05's KV-cached generation against the dense decoder at the reference depth."""
+    speed = res.need("05_compute")
+    predicted = {(p["rule"], p["rows"]): p["loop_cost_speedup"] for p in speed["decode_prediction"]}
+    rows = [(f"`{e['rule']}` ({e['path']})", str(e["rows"]), f"{e['avg_loops']:.2f}", f"{e['loops_run']:.2f}",
+             f"{e['tokens_per_s']:.0f}", x(e["honest_speedup"]),
+             x(predicted[(e["rule"], e["rows"])]) if (e["rule"], e["rows"]) in predicted else "",
+             x(e["wallclock_speedup"]), f"{e['wall_over_honest']:.2f}") for e in speed["generation"]]
+    return ("`05_compute.json`: `generation`, `decode_prediction`.\n\n"
+            + table(("rule (path)", "rows", "avg loops", "loops run", "tokens/s", "honest speed-up",
+                     "loop-cost prediction", "wall-clock", "wall / honest"), rows))
+
+
+@doc_block("measurements.md", "decoders")
+def decoders_table(res: Results) -> str:
+    """Notebook 05's three decoders side by side per batch size, and serving through a fixed number of slots."""
+    speed = res.need("05_compute")
+    rows = [(str(e["batch"]), f"`{e['rule']}`", e["path"], f"{e['avg_loops']:.2f}", f"{e['tokens_per_s']:.0f}",
+             x(e["x_dense"]), "" if e["realization"] is None else f"{e['realization']:.2f}",
+             {True: "yes", False: "NO", None: ""}[e["same_as_generate"]]) for e in speed["decoders"]]
+    serving = [(f"`{e['rule']}`", e["path"], str(e["requests"]), str(e["slots"]), f"{e['p50']:.2f}",
+                f"{e['p90']:.2f}", f"{e['p99']:.2f}", f"{e['tokens_per_s']:.0f}") for e in speed["serving"]]
+    return ("`05_compute.json`: `decoders`, `serving` (latencies in seconds).\n\n"
+            + table(("batch", "rule", "decoder", "avg loops", "tokens/s", "x dense", "realization",
+                     "same tokens as generate"), rows)
+            + "\n\n" + table(("rule", "decoder", "requests", "slots", "p50", "p90", "p99", "tokens/s"), serving))
+
+
+@doc_block("measurements.md", "bf16")
+def bf16_table(res: Results) -> str:
+    """Notebook 05's bf16 autocast against fp32 on the same windows."""
+    rows = [(f"`{e['rule']}`", e["precision"], f"{e['avg_loops']:.2f}", f"{e['ce']:.4f}",
+             "" if e["same_exit"] is None else pct(e["same_exit"]), x(e["x_fp32_time"]))
+            for e in res.need("05_compute")["bf16"]]
+    return "`05_compute.json`: `bf16`.\n\n" + table(
+        ("rule", "precision", "avg loops", "CE", "same exit loop as fp32", "time / fp32"), rows)
+
+
+@doc_block("measurements.md", "anderson")
+def anderson_table(res: Results) -> str:
+    """Notebook 05's fixed-point solvers: core evaluations to a successive KL below 1e-3 and 1e-5."""
+    rows = [(e["method"], f"{e['evals_kl_1e-3']:.2f}", f"{e['evals_kl_1e-5']:.2f}", pct(e["converged_1e-5"]),
+             f"{e['ce_at_8']:.4f}", x(e["x_plain_time_per_eval"])) for e in res.need("05_compute")["anderson"]]
+    return "`05_compute.json`: `anderson`.\n\n" + table(
+        ("method", "evaluations to KL < 1e-3", "to KL < 1e-5", "tokens reaching 1e-5", "CE at 8 evaluations",
+         "time per evaluation / plain"), rows)
+
+
+def doc_pages(results: Path | Results = RESULTS, docs: Path = DOCS) -> dict[Path, str]:
+    """Every docs page with a generated block, its text with each block as generated now."""
+    res = results if isinstance(results, Results) else Results(results)
+    pages: dict[Path, str] = {}
+    for (page, block), fn in DOC_BLOCKS.items():
+        path = docs / page
+        text = pages.get(path) or path.read_text()
+        start, end = markers(block)
+        if text.count(start) != 1 or text.count(end) != 1:
+            raise ValueError(f"{path} must hold {start} and {end} once each")
+        head, rest = text.split(start, 1)
+        pages[path] = head + start + "\n" + (fn(res) or "").strip() + "\n" + end + rest.split(end, 1)[1]
+    return pages
+
+
 def render(results: Path | Results = RESULTS, sections: list[Section] | None = None) -> str:
     """The block between the markers: each section's markdown, blank-line separated; None leaves a section out."""
     res = results if isinstance(results, Results) else Results(results)
@@ -221,17 +325,24 @@ def rewrite(text: str, block: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = ap.add_mutually_exclusive_group()
-    group.add_argument("--write", action="store_true", help="rewrite README.md between the markers")
-    group.add_argument("--check", action="store_true", help="exit 1 if README.md's block differs")
+    group.add_argument("--write", action="store_true", help="rewrite README.md's and docs' generated blocks")
+    group.add_argument("--check", action="store_true", help="exit 1 if a generated block differs")
     ap.add_argument("--results", type=Path, default=RESULTS, help="results directory (default: the reference's)")
     args = ap.parse_args(argv)
     block = render(args.results)
+    pages = doc_pages(args.results)
     if args.write:
         README.write_text(rewrite(README.read_text(), block))
-        print(f"rewrote the headline block of {README}")
+        for path, text in pages.items():
+            path.write_text(text)
+        print(f"rewrote the headline block of {README} and the generated blocks of {len(pages)} docs page(s)")
     elif args.check:
+        stale = [str(p) for p, text in pages.items() if p.read_text() != text]
         if readme_block(README.read_text()) != block:
-            print("README.md's headline block is stale: run scripts/readme_tables.py --write", file=sys.stderr)
+            stale.insert(0, str(README))
+        if stale:
+            print(f"stale generated blocks in {', '.join(stale)}: run scripts/readme_tables.py --write",
+                  file=sys.stderr)
             return 1
     else:
         print(block.strip())

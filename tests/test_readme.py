@@ -28,6 +28,24 @@ def test_readme_headline_block_is_generated(tables):
     )
 
 
+def test_docs_generated_blocks_are_fresh(tables):
+    pages = tables.doc_pages()
+    assert pages, "no docs page holds a generated block"
+    for path, text in pages.items():
+        assert path.read_text() == text, (
+            f"{path.relative_to(ROOT)} holds a stale generated table: run `make docs`")
+
+
+def test_a_changed_result_changes_the_docs_table(tables, tmp_path):
+    for f in tables.RESULTS.glob("*.json"):
+        shutil.copy(f, tmp_path / f.name)
+    speed = json.loads((tmp_path / "05_compute.json").read_text())
+    speed["batched"][2]["wallclock_speedup"] = 9.87
+    (tmp_path / "05_compute.json").write_text(json.dumps(speed))
+    page = tables.doc_pages(tmp_path)[tables.DOCS / "measurements.md"]
+    assert "9.87x" in page and "9.87x" not in (tables.DOCS / "measurements.md").read_text()
+
+
 def test_readme_is_short():
     lines = README.read_text().splitlines()
     assert len(lines) <= MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/ (at most {MAX_LINES})"
