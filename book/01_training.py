@@ -44,12 +44,12 @@ from drc_book import viz
 from drc_book.cost import keep_freed_memory
 from drc_book.paths import at_root, results_for
 from drc_book.workspace import ensure_corpus, open_model, provide_model, save_results
-from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.training.evaluate import (
+from drc_core import (
     depth_gain_by_step,
     loss_by_depth,
     loss_by_source,
     unigram_loss,
+    val_windows_with_docs,
 )
 
 work_dir, corpus_dir, checkpoint = at_root(work_dir, corpus_dir, checkpoint)

@@ -40,27 +40,26 @@ from drc_book import viz
 from drc_book.cost import keep_freed_memory
 from drc_book.paths import at_root, results_for
 from drc_book.workspace import open_study, save_results
-from drc_core.analysis.dynamics import (
+from drc_core import (
     Dynamics,
     class_shares,
     classify,
+    classify_sequence,
     commit_loop,
-    group_shares,
-    norm_percentiles,
-    overthinks,
-)
-from drc_core.analysis.measure import (
     convergence_depth,
+    default_rules,
     depth_summary,
     eps_sensitivity,
+    group_shares,
     kl_concentration,
     measure_windows,
+    norm_percentiles,
     oscillating_tokens,
+    overthinks,
     per_loop_summary,
     save_frame,
+    token_exits,
 )
-from drc_core.analysis.tokens import classify_sequence
-from drc_core.halting.sweep import default_rules, token_exits
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/

@@ -39,9 +39,7 @@ import drc_core
 from drc_book import viz
 from drc_book.paths import at_root, results_for
 from drc_book.workspace import save_results
-from drc_core.analysis.measure import convergence_depth, load_frame
-from drc_core.analysis.tokens import class_depth_summary, classify_sequence
-from drc_core.data.sampler import Corpus
+from drc_core import Corpus, class_depth_summary, classify_sequence, convergence_depth, load_frame
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/

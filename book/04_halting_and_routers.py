@@ -62,19 +62,23 @@ from drc_book import viz
 from drc_book.cost import keep_freed_memory
 from drc_book.paths import at_root, results_for
 from drc_book.workspace import open_study, save_results
-from drc_core.api import document_windows
-from drc_core.halting.calibrate import loss_tables, min_units, validity, validity_summary
-from drc_core.halting.router import split_windows, trained_router_specs
-from drc_core.halting.sweep import (
+from drc_core import (
     calibration_table,
     default_families,
     default_rules,
+    document_windows,
     gap_table,
+    loss_tables,
     matching_table,
+    min_units,
     online_vs_offline,
+    split_windows,
     summarize,
     sweep,
+    trained_router_specs,
     uniform_ce,
+    validity,
+    validity_summary,
     window_clusters,
 )
 
@@ -377,7 +381,8 @@ if len(shift):
 # %%
 # each threshold's mean per-document risk on each source (all documents; KL and state change)
 by_source = []
-for fam in [f for f in (drc_core.KLThreshold.family, drc_core.StateDelta.family) if f in risk_families]:
+kl_and_state = (drc_core.KLThreshold.family, drc_core.StateDelta.family)
+for fam in [f for f in kl_and_state if f in risk_families]:
     for j, spec in enumerate(top1.specs[fam]):
         row = {"family": fam, "threshold": spec.param}
         for src, idx in (("wikipedia", wiki), ("sotu", sotu)):

@@ -110,9 +110,7 @@ from drc_book.speed_checks import (
     profile_generation,
 )
 from drc_book.workspace import open_study, save_results
-from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.halting.sweep import default_families
-from drc_core.model.precision import bf16_support
+from drc_core import bf16_support, default_families, val_windows_with_docs
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
@@ -241,6 +239,7 @@ batched[
 
 # %%
 decoder_families = decoder_families or [drc_core.KLThreshold.family, *drc_core.state_families()]
+kl_and_state = (drc_core.KLThreshold.family, drc_core.StateDelta.family)  # paper's rule, state rule
 decoder_rules = [sp for sp in matched.specs if sp.family in decoder_families]
 prompts, _ = val_windows_with_docs(corpus, cfg.seq_len, max([*gen_batches, *decoder_batches]))
 prompts = prompts[:, :prompt_len]
@@ -416,7 +415,7 @@ def by_kind(kinds: pd.DataFrame) -> pd.DataFrame:
 
 
 if not profile.startswith("smoke"):
-    named = [spec for spec in matched.specs if spec.family in (drc_core.KLThreshold.family, drc_core.StateDelta.family)]
+    named = [spec for spec in matched.specs if spec.family in kl_and_state]
     kinds, ops = profile_batched(model, windows, named, speed)
     display(by_kind(kinds))
     display(ops.round(3))
@@ -437,7 +436,7 @@ if not profile.startswith("smoke"):
 fast_bf16 = bf16_support(next(model.parameters()).device)
 print(fast_bf16 or "no fast bf16 on this device: skipped")
 if bf16_compare and fast_bf16:
-    named = [spec for spec in matched.specs if spec.family in (drc_core.KLThreshold.family, drc_core.StateDelta.family)]
+    named = [spec for spec in matched.specs if spec.family in kl_and_state]
     bf16_frame, bf16_kl = bf16_check(model, windows, named, speed)
     display(bf16_frame.round(4))
     display(bf16_kl.round(5))

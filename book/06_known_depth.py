@@ -100,24 +100,32 @@ from drc_book.handoff import KnownDepth
 from drc_book.paths import at_root, results_for
 from drc_book.report import GAIN_FAMILIES, known_depth_targets
 from drc_book.workspace import ensure_corpus, open_model, provide_model, save_results
-from drc_core.analysis.dynamics import Dynamics, class_shares, classify
-from drc_core.analysis.measure import measure_windows, val_windows_with_docs
-from drc_core.data.depth_tasks import SOURCE_NAME as TASK_SOURCE
-from drc_core.data.depth_tasks import DepthTaskConfig, generate_document
-from drc_core.data.sampler import Corpus
-from drc_core.halting.calibrate import min_units, pass_loss_tables, validity, validity_summary
-from drc_core.halting.router import split_windows, trained_router_specs
-from drc_core.halting.sweep import (
+from drc_core import DEPTH_TASK_SOURCE as TASK_SOURCE
+from drc_core import (
+    Corpus,
+    DepthTaskConfig,
+    Dynamics,
     OfflinePass,
+    class_shares,
+    classify,
     default_families,
     default_rules,
     gap_table,
+    generate_document,
+    loss_by_source,
     matching_table,
+    measure_windows,
+    min_units,
     offline_pass,
+    pass_loss_tables,
+    split_windows,
     summarize,
+    trained_router_specs,
+    val_windows_with_docs,
+    validity,
+    validity_summary,
     window_clusters,
 )
-from drc_core.training.evaluate import loss_by_source
 
 work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_init = at_root(
     work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_init

@@ -71,10 +71,7 @@ from drc_book.report import (
     scale_table,
 )
 from drc_book.workspace import load_results, open_model, provide_run, save_results
-from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.data.sampler import Corpus
-from drc_core.training.evaluate import loss_by_depth
-from drc_core.training.rundir import open_run
+from drc_core import Corpus, loss_by_depth, open_run, val_windows_with_docs
 
 work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, damping_file = at_root(
     work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, damping_file

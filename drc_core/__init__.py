@@ -30,31 +30,95 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# The public API: every name a user (and the book) imports from drc_core, in one place, grouped by what it is for.
+# "module" exports the module's attribute of the same name; "module:attr" exports another attribute under this name.
 _EXPORTS = {
+    # load a model, trace text through its loops, generate with halting, calibrate a rule
     "load": "drc_core.api",
     "trace": "drc_core.api",
     "generate": "drc_core.api",
+    "calibrate": "drc_core.api",
+    "document_windows": "drc_core.api",
     "Model": "drc_core.api",
     "Trace": "drc_core.api",
     "Generation": "drc_core.api",
-    "calibrate": "drc_core.api",
-    "CalibratedRule": "drc_core.halting.calibrate",
-    "Certificate": "drc_core.halting.calibrate",
+    # the model and its loop
+    "DepthRecurrentLM": "drc_core.model.lm",
+    "ModelConfig": "drc_core.model.config",
+    "RecurrentModel": "drc_core.model.lm",
+    "iterate": "drc_core.model.lm",
+    "logits_at": "drc_core.model.lm",
+    "bf16_support": "drc_core.model.precision",
+    # data: prepared corpora, their validation windows, the generated known-depth documents
+    "Corpus": "drc_core.data.sampler",
+    "val_windows_with_docs": "drc_core.analysis.measure",
+    "DepthTaskConfig": "drc_core.data.depth_tasks",
+    "generate_document": "drc_core.data.depth_tasks",
+    "DEPTH_TASK_SOURCE": "drc_core.data.depth_tasks:SOURCE_NAME",
+    # training runs and their evaluation
+    "open_run": "drc_core.training.rundir",
+    "loss_by_depth": "drc_core.training.evaluate",
+    "loss_by_source": "drc_core.training.evaluate",
+    "unigram_loss": "drc_core.training.evaluate",
+    "depth_gain_by_step": "drc_core.training.evaluate",
+    # per-token x loop measurement and its summaries
+    "DEFAULT_EPS": "drc_core.analysis.measure",
+    "measure_windows": "drc_core.analysis.measure",
+    "convergence_depth": "drc_core.analysis.measure",
+    "per_loop_summary": "drc_core.analysis.measure",
+    "depth_summary": "drc_core.analysis.measure",
+    "eps_sensitivity": "drc_core.analysis.measure",
+    "kl_concentration": "drc_core.analysis.measure",
+    "oscillating_tokens": "drc_core.analysis.measure",
+    "save_frame": "drc_core.analysis.measure",
+    "load_frame": "drc_core.analysis.measure",
+    "classify_sequence": "drc_core.analysis.tokens",
+    "class_depth_summary": "drc_core.analysis.tokens",
+    # what each token's state does (dynamics classes, commit loop, overthinking)
+    "Dynamics": "drc_core.analysis.dynamics",
+    "classify": "drc_core.analysis.dynamics",
+    "class_shares": "drc_core.analysis.dynamics",
+    "group_shares": "drc_core.analysis.dynamics",
+    "norm_percentiles": "drc_core.analysis.dynamics",
+    "commit_loop": "drc_core.analysis.dynamics",
+    "overthinks": "drc_core.analysis.dynamics",
+    # halting rules and the paths that run them
     "make_rule": "drc_core.halting.rules",
     "RULE_FAMILIES": "drc_core.halting.rules",
     "HaltingRule": "drc_core.halting.rules",
     "masked_forward": "drc_core.halting.reference",
     "skip_forward": "drc_core.halting.skipping",
     "generate_continuous": "drc_core.halting.continuous",
-    "DepthRecurrentLM": "drc_core.model.lm",
-    "ModelConfig": "drc_core.model.config",
-    "RecurrentModel": "drc_core.model.lm",
-    "iterate": "drc_core.model.lm",
-    "open_run": "drc_core.training.rundir",
+    # sweeps: quality against depth per rule family, matched quality, loops saved
+    "RuleSpec": "drc_core.halting.sweep",
+    "default_rules": "drc_core.halting.sweep",
     "default_families": "drc_core.halting.sweep",
     "state_families": "drc_core.halting.sweep",
     "ROUTER_FAMILIES": "drc_core.halting.sweep",
     "family_title": "drc_core.halting.router",
+    "sweep": "drc_core.halting.sweep",
+    "summarize": "drc_core.halting.sweep",
+    "OfflinePass": "drc_core.halting.sweep",
+    "offline_pass": "drc_core.halting.sweep",
+    "token_exits": "drc_core.halting.sweep",
+    "uniform_ce": "drc_core.halting.sweep",
+    "window_clusters": "drc_core.halting.sweep",
+    "matching_table": "drc_core.halting.sweep",
+    "gap_table": "drc_core.halting.sweep",
+    "online_vs_offline": "drc_core.halting.sweep",
+    "calibration_table": "drc_core.halting.sweep",
+    # learned routers
+    "trained_router_specs": "drc_core.halting.router",
+    "split_windows": "drc_core.halting.router",
+    # thresholds with a guarantee (Learn then Test) and whether it holds
+    "CalibratedRule": "drc_core.halting.calibrate",
+    "Certificate": "drc_core.halting.calibrate",
+    "min_units": "drc_core.halting.calibrate",
+    "loss_tables": "drc_core.halting.calibrate",
+    "pass_loss_tables": "drc_core.halting.calibrate",
+    "validity": "drc_core.halting.calibrate",
+    "validity_summary": "drc_core.halting.calibrate",
+    # errors, and the depth explorer (book extras)
     "DrcError": "drc_core.errors",
     "DepthExplorer": "drc_core.explorer",
     "depth_slider_figure": "drc_core.explorer",
@@ -78,15 +142,16 @@ def __getattr__(name: str) -> Any:
     if name == "__all__":  # computed on use: the registry may grow (and importing it here would load torch)
         return sorted({*_EXPORTS, *_MODULES, *_rule_classes()})
     if name in _MODULES or name in _EXPORTS:
+        where, _, attr = (_MODULES.get(name) or _EXPORTS[name]).partition(":")
         try:
-            module = importlib.import_module(_MODULES.get(name) or _EXPORTS[name])
+            module = importlib.import_module(where)
         except ImportError as exc:  # the explorer and plotting need the book extras (plotly, ipywidgets)
             from drc_core.errors import DrcError
 
             raise DrcError(f"drc_core.{name} needs the book extras ({exc}): pip install 'drc-book[book]'") from None
         if name in _MODULES:
             return module
-        value = getattr(module, name)
+        value = getattr(module, attr or name)
         globals()[name] = value
         return value
     # a dunder or a submodule (``from drc_core import errors`` asks here first) is not looked up in the registry,
