@@ -3,6 +3,6 @@
 import sys
 
 from drc_book.runner import main
-from drc_core.errors import run_cli
+from drc_core import run_cli
 
 sys.exit(run_cli(main))

@@ -30,10 +30,8 @@ import drc_core
 from drc_book.cost import Log, interleaved, median
 from drc_book.decode_speed import decode_setup, time_decoding
 from drc_book.speed import RuleSpec, SpeedConfig
-from drc_core.halting.continuous import generate_continuous
-from drc_core.halting.generate import generate
-from drc_core.halting.rules import HaltingRule
-from drc_core.model.lm import DepthRecurrentLM
+from drc_core import DepthRecurrentLM, HaltingRule, generate_continuous
+from drc_core import generate_ids as generate
 
 __all__ = ["PATHS", "decoder_targets", "serving_latency", "time_decoders"]
 

@@ -31,8 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from drc_core.errors import DrcError
-from drc_core.model.lm import DepthRecurrentLM
+from drc_core import DepthRecurrentLM, DrcError
 
 __all__ = ["CLOCKS", "KEEP_FREED_BYTES", "VOCAB_STAT_FLOPS", "Log", "flop_parts", "honest_flops", "interleaved",
            "keep_freed_memory", "matmul_flops_per_token", "median", "page_faults", "rotations", "spread",

@@ -28,12 +28,18 @@ from torch import Tensor
 
 from drc_book.cost import Log, honest_flops, interleaved, matmul_flops_per_token, median, spread
 from drc_book.speed import SpeedConfig, on_device, prepare_memory, rule_specs, skip_path, speed_columns
-from drc_core.errors import DrcError
-from drc_core.halting.continuous import ContinuousResult, generate_continuous
-from drc_core.halting.generate import GenerationResult, generate, generate_fixed
-from drc_core.halting.rules import HaltingRule, Uniform
-from drc_core.halting.sweep import RuleSpec
-from drc_core.model.lm import DepthRecurrentLM
+from drc_core import (
+    ContinuousResult,
+    DepthRecurrentLM,
+    DrcError,
+    GenerationResult,
+    HaltingRule,
+    RuleSpec,
+    Uniform,
+    generate_continuous,
+    generate_fixed,
+)
+from drc_core import generate_ids as generate
 
 __all__ = ["DecodeTimes", "decode_loop_cost", "decode_prediction", "time_decoding", "time_generation"]
 

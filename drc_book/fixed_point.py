@@ -24,9 +24,17 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from drc_core.model.anderson import PLAIN, AndersonConfig, anderson_iterate, evals_to_converge
-from drc_core.model.lm import RecurrentModel, iterate
-from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
+from drc_core import (
+    EVAL_STATE_SEED,
+    AndersonConfig,
+    RecurrentModel,
+    anderson_iterate,
+    eval_batches,
+    evals_to_converge,
+    iterate,
+    kl_successive,
+)
+from drc_core import PLAIN_ITERATION as PLAIN
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from drc_core.errors import DrcError
+from drc_core import DrcError
 
 __all__ = ["HANDOFFS", "Convergence", "Cycles", "Halting", "Interval", "KnownDepth", "TokenTypes", "Training"]
 

@@ -20,15 +20,26 @@ import pandas as pd
 import torch
 from scipy import stats as sps
 
-from drc_core.analysis.dynamics import commit_loop, overthinks
-from drc_core.analysis.intervals import bootstrap_ci, cluster_draws
-from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth, measure_windows
-from drc_core.data.depth_tasks import DepthTaskConfig, generate_document, token_labels
-from drc_core.data.labels import read_labels
-from drc_core.data.sampler import Corpus
-from drc_core.errors import DrcError, need_int
-from drc_core.halting.sweep import OfflinePass, RuleSpec
-from drc_core.model.lm import RecurrentModel, logits_at
+from drc_core import (
+    DEFAULT_EPS,
+    Corpus,
+    DepthTaskConfig,
+    DrcError,
+    OfflinePass,
+    RecurrentModel,
+    RuleSpec,
+    bootstrap_ci,
+    cluster_draws,
+    commit_loop,
+    convergence_depth,
+    generate_document,
+    logits_at,
+    measure_windows,
+    need_int,
+    overthinks,
+    read_labels,
+    token_labels,
+)
 
 __all__ = [
     "TaskWindows",

@@ -22,13 +22,25 @@ import pandas as pd
 from scipy import stats as _stats
 
 from drc_book.handoff import Convergence, Halting, Interval, KnownDepth, TokenTypes, Training
-from drc_core import ROUTER_FAMILIES, KLThreshold, Oracle, state_families
-from drc_core.analysis.measure import convergence_depth, depth_summary, measure_windows, per_loop_summary
-from drc_core.analysis.tokens import class_depth_summary, classify_sequence
-from drc_core.errors import DrcError
-from drc_core.halting.sweep import RuleSpec, matching_depth, summarize, sweep
-from drc_core.model.lm import DepthRecurrentLM
-from drc_core.training.rundir import open_run
+from drc_core import (
+    ROUTER_FAMILIES,
+    DepthRecurrentLM,
+    DrcError,
+    KLThreshold,
+    Oracle,
+    RuleSpec,
+    class_depth_summary,
+    classify_sequence,
+    convergence_depth,
+    depth_summary,
+    matching_depth,
+    measure_windows,
+    open_run,
+    per_loop_summary,
+    state_families,
+    summarize,
+    sweep,
+)
 
 __all__ = [
     "PAPER",

@@ -71,13 +71,27 @@ from drc_book.cost import (
     page_faults,
     spread,
 )
-from drc_core.errors import DrcError, need_float, need_int
-from drc_core.halting.rules import HaltingRule, KLThreshold, StateDelta, Uniform, huginn_presets
-from drc_core.halting.skipping import skip_forward
-from drc_core.halting.sweep import RuleSpec, default_families, default_rules, matching_depth, summarize, sweep
-from drc_core.model.checks import check_token_ids
-from drc_core.model.lm import DepthRecurrentLM
-from drc_core.model.passes import EVAL_STATE_SEED, eval_batches
+from drc_core import (
+    EVAL_STATE_SEED,
+    DepthRecurrentLM,
+    DrcError,
+    HaltingRule,
+    KLThreshold,
+    RuleSpec,
+    StateDelta,
+    Uniform,
+    check_token_ids,
+    default_families,
+    default_rules,
+    eval_batches,
+    huginn_presets,
+    matching_depth,
+    need_float,
+    need_int,
+    skip_forward,
+    summarize,
+    sweep,
+)
 
 __all__ = [
     "TARGET_MEASURE",

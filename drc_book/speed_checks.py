@@ -31,16 +31,22 @@ from drc_book.speed import (
     rule_specs,
     timing_batches,
 )
-from drc_core.analysis.loops import iterate_stats
-from drc_core.analysis.measure import measure_windows
-from drc_core.errors import DrcError
-from drc_core.halting.continuous import generate_continuous
-from drc_core.halting.generate import generate, generate_fixed
-from drc_core.halting.rules import HaltingRule, Uniform
-from drc_core.halting.skipping import skip_forward
-from drc_core.halting.sweep import RuleSpec
-from drc_core.model.anderson import PLAIN, AndersonConfig
-from drc_core.model.lm import DepthRecurrentLM, iterate
+from drc_core import PLAIN_ITERATION as PLAIN
+from drc_core import (
+    AndersonConfig,
+    DepthRecurrentLM,
+    DrcError,
+    HaltingRule,
+    RuleSpec,
+    Uniform,
+    generate_continuous,
+    generate_fixed,
+    iterate,
+    iterate_stats,
+    measure_windows,
+    skip_forward,
+)
+from drc_core import generate_ids as generate
 
 __all__ = ["anderson_configs", "anderson_table", "bf16_check", "measurement_cost", "measurement_pass",
            "measurement_summary", "profile_batched", "profile_generation"]

@@ -21,8 +21,7 @@ from drc_book.speed import (
     time_batched,
 )
 from drc_book.speed_checks import measurement_cost, profile_batched
-from drc_core.errors import DrcError
-from drc_core.model.lm import DepthRecurrentLM
+from drc_core import DepthRecurrentLM, DrcError
 
 __all__ = ["SpeedReport", "run_speed"]
 

@@ -26,8 +26,7 @@ import plotly.colors as pcolors
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from drc_core import DrcError, plotting
-from drc_core.errors import need_int
+from drc_core import DrcError, need_int, plotting
 
 __all__ = [
     "class_depth_bars",
