@@ -44,6 +44,7 @@ _EXPORTS = {
     "Generation": "drc_core.api",
     # the model and its loop
     "DepthRecurrentLM": "drc_core.model.lm",
+    "HuginnLM": "drc_core.model.huginn",
     "ModelConfig": "drc_core.model.config",
     "RecurrentModel": "drc_core.model.lm",
     "iterate": "drc_core.model.lm",

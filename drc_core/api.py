@@ -36,7 +36,9 @@ from drc_core.errors import DrcError, need_int
 from drc_core.halting.calibrate import CalibratedRule, check_calibration
 from drc_core.halting.calibrate import calibrate as calibrate_windows
 from drc_core.halting.generate import generate as generate_ids
-from drc_core.halting.rules import HaltingRule, make_rule
+from drc_core.halting.rules import HaltingRule, KLThreshold, Never, make_rule
+from drc_core.model.huginn import HuginnLM
+from drc_core.model.huginn_checkpoint import hf_config, load_huginn, load_huginn_tokenizer
 from drc_core.model.lm import DepthRecurrentLM, RecurrentModel
 from drc_core.model.passes import EVAL_STATE_SEED
 from drc_core.training.config import TrainConfig
@@ -209,7 +211,7 @@ def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new
     (:func:`drc_core.halting.generate.generate`). Greedy at ``temperature`` 0; ``seed`` fixes the initial
     latent states (and the sampling)."""
     if isinstance(rule, str):
-        defaults = {"kl": (DEFAULT_EPS,), "never": ()}
+        defaults = {KLThreshold.family: (DEFAULT_EPS,), Never.family: ()}  # the rules with a default by name
         if rule not in defaults:
             raise DrcError(f"rule={rule!r} has no default threshold here: pass make_rule({rule!r}, <threshold>)")
         rule = make_rule(rule, *defaults[rule])
@@ -273,6 +275,8 @@ def calibrate(model: Model | RecurrentModel, documents: Sequence[str | Path | Se
         tokenizer = tokenizer or model.tokenizer
         if reference_loops is None and model.config is not None:
             reference_loops = int(round(model.config.recurrence.mean))
+        elif reference_loops is None and isinstance(model.model, HuginnLM):
+            reference_loops = model.model.mean_recurrence
         model = model.model
     check_calibration(family, alpha, delta, risk)
     reference_loops = 8 if reference_loops is None else reference_loops
@@ -284,19 +288,33 @@ def calibrate(model: Model | RecurrentModel, documents: Sequence[str | Path | Se
 
 @dataclass
 class Model:
-    """A loaded model with its tokenizer and training config (None for a bare weights copy); see :func:`load`."""
+    """A loaded model with its tokenizer and training config (None for a bare weights copy); see :func:`load`.
+    A Huginn checkpoint (:class:`~drc_core.model.huginn.HuginnLM`) has no training config, and no tokenizer when
+    its directory holds no tokenizer.json (token ids then work, text does not)."""
 
-    model: DepthRecurrentLM
-    tokenizer: Tokenizer
+    model: DepthRecurrentLM | HuginnLM
+    tokenizer: Tokenizer | None
     config: TrainConfig | None
     run: RunDir
 
-    def trace(self, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, **kwargs) -> Trace:
-        """:func:`trace` with this model and tokenizer."""
+    def _need_tokenizer(self, text: object) -> None:
+        if isinstance(text, str) and self.tokenizer is None:
+            raise DrcError(f"'{self.run.path}' has no {TOKENIZER_FILE}, so text cannot be encoded: pass token ids "
+                           f"(drc_core.generate_ids for generation), or put the checkpoint's "
+                           f"{TOKENIZER_FILE} there")
+
+    def trace(self, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int | None = None,
+              **kwargs) -> Trace:
+        """:func:`trace` with this model and tokenizer; ``max_loops`` defaults to 32, or to a Huginn checkpoint's
+        trained mean depth (``mean_recurrence``)."""
+        self._need_tokenizer(text_or_ids)
+        if max_loops is None:
+            max_loops = self.model.mean_recurrence if isinstance(self.model, HuginnLM) else 32
         return trace(self.model, text_or_ids, max_loops, tokenizer=self.tokenizer, **kwargs)
 
     def generate(self, prompt: str, max_new_tokens: int = 32, **kwargs) -> Generation:
         """:func:`generate` with this model and tokenizer."""
+        self._need_tokenizer(prompt)
         return generate(self.model, self.tokenizer, prompt, max_new_tokens, **kwargs)
 
     def calibrate(self, documents: Sequence[str | Path | Sequence[int]], family: str = "kl", **kwargs
@@ -305,12 +323,29 @@ class Model:
         return calibrate(self, documents, family, **kwargs)
 
 
-def load(path: str | Path, *, corpus: str | Path | None = None, map_location: str = "cpu") -> Model:
+def load(path: str | Path, *, corpus: str | Path | None = None, map_location: str = "cpu",
+         dtype: torch.dtype | str | None = None) -> Model:
     """Open a training run, its ``final/`` or a shipped copy (:func:`drc_core.training.rundir.open_run`): the model in
     eval mode, the tokenizer (the directory's ``tokenizer.json``, else the prepared ``corpus``'s) and the
     training config. A directory without a tokenizer and no ``corpus`` is a one-line error, and so is a tokenizer
     other than the one recorded (its sha256 against the run's or the corpus's record) or one with more ids than the
-    model's vocabulary."""
+    model's vocabulary.
+
+    A Huginn-0125 checkpoint directory (config.json with ``model_type: huginn_raven``, model.safetensors or its
+    shards, optionally tokenizer.json) opens too (:func:`drc_core.model.huginn_checkpoint.load_huginn`): weights
+    memory-mapped, in ``dtype`` (default: the stored dtype, so nothing is copied; float32 for a bf16 checkpoint is a
+    converted copy), no training config, ``tokenizer`` None without a tokenizer.json. ``dtype`` applies to Huginn
+    checkpoints only; any other Hugging Face checkpoint (another ``model_type``) is a one-line error; docs/huginn.md."""
+    if hf_config(path) is not None:  # a Hugging Face-style config.json: Huginn, or a one-line error
+        if corpus is not None:
+            raise DrcError(f"'{path}' is a Hugging Face-style checkpoint with its own {TOKENIZER_FILE}: drop corpus=")
+        model = load_huginn(path, dtype=dtype, map_location=map_location)
+        p = Path(path)
+        return Model(model=model, tokenizer=load_huginn_tokenizer(p, model.cfg), config=None,
+                     run=RunDir(path=p, run=p, weights=p, train_config_path=None, metrics_path=None))
+    if dtype is not None and dtype not in (torch.float32, "float32"):
+        raise DrcError(f"dtype={dtype!r} applies to Huginn checkpoints; this project's runs load in float32 (use "
+                       "drc_core.model.precision for bf16 autocast)")
     run = open_run(path)
     found = run.file(TOKENIZER_FILE)
     if found is None and corpus is None:

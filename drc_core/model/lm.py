@@ -205,7 +205,7 @@ class DepthRecurrentLM(nn.Module):
         cos, sin = self._rope(s.shape[1])
         x = self.inject(s, e)
         for j, block in enumerate(self.core):
-            x = block(x, cos, sin, _kv_hook(frozen_kv, j, frozen))
+            x = block(x, cos, sin, kv_hook(frozen_kv, j, frozen))
         return x
 
     def readout(self, state: Tensor, positions: slice | Tensor | None = None, *, frozen_kv: FrozenKV | None = None,
@@ -221,7 +221,7 @@ class DepthRecurrentLM(nn.Module):
         cos, sin = self._rope(state.shape[1])
         x = state
         for j, block in enumerate(self.coda):
-            x = block(x, cos, sin, _kv_hook(frozen_kv, j, frozen))
+            x = block(x, cos, sin, kv_hook(frozen_kv, j, frozen))
         if isinstance(positions, Tensor) and positions.dim() == 2:
             x = x[positions]
         elif positions is not None:
@@ -328,7 +328,8 @@ class DepthRecurrentLM(nn.Module):
         return model.to(map_location)
 
 
-def _kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
+def kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
+    """Block j's frozen-KV hook for a core step (see :func:`iterate`), or None without halting."""
     if (frozen_kv is None) != (frozen is None):
         raise DrcError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
     return None if frozen_kv is None or frozen is None else frozen_kv.hook(j, frozen)
