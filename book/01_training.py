@@ -11,11 +11,24 @@
 # %% [markdown]
 # # 1. Training: one checkpoint, every depth
 #
-# The model is trained with a randomised number of core loops per step (Poisson-lognormal with mean
-# `recurrence.mean`, truncated backprop through the last `recurrence.backprop_loops` loops), so that one
-# checkpoint can be run at any depth. This notebook prepares the corpus, trains the profile's preset (or
-# loads the shipped checkpoint), and shows the training curves and the validation loss as a function of the
-# number of loops at inference.
+# **The question.** A depth-recurrent model runs one weight-tied core block *r* times between a prelude and a
+# coda, re-injecting the prelude's output at every loop. Can one checkpoint be run at *any* depth, and how much
+# does each extra loop buy? Everything later in the book (convergence, halting, compute) rests on the answer.
+#
+# **How.** The model is trained with a random number of loops per step: Poisson-lognormal with mean
+# `recurrence.mean`, gradients through the last `recurrence.backprop_loops` loops only. This notebook prepares the
+# corpus, trains the profile's preset (or loads the shipped checkpoint, `drc_core.open_run`), and reads the
+# training curves. Then it runs the same checkpoint at uniform depths from 1 to `max_loops` loops on held-out
+# windows: one deep pass, each depth's loss read at its loop (`drc_core.loss_by_depth`, per source with
+# `drc_core.loss_by_source`).
+
+# %% [markdown]
+# **Parameters** (papermill sets them from `book/profiles.toml`, or `python -m drc_book run --set key=value`).
+# `checkpoint` names a shipped or earlier run to reuse; an empty `checkpoint` (or `retrain = True`) trains the
+# `preset` here on the corpus of `source` (`max_docs` documents per source, 0 for all), with `train_overrides`
+# as `key=value` strings on top of the preset (for example `"recurrence.mean=12"`). The training run is
+# resumable: a killed notebook picks it up from its last checkpoint in `work_dir`. `n_windows` validation
+# windows and depths up to `max_loops` set what the loss-by-depth curve costs.
 
 # %% tags=["parameters"]
 profile = "reference"
@@ -39,11 +52,13 @@ seed = 0
 import time
 
 import pandas as pd
+from IPython.display import Markdown, display
 
 from drc_book import viz
 from drc_book.cost import keep_freed_memory
+from drc_book.handoff import Training
 from drc_book.paths import at_root, results_for
-from drc_book.workspace import ensure_corpus, open_model, provide_model, save_results
+from drc_book.workspace import ensure_corpus, open_model, provide_model
 from drc_core import (
     depth_gain_by_step,
     loss_by_depth,
@@ -59,33 +74,26 @@ keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocab
 
 # %%
 t0 = time.time()
-corpus = ensure_corpus(
-    corpus_dir, source, vocab_size, max_docs=max_docs or None, data_files=data_files, progress=False
-)
-info = provide_model(
-    work_dir,
-    corpus,
-    preset_name=preset,
-    overrides=train_overrides,
-    checkpoint=checkpoint,
-    retrain=retrain,
-    progress=False,
-)
+corpus = ensure_corpus(corpus_dir, source, vocab_size, max_docs=max_docs or None,
+                       data_files=data_files, progress=False)
+info = provide_model(work_dir, corpus, preset_name=preset, overrides=train_overrides,
+                     checkpoint=checkpoint, retrain=retrain, progress=False)
 model, cfg, metrics = open_model(work_dir)
-tokens = corpus.meta["tokens"]
+tokens, m = corpus.meta["tokens"], cfg.model
 print(f"corpus {corpus.path}: {tokens['train']:,} train / {tokens['val']:,} val tokens")
-print(f"model from {info['kind']} {info['path']}: {model.num_params():,} parameters")
-print(
-    f"d={cfg.model.d_model}, heads={cfg.model.n_heads}, prelude/core/coda = "
-    f"{cfg.model.n_prelude}/{cfg.model.n_core}/{cfg.model.n_coda}, "
-    f"mean depth {cfg.recurrence.mean:g}, "
-    f"backprop through the last {cfg.recurrence.backprop_loops} loops, {cfg.max_steps} steps x "
-    f"{cfg.batch_size} x {cfg.seq_len} tokens"
-)
+print(f"model from {info['kind']} {info['path']}: {model.num_params():,} parameters, "
+      f"d={m.d_model}, prelude/core/coda {m.n_prelude}/{m.n_core}/{m.n_coda}, "
+      f"mean depth {cfg.recurrence.mean:g}, backprop {cfg.recurrence.backprop_loops} loops, "
+      f"{cfg.max_steps} steps x {cfg.batch_size} x {cfg.seq_len}")
 
 # %% [markdown]
 # ## Training curves
-# Training loss (each step at its own sampled depth) and the validation loss at fixed depths during training.
+# The training loss is noisy by construction: each step runs at its own sampled depth, and a shallow step has
+# a higher loss. The validation loss is measured at fixed depths during training, so its curves compare like
+# with like: the gap between them is what depth buys at that point of training. The run's `metrics.jsonl`
+# holds every row of these curves. A resumed run continues the same file at the step it stopped, with the same
+# data order and random state, so a restart does not show in the curves: exact resume is tested, not assumed.
+# The light line is the raw training loss, the dark one its running mean.
 
 # %%
 viz.loss_curves(metrics)
@@ -94,7 +102,8 @@ viz.loss_curves(metrics)
 # ## How much depth buys, as training goes on
 # The validation loss at 1 and at 8 loops at every evaluation during training, and the gain from depth
 # (loss at 1 loop − loss at 8 loops, nats). A gain that still grows at the last step says that a longer
-# run would use depth more.
+# run would use depth more. Early in training the gain is small because the core has not yet learned a useful
+# update; a gain that rises and then shrinks would say the prelude and coda learned to do without the loops.
 
 # %%
 gain = depth_gain_by_step(metrics, 1, 8)
@@ -102,51 +111,45 @@ gain.round(4)
 
 # %% [markdown]
 # ## Validation loss versus loops
-# The same checkpoint at uniform depths 1..`max_loops` on validation windows (each depth's loss read at
-# that loop of one deep pass), per source, with the unigram entropy of the corpus as a floor-free baseline.
+# Now the finished checkpoint at uniform depths 1..`max_loops` on `n_windows` validation windows, overall and
+# per source (the corpus mixes Wikipedia with State of the Union addresses, whose styles differ). Each depth's
+# loss is read at that loop of one deep pass, so the curve costs one forward pass, not one per depth. The
+# unigram entropy of the corpus is drawn for scale: a model that ignored context would sit there.
+#
+# Two things to read off the figure. Where the curve flattens is the depth beyond which loops stop paying on
+# average. And whether it stays flat out to `max_loops`, several times the training mean, says whether the
+# iteration is stable past the depths it was trained at: a curve that rose again would mean the state drifts
+# away from where the coda can read it.
 
 # %%
 windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
 loops = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, max_loops} & set(range(1, max_loops + 1)))
 overall = loss_by_depth(model, windows, loops)
 by_source = loss_by_source(model, corpus, cfg.seq_len, tuple(loops), max_windows=n_windows)
-table = pd.concat(
-    [
-        pd.DataFrame({"loops": loops, "loss": [overall[lp] for lp in loops], "series": "all"}),
-        by_source.rename(columns={"source": "series"})[["loops", "loss", "series"]],
-    ]
-)
+every = pd.DataFrame({"loops": loops, "loss": [overall[lp] for lp in loops], "source": "all"})
+table = pd.concat([every, by_source[["loops", "loss", "source"]]])
+table = table.rename(columns={"source": "series"})
 unigram = unigram_loss(corpus)
 viz.loss_vs_depth(table, reference=unigram, reference_label="unigram entropy")
 
-# %%
-pivot = table.pivot(index="loops", columns="series", values="loss").round(4)
-pivot
+# %% [markdown]
+# The same numbers as a table, one column per source: where the columns stop changing, depth stops paying.
+# A source whose column keeps falling longer is one whose text needs more loops on average.
 
 # %%
-seconds = float(metrics["seconds"].dropna().max())
-ce = {int(lp): float(overall[lp]) for lp in loops}
-results = {
-    "profile": profile,
-    "model_source": info,
-    "n_params": model.num_params(),
-    "train_minutes": seconds / 60,
-    "train_tokens": cfg.max_steps * cfg.batch_size * cfg.seq_len,
-    "ce_by_loops": ce,
-    "unigram": unigram,
-    "n_windows": len(windows),
-    "ce_by_source": {
-        src: dict(zip(g.loops, g.loss, strict=True)) for src, g in by_source.groupby("source")
-    },
-    "ce_gain_1_to_8": ce.get(1, float("nan")) - ce.get(8, float("nan")),
-    "gain_by_step": dict(zip(gain.step.astype(int), gain.gain, strict=True)),
-    "notebook_seconds": time.time() - t0,
-}
-save_results(results_dir, "01_training", results)
-headline = {
-    "parameters": f"{results['n_params']:,}",
-    "training minutes": f"{results['train_minutes']:.1f}",
-    "CE(1 loop) − CE(8 loops), nats": f"{results['ce_gain_1_to_8']:.4f}",
-    **{f"CE at {k} loop{'s' if k > 1 else ''}, nats": f"{v:.4f}" for k, v in ce.items()},
-}
-pd.Series(headline, name="value").to_frame()
+table.pivot(index="loops", columns="series", values="loss").round(4)
+
+# %% [markdown]
+# ## What this notebook found
+#
+# The record is what later notebooks read (`drc_book.handoff.Training`), written once; the sentence below is
+# built from it. If the loss stops falling after a few loops, the extra loops are where a halting rule can save
+# compute without losing quality: notebook 2 asks whether each token's state has then reached a fixed point.
+# The record lands in `results_dir` as `01_training.json`; the README's headline table is generated from it.
+
+# %%
+record = Training.build(profile=profile, model_source=info, n_params=model.num_params(), cfg=cfg,
+                        metrics=metrics, ce_by_loops=overall, by_source=by_source, unigram=unigram,
+                        n_windows=len(windows), gain=gain, seconds=time.time() - t0)
+record.save(results_dir)
+display(Markdown(record.findings()))

@@ -1,23 +1,30 @@
-"""The numbers one notebook hands to a later one, as typed records: the only way notebook 07 reads 01-04 and 06.
+"""Each notebook's results as a typed record: the only way notebook 07, the README and the docs tables read 01-04
+and 06.
 
-Each notebook writes its results as JSON (``drc_book.workspace.save_results``, integer keys become
-strings). A class here names the fields a later notebook reads from one of those files and parses them
-(:meth:`from_results`); a missing field is a one-line :class:`~drc_core.errors.DrcError` that names the
-notebook to re-run. ``tests/test_handoff.py`` checks that every field is among the keys the producing
-notebook writes (by reading its source) and that the reference book's results parse, so a renamed key fails
-a fast test rather than the book run.
+A record is written once as JSON (``drc_book.workspace.save_results``, integer keys become strings). A class here
+names the fields a later reader takes from one of those files and parses them (:meth:`from_results`); a missing
+field is a one-line :class:`~drc_core.errors.DrcError` that names the notebook to re-run. A notebook whose record
+is complete (a :class:`Record`: :class:`TokenTypes`) builds it and writes it with one call (:meth:`Record.save`),
+and says what it found from it (:meth:`Record.findings`); the others still write a dict, and
+``tests/test_handoff.py`` checks that every field is among the keys the producing notebook writes (by reading its
+source) and that the reference book's results parse, so a renamed key fails a fast test rather than the book run.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any, ClassVar
 
+import pandas as pd
+
+from drc_book.workspace import load_results, save_results
 from drc_core import DrcError
 
-__all__ = ["HANDOFFS", "Convergence", "Cycles", "Halting", "Interval", "KnownDepth", "TokenTypes", "Training"]
+__all__ = ["HANDOFFS", "ClassDepth", "Convergence", "Cycles", "Halting", "Interval", "KnownDepth", "Record",
+           "TokenTypes", "Training"]
 
 
 def _num(x: Any) -> float:
@@ -30,6 +37,29 @@ def _need(results: Mapping[str, Any], cls: type) -> None:
     if missing:
         raise DrcError(f"the results of {cls.NOTEBOOK} lack {', '.join(missing)}: re-run notebook {cls.NOTEBOOK} "
                        "of this profile")
+
+
+class Record:
+    """A notebook's whole results: a frozen dataclass whose fields are the JSON file's keys, written by one call."""
+
+    NOTEBOOK: ClassVar[str]
+
+    @classmethod
+    def from_results(cls, r: Mapping[str, Any]) -> Record:
+        raise NotImplementedError
+
+    def save(self, results_dir: str | Path) -> Path:
+        """Write the record as ``results_dir/<NOTEBOOK>.json``."""
+        return save_results(results_dir, self.NOTEBOOK, asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def load(cls, results_dir: str | Path) -> Record:
+        """The record a run of its notebook wrote to ``results_dir``."""
+        return cls.from_results(load_results(results_dir, cls.NOTEBOOK))
+
+    def findings(self) -> str:
+        """What the notebook found, in a few sentences of Markdown with the record's numbers."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -54,23 +84,77 @@ class Cycles:
     share_of_mean_kl: dict[int, float]
 
 
+def _by_int(d: Mapping[str, Any]) -> dict[int, float]:
+    """A JSON object keyed by integers written as strings (loops, steps), back to int -> float."""
+    return {int(k): _num(v) for k, v in d.items()}
+
+
 @dataclass(frozen=True)
-class Training:
-    """From 01_training: the model's size and training tokens."""
+class Training(Record):
+    """Notebook 01's results: where the model came from (``model_source``: ``kind``, ``path``), its size and
+    training, and the validation CE at uniform depths (``ce_by_loops``: loops -> nats, overall and per source) with
+    the unigram entropy for scale; ``gain_by_step``: CE(1) - CE(8) at each evaluation during training."""
 
     NOTEBOOK: ClassVar[str] = "01_training"
+    profile: str
+    model_source: dict[str, str]
     n_params: int
+    train_minutes: float
     train_tokens: int
+    ce_by_loops: dict[int, float]
+    unigram: float
+    n_windows: int
+    ce_by_source: dict[str, dict[int, float]]
+    ce_gain_1_to_8: float
+    gain_by_step: dict[int, float]
+    notebook_seconds: float
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> Training:
         _need(r, cls)
-        return cls(n_params=int(r["n_params"]), train_tokens=int(r["train_tokens"]))
+        return cls(profile=str(r["profile"]), model_source={str(k): str(v) for k, v in r["model_source"].items()},
+                   n_params=int(r["n_params"]), train_minutes=_num(r["train_minutes"]),
+                   train_tokens=int(r["train_tokens"]), ce_by_loops=_by_int(r["ce_by_loops"]),
+                   unigram=_num(r["unigram"]), n_windows=int(r["n_windows"]),
+                   ce_by_source={str(s): _by_int(v) for s, v in r["ce_by_source"].items()},
+                   ce_gain_1_to_8=_num(r["ce_gain_1_to_8"]), gain_by_step=_by_int(r["gain_by_step"]),
+                   notebook_seconds=_num(r["notebook_seconds"]))
+
+    @classmethod
+    def build(cls, *, profile: str, model_source: dict[str, str], n_params: int, cfg: Any, metrics: pd.DataFrame,
+              ce_by_loops: Mapping[int, float], by_source: pd.DataFrame, unigram: float, n_windows: int,
+              gain: pd.DataFrame, seconds: float) -> Training:
+        """The record from what the notebook measured: the run's training config ``cfg`` and ``metrics``, the CE by
+        loops overall and per source (:func:`drc_core.loss_by_depth`, :func:`drc_core.loss_by_source`), and the
+        gain from depth by training step (:func:`drc_core.depth_gain_by_step`)."""
+        ce = {int(lp): float(v) for lp, v in ce_by_loops.items()}
+        return cls(profile=profile, model_source=model_source, n_params=n_params,
+                   train_minutes=float(metrics["seconds"].dropna().max()) / 60,
+                   train_tokens=cfg.max_steps * cfg.batch_size * cfg.seq_len, ce_by_loops=ce, unigram=unigram,
+                   n_windows=n_windows,
+                   ce_by_source={str(src): dict(zip(g.loops, g.loss, strict=True))
+                                 for src, g in by_source.groupby("source")},
+                   ce_gain_1_to_8=ce.get(1, math.nan) - ce.get(8, math.nan),
+                   gain_by_step=dict(zip(gain.step.astype(int), gain.gain, strict=True)), notebook_seconds=seconds)
 
     @property
     def scale(self) -> str:
         """e.g. ``1.4M-parameter, 12M-token``."""
         return f"{self.n_params / 1e6:.1f}M-parameter, {self.train_tokens / 1e6:.0f}M-token"
+
+    def findings(self) -> str:
+        ce = self.ce_by_loops
+        deepest = max(ce)
+        at = min(ce, key=lambda lp: (ce[lp] - min(ce.values()) > 0.005, lp))  # fewest loops within 0.005 of the best
+        steps = sorted(self.gain_by_step)
+        growing = len(steps) > 1 and self.gain_by_step[steps[-1]] > self.gain_by_step[steps[-2]]
+        at8 = ce.get(8, ce[deepest])
+        return (f"**Found.** One {self.scale} checkpoint ({self.train_minutes:.0f} minutes of training) runs at every "
+                f"depth: validation CE falls from {ce[min(ce)]:.3f} nats at {min(ce)} loop to {at8:.3f} at 8 "
+                f"(a gain of {self.ce_gain_1_to_8:.3f} nats from depth), and {ce[deepest]:.3f} at {deepest}; "
+                f"{at} loops already come within 0.005 nats of the best. For scale, the unigram entropy is "
+                f"{self.unigram:.2f} nats. The gain from depth was "
+                f"{'still growing' if growing else 'no longer growing'} at the last evaluation of training.")
 
 
 @dataclass(frozen=True)
@@ -105,16 +189,56 @@ class Convergence:
 
 
 @dataclass(frozen=True)
-class TokenTypes:
-    """From 03_token_types: the token classes from shallowest to deepest mean convergence depth."""
+class ClassDepth:
+    """One token class's mean convergence depth with its bootstrap interval over documents, and its share of
+    the tokens."""
+
+    mean_depth: float
+    lo: float
+    hi: float
+    share: float
+
+
+@dataclass(frozen=True)
+class TokenTypes(Record):
+    """Notebook 03's results: per token class (whitespace, punctuation, number, function, content, continuation),
+    the mean convergence depth at ``eps``, ordered from the shallowest class to the deepest."""
 
     NOTEBOOK: ClassVar[str] = "03_token_types"
+    profile: str
+    eps: float
     order_shallow_to_deep: list[str]
+    by_class: dict[str, ClassDepth]
+    notebook_seconds: float
+
+    @classmethod
+    def from_table(cls, by_class: pd.DataFrame, *, profile: str, eps: float, seconds: float) -> TokenTypes:
+        """From :func:`drc_core.class_depth_summary`'s table (sorted shallow to deep)."""
+        return cls(profile=profile, eps=eps, order_shallow_to_deep=by_class["class"].tolist(),
+                   by_class={r["class"]: ClassDepth(r["mean_depth"], r["ci_low"], r["ci_high"], r["share"])
+                             for r in by_class.to_dict("records")},
+                   notebook_seconds=seconds)
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> TokenTypes:
         _need(r, cls)
-        return cls(order_shallow_to_deep=[str(c) for c in r["order_shallow_to_deep"]])
+        return cls(profile=str(r["profile"]), eps=_num(r["eps"]),
+                   order_shallow_to_deep=[str(c) for c in r["order_shallow_to_deep"]],
+                   by_class={str(c): ClassDepth(*(_num(v[k]) for k in ("mean_depth", "lo", "hi", "share")))
+                             for c, v in r["by_class"].items()},
+                   notebook_seconds=_num(r["notebook_seconds"]))
+
+    def findings(self) -> str:
+        first, last = self.order_shallow_to_deep[0], self.order_shallow_to_deep[-1]
+
+        def depth(c: str) -> str:
+            d = self.by_class[c]
+            return f"{d.mean_depth:.2f} loops [{d.lo:.2f}, {d.hi:.2f}], {d.share:.0%} of the tokens"
+
+        paper = ("as the paper found" if (first, last) == ("whitespace", "content")
+                 else "where the paper found whitespace first and content words last")
+        return (f"**Found.** At ε = {self.eps:g}, {first} tokens converge first ({depth(first)}) and {last} tokens "
+                f"last ({depth(last)}), {paper}. From shallow to deep: {' < '.join(self.order_shallow_to_deep)}.")
 
 
 @dataclass(frozen=True)

@@ -528,3 +528,25 @@ def test_papermill_reads_every_parameter(source: Path, tmp_path: Path, caplog: p
         inferred = papermill.inspect_notebook(str(nb))
     assert not [r.getMessage() for r in caplog.records], f"{source.name}: papermill warned"
     assert set(inferred) == set(declare(jupytext.read(source))), source.name
+
+
+def prose_and_code_lines(source: Path) -> tuple[int, int]:
+    """Non-blank markdown lines and non-blank code lines of a notebook source."""
+    import jupytext
+
+    cells = jupytext.read(source).cells
+    count = lambda kind: sum(len([ln for ln in c.source.splitlines() if ln.strip()])  # noqa: E731
+                             for c in cells if c.cell_type == kind)
+    return count("markdown"), count("code")
+
+
+NOT_YET_READABLE = {"02_convergence", "04_halting_and_routers", "05_compute", "06_known_depth", "07_reproduction"}
+
+
+@pytest.mark.parametrize("source", [pytest.param(p, marks=pytest.mark.xfail(
+    p.stem in NOT_YET_READABLE, reason="code still outweighs prose", strict=True))
+    for p in sorted((ROOT / "book").glob("0*.py"))], ids=lambda p: p.stem)
+def test_prose_at_least_matches_code(source: Path) -> None:
+    """A notebook reads as a text with calls in it: markdown lines >= code lines / 1.5."""
+    prose, code = prose_and_code_lines(source)
+    assert prose * 1.5 >= code, f"{source.name}: {prose} markdown lines against {code} code lines"
