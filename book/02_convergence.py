@@ -11,11 +11,17 @@
 # %% [markdown]
 # # 2. Convergence: does each token reach a fixed point?
 #
-# One pass of `max_loops` loops over validation windows records, for every token and loop, the
-# successive-output KL `KL(p_l ‖ p_{l−1})` (the new output measured against the previous one), the KL to
-# the deepest output `KL(p_L ‖ p_l)`, the relative state change `‖s_l − s_{l−1}‖ / ‖s_l‖`, the entropy and
-# the cross-entropy of the next token (`drc_core.analysis.measure.measure_windows`). Intervals are 95% percentile
-# bootstrap intervals over documents.
+# **The question.** Notebook 1 showed that loops stop paying after a few iterations *on average*. The paper's
+# claim is stronger and per token: each token's latent state converges to a fixed point of the core block, and
+# tokens get there at different depths. If so, a token whose output has stopped changing can stop looping
+# without changing what the model predicts, which is what the halting rules of notebook 4 bet on.
+#
+# **How.** One pass of `max_loops` loops (several times the training mean) over `n_windows` validation windows
+# records, for every token and loop (`drc_core.measure_windows`): the successive-output KL `KL(p_l ‖ p_{l−1})`
+# (the new output against the previous one), the KL to the deepest output `KL(p_L ‖ p_l)`, the relative state
+# change `‖s_l − s_{l−1}‖ / ‖s_l‖`, the entropy, and the cross-entropy of the next token. Every interval is a 95%
+# percentile bootstrap interval that resamples documents, since tokens of one document are not independent.
+# The frame is saved for notebook 3.
 
 # %% tags=["parameters"]
 profile = "reference"
@@ -34,32 +40,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
+from IPython.display import Markdown, display
 
+import drc_core
 from drc_book import viz
+from drc_book.convergence import commit_stats, exits_by_class, exits_by_class_text
 from drc_book.cost import keep_freed_memory
+from drc_book.handoff import Convergence
 from drc_book.paths import at_root, results_for
-from drc_book.workspace import open_study, save_results
-from drc_core import (
-    Dynamics,
-    class_shares,
-    classify,
-    classify_sequence,
-    commit_loop,
-    convergence_depth,
-    default_rules,
-    depth_summary,
-    eps_sensitivity,
-    group_shares,
-    kl_concentration,
-    measure_windows,
-    norm_percentiles,
-    oscillating_tokens,
-    overthinks,
-    per_loop_summary,
-    save_frame,
-    token_exits,
-)
+from drc_book.workspace import open_study
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
@@ -69,33 +58,30 @@ keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocab
 t0 = time.time()
 model, cfg, corpus, windows, docs, _ = open_study(work_dir, corpus_dir, n_windows)
 # dynamics=True: also the state norms and steps of each loop (the per-token dynamics below)
-frame = measure_windows(model, windows, max_loops, doc_ids=docs, dynamics=True)
-save_frame(frame, Path(work_dir) / "frame.parquet",
+frame = drc_core.measure_windows(model, windows, max_loops, doc_ids=docs, dynamics=True)
+drc_core.save_frame(frame, Path(work_dir) / "frame.parquet",
            made_with={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
 train_mean = cfg.recurrence.mean
-print(
-    f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len(frame):,} rows "
-    f"in {time.time() - t0:.0f} s; {frame['doc'].nunique()} documents"
-)
+print(f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len(frame):,} rows "
+      f"in {time.time() - t0:.0f} s; {frame['doc'].nunique()} documents")
 
 # %% [markdown]
 # ## Successive-output KL and state change per loop
-# Mean over tokens, log scale. A fixed point shows as a steady fall; a floor shows where float32 noise or
-# a residual cycle sets in.
+# Mean over tokens, log scale. A fixed point shows as a steady fall, close to a straight line on this scale if
+# the core contracts at a constant rate; a floor shows where float32 noise or a residual cycle sets in. The
+# state change and the output KL need not fall together: the coda reads a normalised state, so a state can
+# still move along a direction the output does not see. This figure is also the README's.
 
 # %%
-summary = per_loop_summary(frame, seed=seed)
+summary = drc_core.per_loop_summary(frame, seed=seed)
 fig = viz.per_loop_figure(summary)
 Path(results_dir).mkdir(parents=True, exist_ok=True)
-fig.write_json(
-    Path(results_dir) / "02_convergence_per_loop.figure.json"
-)  # the README's figure (drc_book figure)
+fig.write_json(Path(results_dir) / "02_convergence_per_loop.figure.json")  # the README figure
 fig
 
 # %%
-summary.set_index("loop")[
-    ["kl", "kl_ci_low", "kl_ci_high", "state_delta", "ce"]
-].map(lambda v: f"{v:.3g}")
+columns = ["kl", "kl_ci_low", "kl_ci_high", "state_delta", "ce"]
+summary.set_index("loop")[columns].map(lambda v: f"{v:.3g}")
 
 # %% [markdown]
 # ## What the mean KL is made of
@@ -105,92 +91,86 @@ summary.set_index("loop")[
 # the deepest output alternating between loops is a 2-cycle), not a slow decay of every token.
 
 # %%
-concentration = kl_concentration(
-    frame, sorted({lp for lp in (2, 4, 8, 12, 16, 24, max_loops) if 2 <= lp <= max_loops})
-)
+at_loops = sorted({lp for lp in (2, 4, 8, 12, 16, 24, max_loops) if 2 <= lp <= max_loops})
+concentration = drc_core.kl_concentration(frame, at_loops)
 concentration.set_index("loop").map(lambda v: f"{v:.3g}")
 
 # %% [markdown]
 # ## The tokens that never settle
 # A token in a 2-cycle has its deepest output far from the one a loop earlier but close to the one two loops
 # earlier (`oscillating_tokens`: KL(p_L ‖ p_L−1) ≥ 1e-6 and ≥ 10 × KL(p_L ‖ p_L−2)). Their count, the share of
-# the mean successive KL at loops 2R and L they carry, and the largest of them with their text.
+# the mean successive KL at loops 2R and L they carry, and the largest of them with their text. A halting rule
+# that waits for such a token's KL to fall below a threshold waits until its `max_loops`: these tokens are
+# where a rule's cap, not its threshold, decides the cost.
 
 # %%
 R = round(train_mean)
-cycling, cycle_share = oscillating_tokens(
-    frame, share_at=sorted({lp for lp in (2 * R, max_loops) if 2 <= lp <= max_loops})
-)
-n_tokens = int((frame.loop == 1).sum())
+share_at = sorted({lp for lp in (2 * R, max_loops) if 2 <= lp <= max_loops})
+cycling, cycle_share = drc_core.oscillating_tokens(frame, share_at=share_at)
 shares = ", ".join(f"{sh:.0%} of the mean KL at loop {lp}" for lp, sh in cycle_share.items())
+n_tokens = int((frame.loop == 1).sum())
 print(f"{len(cycling)} of {n_tokens:,} tokens in a 2-cycle at loop {max_loops}; {shares}")
 tokenizer = corpus.tokenizer()
-cycling.head(12).assign(text=lambda d: [repr(tokenizer.decode([int(t)])) for t in d.token]).drop(
-    columns="token"
-)
+text = [repr(tokenizer.decode([int(t)])) for t in cycling.token.head(12)]
+cycling.head(12).assign(text=text).drop(columns="token")
 
 # %% [markdown]
 # ## Validation loss versus loops, with intervals
-# The mean next-token cross-entropy at uniform depth l is the mean `ce` of loop l.
+# The mean next-token cross-entropy at uniform depth l is the mean `ce` of loop l: notebook 1's curve again, now
+# with intervals over documents, from the same pass as everything else here.
 
 # %%
-ce_table = summary.rename(
-    columns={"loop": "loops", "ce": "loss", "ce_ci_low": "lo", "ce_ci_high": "hi"}
-)
+names = {"loop": "loops", "ce": "loss", "ce_ci_low": "lo", "ce_ci_high": "hi"}
+ce_table = summary.rename(columns=names)
 viz.loss_vs_depth(ce_table[["loops", "loss", "lo", "hi"]])
 
 # %% [markdown]
 # ## Per-token convergence depth
 # A token's convergence depth is the first loop after which its successive KL stays below ε (it may dip
 # below earlier and rise again; only the last rise counts). Tokens that never settle within `max_loops`
-# get depth `max_loops`.
+# get depth `max_loops`. The histogram is the central picture of the paper: a spread of depths, most tokens
+# settled well before the training mean, a tail that is not. The summary table gives the median and mean depth
+# and the share of tokens still updating at the training mean depth, each with its interval.
 
 # %%
-depths = convergence_depth(frame, eps)
+depths = drc_core.convergence_depth(frame, eps)
 viz.depth_histogram(depths)
 
 # %%
-headline = depth_summary(depths, train_mean, seed=seed)
+headline = drc_core.depth_summary(depths, train_mean, seed=seed)
 headline
 
 # %% [markdown]
 # ## Sensitivity to ε
-# The depth statistics for ε from 1e-2 to 1e-5: how much of "converged by loop k" is the choice of ε.
+# The depth statistics for ε from 1e-2 to 1e-5: how much of "converged by loop k" is the choice of ε. A
+# contraction at a constant rate moves every depth by the same number of loops per decade of ε; a 2-cycle
+# never goes below its own KL, whatever ε.
 
 # %%
-sens = eps_sensitivity(frame, (1e-2, 1e-3, 1e-4, 1e-5), train_mean, seed=seed)
+sens = drc_core.eps_sensitivity(frame, (1e-2, 1e-3, 1e-4, 1e-5), train_mean, seed=seed)
 sens.pivot(index="stat", columns="eps", values="value").round(3)
 
 
 # %% [markdown]
 # ## What each token does on its way to the fixed point
 # The measurement pass above also kept, per token and loop, the state norm `‖s_l‖`, the step
-# `‖s_l − s_{l−1}‖` and the two-loop step `‖s_l − s_{l−2}‖` (`drc_core.analysis.dynamics`). From them: the
+# `‖s_l − s_{l−1}‖` and the two-loop step `‖s_l − s_{l−2}‖` (`drc_core.Dynamics`). From them: the
 # empirical contraction factor `ρ_l = ‖s_{l+1} − s_l‖ / ‖s_l − s_{l−1}‖` and a class per token, read over the
-# last 8 loops (`classify`): **settled** (relative step below 1e-3 at loop L), **oscillating** (a 2-cycle: the
+# last 8 loops (`drc_core.classify`): **settled** (relative step below 1e-3 at loop L), **oscillating** (a 2-cycle: the
 # two-loop step below a tenth of the one-loop step), **contracting** (still moving, geometric-mean ρ below 0.95),
 # **drifting** (none of these). Shares with 95% intervals over documents, overall and by token type (notebook 3's
 # types).
 
 # %%
-dyn = Dynamics.from_frame(frame)  # the measurement pass's states
-dyn_class = classify(dyn).reshape(-1)
+dyn = drc_core.Dynamics.from_frame(frame)  # the measurement pass's states
+dyn_class = drc_core.classify(dyn).reshape(-1)
 doc_of = docs.numpy().reshape(-1)
-token_type = np.asarray(classify_sequence(tokenizer, windows[:, :-1].numpy())).reshape(-1)
-shares = class_shares(dyn_class, token_type, doc_of, seed=seed)
+token_type = np.asarray(drc_core.classify_sequence(tokenizer, windows[:, :-1].numpy())).reshape(-1)
+shares = drc_core.class_shares(dyn_class, token_type, doc_of, seed=seed)
 overall = shares[shares.group == "all"].set_index("class")
-print(
-    "overall: "
-    + ", ".join(
-        f"{c} {r.share:.1%} [{r.ci_low:.1%}, {r.ci_high:.1%}]" for c, r in overall.iterrows()
-    )
-)
+print("overall: " + ", ".join(f"{c} {r.share:.1%} [{r.ci_low:.1%}, {r.ci_high:.1%}]"
+                              for c, r in overall.iterrows()))
 shares.pivot(index="group", columns="class", values="share").round(3)
-
-# %%
-shares.assign(
-    interval=[f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(shares.ci_low, shares.ci_high, strict=True)]
-)[["group", "class", "n_tokens", "share", "interval"]].round(3)
 
 # %% [markdown]
 # ### Does the state grow?
@@ -198,13 +178,10 @@ shares.assign(
 # norm. An RMSNorm readout hides the norm from the output, so a norm that keeps growing need not show in the KL.
 
 # %%
-norms = norm_percentiles(dyn)
-growth_last = float(norms.median_growth.iloc[-1])
-print(
-    f"median norm {norms.p50.iloc[0]:.3g} at loop 1, {norms.p50.iloc[-1]:.3g} at loop {max_loops}; "
-    f"the median token's norm is {growth_last:.2f}x its loop-1 norm at loop {max_loops} "
-    f"(p99 {norms.p99.iloc[-1]:.3g})"
-)
+norms = drc_core.norm_percentiles(dyn)
+first, last = norms.iloc[0], norms.iloc[-1]
+print(f"median norm {first.p50:.3g} at loop 1, {last.p50:.3g} at loop {max_loops}; the median "
+      f"token's norm is {float(last.median_growth):.2f}x its loop-1 norm (p99 {last.p99:.3g})")
 viz.norm_by_loop(norms)
 
 # %% [markdown]
@@ -214,38 +191,28 @@ viz.norm_by_loop(norms)
 # the distribution settles, or (rarely) after.
 
 # %%
-commit = commit_loop(dyn.argmax.reshape(-1, max_loops))
+commit = drc_core.commit_loop(dyn.argmax.reshape(-1, max_loops))
 conv = depths["depth"].to_numpy()  # ordered by window, pos like the dynamics' tokens
-before = float(np.mean(commit < conv))
-same = float(np.mean(commit == conv))
-print(
-    f"commit loop before the convergence depth for {before:.1%} of tokens, at it for {same:.1%}, "
-    f"after it for {1 - before - same:.1%}; median commit loop {np.median(commit):.0f}, "
-    f"median convergence depth "
-    f"{np.median(conv):.0f}"
-)
+committed = commit_stats(commit, conv)
+print(committed)
 viz.commit_vs_convergence(commit, conv, max_loops)
 
 # %% [markdown]
 # ### Overthinking
 # A token is *overthought* when its prediction is right (argmax = the next token) at some loop and wrong at a
-# later loop ≤ 4R (`overthinks`; R the training mean depth), by token type with 95% intervals over documents.
+# later loop ≤ 4R (`drc_core.overthinks`; R the training mean depth), by token type with 95% intervals over
+# documents. Overthinking is what a halting rule could *gain* accuracy from, not only compute: a token stopped
+# at the loop where it was right keeps the right answer. On natural text the share is small; notebook 6 measures
+# it where the required depth is known.
 
 # %%
 horizon = min(4 * R, max_loops)
 targets = windows[:, 1:].numpy().reshape(-1, 1)
 correct = dyn.argmax.reshape(-1, max_loops)[:, :horizon] == targets
-over = overthinks(correct)
+over = drc_core.overthinks(correct)
 ever_right = correct.any(axis=1)
-over_shares = group_shares(
-    {"overthought": over, "right at some loop": ever_right}, token_type, doc_of, seed=seed
-)
-o = over_shares[(over_shares.group == "all") & (over_shares.flag == "overthought")].iloc[0]
-print(
-    f"{o.share:.2%} [{o.ci_low:.2%}, {o.ci_high:.2%}] of tokens are overthought within "
-    f"{horizon} loops "
-    f"({over.sum() / max(ever_right.sum(), 1):.1%} of the tokens right at some loop)"
-)
+flags = {"overthought": over, "right at some loop": ever_right}
+over_shares = drc_core.group_shares(flags, token_type, doc_of, seed=seed)
 over_shares.pivot(index="group", columns="flag", values="share").round(4)
 
 # %% [markdown]
@@ -255,98 +222,28 @@ over_shares.pivot(index="group", columns="flag", values="share").round(4)
 # oscillating, contracting and drifting tokens relative to the settled ones (> 1: stopped later).
 
 # %%
-specs = default_rules(rule_max_loops)
-exits = token_exits(model, windows, specs, reference_loops=R)
-rows = []
-for spec in specs:
-    e = exits[str(spec.rule)].reshape(-1)
-    rows.append(
-        {
-            "family": spec.family,
-            "param": spec.param,
-            "avg": e.mean(),
-            **{
-                c: e[dyn_class == c].mean() if (dyn_class == c).any() else np.nan
-                for c in overall.index
-            },
-        }
-    )
-by_rule = pd.DataFrame(rows)
-near_r = by_rule.loc[(by_rule.avg - R).abs().groupby(by_rule.family).idxmin()].set_index("family")
-for c in ("oscillating", "contracting", "drifting"):
-    near_r[f"{c}/settled"] = near_r[c] / near_r["settled"]
-for c in ("oscillating", "contracting", "drifting"):
-    ratio = near_r[f"{c}/settled"].dropna()
-    if ratio.empty:
-        print(f"{c}: no such tokens (or no settled ones) in these windows")
-        continue
-    later, earlier = ratio[ratio > 1].index.tolist(), ratio[ratio < 1].index.tolist()
-    print(
-        f"{c} tokens ({(dyn_class == c).mean():.1%}): stopped later than settled ones by "
-        f"{len(later)} of {len(ratio)} rules ({', '.join(later) or 'none'}), "
-        f"earlier by {len(earlier)}; "
-        f"ratio {ratio.min():.2f}-{ratio.max():.2f}"
-    )
+specs = drc_core.default_rules(rule_max_loops)
+exits = drc_core.token_exits(model, windows, specs, reference_loops=R)
+near_r = exits_by_class(exits, specs, dyn_class, overall.index, near=R)
+print(exits_by_class_text(near_r, dyn_class))
 near_r.round(2).assign(param=near_r.param.map("{:g}".format))
 
 
+# %% [markdown]
+# ## What this notebook found
+#
+# The record (`drc_book.handoff.Convergence`) is what notebook 7 and the README read; the sentence is built from
+# it. A fixed point per token, reached at different depths, is what makes per-token halting possible at all;
+# whether a rule can *find* each token's depth without the deepest output is notebook 4's question.
+
 # %%
-def at(loop: int) -> dict:
-    row = summary.set_index("loop").loc[loop]
-    return {"value": row.kl, "lo": row.kl_ci_low, "hi": row.kl_ci_high}
-
-
-def stat(name: str) -> dict:
-    row = headline.set_index("stat").loc[name]
-    return {"value": row.value, "lo": row.ci_low, "hi": row.ci_high}
-
-
-s = summary.set_index("loop")
-results = {
-    "profile": profile,
-    "eps": eps,
-    "train_mean_depth": train_mean,
-    "n_tokens": int(headline.n_tokens.iloc[0]),
-    "n_docs": int(headline.n_clusters.iloc[0]),
-    "kl_by_loop": {int(lp): at(lp) for lp in s.index if lp >= 2},
-    "state_delta_by_loop": {int(lp): float(s.loc[lp, "state_delta"]) for lp in s.index if lp >= 2},
-    "kl_final_by_loop": {int(lp): float(s.loc[lp, "kl_final"]) for lp in s.index if lp < max_loops},
-    "ce_by_loop": {
-        int(lp): {
-            "value": s.loc[lp, "ce"],
-            "lo": s.loc[lp, "ce_ci_low"],
-            "hi": s.loc[lp, "ce_ci_high"],
-        }
-        for lp in s.index
-    },
-    "median_depth": stat("median_depth"),
-    "mean_depth": stat("mean_depth"),
-    "frac_updating": stat("frac_updating"),
-    "frac_unconverged": stat("frac_unconverged"),
-    "kl_concentration": concentration.set_index("loop").to_dict("index"),
-    "oscillating": {
-        "count": len(cycling),
-        "share_of_mean_kl": cycle_share,
-        "tokens": cycling.head(20).to_dict("records"),
-    },
-    "eps_sensitivity": {
-        f"{e:g}": dict(zip(g.stat, g.value, strict=True)) for e, g in sens.groupby("eps")
-    },
-    "dynamics": {
-        "class_shares": shares.to_dict("records"),
-        "norm_percentiles": norms.to_dict("records"),
-        "commit_before_convergence": before,
-        "commit_at_convergence": same,
-        "commit_loop_median": float(np.median(commit)),
-        "overthinking_horizon": horizon,
-        "overthinking": over_shares.to_dict("records"),
-        "exit_by_class": near_r.reset_index().to_dict("records"),
-    },
-    "notebook_seconds": time.time() - t0,
-}
-save_results(results_dir, "02_convergence", results)
-print(
-    f"KL loop 2 {at(2)['value']:.3g}, loop 16 {at(min(16, max_loops))['value']:.3g}; "
-    f"median depth {stat('median_depth')['value']:.0f}; "
-    f"{stat('frac_updating')['value']:.1%} still updating at loop {train_mean:g}"
-)
+dynamics = {"class_shares": shares.to_dict("records"), "norm_percentiles": norms.to_dict("records"),
+            **committed, "overthinking_horizon": horizon,
+            "overthinking": over_shares.to_dict("records"),
+            "exit_by_class": near_r.reset_index().to_dict("records")}
+record = Convergence.build(profile=profile, eps=eps, train_mean_depth=train_mean, summary=summary,
+                           headline=headline, concentration=concentration, cycling=cycling,
+                           cycle_share=cycle_share, sensitivity=sens, dynamics=dynamics,
+                           seconds=time.time() - t0)
+record.save(results_dir)
+display(Markdown(record.findings()))

@@ -32,6 +32,15 @@ def _num(x: Any) -> float:
     return math.nan if x is None else float(x)
 
 
+def _by_int(d: Mapping[str, Any]) -> dict[int, float]:
+    """A JSON object keyed by integers written as strings (loops, steps), back to int -> float."""
+    return {int(k): _num(v) for k, v in d.items()}
+
+
+def _floats(d: Mapping[str, Any]) -> dict[str, float]:
+    return {str(k): _num(v) for k, v in d.items()}
+
+
 def _need(results: Mapping[str, Any], cls: type) -> None:
     missing = [f.name for f in fields(cls) if f.name not in results]
     if missing:
@@ -77,16 +86,12 @@ class Interval:
 
 @dataclass(frozen=True)
 class Cycles:
-    """The tokens in a 2-cycle at the deepest loop (:func:`drc_core.analysis.measure.oscillating_tokens`): how
-    many, and the share of the mean successive KL they carry at some loops (loop -> share)."""
+    """The tokens in a 2-cycle at the deepest loop (:func:`drc_core.oscillating_tokens`): how many, the share of the
+    mean successive KL they carry at some loops (loop -> share), and the largest of them (``tokens``: rows)."""
 
     count: int
     share_of_mean_kl: dict[int, float]
-
-
-def _by_int(d: Mapping[str, Any]) -> dict[int, float]:
-    """A JSON object keyed by integers written as strings (loops, steps), back to int -> float."""
-    return {int(k): _num(v) for k, v in d.items()}
+    tokens: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -157,35 +162,101 @@ class Training(Record):
                 f"{'still growing' if growing else 'no longer growing'} at the last evaluation of training.")
 
 
+def _interval(row: Mapping[str, Any], value: str, lo: str, hi: str) -> Interval:
+    return Interval(_num(row[value]), _num(row[lo]), _num(row[hi]))
+
+
 @dataclass(frozen=True)
-class Convergence:
-    """From 02_convergence, per loop l: ``kl_by_loop`` (mean KL(p_l || p_{l-1}), l >= 2), ``kl_final_by_loop``
-    (mean KL(p_L || p_l), l < L), ``ce_by_loop``; the depth summaries at the profile's eps; the tokens in a
-    2-cycle (``oscillating``); ``n_tokens``, the number of tokens these were measured on."""
+class Convergence(Record):
+    """Notebook 02's results, per loop l: ``kl_by_loop`` (mean KL(p_l || p_{l-1}), l >= 2), ``state_delta_by_loop``,
+    ``kl_final_by_loop`` (mean KL(p_L || p_l), l < L), ``ce_by_loop``; the depth summaries at ``eps``; what the
+    mean KL is made of (``kl_concentration``, loop -> statistic), the tokens in a 2-cycle (``oscillating``), the
+    depth statistics at other eps (``eps_sensitivity``), the per-token ``dynamics`` tables (as record lists), and
+    ``n_tokens`` / ``n_docs``, what these were measured on."""
 
     NOTEBOOK: ClassVar[str] = "02_convergence"
+    profile: str
+    eps: float
+    train_mean_depth: float
+    n_tokens: int
+    n_docs: int
     kl_by_loop: dict[int, Interval]
+    state_delta_by_loop: dict[int, float]
     kl_final_by_loop: dict[int, float]
     ce_by_loop: dict[int, Interval]
     median_depth: Interval
+    mean_depth: Interval
     frac_updating: Interval
+    frac_unconverged: Interval
+    kl_concentration: dict[int, dict[str, float]]
     oscillating: Cycles
-    n_tokens: int = 0
+    eps_sensitivity: dict[str, dict[str, float]]
+    dynamics: dict[str, Any]
+    notebook_seconds: float
+
+    @classmethod
+    def build(cls, *, profile: str, eps: float, train_mean_depth: float, summary: pd.DataFrame,
+              headline: pd.DataFrame, concentration: pd.DataFrame, cycling: pd.DataFrame,
+              cycle_share: Mapping[int, float], sensitivity: pd.DataFrame, dynamics: dict[str, Any],
+              seconds: float) -> Convergence:
+        """The record from notebook 02's tables: :func:`drc_core.per_loop_summary` (``summary``),
+        :func:`drc_core.depth_summary` (``headline``), :func:`drc_core.kl_concentration`,
+        :func:`drc_core.oscillating_tokens` (``cycling``, ``cycle_share``), :func:`drc_core.eps_sensitivity`."""
+        s = summary.set_index("loop")
+        last = int(s.index.max())
+        stats = headline.set_index("stat")
+        return cls(
+            profile=profile, eps=eps, train_mean_depth=train_mean_depth,
+            n_tokens=int(headline.n_tokens.iloc[0]), n_docs=int(headline.n_clusters.iloc[0]),
+            kl_by_loop={int(lp): _interval(r, "kl", "kl_ci_low", "kl_ci_high") for lp, r in s.iterrows() if lp >= 2},
+            state_delta_by_loop={int(lp): float(r.state_delta) for lp, r in s.iterrows() if lp >= 2},
+            kl_final_by_loop={int(lp): float(r.kl_final) for lp, r in s.iterrows() if lp < last},
+            ce_by_loop={int(lp): _interval(r, "ce", "ce_ci_low", "ce_ci_high") for lp, r in s.iterrows()},
+            **{name: _interval(stats.loc[name], "value", "ci_low", "ci_high")
+               for name in ("median_depth", "mean_depth", "frac_updating", "frac_unconverged")},
+            kl_concentration={int(lp): {str(k): float(v) for k, v in row.items()}
+                              for lp, row in concentration.set_index("loop").to_dict("index").items()},
+            oscillating=Cycles(count=len(cycling), share_of_mean_kl={int(k): float(v) for k, v in cycle_share.items()},
+                               tokens=cycling.head(20).to_dict("records")),
+            eps_sensitivity={f"{e:g}": dict(zip(g.stat, g.value, strict=True)) for e, g in sensitivity.groupby("eps")},
+            dynamics=dynamics, notebook_seconds=seconds)
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> Convergence:
         _need(r, cls)
+        osc = r["oscillating"]
         return cls(
+            profile=str(r["profile"]), eps=_num(r["eps"]), train_mean_depth=_num(r["train_mean_depth"]),
+            n_tokens=int(r["n_tokens"]), n_docs=int(r["n_docs"]),
             kl_by_loop={int(k): Interval.of(v) for k, v in r["kl_by_loop"].items()},
-            kl_final_by_loop={int(k): _num(v) for k, v in r["kl_final_by_loop"].items()},
+            state_delta_by_loop=_by_int(r["state_delta_by_loop"]),
+            kl_final_by_loop=_by_int(r["kl_final_by_loop"]),
             ce_by_loop={int(k): Interval.of(v) for k, v in r["ce_by_loop"].items()},
-            median_depth=Interval.of(r["median_depth"]),
-            frac_updating=Interval.of(r["frac_updating"]),
-            oscillating=Cycles(count=int(r["oscillating"]["count"]),
-                               share_of_mean_kl={int(k): _num(v)
-                                                 for k, v in r["oscillating"]["share_of_mean_kl"].items()}),
-            n_tokens=int(r["n_tokens"]),
-        )
+            median_depth=Interval.of(r["median_depth"]), mean_depth=Interval.of(r["mean_depth"]),
+            frac_updating=Interval.of(r["frac_updating"]), frac_unconverged=Interval.of(r["frac_unconverged"]),
+            kl_concentration={int(k): _floats(v) for k, v in r["kl_concentration"].items()},
+            oscillating=Cycles(count=int(osc["count"]), share_of_mean_kl=_by_int(osc["share_of_mean_kl"]),
+                               tokens=list(osc["tokens"])),
+            eps_sensitivity={str(e): _floats(v) for e, v in r["eps_sensitivity"].items()},
+            dynamics=dict(r["dynamics"]), notebook_seconds=_num(r["notebook_seconds"]))
+
+    def findings(self) -> str:
+        kl, R = self.kl_by_loop, round(self.train_mean_depth)
+        first, deep = min(kl), max(kl)
+        verdict = ("Tokens do converge" if kl[deep].value < self.eps
+                   else f"The mean does not fall below ε = {self.eps:g} within the pass")
+        top = max(self.oscillating.share_of_mean_kl, default=None)
+        cycles = ("" if top is None or self.oscillating.count == 0 else
+                  f" The mean's floor is not every token decaying slowly: {self.oscillating.count} tokens in a "
+                  f"2-cycle carry {self.oscillating.share_of_mean_kl[top]:.0%} of the mean successive KL at loop "
+                  f"{top}.")
+        d = self.median_depth
+        return (f"**Found.** {verdict}: the mean successive KL falls from {kl[first].value:.3g} at loop "
+                f"{first} to {kl[deep].value:.3g} at loop {deep}. Half the tokens settle (KL below {self.eps:g} for "
+                f"good) by loop {d.value:.0f} [{d.lo:.0f}, {d.hi:.0f}], and {self.frac_updating.value:.1%} "
+                f"[{self.frac_updating.lo:.1%}, {self.frac_updating.hi:.1%}] are still updating at the training "
+                f"mean depth {R}; {self.frac_unconverged.value:.2%} never settle within the pass "
+                f"({self.n_tokens:,} tokens from {self.n_docs} documents).{cycles}")
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def test_reference_results_parse(cls):
 
 
 def test_a_missing_key_names_the_notebook():
-    with pytest.raises(DrcError, match="02_convergence lack kl_by_loop.*re-run notebook 02_convergence"):
+    with pytest.raises(DrcError, match="02_convergence lack .*kl_by_loop.*re-run notebook 02_convergence"):
         Convergence.from_results({"kl_final_by_loop": {}, "ce_by_loop": {}, "median_depth": {},
                                   "frac_updating": {}})
 
@@ -87,3 +87,13 @@ def test_notebook_06_numbers_come_out_unchanged():
         else:
             assert (math.isnan(ours[key]) and value is None) or ours[key] == value, key
     assert {k: list(v) for k, v in intervals.items()} == saved["intervals"]
+
+
+def test_convergence_findings_follow_the_record():
+    record = Convergence.load(RESULTS)
+    text = record.findings()
+    assert f"by loop {record.median_depth.value:.0f}" in text and f"{record.oscillating.count} tokens" in text
+    deep = max(record.kl_by_loop)
+    stuck = dataclasses.replace(record, eps=record.kl_by_loop[deep].value / 10,
+                                oscillating=dataclasses.replace(record.oscillating, count=0))
+    assert "does not fall below" in stuck.findings() and "2-cycle" not in stuck.findings()

@@ -133,9 +133,12 @@ def test_depth_curve_and_its_plateau_row():
 
 def _records(ce1: float, ce8: float, kl16: float, uniform: float, kl_rule: float):
     iv = lambda v: Interval(v, v - 0.01, v + 0.01)  # noqa: E731
-    conv = Convergence(kl_by_loop={2: iv(0.1), 16: iv(kl16)}, kl_final_by_loop={}, ce_by_loop={1: iv(ce1), 8: iv(ce8)},
-                       median_depth=iv(4), frac_updating=iv(0.05),
-                       oscillating=Cycles(count=3, share_of_mean_kl={16: 0.9}))
+    conv = Convergence(profile="test", eps=1e-3, train_mean_depth=8.0, n_tokens=100, n_docs=10,
+                       kl_by_loop={2: iv(0.1), 16: iv(kl16)}, state_delta_by_loop={}, kl_final_by_loop={},
+                       ce_by_loop={1: iv(ce1), 8: iv(ce8)}, median_depth=iv(4), mean_depth=iv(4.5),
+                       frac_updating=iv(0.05), frac_unconverged=iv(0.01), kl_concentration={},
+                       oscillating=Cycles(count=3, share_of_mean_kl={16: 0.9}, tokens=[]), eps_sensitivity={},
+                       dynamics={}, notebook_seconds=1.0)
     gap = {"family_depth": iv(kl_rule), "uniform_depth": iv(uniform), "saved": iv(uniform - kl_rule),
            "saved_frac": iv(1 - kl_rule / uniform)}
     return conv, Halting(reference_loops=8, matching={"uniform": uniform, "kl": kl_rule}, gaps={"kl": gap})
