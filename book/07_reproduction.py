@@ -11,7 +11,11 @@
 # %% [markdown]
 # # 7. Reproduction: the paper's claims beside ours
 #
-# Claim by claim, the paper's number, ours on the reference model (with 95% bootstrap intervals over
+# **The question.** Which of the paper's claims hold at this scale, and where they do not, is it the scale or
+# the claim? A reproduction at a few million parameters cannot match a 135 M model's numbers; it can say which
+# qualitative findings survive, by criteria written down before the numbers (`drc_book.report.PAPER`).
+#
+# **How.** Claim by claim, the paper's number, ours on the reference model (with 95% bootstrap intervals over
 # documents where the notebook that measured it gives one), the mean and t-interval across seeds of a
 # smaller preset (the paper trained one seed), and whether they agree by a criterion stated in advance
 # (`drc_book.report.PAPER`). Then the paper's open question: does a model gain from loops beyond its
@@ -50,28 +54,14 @@ import time
 from pathlib import Path
 
 import pandas as pd
-from IPython.display import display
+from IPython.display import Markdown, display
 
-from drc_book import viz
+from drc_book import report, viz
 from drc_book.cost import keep_freed_memory
-from drc_book.handoff import Convergence, Halting, KnownDepth, TokenTypes, Training
+from drc_book.handoff import Convergence, Halting, KnownDepth, Reproduction, TokenTypes, Training
 from drc_book.paths import at_root, results_for
-from drc_book.report import (
-    across_seeds,
-    depth_curve,
-    depth_gain_side_by_side,
-    explain,
-    headline_numbers,
-    known_depth_targets,
-    lever_effects,
-    ours_from,
-    reference_targets,
-    reproduction_table,
-    runs_table,
-    scale_table,
-)
-from drc_book.workspace import load_results, open_model, provide_run, save_results
-from drc_core import Corpus, loss_by_depth, open_run, val_windows_with_docs
+from drc_book.workspace import open_model
+from drc_core import Corpus, val_windows_with_docs
 
 work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, damping_file = at_root(
     work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, damping_file
@@ -81,27 +71,17 @@ keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocab
 
 # %%
 t0 = time.time()
-handed = [
-    c.from_results(load_results(results_dir, c.NOTEBOOK))
-    for c in (Training, Convergence, TokenTypes, Halting)
-]
-known = KnownDepth.from_results(load_results(results_dir, KnownDepth.NOTEBOOK))
+handed = [c.load(results_dir) for c in (Training, Convergence, TokenTypes, Halting)]
+known = KnownDepth.load(results_dir)
 model, cfg, _ = open_model(work_dir)
 corpus = Corpus.open(corpus_dir)
 tokenizer = corpus.tokenizer()
 
 
 def run(mean: float, s: int):
-    """The side experiment at training-mean depth ``mean`` and seed ``s`` (shipped, or trained
-    here)."""
-    name = f"{run_prefix}-mean{mean:g}-seed{s}"
-    weights, run_cfg = provide_run(
-        Path(runs_dir) / name,
-        corpus_dir,
-        preset_name=run_preset,
-        overrides=[*run_overrides, f"seed={s}", f"recurrence.mean={mean:g}"],
-    )
-    return name, open_run(weights).load_model(), run_cfg
+    """The side run at training-mean depth ``mean`` and seed ``s`` (shipped, or trained here)."""
+    return report.side_run(runs_dir, corpus_dir, prefix=run_prefix, preset_name=run_preset,
+                    overrides=run_overrides, mean=mean, seed=s)
 
 
 # %% [markdown]
@@ -110,10 +90,9 @@ def run(mean: float, s: int):
 # (`drc_book.handoff`).
 
 # %%
-ours, intervals, scale = ours_from(*handed, max_loops=max_loops)
-pd.Series({k: v for k, v in ours.items() if k != "class_order"}, name="ours").map(
-    lambda v: f"{v:.4g}"
-).to_frame()  # a table
+ours, intervals, scale = report.ours_from(*handed, max_loops=max_loops)
+numbers = {k: v for k, v in ours.items() if k != "class_order"}
+pd.Series(numbers, name="ours").map(lambda v: f"{v:.4g}").to_frame()
 
 # %% [markdown]
 # ## Seeds
@@ -125,22 +104,13 @@ per_seed, names = [], []
 for s in seeds:
     name, m, run_cfg = run(seed_mean_depth, s)
     windows, docs = val_windows_with_docs(corpus, run_cfg.seq_len, n_windows)
-    h = headline_numbers(
-        m,
-        windows,
-        tokenizer,
-        doc_ids=docs,
-        max_loops=max_loops,
-        reference_loops=int(seed_mean_depth),
-        eps=eps,
-        ce_tolerance=ce_tolerance,
-        rule_max_loops=rule_max_loops,
-        seed=seed,
-    )
+    h = report.headline_numbers(m, windows, tokenizer, doc_ids=docs, max_loops=max_loops,
+                                reference_loops=int(seed_mean_depth), eps=eps, seed=seed,
+                                ce_tolerance=ce_tolerance, rule_max_loops=rule_max_loops)
     per_seed.append(h)
     names.append(name)
 seed_table = pd.DataFrame(per_seed, index=names)
-seed_stats = across_seeds(per_seed)
+seed_stats = report.across_seeds(per_seed)
 seed_table.drop(columns="class_order")
 
 # %%
@@ -150,7 +120,8 @@ seed_stats[["n", "mean", "std", "lo", "hi"]].map(lambda v: f"{v:.4g}")
 # ## The reproduction table
 
 # %%
-table = reproduction_table(ours, seeds=seed_stats, notes=explain(ours, scale), intervals=intervals)
+notes = report.explain(ours, scale)
+table = report.reproduction_table(ours, seeds=seed_stats, notes=notes, intervals=intervals)
 with pd.option_context("display.max_colwidth", None):
     display(table.style.hide(axis="index"))
 
@@ -162,7 +133,7 @@ with pd.option_context("display.max_colwidth", None):
 # loops a family saves against the uniform depth of equal quality, with its 95% interval over documents.
 
 # %%
-side_by_side = depth_gain_side_by_side(handed[3], known)
+side_by_side = report.depth_gain_side_by_side(handed[3], known)
 with pd.option_context("display.max_colwidth", None):
     display(side_by_side.style.hide(axis="index"))
 
@@ -170,7 +141,7 @@ with pd.option_context("display.max_colwidth", None):
 # The controlled-depth targets, measured by notebook 6:
 
 # %%
-known_targets = known_depth_targets(known)
+known_targets = report.known_depth_targets(known)
 with pd.option_context("display.max_colwidth", None):
     display(known_targets.style.hide(axis="index"))
 
@@ -181,18 +152,9 @@ with pd.option_context("display.max_colwidth", None):
 # (within `plateau_tol` nats of its best at that or any deeper depth) is its plateau depth.
 
 # %%
-curves, plateaus = [], []
-loops = list(range(1, max_loops + 1))
-for mean in mean_depths:
-    name, m, run_cfg = run(mean, seeds[0])
-    windows, _ = val_windows_with_docs(corpus, run_cfg.seq_len, n_windows)
-    curve, row = depth_curve(loss_by_depth(m, windows, loops), mean, plateau_tol)
-    curves.append(curve)
-    plateaus.append(row)
-viz.loss_vs_depth(pd.concat(curves))
-
-# %%
-plateau = pd.DataFrame(plateaus).set_index("train_mean_depth")
+models = [(mean, *run(mean, seeds[0])[1:]) for mean in mean_depths]
+curves, plateau = report.plateau_curves(models, corpus, n_windows, max_loops, plateau_tol)
+display(viz.loss_vs_depth(curves))
 plateau.round(4)
 
 # %% [markdown]
@@ -203,26 +165,11 @@ plateau.round(4)
 # notebooks 2 and 4: a target that is not met says so.
 
 # %%
-convergence, halting = handed[1], handed[3]
-R = halting.reference_loops
-target_windows, _ = val_windows_with_docs(corpus, cfg.seq_len, convergence_windows)
 scales, targets = [], None
 if previous_reference:
-    prev = open_run(previous_reference)
-    prev_curve = loss_by_depth(prev.load_model(), target_windows, loops)
-    same = convergence.n_tokens == target_windows[:, 1:].numel()
-    if set(loops) <= set(convergence.ce_by_loop) and same:
-        # notebook 2 read this model at every loop of these windows (same initial states)
-        now_curve = {n: convergence.ce_by_loop[n].value for n in loops}
-    else:
-        now_curve = loss_by_depth(model, target_windows, loops)
-    pairs = (("previous (d=128)", prev_curve, 8), ("this reference", now_curve, R))
-    for label, curve, mean in pairs:
-        c, row = depth_curve(curve, mean, plateau_tol)
-        scales.append((c.assign(series=label), {"model": label, **row}))
-    targets = reference_targets(
-        convergence, halting, previous_ce=prev_curve[8], previous="the d=128 reference"
-    )
+    target_windows, _ = val_windows_with_docs(corpus, cfg.seq_len, convergence_windows)
+    scales, targets = report.two_scales(previous_reference, model, handed[1], handed[3],
+                                        target_windows, max_loops, plateau_tol)
 if scales:
     display(viz.loss_vs_depth(pd.concat([c for c, _ in scales])))
     display(pd.DataFrame([r for _, r in scales]).set_index("model").round(4))
@@ -257,7 +204,7 @@ if damping_file and Path(damping_file).is_file():
 # metrics, no weights; not retrained by the book).
 
 # %%
-grid = scale_table(scale_dir) if scale_dir and Path(scale_dir).is_dir() else pd.DataFrame()
+grid = report.scale_table(scale_dir) if scale_dir and Path(scale_dir).is_dir() else pd.DataFrame()
 viz.number_table(grid) if len(grid) else "no depth-scale runs shipped"
 
 # %% [markdown]
@@ -268,24 +215,12 @@ viz.number_table(grid) if len(grid) else "no depth-scale runs shipped"
 # model). `train gain` is the changed run's CE(1) − CE(R) on training windows, beside its validation `gain`.
 
 # %%
-effects = lever_effects(grid) if len(grid) else pd.DataFrame()
+effects = report.lever_effects(grid) if len(grid) else pd.DataFrame()
 viz.number_table(effects) if len(effects) else "no lever of the grid has both its runs"
 
 # %%
-if len(effects):
-    # beyond seed noise (a few hundredths, see below), and mostly from the deep model
-    both = effects[(effects["d gain"] > 0.03) & (effects["deep share"] > 0.5)]
-    named = [f"{k} ({r['d CE@R']:+.3f} nats at R, gain {r.gain:.3f})" for k, r in both.iterrows()]
-    print(
-        "levers that raise the gain by > 0.03 nats, more than half of it from a better deep model: "
-        + (", ".join(named) or "none")
-    )
-    top = grid["CE(1)-CE(R)"].idxmax()
-    print(
-        f"largest validation gain in the grid: {top}, {grid.loc[top, 'CE(1)-CE(R)']:.3f} nats "
-        f"(depth-gain target: 0.3); largest matching uniform depth: "
-        f"{grid['uniform_match/R'].max():.2f} R (target 0.6 R)"
-    )
+if len(effects):  # beyond seed noise (a few hundredths, see below), and mostly from the deep model
+    print(report.lever_summary(effects, grid))
 
 # %% [markdown]
 # ### Why the targets are not met at this scale
@@ -320,33 +255,29 @@ if len(effects):
 # the development machine.
 
 # %%
-levers = runs_table(levers_dir) if levers_dir and Path(levers_dir).is_dir() else pd.DataFrame()
+have_levers = levers_dir and Path(levers_dir).is_dir()
+levers = report.runs_table(levers_dir) if have_levers else pd.DataFrame()
 viz.number_table(levers, digits=4) if len(levers) else "no lever runs shipped"
 
+# %% [markdown]
+# ## What this notebook found
+#
+# The record (`drc_book.handoff.Reproduction`) holds every table above; the sentence is built from it.
+
 # %%
-results = {
-    "profile": profile,
-    "ours": ours,
-    "intervals": intervals,
-    "scale": scale,
-    "table": table.to_dict("records"),
-    "side_by_side": side_by_side.to_dict("records"),
-    "known_depth_targets": known_targets.to_dict("records"),
-    "seeds": {
-        "runs": names,
-        "per_seed": per_seed,
-        "summary": seed_stats.drop(columns="values").to_dict("index"),
-    },
-    "plateau": plateau.reset_index().to_dict("records"),
-    "levers": levers.reset_index().to_dict("records") if len(levers) else [],
-    "scales": [r for _, r in scales],
-    "targets": targets.to_dict("records") if targets is not None else [],
-    "scale_grid": grid.reset_index().to_dict("records") if len(grid) else [],
-    "lever_effects": effects.reset_index().to_dict("records") if len(effects) else [],
-    "damping": damping.reset_index().to_dict("records") if damping is not None else [],
-    "agree": int((table.verdict == "agree").sum()),
-    "claims": len(table),
-    "notebook_seconds": time.time() - t0,
-}
-save_results(results_dir, "07_reproduction", results)
-print(f"{results['agree']} of {results['claims']} claims agree (plateau depths: the table above)")
+def rows(df):
+    return df.reset_index().to_dict("records") if df is not None and len(df) else []
+
+
+record = Reproduction(
+    profile=profile, ours=ours, intervals=intervals, scale=scale, table=table.to_dict("records"),
+    side_by_side=side_by_side.to_dict("records"),
+    known_depth_targets=known_targets.to_dict("records"),
+    seeds={"runs": names, "per_seed": per_seed,
+           "summary": seed_stats.drop(columns="values").to_dict("index")},
+    plateau=rows(plateau), levers=rows(levers), scales=[r for _, r in scales],
+    targets=targets.to_dict("records") if targets is not None else [], scale_grid=rows(grid),
+    lever_effects=rows(effects), damping=rows(damping), agree=int((table.verdict == "agree").sum()),
+    claims=len(table), notebook_seconds=time.time() - t0)
+record.save(results_dir)
+display(Markdown(record.findings()))

@@ -23,8 +23,8 @@ import pandas as pd
 from drc_book.workspace import load_results, save_results
 from drc_core import DrcError
 
-__all__ = ["HANDOFFS", "ClassDepth", "Convergence", "Cycles", "Halting", "Interval", "KnownDepth", "Record",
-           "TokenTypes", "Training"]
+__all__ = ["HANDOFFS", "ClassDepth", "Convergence", "Cycles", "Halting", "Handoff", "Interval", "KnownDepth", "Record",
+           "Reproduction", "TokenTypes", "Training"]
 
 
 def _num(x: Any) -> float:
@@ -48,23 +48,27 @@ def _need(results: Mapping[str, Any], cls: type) -> None:
                        "of this profile")
 
 
-class Record:
-    """A notebook's whole results: a frozen dataclass whose fields are the JSON file's keys, written by one call."""
+class Handoff:
+    """What a later reader takes from one notebook's results file: a frozen dataclass parsed from the JSON."""
 
     NOTEBOOK: ClassVar[str]
 
     @classmethod
-    def from_results(cls, r: Mapping[str, Any]) -> Record:
+    def from_results(cls, r: Mapping[str, Any]) -> Handoff:
         raise NotImplementedError
+
+    @classmethod
+    def load(cls, results_dir: str | Path) -> Any:
+        """The record a run of its notebook wrote to ``results_dir``."""
+        return cls.from_results(load_results(results_dir, cls.NOTEBOOK))
+
+
+class Record(Handoff):
+    """A notebook's whole results: a frozen dataclass whose fields are the JSON file's keys, written by one call."""
 
     def save(self, results_dir: str | Path) -> Path:
         """Write the record as ``results_dir/<NOTEBOOK>.json``."""
         return save_results(results_dir, self.NOTEBOOK, asdict(self))  # type: ignore[call-overload]
-
-    @classmethod
-    def load(cls, results_dir: str | Path) -> Record:
-        """The record a run of its notebook wrote to ``results_dir``."""
-        return cls.from_results(load_results(results_dir, cls.NOTEBOOK))
 
     def findings(self) -> str:
         """What the notebook found, in a few sentences of Markdown with the record's numbers."""
@@ -313,7 +317,7 @@ class TokenTypes(Record):
 
 
 @dataclass(frozen=True)
-class Halting:
+class Halting(Handoff):
     """From 04_halting_and_routers: the reference depth; per rule family, the (interpolated) average depth at
     which it matches uniform depth ``reference_loops``'s CE (NaN where it never does; absent families are None);
     and per family the loops it saves against the uniform depth of equal quality, with intervals (``gaps``:
@@ -340,7 +344,7 @@ class Halting:
 
 
 @dataclass(frozen=True)
-class KnownDepth:
+class KnownDepth(Handoff):
     """From 06_known_depth (the model trained on natural text mixed with depth tasks): its training-mean depth
     ``reference_loops``, the share of its training tokens that are tasks, the range of lookups ``k_range``, the
     lowest answer accuracy over ``k`` at ``reference_loops`` loops, Spearman's correlation of ``k`` with the
@@ -368,4 +372,47 @@ class KnownDepth:
                          for name, rows in r["gaps"].items()})
 
 
-HANDOFFS = (Training, Convergence, TokenTypes, Halting, KnownDepth)
+@dataclass(frozen=True)
+class Reproduction(Record):
+    """Notebook 07's results: our numbers on the reference (``ours``, ``intervals``, ``scale``), the reproduction
+    ``table`` (one row per claim, with its verdict), the side-by-side loops saved on natural text and controlled
+    depth, the known-depth targets, the seeds of the small preset, the plateau depths by training-mean depth, the
+    shipped lever, scale-grid and damping tables, and how many claims agree. Tables are lists of rows."""
+
+    NOTEBOOK: ClassVar[str] = "07_reproduction"
+    profile: str
+    ours: dict[str, Any]
+    intervals: dict[str, list[float]]
+    scale: str
+    table: list[dict[str, Any]]
+    side_by_side: list[dict[str, Any]]
+    known_depth_targets: list[dict[str, Any]]
+    seeds: dict[str, Any]
+    plateau: list[dict[str, Any]]
+    levers: list[dict[str, Any]]
+    scales: list[dict[str, Any]]
+    targets: list[dict[str, Any]]
+    scale_grid: list[dict[str, Any]]
+    lever_effects: list[dict[str, Any]]
+    damping: list[dict[str, Any]]
+    agree: int
+    claims: int
+    notebook_seconds: float
+
+    @classmethod
+    def from_results(cls, r: Mapping[str, Any]) -> Reproduction:
+        _need(r, cls)
+        return cls(**{f.name: r[f.name] for f in fields(cls)})
+
+    def findings(self) -> str:
+        met = [t["target"] for t in self.targets if t.get("met") == "yes"]
+        judged = [t for t in self.targets if t.get("met") in ("yes", "no")]
+        plateaus = ", ".join(f"mean {p['train_mean_depth']:g}: {p['plateau_depth']}" for p in self.plateau)
+        return (f"**Found.** {self.agree} of the paper's {self.claims} claims agree with ours by the criteria stated "
+                f"in advance (the table says which and why the others differ; this is a {self.scale} model). "
+                f"{len(met)} of the {len(judged)} judged reference targets are met ({', '.join(met) or 'none'}). "
+                f"Where the loss stops improving, by "
+                f"training-mean depth: {plateaus} loops.")
+
+
+HANDOFFS = (Training, Convergence, TokenTypes, Halting, KnownDepth, Reproduction)

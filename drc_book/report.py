@@ -16,14 +16,17 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 from scipy import stats as _stats
 
 from drc_book.handoff import Convergence, Halting, Interval, KnownDepth, TokenTypes, Training
+from drc_book.workspace import provide_run
 from drc_core import (
     ROUTER_FAMILIES,
+    Corpus,
     DepthRecurrentLM,
     DrcError,
     KLThreshold,
@@ -33,6 +36,7 @@ from drc_core import (
     classify_sequence,
     convergence_depth,
     depth_summary,
+    loss_by_depth,
     matching_depth,
     measure_windows,
     open_run,
@@ -40,6 +44,7 @@ from drc_core import (
     state_families,
     summarize,
     sweep,
+    val_windows_with_docs,
 )
 
 __all__ = [
@@ -56,7 +61,11 @@ __all__ = [
     "reference_targets",
     "reproduction_table",
     "lever_effects",
+    "lever_summary",
+    "plateau_curves",
     "scale_table",
+    "side_run",
+    "two_scales",
 ]
 
 KL_GRID = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
@@ -484,3 +493,63 @@ def known_depth_targets(known: KnownDepth) -> pd.DataFrame:
     ]
     return pd.DataFrame([{"target": t, "criterion": c, "measured": m, "met": "yes" if ok else "no"}
                          for t, c, m, ok in rows])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Notebook 07's side experiments: seeds and mean depths of the small preset, two scales of the reference
+
+
+def side_run(runs_dir: str | Path, corpus_dir: str | Path, *, prefix: str, preset_name: str,
+             overrides: Sequence[str], mean: float, seed: int) -> tuple[str, Any, Any]:
+    """The side experiment ``<runs_dir>/<prefix>-mean<mean>-seed<seed>`` (shipped, or trained there): its name,
+    model and training config."""
+    name = f"{prefix}-mean{mean:g}-seed{seed}"
+    weights, cfg = provide_run(Path(runs_dir) / name, corpus_dir, preset_name=preset_name,
+                               overrides=[*overrides, f"seed={seed}", f"recurrence.mean={mean:g}"])
+    return name, open_run(weights).load_model(), cfg
+
+
+def plateau_curves(models: Sequence[tuple[float, Any, Any]], corpus: Corpus, n_windows: int, max_loops: int,
+                   tol: float) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Validation loss at every loop 1..``max_loops`` of each ``(training-mean depth, model, config)`` on the
+    same windows, and where each curve flattens (:func:`depth_curve`): the curves (one frame) and the plateaus."""
+    curves, rows = [], []
+    loops = list(range(1, max_loops + 1))
+    for mean, model, cfg in models:
+        windows, _ = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
+        curve, row = depth_curve(loss_by_depth(model, windows, loops), mean, tol)
+        curves.append(curve)
+        rows.append(row)
+    return pd.concat(curves), pd.DataFrame(rows).set_index("train_mean_depth")
+
+
+def two_scales(previous: str | Path, model: Any, convergence: Convergence, halting: Halting, windows: Any,
+               max_loops: int, tol: float) -> tuple[list[tuple[pd.DataFrame, dict]], pd.DataFrame]:
+    """The first round's reference (``previous``) beside this one, read at every loop on ``windows`` (notebook
+    02's, whose CE by loop is reused when it covers them), and the reference targets (:func:`reference_targets`)."""
+    loops = list(range(1, max_loops + 1))
+    prev_curve = loss_by_depth(open_run(previous).load_model(), windows, loops)
+    same = convergence.n_tokens == windows[:, 1:].numel()
+    if set(loops) <= set(convergence.ce_by_loop) and same:  # notebook 2 read this model on these windows
+        now_curve = {n: convergence.ce_by_loop[n].value for n in loops}
+    else:
+        now_curve = loss_by_depth(model, windows, loops)
+    scales = []
+    for label, curve, mean in (("previous (d=128)", prev_curve, 8), ("this reference", now_curve,
+                                                                      halting.reference_loops)):
+        c, row = depth_curve(curve, mean, tol)
+        scales.append((c.assign(series=label), {"model": label, **row}))
+    targets = reference_targets(convergence, halting, previous_ce=prev_curve[8], previous="the d=128 reference")
+    return scales, targets
+
+
+def lever_summary(effects: pd.DataFrame, grid: pd.DataFrame) -> str:
+    """Which levers of the depth-scale grid raise the gain from depth beyond seed noise, mostly through a better
+    deep model, and the grid's largest gain and matching depth against their targets."""
+    both = effects[(effects["d gain"] > 0.03) & (effects["deep share"] > 0.5)]
+    named = [f"{k} ({r['d CE@R']:+.3f} nats at R, gain {r.gain:.3f})" for k, r in both.iterrows()]
+    top = grid["CE(1)-CE(R)"].idxmax()
+    return ("levers that raise the gain by > 0.03 nats, more than half of it from a better deep model: "
+            f"{', '.join(named) or 'none'}\nlargest validation gain in the grid: {top}, "
+            f"{grid.loc[top, 'CE(1)-CE(R)']:.3f} nats (depth-gain target: 0.3); largest matching uniform depth: "
+            f"{grid['uniform_match/R'].max():.2f} R (target 0.6 R)")
