@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from drc_core.errors import DrcError
+from drc_core import DrcError
 
 __all__ = ["LAB_RESULTS", "ROOT_ENV", "RUN_ENV", "at_root", "book_run", "committed_counterpart", "repo_root",
            "results_for"]

@@ -4,23 +4,45 @@ runner is killed: :class:`Rollback`; SIGTERM turned into an exception the runner
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
+from drc_core import DrcError
+from drc_core.guard import read_json, write_file
+
 __all__ = ["Rollback", "Terminated", "raise_terminated"]
+
+MANIFEST_FORMAT = 2
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether ``path`` lies in ``root`` once every link on the way is resolved (no ``..``, no symbolic link out)."""
+    return path.resolve().is_relative_to(root.resolve())
 
 
 class Rollback:
     """What a notebook may change, kept so that a failed, interrupted or killed notebook changes nothing: every file
     under its ``results_dir`` (results, figure JSON) and the files directly in its ``work_dir`` (frames), copied
     before it runs; :meth:`undo` puts them back and removes the files it added there. (The directories below
-    ``work_dir`` -- the model, training runs -- are written atomically and under their own locks.)
+    ``work_dir`` -- the model, training runs -- are written atomically and under their own locks.) Symbolic links
+    and lock files (``.<name>.lock``) in those directories are neither kept nor removed.
 
-    The copies and a manifest (written last, atomically) stay on disk while the notebook runs, so that when the
-    runner itself is killed (SIGKILL, power) the next run of the profile finds them and undoes the notebook
-    first (:meth:`recover`)."""
+    The copies and a manifest (written last, atomically: each kept file by its directory, its path inside it and the
+    sha256 of its copy) stay on disk while the notebook runs, so that when the runner itself is killed (SIGKILL,
+    power) the next run of the profile finds them and undoes the notebook first (:meth:`recover`). A manifest is
+    untrusted input there: it is followed only when every directory it names is one of the profile's own output
+    directories, every path stays inside its directory and every copy inside the backup with the recorded hash."""
 
     MANIFEST = "manifest.json"
 
@@ -30,42 +52,113 @@ class Rollback:
     @classmethod
     def take(cls, dirs: list[tuple[Path, bool]], backup: Path, notebook: str = "") -> Rollback:
         """Copy what ``notebook`` may change into ``backup``, then write the manifest."""
-        kept = {}
+        kept, entries = {}, []
         shutil.rmtree(backup, ignore_errors=True)
         backup.mkdir(parents=True)
         for i, (d, recursive) in enumerate(dirs):
             for f in cls._files(d, recursive):
-                copy = backup / str(i) / f.relative_to(d)
+                rel = f.relative_to(d)
+                copy = backup / str(i) / rel
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(f, copy)
                 kept[f] = copy
-        record = {"notebook": notebook, "dirs": [[str(d), r] for d, r in dirs],
-                  "kept": {str(f): str(c) for f, c in kept.items()}}
-        tmp = backup / (cls.MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, backup / cls.MANIFEST)
+                entries.append([i, rel.as_posix(), _sha256(copy)])
+        record = {"format": MANIFEST_FORMAT, "notebook": notebook, "dirs": [[str(d), r] for d, r in dirs],
+                  "kept": entries}
+        write_file(backup / cls.MANIFEST, json.dumps(record))
         return cls(dirs, backup, kept)
 
     @classmethod
-    def recover(cls, backup: Path) -> str | None:
+    def recover(cls, backup: Path, allowed: list[Path] | None = None) -> str | None:
         """Undo the notebook a killed run left half done (the name of that notebook), or None when there is none.
-        Copies without a manifest were interrupted before their notebook started: nothing to undo."""
+        Copies without a manifest were interrupted before their notebook started: nothing to undo. ``allowed``: the
+        directories the manifest may name (the profile's output directories); a manifest that names another, a path
+        outside its directory or a copy that is not the one recorded is a one-line :class:`DrcError` and nothing
+        is undone or removed."""
         manifest = backup / cls.MANIFEST
         name = None
-        if manifest.is_file():
-            record = json.loads(manifest.read_text())
-            cls([(Path(d), bool(r)) for d, r in record["dirs"]], backup,
-                {Path(f): Path(c) for f, c in record["kept"].items()}).undo()
-            name = str(record.get("notebook") or "?")
+        if manifest.exists() or manifest.is_symlink():
+            rollback, name = cls._checked(backup, allowed)
+            rollback.undo()
         shutil.rmtree(backup, ignore_errors=True)
         return name
 
+    @classmethod
+    def _checked(cls, backup: Path, allowed: list[Path] | None) -> tuple[Rollback, str]:
+        manifest = backup / cls.MANIFEST
+        keep = f"nothing was undone; check those outputs by hand, then delete {backup} and rerun"
+
+        def refuse(why: str) -> DrcError:
+            return DrcError(f"the rollback record {manifest} of a killed run {why}: {keep}")
+
+        if manifest.is_symlink():
+            raise refuse("is a symbolic link")
+        record = read_json(manifest, "the rollback record of a killed run", keep)
+        if not isinstance(record, dict) or not isinstance(record.get("dirs"), list):
+            raise refuse("is not a rollback record")
+        dirs: list[tuple[Path, bool]] = []
+        roots = [a.resolve() for a in allowed] if allowed is not None else None
+        for entry in record["dirs"]:
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
+                    and isinstance(entry[1], bool)):
+                raise refuse("names a directory that is not [path, recursive]")
+            d = Path(entry[0])
+            if roots is not None and d.resolve() not in roots:
+                raise refuse(f"names {d}, which is not an output directory (results_dir, work_dir) of this profile "
+                             "as run now (rerun with the --set values of the killed run to undo it)")
+            dirs.append((d, entry[1]))
+        pairs: list[tuple[int, str, str | None]] = []
+        if record.get("format") == MANIFEST_FORMAT:
+            for entry in record.get("kept", None) or []:
+                if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+                        and isinstance(entry[1], str) and isinstance(entry[2], str)):
+                    raise refuse("holds an entry that is not [directory, path, sha256]")
+                pairs.append((entry[0], entry[1], entry[2]))
+        elif "format" not in record and isinstance(record.get("kept"), dict):  # written before the format field
+            for f, c in record["kept"].items():
+                match = None
+                for i, (d, _) in enumerate(dirs):
+                    rel = Path(f).relative_to(d) if Path(f).is_relative_to(d) else None
+                    if rel is not None and isinstance(c, str) and Path(c) == backup / str(i) / rel:
+                        match = (i, rel.as_posix(), None)
+                        break
+                if match is None:
+                    raise refuse(f"keeps {f!r}, which lies in none of its directories")
+                pairs.append(match)
+        else:
+            raise refuse("is not a rollback record this version writes")
+        kept: dict[Path, Path] = {}
+        for i, rel, digest in pairs:
+            if not 0 <= i < len(dirs) or Path(rel).is_absolute() or ".." in Path(rel).parts or not rel:
+                raise refuse(f"keeps {rel!r}, which is not a path inside its directory")
+            d, recursive = dirs[i]
+            if not recursive and len(Path(rel).parts) != 1:
+                raise refuse(f"keeps {rel!r} below {d}, where only its own files are kept")
+            f, copy = d / rel, backup / str(i) / rel
+            if not (copy.is_file() and not copy.is_symlink() and _inside(copy, backup)):
+                raise refuse(f"keeps {rel!r}, whose copy is missing or not a file in {backup}")
+            if not _inside(f.parent if f.parent.exists() else d, d):
+                raise refuse(f"keeps {f}, which a symbolic link takes out of {d}")
+            if digest is not None and _sha256(copy) != digest:
+                raise refuse(f"keeps {rel!r}, whose copy is not the one recorded (sha256 differs)")
+            kept[f] = copy
+        return cls(dirs, backup, kept), str(record.get("notebook") or "?")
+
     @staticmethod
     def _files(d: Path, recursive: bool) -> list[Path]:
+        """The regular files of ``d`` (and below it, when ``recursive``; links are not followed), lock files
+        excluded."""
         if not d.is_dir():
             return []
-        found = d.rglob("*") if recursive else d.iterdir()
-        return [f for f in found if f.is_file() and not f.is_symlink()]
+        found = []
+        for root, subdirs, files in os.walk(d, followlinks=False):
+            if not recursive:
+                subdirs.clear()
+            for name in files:
+                f = Path(root) / name
+                if f.is_file() and not f.is_symlink() and not (name.startswith(".") and name.endswith(".lock")):
+                    found.append(f)
+        return found
 
     def undo(self) -> None:
         for d, recursive in self.dirs:
@@ -74,6 +167,8 @@ class Rollback:
                     f.unlink()
         for f, copy in self.kept.items():
             f.parent.mkdir(parents=True, exist_ok=True)
+            if f.is_symlink():  # a link put where a kept file was: replaced, its target untouched
+                f.unlink()
             shutil.copy2(copy, f)
 
     def close(self) -> None:

@@ -27,10 +27,10 @@ figures draw without a network; the notebooks' figures carry an HTML bundle for 
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,14 +38,15 @@ import sys
 import threading
 import time
 import tomllib
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from drc_book.paths import RUN_ENV
 from drc_book.rollback import Rollback, Terminated, raise_terminated
-from drc_core.errors import DrcError, Interrupted
-from drc_core.guard import exclusive
+from drc_core.errors import MB, ArgumentParser, DrcError, Interrupted, first_line
+from drc_core.guard import exclusive, parse_json, read_json, read_regular, refuse_links, write_file
 
 __all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
            "load_profiles", "present", "render_png", "reproduction_markdown", "run_book", "slowest_cells", "toc_for"]
@@ -56,6 +57,22 @@ DEFAULT_RENDERER = "plotly_mimetype+notebook_connected"
 PLOTLY_STATIC = Path("_static") / "plotly.min.js"  # copied in by `build`; _config.yml lists it in html_js_files
 BOOK_CSS = "drc-book.css"  # beside the sources; copied into _static/ by `build` (_config.yml: html_css_files)
 REPRODUCTION_MD = Path("_static") / "reproduction.md"  # written by `build`; the root page includes it
+
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a profile's or a notebook's name: one plain path component
+
+
+def _need_name(kind: str, name: object, path: Path) -> str:
+    if not isinstance(name, str) or not NAME.match(name):
+        raise DrcError(f"{path}: {kind} name {name!r} is not a plain name (letters, digits, '_', '.', '-'; no '/' or "
+                       "'..'): it becomes a file name under --out; rename it")
+    return name
+
+
+def _need_table(value: object, where: str, path: Path) -> dict:
+    if not isinstance(value, dict):
+        raise DrcError(f"{path}: {where} is a {type(value).__name__}, not a table: fix the profiles file")
+    return value
 
 
 class NotebookFailed(DrcError):
@@ -96,25 +113,37 @@ class BookSpec:
 def load_profiles(path: str | Path = DEFAULT_PROFILES) -> BookSpec:
     """Read a profiles file (see ``book/profiles.toml`` for the format)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise DrcError(f"profiles file '{path}' not found: run from the repository root or pass --profiles")
     try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise DrcError(f"profiles file '{path}' is not valid TOML ({exc}): fix the line it names") from None
-    book = raw.get("book", {})
+        raw = tomllib.loads(read_regular(path, "a profiles file", 16 * MB).decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise DrcError(f"profiles file '{path}' is not valid TOML ({first_line(exc, 120)}): fix the line it names") \
+            from None
+    book = _need_table(raw.get("book", {}), "[book]", path)
     unknown_book = set(book) - {"source_dir", "root", "notebooks"}
     if unknown_book:
         raise DrcError(f"{path}: unknown key(s) {sorted(unknown_book)} in [book]: use source_dir, root, notebooks")
-    notebooks = tuple(book.get("notebooks", ()))
+    listed = book.get("notebooks", ())
+    if not isinstance(listed, list | tuple):
+        raise DrcError(f"{path}: [book] notebooks is not a list: list the notebook sources in order")
+    notebooks = tuple(_need_name("notebook", nb, path) for nb in listed)
     if not notebooks:
         raise DrcError(f"{path}: [book] notebooks is empty: list the notebook sources in order")
+    if not isinstance(book.get("source_dir", "."), str) or not isinstance(book.get("root", ""), str):
+        raise DrcError(f"{path}: [book] source_dir and root must be strings")
     source_dir = (path.parent / book.get("source_dir", ".")).resolve()
     for nb in notebooks:
         if not (source_dir / f"{nb}.py").is_file():
             raise DrcError(f"{path}: notebook '{nb}' has no source {source_dir / (nb + '.py')}")
     profiles = {}
-    for name, table in raw.get("profiles", {}).items():
+    for name, table in _need_table(raw.get("profiles", {}), "[profiles]", path).items():
+        _need_name("profile", name, path)
+        table = _need_table(table, f"[profiles.{name}]", path)
+        for key in ("parameters", "notebooks", "env"):
+            _need_table(table.get(key, {}), f"[profiles.{name}.{key}]", path)
+        for nb, values in table.get("notebooks", {}).items():
+            _need_table(values, f"[profiles.{name}.notebooks.{nb}]", path)
         allowed = {"description", "plotly_renderer", "parameters", "notebooks", "env"}
         extra = set(table) - allowed
         if extra:
@@ -220,10 +249,33 @@ def under_out(value: Any, out: str | Path) -> Any:
     parts = Path(value).parts
     if Path(value).is_absolute() or not parts or parts[0] != DEFAULT_OUT.name:
         return value
+    if ".." in parts:
+        raise DrcError(f"parameter value {value!r} climbs out of {DEFAULT_OUT}/ with '..': outputs stay under --out; "
+                       "name the directory without '..'")
     return str(Path(out).joinpath(*parts[1:]))
 
 
 OUTPUT_PARAMETERS = ("results_dir", "work_dir")  # where a notebook writes: its results, figures and frames
+
+
+def output_dirs(params: dict[str, Any], cwd: str | Path, notebook: str) -> list[tuple[Path, bool]]:
+    """The directories ``notebook`` writes with ``params`` (already moved under ``--out``): its ``results_dir``
+    (every file below it) and its ``work_dir`` (the files directly in it), each a relative path without ``..``
+    (an absolute one, named by the user, is used as given)."""
+    dirs: dict[Path, tuple[Path, bool]] = {}  # by the resolved path: one directory named twice is one
+    for k in OUTPUT_PARAMETERS:
+        v = params.get(k)
+        if v is None or v == "":
+            continue
+        if not isinstance(v, str):
+            raise DrcError(f"notebook {notebook}: parameter {k}={v!r} is not a path: pass a directory name")
+        if ".." in Path(v).parts:
+            raise DrcError(f"notebook {notebook}: parameter {k}={v!r} climbs out of its directory with '..': "
+                           "outputs stay under --out and the working directory; name the directory without '..'")
+        d = Path(cwd) / v
+        d, recursive = dirs.get(d.resolve(), (d, False))
+        dirs[d.resolve()] = (d, recursive or k == "results_dir")
+    return list(dirs.values())
 
 
 def _interrupted(name: str, how: str) -> Interrupted:
@@ -270,14 +322,20 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
     stray = set(overrides or {}) - set().union(*declared.values())
     if stray:
         raise DrcError(f"--set {sorted(stray)}: no notebook run here declares it; see their parameters cells")
+    # every directory any notebook of the profile may write (with these --set values): the only ones a rollback
+    # record left by a killed run may name
+    allowed = {d for nb in spec.notebooks for d, _ in output_dirs(
+        {k: under_out(v, out) for k, v in {**prof.parameters_for(nb), **(overrides or {})}.items()
+         if k in OUTPUT_PARAMETERS}, cwd, nb)}
     dest = Path(out) / profile
     with exclusive(dest, "book profile"):  # one runner per profile: they would share .running/ and the results
-        return _run(notebooks, declared, names, prof, profile, out, dest, overrides, cwd, progress, kernel)
+        return _run(notebooks, declared, names, prof, profile, out, dest, overrides, cwd, progress, kernel,
+                    sorted(allowed))
 
 
 def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof: Profile, profile: str,
          out: str | Path, dest: Path, overrides: dict[str, Any] | None, cwd: str | Path, progress: bool,
-         kernel: str) -> dict[str, float]:
+         kernel: str, allowed: list[Path]) -> dict[str, float]:
     import jupytext
     import nbformat
     import papermill as pm
@@ -285,14 +343,20 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
 
     dest.mkdir(parents=True, exist_ok=True)
     failed_dir, work = dest / "failed", dest / ".running"
+    # the runner's own directories: written, emptied and removed, so never through a link planted there
+    refuse_links([work, work / "rollback", failed_dir], f"book profile directory '{dest}'")
     # RUN_ENV tells the notebooks that the runner executes them: only then do results go to the committed
     # results_dir (drc_book.paths.results_for); interactive runs write under runs/lab/
     env = {"PLOTLY_RENDERER": prof.plotly_renderer, **prof.env, RUN_ENV: profile}
     timings_path = dest / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    timings = _read_timings(timings_path)
+    with ExitStack() as locks:  # before anything else, under the output directories' locks; a doubtful record: one line
+        if (work / "rollback" / Rollback.MANIFEST).exists():
+            for d in {d.resolve() for d in allowed} - {dest.resolve()}:
+                locks.enter_context(exclusive(d, "notebook output directory"))
+        killed = Rollback.recover(work / "rollback", allowed)
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits the environment of this process
-    killed = Rollback.recover(work / "rollback")
     if killed:
         print(f"[{profile}] the previous run was killed during notebook {killed}: what it had written was undone",
               flush=True)
@@ -308,8 +372,16 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             jupytext.write(nb, src)
             params = {k: under_out(v, out) for k, v in {**prof.parameters_for(name), **(overrides or {})}.items()
                       if k in declared[name]}
-            rollback = Rollback.take([(Path(cwd) / params[k], k == "results_dir") for k in OUTPUT_PARAMETERS
-                                       if isinstance(params.get(k), str) and params[k]], work / "rollback", name)
+            dirs = output_dirs(params, cwd, name)
+            locks = ExitStack()
+            try:
+                for d, _ in dirs:  # another runner writing the same results directory (another profile): refused
+                    if d.resolve() != dest.resolve():
+                        locks.enter_context(exclusive(d.resolve(), "notebook output directory"))
+                rollback = Rollback.take(dirs, work / "rollback", name)
+            except BaseException:
+                locks.close()
+                raise
             print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
                   flush=True)
             t0 = time.perf_counter()
@@ -334,6 +406,8 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
                     shutil.move(str(kernel_log), failed_dir / kernel_log.name)
                 raise NotebookFailed(f"{_failure_line(name, exc)}; partial output kept at {kept} (its results and "
                                      "frames were undone)") from None
+            finally:
+                locks.close()
             rollback.close()
             seconds = time.perf_counter() - t0
             executed = nbformat.read(partial, as_version=4)
@@ -343,7 +417,7 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             src.unlink()
             (failed_dir / f"{name}.ipynb").unlink(missing_ok=True)
             timings[name] = round(seconds, 1)
-            timings_path.write_text(json.dumps(timings, indent=2) + "\n")
+            write_file(timings_path, json.dumps(timings, indent=2) + "\n")
             print(f"[{profile}] {name}: done in {seconds:.1f} s -> {dest / (name + '.ipynb')}; slowest cells: "
                   + "; ".join(f"#{i} {sec:.0f} s ({line})" for i, sec, line in slowest_cells(executed)), flush=True)
     finally:
@@ -365,6 +439,19 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
         if failed_dir.is_dir() and not any(failed_dir.iterdir()):
             failed_dir.rmdir()
     return {n: timings[n] for n in names}
+
+
+def _read_timings(path: Path) -> dict[str, float]:
+    """``timings.json`` of a profile (notebook -> seconds), {} when there is none; a damaged one is a one-line
+    :class:`DrcError` (it only records durations: deleting it loses nothing else)."""
+    if not path.exists() and not path.is_symlink():
+        return {}
+    fix = f"delete {path} (it only records how long each notebook took) and rerun"
+    data = read_json(path, "the timings file", fix)
+    if not (isinstance(data, dict) and all(isinstance(v, int | float) and not isinstance(v, bool)
+                                           for v in data.values())):
+        raise DrcError(f"the timings file '{path}' is damaged (not an object of seconds): {fix}")
+    return data
 
 
 def slowest_cells(nb: Any, top: int = 3) -> list[tuple[int, float, str]]:
@@ -419,7 +506,11 @@ def reproduction_markdown(results_dir: str | Path) -> str:
     path = Path(results_dir) / "07_reproduction.json"
     if not path.is_file():
         return f"*No reproduction table yet: {path} is written by notebook 07_reproduction of this profile.*\n"
-    rows = json.loads(path.read_text()).get("table") or []
+    data = read_json(path, "the results file", "rerun notebook 07_reproduction of this profile")
+    rows = data.get("table") if isinstance(data, dict) else 0
+    if rows is not None and not (isinstance(rows, list) and all(isinstance(r, dict) for r in rows)):
+        raise DrcError(f"the results file '{path}' is damaged (its table is not a list of rows): rerun notebook "
+                       "07_reproduction of this profile")
     if not rows:
         return f"*{path} holds no reproduction table.*\n"
     columns = [("claim", "claim"), ("paper", "paper"), ("ours", "ours [95% CI]"),
@@ -449,9 +540,17 @@ def _present_executed(spec: BookSpec, profile: str, out: str | Path) -> None:
 
     for name in spec.notebooks:
         path = Path(out) / profile / f"{name}.ipynb"
-        nb = nbformat.read(path, as_version=4)
-        if present(nb):
-            nbformat.write(nb, path)
+        try:
+            nb = nbformat.reads(read_regular(path, "an executed notebook", 1 << 30).decode("utf-8"), as_version=4)
+            changed = present(nb)
+        except DrcError:
+            raise
+        except Exception as exc:  # nbformat's and json's errors, a notebook of the wrong shape
+            raise DrcError(f"the executed notebook '{path}' is damaged ({first_line(exc, 120)}): run it again, "
+                           f"`python -m drc_book run --profile {profile} --only {name}`") from None
+        if changed:
+            text = nbformat.writes(nb)
+            write_file(path, text if text.endswith("\n") else text + "\n")  # as nbformat.write writes it
             print(f"presented {path} for readers (injected parameters merged and hidden)", flush=True)
 
 
@@ -524,8 +623,8 @@ def render_png(figure_json: str | Path, png: str | Path, width: int = 900, heigh
     return png
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m drc_book", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m drc_book", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="profiles file (default: book/profiles.toml)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="executed notebooks go to OUT/<profile>/")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -554,8 +653,12 @@ def _parse_sets(pairs: list[str]) -> dict[str, Any]:
         if not sep or not key:
             raise DrcError(f"--set {pair!r} is not KEY=VALUE: e.g. --set n_windows=8")
         try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
+            pair.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DrcError(f"--set {key!r}: the value is not valid UTF-8 text: pass it in UTF-8") from None
+        try:
+            out[key] = parse_json(value.encode("utf-8", "surrogatepass"))
+        except ValueError:  # not JSON (nor UTF-8): a string
             out[key] = value
     return out
 

@@ -25,16 +25,21 @@ import pandas as pd
 import torch
 
 from drc_book.paths import committed_counterpart
-from drc_core.analysis.measure import val_windows_with_docs
-from drc_core.data.depth_tasks import DepthTaskConfig
-from drc_core.data.prepare import PrepareConfig, prepare
-from drc_core.data.sampler import Corpus
-from drc_core.data.sources import SourceSpec
-from drc_core.errors import DrcError
+from drc_core import (
+    Corpus,
+    DepthTaskConfig,
+    DrcError,
+    PrepareConfig,
+    SourceSpec,
+    TrainConfig,
+    prepare,
+    preset_for,
+    train,
+    val_windows_with_docs,
+)
+from drc_core.guard import read_json, write_file
 from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM
-from drc_core.training.config import TrainConfig
 from drc_core.training.rundir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
-from drc_core.training.train import preset_for, train
 
 __all__ = [
     "ensure_corpus",
@@ -74,7 +79,7 @@ def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *,
         if run.train_config() != cfg:
             raise DrcError(f"'{out}' holds a finished run with another config: delete it or choose another work_dir")
         try:
-            run.check_corpus(Corpus.open(corpus_dir))
+            run.check_corpus(Corpus.open(corpus_dir), required=True)
         except DrcError as exc:
             raise DrcError(f"'{out}' holds a finished run trained on another corpus than '{corpus_dir}' (other "
                            "documents or tokenizer): delete it or choose another work_dir") from exc
@@ -174,7 +179,7 @@ def save_results(results_dir: str | Path, name: str, results: dict[str, Any]) ->
     """Write ``results_dir/<name>.json`` (sorted keys, NaN as null) and return its path."""
     path = Path(results_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_plain(results), indent=2, sort_keys=True) + "\n")
+    write_file(path, json.dumps(_plain(results), indent=2, sort_keys=True) + "\n")  # atomic, never through a link
     return path
 
 
@@ -188,4 +193,8 @@ def load_results(results_dir: str | Path, name: str) -> dict[str, Any]:
         path = committed / f"{name}.json"
     if not path.is_file():
         raise DrcError(f"{path} not found: run notebook {name} of this profile first")
-    return json.loads(path.read_text())
+    data = read_json(path, "the results file", f"run notebook {name} of this profile again")
+    if not isinstance(data, dict):
+        raise DrcError(f"the results file '{path}' is damaged (a {type(data).__name__}, not an object): run notebook "
+                       f"{name} of this profile again")
+    return data

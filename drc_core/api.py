@@ -16,6 +16,7 @@ O(L x T) for the statistics and at most three (T, V) distributions at a time, ne
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +32,8 @@ from drc_core.analysis.loops import frame_statistics
 from drc_core.analysis.measure import DEFAULT_EPS, DYNAMICS_COLUMNS, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
 from drc_core.data.sampler import Corpus, eval_windows
-from drc_core.data.tokenizer import load_tokenizer
-from drc_core.errors import DrcError, need_int
+from drc_core.data.tokenizer import encode_checked, load_tokenizer
+from drc_core.errors import MAX_DOCUMENT_TOKENS, DrcError, need_int
 from drc_core.halting.calibrate import CalibratedRule, check_calibration
 from drc_core.halting.calibrate import calibrate as calibrate_windows
 from drc_core.halting.generate import generate as generate_ids
@@ -137,11 +138,13 @@ class Generation:
     avg_depth: float
 
 
-def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torch.Tensor) -> np.ndarray:
+def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torch.Tensor, max_tokens: int,
+            what: str = "the text") -> np.ndarray:
+    """Token ids of a text (at most ``max_tokens``, refused from its length before tokenizing) or of ids as given."""
     if isinstance(text_or_ids, str):
         if tokenizer is None:
             raise DrcError("a text needs a tokenizer: pass tokenizer=, or token ids instead of text")
-        ids = np.asarray(tokenizer.encode(text_or_ids).ids, dtype=np.int64)
+        ids = np.asarray(encode_checked(tokenizer, text_or_ids, max_tokens, what), dtype=np.int64)
     else:
         ids = np.asarray(text_or_ids.cpu() if isinstance(text_or_ids, torch.Tensor) else text_or_ids)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
@@ -187,7 +190,7 @@ def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor
     serve as a target); with ``targets`` the next input token is each position's target for ``ce``. The
     initial latent state comes from a generator seeded with ``seed``, as in every evaluation pass."""
     max_loops = need_int("max_loops", max_loops, 2)
-    ids = _encode(tokenizer, text_or_ids)
+    ids = _encode(tokenizer, text_or_ids, model.max_seq_len)
     window = torch.from_numpy(np.append(ids, ids[-1]))[None]  # the last target is a placeholder, blanked below
     frame = measure_windows(model, window, max_loops, seed=seed, kl_to_final=True, dynamics=True)
     last = frame["pos"].to_numpy() == len(ids) - 1
@@ -215,7 +218,7 @@ def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new
         if rule not in defaults:
             raise DrcError(f"rule={rule!r} has no default threshold here: pass make_rule({rule!r}, <threshold>)")
         rule = make_rule(rule, *defaults[rule])
-    ids = torch.from_numpy(_encode(tokenizer, prompt))[None]
+    ids = torch.from_numpy(_encode(tokenizer, prompt, model.max_seq_len, "the prompt"))[None]
     gen = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
@@ -247,7 +250,7 @@ def document_windows(tokenizer: Tokenizer | None, documents: Sequence[str | Path
             except (OSError, UnicodeDecodeError) as exc:
                 raise DrcError(f"document {i} ('{doc}') cannot be read as UTF-8 text ({exc.__class__.__name__}): "
                                "pass an existing text file") from exc
-        ids = _encode(tokenizer, doc)
+        ids = _encode(tokenizer, doc, MAX_DOCUMENT_TOKENS, f"document {i}")
         if len(ids) < seq_len + 1:
             continue
         w = eval_windows(ids, seq_len, windows_per_doc, spread=True)
@@ -336,6 +339,9 @@ def load(path: str | Path, *, corpus: str | Path | None = None, map_location: st
     memory-mapped, in ``dtype`` (default: the stored dtype, so nothing is copied; float32 for a bf16 checkpoint is a
     converted copy), no training config, ``tokenizer`` None without a tokenizer.json. ``dtype`` applies to Huginn
     checkpoints only; any other Hugging Face checkpoint (another ``model_type``) is a one-line error; docs/huginn.md."""
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise DrcError(f"path={path!r} is not a path: pass a training run, its final/, a shipped copy like "
+                       "data/reference or a Huginn checkpoint directory")
     if hf_config(path) is not None:  # a Hugging Face-style config.json: Huginn, or a one-line error
         if corpus is not None:
             raise DrcError(f"'{path}' is a Hugging Face-style checkpoint with its own {TOKENIZER_FILE}: drop corpus=")
@@ -352,10 +358,13 @@ def load(path: str | Path, *, corpus: str | Path | None = None, map_location: st
         raise DrcError(f"'{path}' has no {TOKENIZER_FILE}: pass corpus= the prepared corpus the model was trained on")
     if found is None and (Path(corpus) / "meta.json").is_file():  # a prepared corpus: checked, and the run's own
         prepared = Corpus.open(corpus)
-        run.check_corpus(prepared)
+        run.check_corpus(prepared, required=True)
         tokenizer = prepared.tokenizer()
     else:
         record = run.corpus_record() if found is not None else None
+        if found is not None and record is None:
+            raise DrcError(f"'{path}' has a {TOKENIZER_FILE} but no record of its hash (corpus.json / "
+                           "corpus_meta.json): restore it, or pass corpus= the prepared corpus it was trained on")
         want = record.get("tokenizer_sha256") if isinstance(record, dict) else None
         tokenizer = load_tokenizer(found if found is not None else Path(corpus), want)
     config = run.train_config() if run.train_config_path is not None else None

@@ -9,6 +9,7 @@ resume). Any other exception is a bug in this project and keeps its traceback. `
 
 from __future__ import annotations
 
+import argparse
 import errno
 import math
 import numbers
@@ -18,6 +19,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 
 class DrcError(ValueError):
@@ -63,14 +65,15 @@ def _os_error_line(exc: OSError) -> str:
     return f"{exc.strerror or type(exc).__name__} at {where}: check the path and the disk"
 
 
-def need_int(name: str, value: object, minimum: int, owner: str = "") -> int:
-    """``value`` as an int, or a one-line :class:`DrcError` unless it is an integer (not a bool) >= ``minimum``;
-    ``owner`` (e.g. a rule's name) prefixes the message."""
-    import numbers
-
+def need_int(name: str, value: object, minimum: int, owner: str = "", maximum: int | None = None) -> int:
+    """``value`` as an int, or a one-line :class:`DrcError` unless it is an integer (not a bool) >= ``minimum``
+    (and <= ``maximum`` when given: one of the limits below); ``owner`` (e.g. a rule's name) prefixes the
+    message."""
+    prefix = f"{owner}: " if owner else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        prefix = f"{owner}: " if owner else ""
         raise DrcError(f"{prefix}{name}={value!r} is invalid; it must be an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise DrcError(f"{prefix}{name}={value} is above the limit of {maximum:,}: use at most {maximum:,}")
     return int(value)
 
 
@@ -94,7 +97,25 @@ def check_fields(cls: type, data: object, where: str) -> dict:
     return dict(data)
 
 
+# ------------------------------------------------------------------------------------------------------ limits
+# Every size that a file, a config, a parameter or an argument can ask for is bounded here, once, and checked
+# before anything is allocated or read (docs/bad-input.md, "Limits"): a small input never costs unbounded memory
+# or time. The bounds lie far above the project's largest preset (paper-135m: d_model 768, 8 blocks, seq_len 1024,
+# batch 256 x 1024 tokens, vocab 49152, 124 M parameters).
 MAX_LOOPS = 1024  # the most core loops any call runs; the state converges in tens of loops
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer
+MAX_VOCAB = 1 << 20  # token ids of a vocabulary
+MAX_D_MODEL = 16384  # the model width
+MAX_LAYERS = 64  # blocks in each of the prelude, the core and the coda
+MAX_SEQ_LEN = 32768  # a model's max_seq_len (its RoPE tables) and a training window
+MAX_MODEL_PARAMS = 1_000_000_000  # parameters + RoPE table entries of a ModelConfig (4 GB in float32)
+MAX_BATCH_TOKENS = 1 << 22  # batch_size * seq_len of one training step (16x the paper preset's)
+MAX_SIGMA = 4.0  # recurrence.sigma: the loop-count draw's lognormal spread (exp(sigma^2) overflows soon above)
+MAX_TASK_DOCS = 4_000_000  # depth-task documents generated in memory (10x the paper profile's)
+MAX_TASK_PROBLEMS = 64  # depth-task problems per document
+MAX_JSON_BYTES = 64 * MB  # any JSON file read (configs, records, meta.json, tokenizer.json, manifests, results)
+MAX_TEXT_FILE_BYTES = 256 * MB  # one .txt input (one document, read whole)
+MAX_DOCUMENT_TOKENS = 1 << 24  # tokens of one document given to the API as text (calibration documents)
 
 
 def need_loops(name: str, value: object) -> int:
@@ -150,6 +171,14 @@ def need_level(level: object) -> float:
     if isinstance(level, bool) or not isinstance(level, int | float) or not 0 < level < 1:
         raise DrcError(f"level={level!r} is invalid; it must lie strictly between 0 and 1")
     return float(level)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one :class:`DrcError` line (exit 2 through
+    :func:`run_cli`) instead of argparse's usage block; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise DrcError(f"{self.prog}: {' '.join(message.split())}: see `{self.prog} --help`")
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:

@@ -4,11 +4,18 @@
   book profile). The lock file is ``.<name>.lock`` beside the directory (so it survives the directory being
   renamed or swapped in), holds the owner's pid, and is removed on release; the OS drops the lock when the process
   dies, so a crash never leaves a stale lock. A second writer gets one :class:`~drc_core.errors.DrcError` line
-  naming the holder's pid.
+  naming the holder's pid. A directory that exists is locked too, so deleting the lock file while a writer runs
+  does not let a second one in; a lock file that is a symbolic link, a hard link or not a regular file is refused
+  (it would truncate what it points at).
 - :func:`owned_file`: an output file named by the user is written only when it is new or a file this tool wrote
   (it carries :data:`OWNER_KEY`); anything else -- a run's ``config.json``, a user's notes -- is refused.
 - :func:`remove_leftovers`: temporary siblings (``.<name>.tmp-*``, ``.<name>.old-*``) that a killed writer of the
-  same path left behind; only called under that path's lock, so no live writer owns them.
+  same path left behind; only called under that path's lock, so no live writer owns them. A directory swapped
+  out by a writer killed before it swapped the new one in is put back first.
+- Untrusted files: :func:`read_regular` / :func:`read_json` read only regular files up to a size limit (a FIFO,
+  ``/dev/zero`` or a huge file is one line, never a hang); :func:`write_file` writes a new file beside the target
+  and renames it over it, and :func:`open_append` opens with ``O_NOFOLLOW``, so no write goes through a symbolic
+  link planted at an output path; :func:`refuse_links` names one before anything is written.
 """
 
 from __future__ import annotations
@@ -18,13 +25,17 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Iterator
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import IO, Any
 
-from drc_core.errors import DrcError
+from drc_core.errors import MAX_JSON_BYTES, MB, DrcError, first_line
 
-__all__ = ["OWNER_KEY", "exclusive", "lock_path", "owned_file", "remove_leftovers", "write_owned_json"]
+__all__ = ["OWNER_KEY", "exclusive", "lock_path", "open_append", "owned_file", "parse_json", "read_json",
+           "read_regular", "refuse_links", "remove_leftovers", "write_file", "write_owned_json"]
 
 OWNER_KEY = "written_by"  # the key a JSON output of this project carries, naming the writer
 
@@ -37,46 +48,84 @@ def lock_path(target: str | Path) -> Path:
 
 def _holder(lock: Path) -> str:
     try:
-        pid = lock.read_text().strip()
-    except OSError:
+        pid = read_regular(lock, "a lock file", 64).decode(errors="replace").strip()
+    except (OSError, DrcError):
         pid = ""
     return f"pid {pid}" if pid.isdigit() else "a process that is just starting"
+
+
+def _open_lock(lock: Path) -> int:
+    """The lock file's descriptor, opened without following a symbolic link; a link, a hard link (the file has
+    another name somewhere) or anything but a regular file is refused: locking truncates and rewrites the file."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise DrcError(f"lock file {lock} is a symbolic link: a lock file is a plain file this tool makes; remove "
+                       "the link and rerun") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # 0: just removed by its holder (retried below)
+        os.close(fd)
+        kind = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        raise DrcError(f"lock file {lock} is {kind}: a lock file is a plain file this tool makes; remove it and "
+                       "rerun")
+    return fd
+
+
+def _busy(what: str, target: str | Path, lock: Path, why: str) -> DrcError:
+    return DrcError(f"{what} '{target}' is being written by another process ({why}, lock {lock}): wait for it "
+                    "to finish or stop it, then rerun")
 
 
 @contextmanager
 def exclusive(target: str | Path, what: str) -> Iterator[Path]:
     """Hold the exclusive lock of ``target`` (a directory, existing or not) while the block runs; ``what`` names it
     in the error (e.g. ``run directory``). A second process, or a second lock of the same path in this process, gets
-    ``DrcError: <what> '<target>' is being written by another process (pid N): ...``."""
+    ``DrcError: <what> '<target>' is being written by another process (pid N): ...``. When ``target`` is an
+    existing directory it is locked as well, so a writer whose lock file was deleted still keeps others out."""
     lock = lock_path(target)
     made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # removed again if left empty
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(lock)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise DrcError(f"{what} '{target}' is being written by another process ({_holder(lock)}, lock "
-                           f"{lock}): wait for it to finish or stop it, then rerun") from None
+            raise _busy(what, target, lock, _holder(lock)) from None
         try:  # the holder before us may have removed the file after we opened it: lock the one at the path
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+            same = os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino
         except FileNotFoundError:
             same = False
         if same:
             break
         os.close(fd)
+    dir_fd = None
     try:
+        t = Path(target)
+        if t.is_dir():
+            dir_fd = os.open(t, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise _busy(what, target, lock, "its lock file was deleted while it held it") from None
+                os.close(dir_fd)  # a filesystem that cannot lock a directory: the lock file alone guards it
+                dir_fd = None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield lock
     finally:
         # remove the file before releasing: a waiter that opened it sees another inode at the path and retries
         with suppress(OSError):
-            lock.unlink()
+            if os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                lock.unlink()
         os.close(fd)
+        if dir_fd is not None:
+            os.close(dir_fd)
         for p in made:  # deepest first; a directory the work filled stays
             with suppress(OSError):
                 p.rmdir()
@@ -84,10 +133,16 @@ def exclusive(target: str | Path, what: str) -> Iterator[Path]:
 
 def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
     """Remove ``.<name>.<kind>-*`` siblings of ``target`` (what an interrupted writer of it left); call under
-    :func:`exclusive` of ``target``. Returns what was removed."""
+    :func:`exclusive` of ``target``. A writer killed between swapping ``target`` out (to ``.<name>.old-*``) and
+    swapping its replacement in leaves no ``target``: the newest ``.old-*`` directory is renamed back first, so
+    nothing is lost. Symbolic links are removed as links, never followed. Returns what was removed."""
     t = Path(target).absolute()
     if not t.parent.is_dir():
         return []
+    if "old" in kinds and not t.exists() and not t.is_symlink():
+        olds = [p for p in t.parent.glob(f".{t.name}.old-*") if p.is_dir() and not p.is_symlink()]
+        if olds:
+            max(olds, key=lambda p: p.stat().st_mtime).rename(t)
     removed = []
     for kind in kinds:
         for p in t.parent.glob(f".{t.name}.{kind}-*"):
@@ -99,22 +154,121 @@ def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")
     return removed
 
 
+def refuse_links(paths: Iterable[Path], owner: str) -> None:
+    """A one-line :class:`DrcError` when any of ``paths`` is a symbolic link: the entries of a directory this
+    project writes (``owner`` names it, e.g. ``run directory 'R'``) are its own files, and a write must never go
+    through a link to somewhere else."""
+    for p in paths:
+        if p.is_symlink():
+            raise DrcError(f"{p} is a symbolic link (to {os.readlink(p)}): the {owner} holds only files it wrote "
+                           "itself and nothing is written through a link; replace the link by the file it points "
+                           "at (or remove it) and rerun")
+
+
+def read_regular(path: str | Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes; a FIFO, a device (``/dev/zero``),
+    a directory or a bigger file is a one-line :class:`DrcError` naming ``what`` it should have been. Opened without
+    blocking, so a FIFO never hangs the caller. A missing file raises ``FileNotFoundError`` as ``open`` does."""
+    p = Path(path)
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                    "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+            raise DrcError(f"'{p}' is {kind}, not a regular file: {what} must be a file; pass the real file")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise DrcError(f"'{p}' is larger than the {limit // MB} MB that {what} may hold "
+                           "(drc_core.errors limits): it is not one; pass the right file")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def parse_json(raw: bytes) -> Any:
+    """The JSON value of ``raw``; a ``ValueError`` saying why when it is not UTF-8, not JSON or nested too deeply
+    for the parser (which would otherwise raise ``RecursionError``)."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 at byte {exc.start}"
+    except json.JSONDecodeError as exc:
+        why = f"not JSON: {first_line(exc, 80)}"
+    except RecursionError:
+        why = "nested too deeply"
+    raise ValueError(why)
+
+
+def read_json(path: str | Path, what: str, fix: str, limit: int = MAX_JSON_BYTES) -> Any:
+    """The JSON value in ``path`` (:func:`read_regular`, :func:`parse_json`); a file that is not UTF-8, not JSON or
+    nested too deeply is a one-line :class:`DrcError`: ``<what> '<path>' is damaged (<why>): <fix>``. A missing file
+    raises ``FileNotFoundError``; the caller checks the value's type."""
+    raw = read_regular(path, what, limit)
+    try:
+        return parse_json(raw)
+    except ValueError as exc:
+        raise DrcError(f"{what} '{path}' is damaged ({exc}): {fix}") from None
+
+
+def write_file(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` atomically and never through a symbolic link: into a new temporary sibling
+    (``.<name>.tmp-*``, created exclusively), then renamed over ``path`` (a link at ``path`` is replaced, its
+    target untouched). A reader sees the old file or the new one, never half of it."""
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.tmp-", dir=p.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, p)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return p
+
+
+def open_append(path: str | Path) -> IO[str]:
+    """``path`` opened for appending text, created if missing; a symbolic link or anything but a regular file at
+    ``path`` is a one-line :class:`DrcError` (nothing is written through it)."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        fd = -1
+    if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd >= 0:
+            os.close(fd)
+        raise DrcError(f"{p} is a symbolic link or not a regular file: it is left as it is; replace it by the file "
+                       "it stands for (or remove it) and rerun")
+    return os.fdopen(fd, "a")
+
+
 def owned_file(path: str | Path, writer: str, flag: str, legacy_keys: frozenset[str] = frozenset()) -> Path:
     """``path`` if a JSON output of ``writer`` may be written there: a new file in an existing directory, or a
     file that ``writer`` wrote before (a JSON object whose :data:`OWNER_KEY` is ``writer``, or, for files written
-    before the mark existed, whose keys are exactly ``legacy_keys`` when given). Anything else is a
-    one-line :class:`DrcError` (``flag`` names the option, e.g. ``--json``): nothing the user did not name as
-    replaceable is replaced."""
+    before the mark existed, whose keys are exactly ``legacy_keys`` when given). Anything else -- a symbolic link
+    included -- is a one-line :class:`DrcError` (``flag`` names the option, e.g. ``--json``): nothing the user did
+    not name as replaceable is replaced."""
     p = Path(path)
     if p.is_dir():
         raise DrcError(f"{flag} '{p}' is a directory: pass a file path, e.g. {p / 'eval.json'}")
     if not p.parent.is_dir():
         raise DrcError(f"{flag} '{p}': the directory {p.parent} does not exist: create it or choose another path")
     if p.exists() or p.is_symlink():
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            data = None
+        data = None
+        if not p.is_symlink():
+            with suppress(OSError, DrcError):
+                data = read_json(p, f"{flag} file", "")
         ours = isinstance(data, dict) and (data.get(OWNER_KEY) == writer or bool(legacy_keys) and set(data) ==
                                            legacy_keys)
         if not ours:
@@ -124,14 +278,11 @@ def owned_file(path: str | Path, writer: str, flag: str, legacy_keys: frozenset[
 
 
 def write_owned_json(path: str | Path, data: dict, writer: str, legacy_keys: frozenset[str] = frozenset()) -> Path:
-    """Write ``data`` (with :data:`OWNER_KEY` = ``writer``) to ``path`` atomically (a temporary sibling, then a
-    rename), after :func:`owned_file` allowed it."""
-    p = owned_file(path, writer, "output", legacy_keys)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps({OWNER_KEY: writer, **data}, indent=2) + "\n")
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return p
+    """Write ``data`` (with :data:`OWNER_KEY` = ``writer``) to ``path`` atomically (:func:`write_file`), after
+    :func:`owned_file` allowed it, under the file's lock; the temporary files of a writer killed before its rename
+    are removed first."""
+    p = Path(path)
+    with exclusive(p, "output file"):
+        remove_leftovers(p, ("tmp",))
+        owned_file(p, writer, "output", legacy_keys)
+        return write_file(p, json.dumps({OWNER_KEY: writer, **data}, indent=2) + "\n")

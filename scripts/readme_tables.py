@@ -288,6 +288,18 @@ def anderson_table(res: Results) -> str:
          "time per evaluation / plain"), rows)
 
 
+@doc_block("book.md", "timings")
+def timings_table(res: Results) -> str:
+    """The reference book's seconds per notebook (``timings.json`` beside the results directory)."""
+    path = res.directory.parent / "timings.json"
+    if not path.is_file():
+        return "no timings recorded yet: run `make book`"
+    seconds = json.loads(path.read_text())
+    rows = [(name, f"{s:.0f}") for name, s in sorted(seconds.items())]
+    rows.append(("all notebooks", f"{sum(seconds.values()):.0f} ({sum(seconds.values()) / 60:.1f} minutes)"))
+    return table(("notebook", "seconds"), rows)
+
+
 def doc_pages(results: Path | Results = RESULTS, docs: Path = DOCS) -> dict[Path, str]:
     """Every docs page with a generated block, its text with each block as generated now."""
     res = results if isinstance(results, Results) else Results(results)

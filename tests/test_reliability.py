@@ -167,6 +167,15 @@ def poke_token(path: Path, value: int = 65535) -> None:
     path.write_bytes(bytes(raw))
 
 
+def bool_weight(path: Path) -> None:
+    """Rewrite a weights file with its token embedding stored as booleans (the shape kept)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    tensors["tok_emb.weight"] = tensors["tok_emb.weight"] > 0
+    save_file(tensors, str(path))
+
+
 def add_foreign(s: Site) -> None:
     """A user's file and a training run inside the prepared corpus directory."""
     write(s.corpus / "notes.txt", "mine")
@@ -224,6 +233,20 @@ ROWS = [
         ("holds a prepared corpus and other files", "nothing was changed"), setup=add_foreign),
     Row("prepare-cached-tokenizer-swapped", DATA, lambda s: prepare_args(s.corpus),
         ("not the tokenizer recorded", "restore it"), setup=swap_tokenizer),
+    Row("prepare-input-is-a-fifo", DATA,
+        lambda s: ["prepare", "--source", "local", "--path", str(s.tmp / "pipe.txt"), "--out", str(s.tmp / "c"),
+                   "--quiet"], ("is a FIFO, not a regular file", "pass a file"),
+        setup=lambda s: os.mkfifo(s.tmp / "pipe.txt")),
+    Row("prepare-input-links-to-dev-zero", DATA,
+        lambda s: ["prepare", "--source", "local", "--path", str(s.tmp / "zero.jsonl"), "--out", str(s.tmp / "c"),
+                   "--quiet"], ("is a device, not a regular file",),
+        setup=lambda s: (s.tmp / "zero.jsonl").symlink_to("/dev/zero")),
+    Row("prepare-lock-is-a-symlink", DATA, lambda s: prepare_args(s.tmp / "c"),
+        ("lock file", "is a symbolic link", "remove the link"),
+        setup=lambda s: (write(s.tmp / "victim.txt", "keep me"), (s.tmp / ".c.lock").symlink_to(s.tmp / "victim.txt"))),
+    Row("prepare-task-docs-unbounded", DATA,
+        lambda s: ["prepare", "--source", "depth-tasks", "--task-docs", "10000000000", "--out", str(s.tmp / "c")],
+        ("docs=10,000,000,000", "limit of 4,000,000")),
     # ---- train
     Row("train-out-not-empty", TRAIN, lambda s: train_args(s, out=s.tmp / "d"), ("is not empty", "--resume"),
         setup=lambda s: ((s.tmp / "d").mkdir(), write(s.tmp / "d" / "notes.txt", "mine"))),
@@ -256,8 +279,27 @@ ROWS = [
         ("cannot resume from", "delete that checkpoint"),
         setup=lambda s: (strip_final(s), write(last_ckpt(s) / "model.safetensors", b""))),
     Row("train-resume-truncated-train-state", TRAIN, lambda s: train_args(s, resume=True),
-        ("train_state.pt is damaged", "delete that checkpoint"),
-        setup=lambda s: (strip_final(s), truncate(last_ckpt(s) / "train_state.pt"))),
+        ("training state (train_state.json) is damaged", "not a readable safetensors", "delete that checkpoint"),
+        setup=lambda s: (strip_final(s), truncate(last_ckpt(s) / "train_state.safetensors"))),
+    Row("train-resume-train-state-json-not-json", TRAIN, lambda s: train_args(s, resume=True),
+        ("training state (train_state.json) is damaged", "not JSON", "delete that checkpoint"),
+        setup=lambda s: (strip_final(s), write(last_ckpt(s) / "train_state.json", "{\"step\": "))),
+    Row("train-resume-metrics-symlink", TRAIN, lambda s: train_args(s, resume=True),
+        ("metrics.jsonl is a symbolic link", "nothing is written through a link"),
+        setup=lambda s: (strip_final(s), write(s.tmp / "victim.txt", "keep me"), (s.run / "metrics.jsonl").unlink(),
+                         (s.run / "metrics.jsonl").symlink_to(s.tmp / "victim.txt"))),
+    Row("train-resume-checkpoints-is-a-file", TRAIN, lambda s: train_args(s, resume=True),
+        ("is a file, not the run's checkpoints/ directory", "start again from step 0"),
+        setup=lambda s: (strip_final(s), drop_checkpoints(s), write(s.run / "checkpoints", "not a directory"))),
+    Row("train-resume-null-corpus-record", TRAIN, lambda s: train_args(s, resume=True),
+        ("is not a corpus record", "restore it"),
+        setup=lambda s: (strip_final(s), write(s.run / "corpus.json", "null"))),
+    Row("train-set-unbounded-n-core", TRAIN, lambda s: train_args(s, "model.n_core=100000", out=s.tmp / "r"),
+        ("n_core=100000", "limit of 64")),
+    Row("train-set-overflowing-sigma", TRAIN, lambda s: train_args(s, "recurrence.sigma=1e200", out=s.tmp / "r"),
+        ("sigma", "[0, 4]")),
+    Row("train-unknown-option", TRAIN, lambda s: [*train_args(s, out=s.tmp / "r"), "--resmue"],
+        ("unrecognized arguments: --resmue", "--help")),
     Row("train-resume-extra-config-field", TRAIN, lambda s: train_args(s, resume=True),
         ("not a run of this trainer",),
         setup=lambda s: (strip_final(s), edit_json(s.run / "config.json", lambda d: d.update(extra=1)))),
@@ -325,6 +367,12 @@ ROWS = [
         setup=swap_tokenizer),
     Row("eval-token-id-above-vocab", EVAL, lambda s: eval_args(s), ("val.bin holds token id 65535",),
         setup=lambda s: poke_token(s.corpus / "val.bin")),
+    Row("eval-bool-weights", EVAL, lambda s: eval_args(s), ("cannot load the model", "dtype BOOL"),
+        setup=lambda s: bool_weight(s.run / "final" / "model.safetensors")),
+    Row("eval-meta-is-a-fifo", EVAL, lambda s: eval_args(s), ("damaged meta.json", "FIFO"),
+        setup=lambda s: ((s.corpus / "meta.json").unlink(), os.mkfifo(s.corpus / "meta.json"))),
+    Row("eval-missing-required-option", EVAL, lambda s: ["--run", str(s.run)],
+        ("the following arguments are required: --data", "--help")),
     # ---- book
     Row("book-unknown-profile", BOOK, lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "nope"],
         ("unknown profile 'nope'", "choose from smoke")),
@@ -337,6 +385,10 @@ ROWS = [
     Row("book-figure-onto-a-users-file", BOOK,
         lambda s: ["figure", str(s.run / "config.json"), str(s.run / "config.json")],
         ("exists and is not a PNG image", "choose a new file name")),
+    Row("book-results-dir-climbs-out", BOOK,
+        lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "smoke", "--only", "01_training", "--set",
+                   "results_dir=papermill_runs/../../outside"], ("climbs out", "'..'")),
+    Row("book-no-subcommand", BOOK, lambda s: ["--out", str(s.tmp / "pm")], ("required", "--help")),
     Row("book-build-nothing-executed", BOOK, lambda s: ["--out", str(s.tmp / "pm"), "build", "--profile", "smoke"],
         ("no executed notebook", "run `python -m drc_book run --profile smoke` first")),
 ]

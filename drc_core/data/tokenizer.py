@@ -8,15 +8,23 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from drc_core.errors import DrcError, first_line
+from drc_core.errors import MAX_JSON_BYTES, MAX_VOCAB, DrcError, first_line
+from drc_core.guard import parse_json, read_regular
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte symbols + the document separator
-MAX_VOCAB = 1 << 20
+__all__ = ["EOT", "MAX_VOCAB", "MIN_VOCAB", "check_vocab_size", "encode_checked", "load_tokenizer", "recorded_hash",
+           "tokenizer_hash", "train_bpe"]
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """The Rust library's panic (``pyo3_runtime.PanicException``, a BaseException): a malformed tokenizer file,
+    reported as one line rather than a crash."""
+    return type(exc).__name__ == "PanicException"
 
 
 def check_vocab_size(vocab_size: int) -> None:
-    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
         raise DrcError(
             f"vocab size {vocab_size} is out of range: byte-level BPE needs {MIN_VOCAB}..{MAX_VOCAB} "
             "(256 bytes + <|endoftext|> at least); pass e.g. --vocab-size 4096"
@@ -46,15 +54,14 @@ def tokenizer_hash(tok: Tokenizer) -> str:
 
 def recorded_hash(directory: str | Path) -> str | None:
     """The tokenizer sha256 that ``directory`` records for its ``tokenizer.json``: ``meta.json`` of a prepared
-    corpus or ``corpus_meta.json`` of a shipped model copy; None when neither records one."""
-    import json
-
+    corpus or ``corpus_meta.json`` of a shipped model copy; None when neither records one (a record that is not
+    readable records nothing; the reader of that record refuses it)."""
     for name in ("meta.json", "corpus_meta.json"):
         f = Path(directory) / name
         if f.is_file():
             try:
-                meta = json.loads(f.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                meta = parse_json(read_regular(f, name))
+            except (OSError, ValueError):
                 continue
             if isinstance(meta, dict) and isinstance(meta.get("tokenizer_sha256"), str):
                 return meta["tokenizer_sha256"]
@@ -65,21 +72,64 @@ def load_tokenizer(path: str | Path, sha256: str | None = None) -> Tokenizer:
     """The byte-level BPE tokenizer (``tokenizers.Tokenizer``) in ``path``: a ``tokenizer.json`` file, or a directory
     holding one (a prepared corpus, or a shipped model copy like ``data/reference``). Its sha256 is checked against
     ``sha256`` or, when that is None, against the hash its directory records (:func:`recorded_hash`), so a replaced
-    file is never used silently. A missing, unreadable or replaced file is a one-line :class:`DrcError`;
+    file is never used silently. A missing, unreadable (not a regular file, larger than the JSON limit, not JSON, or
+    one the library cannot build, even by panicking) or replaced file is a one-line :class:`DrcError`;
     ``tok.encode(text).ids`` gives the token ids, ``tok.decode(ids)`` the text."""
     p = Path(path)
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.exists():
         raise DrcError(f"no tokenizer at '{p}': run `python -m drc_core.data prepare --out {p.parent}` first")
+    why = None
     try:
-        tok = Tokenizer.from_file(str(p))
+        tok = Tokenizer.from_str(read_regular(p, "a tokenizer.json", MAX_JSON_BYTES).decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
-        raise DrcError(f"'{p}' is not a readable tokenizer ({first_line(exc, 120)}): restore it, or prepare the "
-                       "corpus again with --force") from None
+        why = first_line(exc, 120)
+    except BaseException as exc:
+        if not _is_panic(exc):
+            raise
+        why = f"the tokenizers library panicked: {first_line(exc, 100)}"
+    if why is not None:
+        raise DrcError(f"'{p}' is not a readable tokenizer ({why}): restore it, or prepare the corpus again with "
+                       "--force") from None
     want = sha256 if sha256 is not None else recorded_hash(p.parent)
     if want is not None and tokenizer_hash(tok) != want:
         raise DrcError(f"'{p}' is not the tokenizer recorded beside it (sha256 {tokenizer_hash(tok)[:12]}..., "
-                       f"recorded {want[:12]}...): the file was replaced; restore it, or prepare the corpus again "
-                       "with --force")
+                       f"recorded {str(want)[:12]}...): the file was replaced; restore it, or prepare the corpus "
+                       "again with --force")
     return tok
+
+
+def _longest_token_bytes(tok: Tokenizer) -> int:
+    """The most UTF-8 bytes any one token of ``tok`` stands for (its vocabulary's longest entry; a byte-level BPE
+    writes each byte as one character), at least 1."""
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in tok.get_vocab()), default=1) or 1
+
+
+def encode_checked(tok: Tokenizer, text: str, max_tokens: int, what: str = "text") -> list[int]:
+    """The token ids of ``text``, or a one-line :class:`DrcError`: when it is not valid Unicode (an unpaired
+    surrogate), when it must give more than ``max_tokens`` ids -- decided from its length *before* tokenizing (no
+    token covers more bytes than the vocabulary's longest entry), so a huge text costs no memory -- when the
+    ids exceed ``max_tokens`` after all, or when the tokenizers library fails or panics on it."""
+    if not isinstance(text, str):
+        raise DrcError(f"{what} is {type(text).__name__}, not a str: pass text or token ids")
+    try:
+        n_bytes = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise DrcError(f"{what} holds an unpaired surrogate (character {exc.start}, {text[exc.start]!r}) and is "
+                       "not valid Unicode: pass valid text, e.g. decoded with errors='replace'") from None
+    if n_bytes > 4 * max_tokens * _longest_token_bytes(tok):  # 4x: room for a normalizer that shortens text
+        raise DrcError(f"{what} has {n_bytes:,} bytes, more than {max_tokens:,} tokens can hold (the limit): pass "
+                       f"a shorter text, at most {max_tokens:,} tokens")
+    try:
+        ids = tok.encode(text).ids
+    except Exception as exc:
+        raise DrcError(f"the tokenizer cannot encode {what}: {first_line(exc, 120)}") from None
+    except BaseException as exc:
+        if not _is_panic(exc):
+            raise
+        raise DrcError(f"the tokenizers library panicked on {what} ({first_line(exc, 100)}): the tokenizer file is "
+                       "malformed; restore it") from None
+    if len(ids) > max_tokens:
+        raise DrcError(f"{what} has {len(ids):,} tokens, more than the limit of {max_tokens:,}: pass a shorter text")
+    return ids

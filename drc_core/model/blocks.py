@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from drc_core.errors import DrcError
 from drc_core.model.config import ModelConfig
 
 __all__ = ["Attention", "Block", "FrozenKV", "KVFn", "RMSNorm", "SwiGLU", "apply_rope", "rope_tables"]
@@ -141,3 +142,28 @@ class Block(nn.Module):
         if kv_fn is not None:
             k, v = kv_fn(k, v)
         return self.finish(x, self.attn.attend(q, k, v))
+
+
+def kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
+    """Block j's frozen-KV hook for a step over blocks (see :func:`drc_core.model.lm.iterate`), or None without
+    halting."""
+    if (frozen_kv is None) != (frozen is None):
+        raise DrcError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
+    return None if frozen_kv is None or frozen is None else frozen_kv.hook(j, frozen)
+
+
+def run_blocks(blocks: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, frozen_kv: FrozenKV | None = None,
+               frozen: Tensor | None = None) -> Tensor:
+    """``x`` through ``blocks`` in order, block j's keys/values through ``frozen_kv``'s slot j for the tokens
+    ``frozen`` marks (the core step and the coda of every model that implements the protocol)."""
+    for j, block in enumerate(blocks):
+        x = block(x, cos, sin, kv_hook(frozen_kv, j, frozen))
+    return x
+
+
+def select_positions(x: Tensor, positions: slice | Tensor | None) -> Tensor:
+    """The readout's tokens of ``x`` (B, T, d): all (None), a slice or 1-D index along time, or single tokens by a
+    (B, T) bool mask (-> (n, d), row-major)."""
+    if isinstance(positions, Tensor) and positions.dim() == 2:
+        return x[positions]
+    return x if positions is None else x[:, positions]

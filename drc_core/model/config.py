@@ -6,7 +6,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from drc_core.errors import DrcError, check_fields, need_float, need_int
+from drc_core.errors import (
+    MAX_D_MODEL,
+    MAX_LAYERS,
+    MAX_MODEL_PARAMS,
+    MAX_SEQ_LEN,
+    MAX_VOCAB,
+    DrcError,
+    check_fields,
+    need_float,
+    need_int,
+)
 
 __all__ = ["ModelConfig"]
 
@@ -50,15 +60,19 @@ class ModelConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        def need(name: str, minimum: int) -> None:
-            need_int(name, getattr(self, name), minimum)
+        def need(name: str, minimum: int, maximum: int) -> None:
+            need_int(name, getattr(self, name), minimum, maximum=maximum)
 
-        for name in ("vocab_size", "d_model", "n_heads", "n_core", "max_seq_len"):
-            need(name, 1)
+        # the limits of drc_core.errors, checked before anything is allocated (a config file is untrusted input)
+        need("vocab_size", 1, MAX_VOCAB)
+        need("d_model", 1, MAX_D_MODEL)
+        need("n_heads", 1, MAX_D_MODEL)
+        need("n_core", 1, MAX_LAYERS)
+        need("max_seq_len", 1, MAX_SEQ_LEN)
         for name in ("n_prelude", "n_coda"):
-            need(name, 0)
+            need(name, 0, MAX_LAYERS)
         if self.mlp_hidden is not None:
-            need("mlp_hidden", 1)
+            need("mlp_hidden", 1, 8 * MAX_D_MODEL)
         if self.d_model % self.n_heads != 0:
             raise DrcError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
@@ -79,6 +93,23 @@ class ModelConfig:
         need_float("dropout", self.dropout, 0.0, 1.0, hi_open=True)
         if not isinstance(self.tie_embeddings, bool):
             raise DrcError(f"tie_embeddings={self.tie_embeddings!r} is invalid; use true or false")
+        size = self.num_elements()
+        if size > MAX_MODEL_PARAMS:
+            raise DrcError(f"this model config (d_model={self.d_model}, {self.n_prelude}+{self.n_core}+{self.n_coda} "
+                           f"blocks, vocab_size={self.vocab_size}, max_seq_len={self.max_seq_len}) holds {size:,} "
+                           f"parameters and RoPE entries, above the limit of {MAX_MODEL_PARAMS:,} "
+                           "(drc_core.errors.MAX_MODEL_PARAMS): choose a smaller model")
+
+    def num_elements(self) -> int:
+        """How many numbers the model holds, computed from the config alone (before anything is allocated): its
+        parameters (a tied lm_head counted once) plus the RoPE tables' entries."""
+        d, h = self.d_model, self.hidden_dim
+        norms = 4 if self.norm == "sandwich" else 2
+        block = 4 * d * d + 3 * d * h + norms * d
+        adapter = 2 * d * d if self.injection == "concat" else 0
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        rope = self.max_seq_len * (d // self.n_heads)
+        return self.vocab_size * d + adapter + (self.n_prelude + self.n_core + self.n_coda) * block + d + head + rope
 
     @property
     def head_dim(self) -> int:

@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drc_core.errors import DrcError, need_loops
-from drc_core.model.blocks import FrozenKV, KVFn
+from drc_core.model.blocks import FrozenKV, KVFn, run_blocks, select_positions
 from drc_core.model.checks import check_initial_state, check_token_ids
-from drc_core.model.lm import kv_hook
 
 __all__ = ["HuginnBlock", "HuginnConfig", "HuginnLM", "apply_rope", "rope_tables"]
 
@@ -176,7 +175,7 @@ class HuginnLM(nn.Module):
         return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
     def token_embedding(self, idx: Tensor) -> Tensor:
-        return self.tok_emb(idx) * self.cfg.embed_scale
+        return self.tok_emb(idx.long()) * self.cfg.embed_scale
 
     def head(self, x: Tensor) -> Tensor:
         """Final norm + tied head: coda outputs (..., d) -> logits (..., V)."""
@@ -208,25 +207,14 @@ class HuginnLM(nn.Module):
     def core_step(self, s: Tensor, e: Tensor, *, frozen_kv: FrozenKV | None = None,
                   frozen: Tensor | None = None) -> Tensor:
         """One loop: s_l = core(adapter(cat([s_{l-1}, e]))); frozen-KV hooks as in DepthRecurrentLM.core_step."""
-        cos, sin = self._rope(s.shape[1])
-        x = self.inject(s, e)
-        for j, block in enumerate(self.core):
-            x = block(x, cos, sin, kv_hook(frozen_kv, j, frozen))
-        return x
+        return run_blocks(self.core, self.inject(s, e), *self._rope(s.shape[1]), frozen_kv, frozen)
 
     def readout(self, state: Tensor, positions: slice | Tensor | None = None, *, frozen_kv: FrozenKV | None = None,
                 frozen: Tensor | None = None) -> Tensor:
         """ln_f, coda, ln_f, head: state (B, T, d) -> logits (B, T', V); ``positions`` as in
         :meth:`DepthRecurrentLM.readout <drc_core.model.lm.DepthRecurrentLM.readout>`."""
-        cos, sin = self._rope(state.shape[1])
-        x = state
-        for j, block in enumerate(self.coda):
-            x = block(x, cos, sin, kv_hook(frozen_kv, j, frozen))
-        if isinstance(positions, Tensor) and positions.dim() == 2:
-            x = x[positions]
-        elif positions is not None:
-            x = x[:, positions]
-        return self.head(x)
+        x = run_blocks(self.coda, state, *self._rope(state.shape[1]), frozen_kv, frozen)
+        return self.head(select_positions(x, positions))
 
     def forward(self, idx: Tensor, n_loops: int | None = None, *, generator: torch.Generator | None = None,
                 state: Tensor | None = None) -> Tensor:

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from drc_core.errors import DrcError, need_loops
-from drc_core.model.blocks import Block, FrozenKV, KVFn, RMSNorm, rope_tables
+from drc_core.model.blocks import Block, FrozenKV, RMSNorm, rope_tables, run_blocks, select_positions
 from drc_core.model.checks import check_initial_state, check_token_ids
 from drc_core.model.config import ModelConfig
 
@@ -164,7 +164,7 @@ class DepthRecurrentLM(nn.Module):
 
     def token_embedding(self, idx: Tensor) -> Tensor:
         """Token ids (any shape) -> their embeddings (..., d), before the prelude (with dropout)."""
-        return self.drop(self.tok_emb(idx))
+        return self.drop(self.tok_emb(idx.long()))  # any integer dtype check_token_ids let through
 
     def head(self, x: Tensor) -> Tensor:
         """Final norm + LM head: states after the coda (..., d) -> logits (..., V)."""
@@ -202,11 +202,7 @@ class DepthRecurrentLM(nn.Module):
         ``frozen`` (B, T) bool, the frozen tokens offer their cached keys/values in every core block instead
         of fresh ones, and the cache is updated for the others (what :meth:`iterate` does for halted tokens).
         """
-        cos, sin = self._rope(s.shape[1])
-        x = self.inject(s, e)
-        for j, block in enumerate(self.core):
-            x = block(x, cos, sin, kv_hook(frozen_kv, j, frozen))
-        return x
+        return run_blocks(self.core, self.inject(s, e), *self._rope(s.shape[1]), frozen_kv, frozen)
 
     def readout(self, state: Tensor, positions: slice | Tensor | None = None, *, frozen_kv: FrozenKV | None = None,
                 frozen: Tensor | None = None) -> Tensor:
@@ -218,15 +214,8 @@ class DepthRecurrentLM(nn.Module):
         then (n, V) for its n true entries in row-major order. ``frozen_kv``/``frozen``: as in
         :meth:`core_step`, for the coda blocks.
         """
-        cos, sin = self._rope(state.shape[1])
-        x = state
-        for j, block in enumerate(self.coda):
-            x = block(x, cos, sin, kv_hook(frozen_kv, j, frozen))
-        if isinstance(positions, Tensor) and positions.dim() == 2:
-            x = x[positions]
-        elif positions is not None:
-            x = x[:, positions]
-        return self.head(x)
+        x = run_blocks(self.coda, state, *self._rope(state.shape[1]), frozen_kv, frozen)
+        return self.head(select_positions(x, positions))
 
     # --- forward / iterate -------------------------------------------------------------------------------
 
@@ -326,13 +315,6 @@ class DepthRecurrentLM(nn.Module):
         model = cls(ModelConfig.from_dict(json.loads(config_path.read_text()), str(config_path)))
         load_state(model, path, map_location=map_location)
         return model.to(map_location)
-
-
-def kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
-    """Block j's frozen-KV hook for a core step (see :func:`iterate`), or None without halting."""
-    if (frozen_kv is None) != (frozen is None):
-        raise DrcError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
-    return None if frozen_kv is None or frozen is None else frozen_kv.hook(j, frozen)
 
 
 def _shape(t: Tensor | torch.Size) -> str:

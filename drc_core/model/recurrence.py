@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from drc_core.errors import DrcError
+from drc_core.errors import MAX_SEED, MAX_SIGMA, DrcError
 
 SCHEMES = ("poisson-lognormal", "fixed", "uniform")
 
@@ -62,8 +62,9 @@ class RecurrenceConfig:
                     f"mean={self.mean!r} is invalid for scheme 'poisson-lognormal'; it must be > 1 "
                     "(r = Poisson(rate) + 1 >= 1), or use scheme='fixed' for one loop"
                 )
-            if not _is_number(self.sigma) or self.sigma < 0:
-                raise DrcError(f"sigma={self.sigma!r} is invalid; it must be a number >= 0")
+            if not _is_number(self.sigma) or not 0 <= self.sigma <= MAX_SIGMA:
+                raise DrcError(f"sigma={self.sigma!r} is invalid; it must be a number in [0, {MAX_SIGMA:g}] (above, "
+                               "the loop-count draw overflows)")
         fixed_ok = _is_number(self.mean) and self.mean >= 1 and self.mean == int(self.mean)
         if self.scheme == "fixed" and not fixed_ok:
             raise DrcError(f"mean={self.mean!r} is invalid for scheme 'fixed'; it must be an integer >= 1")
@@ -80,8 +81,8 @@ class RecurrenceConfig:
             raise DrcError(
                 f"backprop_loops={k!r} is invalid; use an integer >= 1, or None for full backprop"
             )
-        if not (_is_int(self.seed) and self.seed >= 0):
-            raise DrcError(f"seed={self.seed!r} is invalid; it must be an integer >= 0")
+        if not (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise DrcError(f"seed={self.seed!r} is invalid; it must be an integer in 0..2**63-1")
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

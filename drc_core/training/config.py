@@ -15,12 +15,20 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from drc_core.errors import MAX_LOOPS, DrcError, check_fields, need_float, need_loops
+from drc_core.errors import (
+    MAX_BATCH_TOKENS,
+    MAX_LOOPS,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    MAX_SIGMA,
+    DrcError,
+    check_fields,
+    need_float,
+    need_loops,
+)
 from drc_core.model.config import ModelConfig
 from drc_core.model.precision import AUTOCAST_CHOICES, COMPILE_CHOICES
 from drc_core.model.recurrence import RecurrenceConfig
-
-MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer
 
 
 @dataclass
@@ -84,13 +92,21 @@ class TrainConfig:
         if self.recurrence.scheme == "uniform":
             need_loops("recurrence.high", self.recurrence.high)
         need_float("recurrence.mean", self.recurrence.mean, 1.0)
-        need_float("recurrence.sigma", self.recurrence.sigma, 0.0)
+        need_float("recurrence.sigma", self.recurrence.sigma, 0.0, MAX_SIGMA)
         if isinstance(self.compile, bool):  # configs written before "auto" existed stored a bool
             self.compile = "true" if self.compile else "false"
         if self.autocast not in AUTOCAST_CHOICES:
             raise DrcError(f"autocast={self.autocast!r} is not supported: use one of {', '.join(AUTOCAST_CHOICES)}")
         if self.compile not in COMPILE_CHOICES:
             raise DrcError(f"compile={self.compile!r} is not supported: use one of {', '.join(COMPILE_CHOICES)}")
+        if self.seq_len > MAX_SEQ_LEN:
+            raise DrcError(f"seq_len={self.seq_len} is above the limit of {MAX_SEQ_LEN}: use at most {MAX_SEQ_LEN}")
+        if self.batch_size * self.seq_len > MAX_BATCH_TOKENS:
+            raise DrcError(f"batch_size * seq_len = {self.batch_size} * {self.seq_len} is above the limit of "
+                           f"{MAX_BATCH_TOKENS:,} tokens a step (drc_core.errors.MAX_BATCH_TOKENS): lower batch_size "
+                           "or seq_len")
+        if self.eval_windows > MAX_BATCH_TOKENS:
+            raise DrcError(f"eval_windows={self.eval_windows} is above the limit of {MAX_BATCH_TOKENS:,}")
         if self.seq_len > self.model.max_seq_len:
             raise DrcError(f"seq_len={self.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
                            "lower seq_len or raise model.max_seq_len")

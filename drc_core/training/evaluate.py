@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from drc_core.data.sampler import Corpus, eval_windows
-from drc_core.errors import DrcError, need_loops, run_cli
+from drc_core.errors import ArgumentParser, DrcError, need_loops, run_cli
 from drc_core.guard import owned_file, write_owned_json
 from drc_core.model.lm import RecurrentModel, iterate
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
@@ -121,7 +120,7 @@ EVAL_KEYS = frozenset({"run", "params", "unigram_loss", "loss_all", "by_source",
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m drc_core.training.evaluate --run DIR --data DIR``: loss by depth (per source) and successive KL."""
-    ap = argparse.ArgumentParser(prog="python -m drc_core.training.evaluate", description=main.__doc__)
+    ap = ArgumentParser(prog="python -m drc_core.training.evaluate", description=main.__doc__)
     ap.add_argument("--run", required=True,
                     help="a training run directory (uses its final/ weights), its final/, or a shipped copy")
     ap.add_argument("--data", required=True, help="the prepared corpus the run was trained on")

@@ -18,22 +18,28 @@ too; asking it for the model is then a one-line :class:`~drc_core.errors.DrcErro
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from safetensors import SafetensorError
+import torch
+from safetensors import SafetensorError, safe_open
 
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, first_line
+from drc_core.guard import read_json, read_regular
 from drc_core.model.config import ModelConfig
 from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
 from drc_core.training.config import TrainConfig
 
 __all__ = ["CHECKPOINTS_DIR", "CORPUS_RECORD", "FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir",
-           "check_corpus_record", "corpus_record", "open_run"]
+           "check_corpus_record", "check_safetensors", "check_weights", "corpus_record", "open_run"]
 
 FINAL_DIR = "final"
 CHECKPOINTS_DIR = "checkpoints"  # R/checkpoints/step-NNNNNNN/, written by drc_core.training.train
@@ -83,20 +89,27 @@ class RunDir:
         return _read_json(self.train_config_path)
 
     def load_model(self, map_location: str = "cpu") -> DepthRecurrentLM:
-        """The model in eval mode; a damaged or mismatching checkpoint is a one-line :class:`DrcError`."""
+        """The model in eval mode; a damaged or mismatching checkpoint is a one-line :class:`DrcError`. The
+        weights file's tensor names, shapes and dtypes are checked against its config before anything is
+        allocated (:func:`check_weights`)."""
         weights = self.need_weights()
         try:
+            check_weights(weights / WEIGHTS_FILE, self.model_config())
             return DepthRecurrentLM.load(weights, map_location=map_location).eval()
-        except DrcError:
-            raise
+        except DrcError as exc:
+            if str(exc).startswith("cannot load the model"):
+                raise
+            raise DrcError(f"cannot load the model in '{weights}': {exc}") from exc
         except (ValueError, OSError, RuntimeError, KeyError, TypeError, SafetensorError) as exc:
             raise DrcError(f"cannot load the model in '{weights}': {first_line(exc)}") from exc
 
     def metrics(self) -> pd.DataFrame:
-        """``metrics.jsonl`` as a frame (one row per logged train or eval record)."""
+        """``metrics.jsonl`` as a frame (one row per logged train or eval record). A last line torn by a killed
+        writer is left out; any other line that is not a JSON object is a one-line :class:`DrcError`."""
         if self.metrics_path is None:
             raise DrcError(f"'{self.path}' has no {METRICS_FILE}: pass a training run or a shipped copy with metrics")
-        return pd.read_json(self.metrics_path, lines=True)
+        lines = metrics_rows(self.metrics_path)[1]
+        return pd.read_json(io.StringIO("".join(ln + "\n" for ln in lines)), lines=True) if lines else pd.DataFrame()
 
     def ship(self, dest: str | Path, *, corpus: Corpus | None = None, side_files: tuple[str, ...] = (),
              info: dict | None = None, replace: bool = False) -> Path:
@@ -118,9 +131,10 @@ class RunDir:
         if corpus is not None:
             self.check_corpus(corpus)
             files["tokenizer.json"] = corpus.path / "tokenizer.json"
-        tmp = dest.with_name(dest.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(dest.with_name(dest.name + ".tmp"), ignore_errors=True)  # what a killed ship left before
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        tmp.chmod(0o755)
         try:
             for name, path in files.items():
                 shutil.copy2(path, tmp / name)
@@ -129,25 +143,42 @@ class RunDir:
                 (tmp / SHIPPED_CORPUS_META).write_text(json.dumps(meta, indent=2) + "\n")
             if info is not None:
                 (tmp / "source.json").write_text(json.dumps(info, indent=2) + "\n")
-        except OSError:
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if dest.is_symlink():  # replaced as a link, its target untouched
+            dest.unlink()
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
         return dest
 
     def corpus_record(self) -> dict | None:
         """What the run recorded of its corpus (``corpus.json`` of a run, ``corpus_meta.json`` of a shipped copy):
-        at least ``fingerprint`` and ``tokenizer_sha256``; None for runs made before runs recorded it."""
+        at least ``fingerprint`` and ``tokenizer_sha256``; None only where there is no record (a bare weights
+        copy, or a run made before runs recorded it). A record that is there but is not such an object (``null``,
+        a list, a missing or non-string hash) is a one-line :class:`DrcError`: a damaged record never skips the
+        check it is for."""
         for name in (CORPUS_RECORD, SHIPPED_CORPUS_META):
             path = self.file(name)
             if path is not None:
-                return _read_json(path)
+                record = _read_value(path)
+                ok = isinstance(record, dict) and all(isinstance(record.get(k), str) and record[k]
+                                                      for k in ("tokenizer_sha256", "fingerprint"))
+                if not ok:
+                    raise DrcError(f"'{path}' is not a corpus record (an object with the corpus's tokenizer_sha256 "
+                                   "and fingerprint): the file is damaged; restore it from the run that wrote it")
+                return record
         return None
 
-    def check_corpus(self, corpus: Corpus) -> None:
-        """A one-line :class:`DrcError` unless ``corpus`` is the one the run recorded (tokenizer and inputs)."""
+    def check_corpus(self, corpus: Corpus, required: bool = False) -> None:
+        """A one-line :class:`DrcError` unless ``corpus`` is the one the run recorded (tokenizer and inputs).
+        ``required``: a run without a record is an error too (a run of this trainer always writes one, so a
+        missing ``corpus.json`` means the check cannot be made, not that it passed)."""
         record = self.corpus_record()
+        if record is None and required:
+            raise DrcError(f"'{self.run}' has no {CORPUS_RECORD} (the record of the corpus it was trained on), so "
+                           f"corpus '{corpus.path}' cannot be checked against it: restore the file, or train a new "
+                           "run")
         if record is not None:
             check_corpus_record(record, corpus, f"the model in '{self.path}'")
 
@@ -193,11 +224,86 @@ def check_corpus_record(record: dict, corpus: Corpus, where: str) -> None:
                        f"fingerprints differ): pass the corpus it was trained on ({_trained_on(record)})")
 
 
-def _read_json(path: Path) -> dict:
+def _read_value(path: Path) -> object:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DrcError(f"cannot read '{path}': {exc}") from exc
+        return read_json(path, "run file", "restore it from the run that wrote it, or pass another run")
+    except OSError as exc:
+        raise DrcError(f"cannot read '{path}': {exc.strerror or exc}") from None
+
+
+def _read_json(path: Path) -> dict:
+    data = _read_value(path)
+    if not isinstance(data, dict):
+        raise DrcError(f"'{path}' is not a JSON object but {type(data).__name__}: the file is damaged; restore it "
+                       "from the run that wrote it")
+    return data
+
+
+_STEP = re.compile(r"^-?\d+$")
+
+
+def metrics_rows(path: Path) -> tuple[list[dict], list[str]]:
+    """The rows of a ``metrics.jsonl`` and their lines: every line a JSON object with an integer ``step``; a last
+    line torn by a killed writer is left out, any other bad line is a one-line :class:`DrcError`."""
+    try:
+        text = read_regular(path, METRICS_FILE, 1 << 30).decode("utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise DrcError(f"'{path}' is damaged (not UTF-8 at byte {exc.start}): restore it from the run") from None
+    lines = text.splitlines()
+    rows, kept = [], []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+        except (json.JSONDecodeError, RecursionError):
+            row = None
+        good = isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+        if not good:
+            if i == len(lines) - 1 and not text.endswith("\n"):  # the last line, torn by a kill
+                break
+            raise DrcError(f"'{path}' line {i + 1} is not a metrics row (a JSON object with an integer step): "
+                           "the file is damaged; restore it from the run, or delete that line")
+        rows.append(row)
+        kept.append(ln)
+    return rows, kept
+
+
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def check_safetensors(path: Path, expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]], what: str) -> None:
+    """A one-line :class:`DrcError` unless the safetensors file ``path`` holds exactly the tensors of ``expected``
+    (name -> shape and allowed dtypes, e.g. ``("F32",)``); only the header is read (the library checks it
+    against the file's size), so a file that would allocate more than its config allows is refused first."""
+    if not path.is_file():
+        raise DrcError(f"{what} {path} not found: pass a directory written by this project")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise DrcError(f"{what} {path} is not a readable safetensors file ({first_line(exc, 120)})") from None
+    for key in expected:
+        if key not in found:
+            raise DrcError(f"{what} {path} lacks tensor {key}: the file is damaged or from another model")
+    for key, (shape, dtype) in found.items():
+        if key not in expected:
+            raise DrcError(f"{what} {path} has unexpected tensor {key}: the file is damaged or from another model")
+        want_shape, dtypes = expected[key]
+        if dtype not in dtypes:
+            raise DrcError(f"{what} {path}: tensor {key} has dtype {dtype}, not {' or '.join(dtypes)}: the file is "
+                           "damaged or was not written by this project")
+        if shape != tuple(want_shape):
+            raise DrcError(f"{what} {path}: tensor {key} has shape {list(shape)} but its config.json gives "
+                           f"{list(want_shape)}: the file is damaged or from another model")
+
+
+def check_weights(path: Path, cfg: ModelConfig) -> None:
+    """:func:`check_safetensors` of a model's weights against ``cfg``: the tensor names and shapes of
+    :meth:`DepthRecurrentLM.checkpoint_state` (built on the ``meta`` device: no memory), each a float dtype."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in DepthRecurrentLM(cfg).checkpoint_state().items()}
+    check_safetensors(Path(path), {k: (v, _FLOAT_DTYPES) for k, v in shapes.items()}, "weights file")
 
 
 def _is_train_config(path: Path) -> bool:
@@ -207,6 +313,9 @@ def _is_train_config(path: Path) -> bool:
 def open_run(path: str | Path) -> RunDir:
     """Open a training run, its ``final/`` or a shipped copy (see the module docstring); a missing directory
     is a :class:`DrcError`."""
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise DrcError(f"run path {path!r} is not a path: pass a training run, its final/ or a shipped copy like "
+                       "data/reference")
     p = Path(path)
     if not p.is_dir():
         raise DrcError(f"'{p}' is not a directory: pass a training run, its final/ or a shipped copy like "

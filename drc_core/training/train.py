@@ -13,20 +13,23 @@ Output directory::
     config.json           the TrainConfig
     metrics.jsonl         one JSON object per line: kind=train (step, loss, lr, loops, tokens, seconds)
                           and kind=eval (step, loops, loss); ``pandas.read_json(path, lines=True)``
-    checkpoints/step-N/   model.safetensors + config.json + train_state.pt (optimizer, scheduler, RNG,
-                          sampler, step), written to a temporary directory and renamed; the last K kept
-    final/                model.safetensors + config.json of the finished run
+    checkpoints/step-N/   model.safetensors + config.json + train_state.json / train_state.safetensors
+                          (optimizer, scheduler, RNG, sampler, step: :mod:`drc_core.training.state`, no pickle),
+                          written to a temporary directory and renamed; the last K kept
+    final/                model.safetensors + config.json of the finished run (written beside, then renamed)
+
+Nothing is written through a symbolic link: a run directory whose entries are links is refused before anything
+is written, files are replaced by renaming a new one over them, and the metrics file is opened ``O_NOFOLLOW``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import pickle
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -42,14 +45,24 @@ from tqdm.auto import tqdm
 
 from drc_core.data.labels import read_labels
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
-from drc_core.errors import DrcError, Interrupted, first_line, need_disk, run_cli
-from drc_core.guard import exclusive
+from drc_core.errors import ArgumentParser, DrcError, Interrupted, first_line, need_disk, run_cli
+from drc_core.guard import exclusive, open_append, refuse_links, write_file
 from drc_core.model import precision
 from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM, load_state
 from drc_core.model.recurrence import RecurrenceSampler
 from drc_core.training.config import PRESETS, TrainConfig, apply_overrides, config_diff, preset
 from drc_core.training.evaluate import loss_by_depth
-from drc_core.training.rundir import CHECKPOINTS_DIR, CORPUS_RECORD, corpus_record, open_run
+from drc_core.training.rundir import (
+    CHECKPOINTS_DIR,
+    CORPUS_RECORD,
+    FINAL_DIR,
+    METRICS_FILE,
+    check_weights,
+    corpus_record,
+    metrics_rows,
+    open_run,
+)
+from drc_core.training.state import apply_state, read_state, write_state
 
 
 @dataclass
@@ -109,8 +122,13 @@ def make_optimizer(model: DepthRecurrentLM, cfg: TrainConfig) -> torch.optim.Ada
 
 
 def checkpoints(out: Path) -> list[Path]:
+    """The checkpoint directories of run ``out``, oldest first (``step-N`` with a number; anything else there is
+    not a checkpoint)."""
     root = out / CHECKPOINTS_DIR
-    return sorted(root.glob("step-*"), key=lambda p: int(p.name.split("-")[1])) if root.exists() else []
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
 
 
 def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainConfig, step: int,
@@ -118,9 +136,9 @@ def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainCo
     root = out / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
-    tmp = root / f".tmp-step-{step:07d}"
-    shutil.rmtree(tmp, ignore_errors=True)
     need_disk(root, checkpoint_bytes(model), f"checkpoint step-{step:07d}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:07d}-", dir=root))  # new, never a planted path
+    tmp.chmod(0o755)
     try:
         _write_checkpoint(tmp, model, opt, sched, cfg, step, sampler)
     except BaseException as exc:
@@ -129,11 +147,16 @@ def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainCo
             raise DrcError(f"not enough disk space at {root} for checkpoint step-{step:07d} (the disk filled up "
                            "while writing it): free some space, then continue with --resume") from None
         raise
-    if final.exists():
+    if final.is_symlink() or final.is_file():
+        final.unlink()
+    elif final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     for old in checkpoints(out)[: -cfg.keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -143,7 +166,11 @@ def answer_weights(corpus: Corpus, answer_weight: float) -> np.ndarray | None:
     if answer_weight == 1:
         return None
     w = np.ones(len(corpus.tokens("train")), dtype=np.float32)
-    w[read_labels(corpus.path, "train").token.to_numpy()] = answer_weight
+    where = read_labels(corpus.path, "train").token.to_numpy()
+    if len(where) and (where.dtype.kind not in "iu" or where.min() < 0 or where.max() >= len(w)):
+        raise DrcError(f"corpus '{corpus.path}': labels.parquet names train tokens outside 0..{len(w) - 1}: the file "
+                       "is damaged; prepare the corpus again with --force")
+    w[where] = answer_weight
     return w
 
 
@@ -163,16 +190,10 @@ def checkpoint_bytes(model: DepthRecurrentLM, optimizer: bool = True) -> int:
 def _write_checkpoint(tmp: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainConfig, step: int,
                       sampler: WindowSampler) -> None:
     model.save(tmp)
-    state = {
-        "step": step,
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "rng": {"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        "sampler": sampler.state_dict(),
-        "train_config": cfg.to_dict(),
-    }
-    torch.save(state, tmp / "train_state.pt")
+    write_state(tmp, opt, sched, sampler.state_dict(), cfg.to_dict(), step)
+
+
+RUN_FILES = ("config.json", CORPUS_RECORD, "init.json", METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)  # what train writes
 
 
 def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> list[Path]:
@@ -180,7 +201,10 @@ def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> 
 
     Training writes only into a new or empty directory, or, with ``resume``, into a run of this trainer it can
     verify: a readable ``config.json`` equal to ``cfg`` and the same corpus (tokenizer and inputs) as recorded in
-    ``corpus.json``. A finished run (``final/`` without checkpoints) is never rewritten.
+    ``corpus.json`` (which must be there). A finished run (``final/`` without checkpoints) is never rewritten. No
+    entry the run writes may be a symbolic link, and ``checkpoints`` / ``final`` must be directories: a resume
+    writes nothing through a link and never restarts from step 0 because its checkpoints are unreadable. What a
+    killed run was writing (``checkpoints/.tmp-step-*``, ``.<file>.tmp-*``) is removed.
     """
     if out.exists() and not out.is_dir():
         raise DrcError(f"--out '{out}' is a file: choose a directory path")
@@ -191,37 +215,56 @@ def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> 
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise DrcError(f"'{out}' is not empty ({shown}): training writes only into a new or empty directory; pass "
                        "--resume to continue the run in it, or choose a new --out")
+    owner = f"run directory '{out}'"
+    refuse_links([out / name for name in RUN_FILES], owner)
     cfg_path = out / "config.json"
     try:
-        saved = TrainConfig.from_dict(json.loads(cfg_path.read_text()), str(cfg_path))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        why = str(exc) if isinstance(exc, DrcError) else "no readable config.json"
-        raise DrcError(f"'{out}' is not a run of this trainer that can be resumed ({why}): choose a new --out") \
+        saved = TrainConfig.from_dict(open_run(out).train_config_dict(), str(cfg_path)) if cfg_path.is_file() \
+            else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DrcError(f"'{out}' is not a run of this trainer that can be resumed ({exc}): choose a new --out") \
             from None
+    if saved is None:
+        raise DrcError(f"'{out}' is not a run of this trainer that can be resumed (no readable config.json): choose a "
+                       "new --out")
     diff = config_diff(saved, cfg)
     if diff:
         raise DrcError(f"--resume with a config that differs from the run in '{out}' in {', '.join(diff)}: resume "
                        "with the same preset and --set values")
-    open_run(out).check_corpus(corpus)  # its corpus.json: the same tokenizer and documents
+    for name in (CHECKPOINTS_DIR, FINAL_DIR):
+        if (out / name).exists() and not (out / name).is_dir():
+            raise DrcError(f"'{out / name}' is a file, not the run's {name}/ directory: the run is damaged; move "
+                           "the file away (a resume would otherwise start again from step 0) and rerun")
+    root = out / CHECKPOINTS_DIR
+    if root.is_dir():  # what a killed run was writing (.tmp-step-*) is removed below, a link as a link
+        refuse_links([p for p in root.iterdir() if not p.name.startswith(".tmp-step-")], owner)
     found = checkpoints(out)
-    if not found and (out / "final").exists():
+    # its corpus.json: the same tokenizer and documents; required where there is a checkpoint to continue (a run
+    # killed before its first one starts again from step 0 and records its corpus anew)
+    open_run(out).check_corpus(corpus, required=bool(found))
+    leftovers = [*root.glob(".tmp-step-*")] if root.is_dir() else []  # a checkpoint a killed run was writing
+    for leftover in [*leftovers, *out.glob(".*.tmp-*")]:  # and a file or final/ it was replacing
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink()
+    if not found and (out / FINAL_DIR).exists():
         raise DrcError(f"'{out}' holds a finished run and no checkpoint to resume: choose a new --out")
     return found
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric rows a killed run wrote after the checkpoint it is resumed from."""
+    """Drop metric rows a killed run wrote after the checkpoint it is resumed from (and a last line torn by the
+    kill); the file is replaced by a new one, never written through a link."""
     if not path.exists():
         return
-    keep = []
-    for ln in path.read_text().splitlines():
-        try:
-            row = json.loads(ln)
-        except json.JSONDecodeError:  # a line torn by the kill
-            continue
-        if row["step"] <= step:
-            keep.append(ln)
-    path.write_text("".join(ln + "\n" for ln in keep))
+    rows, lines = metrics_rows(path)
+    keep = [ln for row, ln in zip(rows, lines, strict=True) if row["step"] <= step]
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        torn = f.tell() > 0 and (f.seek(-1, os.SEEK_END) or f.read(1)) != b"\n"
+    if len(keep) != len(lines) or torn:
+        write_file(path, "".join(ln + "\n" for ln in keep))
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -282,38 +325,37 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
     start = 0
     if resume and found:
         ckpt = found[-1]
+        state = read_state(ckpt, opt, sched)  # JSON + safetensors (or an old train_state.pt, weights only), checked
         try:
-            state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
-            saved = TrainConfig.from_dict(state["train_config"])
-        except (OSError, RuntimeError, EOFError, KeyError, TypeError, ValueError, pickle.UnpicklingError) as exc:
-            raise DrcError(f"cannot resume from {ckpt}: its train_state.pt is damaged ({first_line(exc)}); delete that "
+            saved = TrainConfig.from_dict(state.train_config, f"{ckpt} (its train_config)")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DrcError(f"cannot resume from {ckpt}: its training state is damaged ({first_line(exc)}); delete that "
                            "checkpoint directory to resume from the one before it") from None
         diff = config_diff(saved, cfg)
         if diff:
             raise DrcError(f"--resume with a config that differs from the checkpoint in {', '.join(diff)}: "
                            "resume with the same preset and --set values")
+        if state.step > cfg.max_steps:
+            raise DrcError(f"cannot resume from {ckpt}: its training state is at step {state.step}, past max_steps="
+                           f"{cfg.max_steps}; delete that checkpoint directory to resume from the one before it")
         try:
-            load_state(model, ckpt / "model.safetensors", map_location=device)
+            check_weights(ckpt / WEIGHTS_FILE, cfg.model)  # names, shapes, float dtypes: before anything is read
+            load_state(model, ckpt / WEIGHTS_FILE, map_location=device)
         except (ValueError, OSError, SafetensorError) as exc:  # mismatching or damaged: one line, no traceback
             raise DrcError(f"cannot resume from {ckpt}: {first_line(exc)}; delete that checkpoint directory to resume "
                            "from the one before it") from None
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        start = state["step"]
+        apply_state(state, opt, sched, sampler)
+        start = state.step
     init_record = None
     if init is not None and start == 0:
         init_record = _init_weights(model, init, corpus, device)
     if d.main:
-        _truncate_metrics(out / "metrics.jsonl", start)  # also rows of a run killed before its first checkpoint
+        _truncate_metrics(out / METRICS_FILE, start)  # also rows of a run killed before its first checkpoint
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        (out / CORPUS_RECORD).write_text(json.dumps(corpus_record(corpus), indent=2) + "\n")
+        write_file(out / CORPUS_RECORD, json.dumps(corpus_record(corpus), indent=2) + "\n")  # first: see check_out_dir
+        write_file(out / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
         if init_record is not None:
-            (out / INIT_RECORD).write_text(json.dumps(init_record, indent=2) + "\n")
+            write_file(out / INIT_RECORD, json.dumps(init_record, indent=2) + "\n")
 
     val = eval_windows(corpus.tokens("val"), cfg.seq_len, cfg.eval_windows)
     weights = answer_weights(corpus, cfg.answer_weight)
@@ -325,7 +367,7 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
             block.compile()
     net = torch.nn.parallel.DistributedDataParallel(model) if d.world_size > 1 else model
     autocast = path.autocast_context(device)
-    metrics = open(out / "metrics.jsonl", "a") if d.main else None  # noqa: SIM115
+    metrics = open_append(out / METRICS_FILE) if d.main else None
     good = found[-1] if found else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t0, last_eval, done = time.perf_counter(), {}, start
@@ -386,9 +428,18 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
     seconds = time.perf_counter() - t0
     if d.main:
         need_disk(out, checkpoint_bytes(model, optimizer=False), "the final weights")
-        final = out / "final"
-        shutil.rmtree(final, ignore_errors=True)
-        model.save(final)
+        final = out / FINAL_DIR
+        tmp = Path(tempfile.mkdtemp(prefix=f".{FINAL_DIR}.tmp-", dir=out))
+        try:
+            tmp.chmod(0o755)
+            model.save(tmp)
+            if final.is_symlink():  # refused before training; a link made since is replaced, its target untouched
+                final.unlink()
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     steps_run = cfg.max_steps - start
     return {"step": cfg.max_steps, "eval": last_eval, "seconds": seconds, "numeric_path": path.why,
             "tokens_per_second": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan")}
@@ -404,8 +455,8 @@ def preset_for(name: str, overrides: Sequence[str], corpus: Corpus) -> TrainConf
     return apply_overrides(preset(name), [f"model.vocab_size={corpus.vocab_size}", *overrides])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m drc_core.training.train", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m drc_core.training.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field, dotted for nested ones: model.d_model=256 (repeat)")
