@@ -23,6 +23,12 @@
 # percentile bootstrap interval that resamples documents, since tokens of one document are not independent.
 # The frame is saved for notebook 3.
 
+# **Another model.** With `checkpoint` set (the `huginn` profile) the same measurements run on a depth-recurrent
+# checkpoint trained elsewhere, such as Huginn-0125: the corpus is then prepared with that checkpoint's own
+# tokenizer, and the training-mean depth is the checkpoint's own (its `mean_recurrence`). Nothing below depends on
+# how the model was trained, only on the loop it runs. The chapters that train (1, 6, 7) or time this project's
+# own compute paths (5) are skipped by that profile.
+
 # %% tags=["parameters"]
 profile = "reference"
 work_dir = "runs/book/reference"
@@ -33,6 +39,9 @@ max_loops = 32
 seed = 0
 eps = 1e-3  # convergence threshold on KL(p_l || p_{l-1}), see the sensitivity table
 rule_max_loops = 16  # every halting rule's max_loops (the dynamics section)
+checkpoint = ""  # a checkpoint trained elsewhere (Huginn format) instead of notebook 1's
+source = "wikipedia+sotu"  # with a checkpoint: the corpus, in its own tokenizer
+max_docs = 0  # with a checkpoint: documents per source (0: all)
 
 # %% tags=["hide-input"]
 # imports; the parameters' paths resolved against the repository root (any working directory)
@@ -48,15 +57,19 @@ from drc_book.convergence import commit_stats, exits_by_class, exits_by_class_te
 from drc_book.cost import keep_freed_memory
 from drc_book.handoff import Convergence
 from drc_book.paths import at_root, results_for
-from drc_book.workspace import open_study
+from drc_book.workspace import ensure_corpus, open_study
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+checkpoint = at_root(checkpoint) if checkpoint else ""
 keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
 
 # %%
 t0 = time.time()
-model, cfg, corpus, windows, docs, _ = open_study(work_dir, corpus_dir, n_windows)
+if checkpoint:  # a model trained elsewhere reads text through its own tokenizer
+    ensure_corpus(corpus_dir, source, 4096, max_docs=max_docs or None, tokenizer=checkpoint,
+                  progress=False)
+model, cfg, corpus, windows, docs, _ = open_study(work_dir, corpus_dir, n_windows, checkpoint)
 # dynamics=True: also the state norms and steps of each loop (the per-token dynamics below)
 frame = drc_core.measure_windows(model, windows, max_loops, doc_ids=docs, dynamics=True)
 drc_core.save_frame(frame, Path(work_dir) / "frame.parquet",

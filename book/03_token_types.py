@@ -24,6 +24,9 @@
 # class's mean depth with a 95% bootstrap interval that resamples *documents*, the unit whose tokens are not
 # independent.
 
+# With `checkpoint` set (the `huginn` profile), the classes describe a model trained elsewhere, on notebook 2's
+# measurement of it.
+
 # %% tags=["parameters"]
 profile = "reference"
 work_dir = "runs/book/reference"
@@ -33,6 +36,7 @@ seed = 0
 eps = 1e-3
 explorer_window = 0
 explorer_tokens = 96
+checkpoint = ""  # a checkpoint trained elsewhere (Huginn format) instead of notebook 1's
 # the ipywidgets explorer; the profiles turn it off for papermill runs (a book page has no kernel)
 live_explorer = True
 
@@ -53,6 +57,7 @@ from drc_core import Corpus, class_depth_summary, classify_sequence, convergence
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+checkpoint = at_root(checkpoint) if checkpoint else ""
 
 # %% [markdown]
 # The measurement from notebook 2 is refused if it was made on another corpus or tokenizer, so the classes
@@ -98,7 +103,7 @@ drc_core.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tok
 # training-mean depth:
 
 # %%
-model, cfg, _ = open_model(work_dir)
+model, cfg, _ = open_model(work_dir, checkpoint)
 R = int(cfg.recurrence.mean)  # the training-mean depth
 HTML(drc_core.token_strip_html(frame, explorer_window, R, tokenizer, eps=eps, mode="converged",
                                max_tokens=explorer_tokens))

@@ -48,6 +48,7 @@ risk_splits = 100  # random halvings of the documents for the validity check
 risk_windows_per_doc = 2  # windows taken from each validation document for the guarantee
 risk_max_docs = 0  # at most this many validation documents, evenly spaced (0: all)
 risk_ce_tolerance = 0.1  # CE risk: a token's CE exceeds depth `reference`'s by more (nats)
+checkpoint = ""  # a checkpoint trained elsewhere (Huginn format) instead of notebook 1's
 
 # %% tags=["hide-input"]
 # imports; the parameters' paths resolved against the repository root (any working directory)
@@ -84,11 +85,13 @@ from drc_core import (
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
+checkpoint = at_root(checkpoint) if checkpoint else ""
 keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
 
 # %%
 t0 = time.time()
-model, cfg, corpus, windows, docs, reference = open_study(work_dir, corpus_dir, n_windows)
+study = open_study(work_dir, corpus_dir, n_windows, checkpoint)
+model, cfg, corpus, windows, docs, reference = study
 calib_idx, held_idx = split_windows(len(windows), 0.5, seed=seed)
 print(
     f"{len(windows)} windows: {len(calib_idx)} for router training / calibration, "

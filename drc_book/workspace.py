@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,8 +31,10 @@ from drc_core import (
     DepthTaskConfig,
     DrcError,
     PrepareConfig,
+    RecurrenceConfig,
     SourceSpec,
     TrainConfig,
+    load,
     prepare,
     preset_for,
     train,
@@ -142,17 +145,35 @@ class Study(NamedTuple):
     reference: int  # the training-mean depth, rounded: the reference depth of every comparison
 
 
-def open_study(work_dir: str | Path, corpus_dir: str | Path, n_windows: int) -> Study:
-    """The studied model of ``work_dir``, its corpus and ``n_windows`` validation windows with their documents
-    (:func:`~drc_core.analysis.measure.val_windows_with_docs`): the shared opening of the notebooks."""
-    model, cfg, _ = open_model(work_dir)
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What the notebooks read of a training config, for a checkpoint trained elsewhere (a Huginn checkpoint):
+    its window length and its trained mean depth."""
+
+    seq_len: int
+    recurrence: RecurrenceConfig
+
+
+def open_study(work_dir: str | Path, corpus_dir: str | Path, n_windows: int, checkpoint: str | Path = "") -> Study:
+    """The studied model (``checkpoint``, a checkpoint trained elsewhere, else ``work_dir``'s), its corpus and
+    ``n_windows`` validation windows with their documents (:func:`drc_core.val_windows_with_docs`): the shared
+    opening of the notebooks."""
+    model, cfg, _ = open_model(work_dir, checkpoint)
     corpus = Corpus.open(corpus_dir)
     windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
     return Study(model, cfg, corpus, windows, docs, int(round(cfg.recurrence.mean)))
 
 
-def open_model(work_dir: str | Path) -> tuple[DepthRecurrentLM, TrainConfig, pd.DataFrame]:
-    """The studied model (eval mode), its training config and its metrics (``metrics.jsonl`` as a frame)."""
+def open_model(work_dir: str | Path, checkpoint: str | Path = "") -> tuple[Any, Any, pd.DataFrame]:
+    """The studied model (eval mode), its training config and its metrics (``metrics.jsonl`` as a frame). With
+    ``checkpoint`` (a directory :func:`drc_core.load` reads, e.g. a Huginn checkpoint), that model, a
+    :class:`CheckpointConfig` (its window length and trained mean depth) and no metrics."""
+    if checkpoint:
+        m = load(checkpoint)
+        depth = float(getattr(m.model, "mean_recurrence", 0) or (m.config.recurrence.mean if m.config else 8))
+        cfg = m.config if m.config is not None else CheckpointConfig(
+            seq_len=int(m.model.max_seq_len), recurrence=RecurrenceConfig(mean=depth))
+        return m.model, cfg, pd.DataFrame()
     model_dir = Path(work_dir) / "model"
     if not (model_dir / WEIGHTS_FILE).is_file():
         raise DrcError(f"no model in '{model_dir}': run 01_training of this profile first")

@@ -46,6 +46,7 @@ _EXPORTS = {
     "DepthRecurrentLM": "drc_core.model.lm",
     "HuginnLM": "drc_core.model.huginn",
     "ModelConfig": "drc_core.model.config",
+    "RecurrenceConfig": "drc_core.model.recurrence",
     "RecurrentModel": "drc_core.model.lm",
     "iterate": "drc_core.model.lm",
     "logits_at": "drc_core.model.lm",

@@ -35,7 +35,7 @@ from drc_core.data.depth_tasks import solve, token_labels
 from drc_core.data.labels import LABELS_FILE, LABELS_VERSION, labels_version, write_labels
 from drc_core.data.sampler import Corpus
 from drc_core.data.sources import SourceSpec, fingerprint, load_documents
-from drc_core.data.tokenizer import EOT, check_vocab_size, load_tokenizer, tokenizer_hash, train_bpe
+from drc_core.data.tokenizer import check_vocab_size, eot_id, load_tokenizer, tokenizer_hash, train_bpe
 from drc_core.errors import MAX_SEED, MAX_SEQ_LEN, DrcError, first_line, need_disk
 from drc_core.guard import exclusive, parse_json, read_regular, remove_leftovers
 
@@ -222,11 +222,10 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
     train_texts = [texts[i] for i in train_idx]
     if cfg.tokenizer:  # e.g. another model's: a corpus it can read (the vocabulary is that tokenizer's)
         tok = load_tokenizer(cfg.tokenizer)
-        if tok.token_to_id(EOT) is None:
-            raise DrcError(f"tokenizer '{cfg.tokenizer}' has no {EOT} token: pass one written by prepare")
+        eot = eot_id(tok, f"tokenizer '{cfg.tokenizer}'")
     else:
         tok = train_bpe(train_texts, cfg.vocab_size, length=len(train_texts))
-    eot_id = tok.token_to_id(EOT)
+        eot = eot_id(tok)
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
 
@@ -237,7 +236,7 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
     try:
         for split, idx in (("train", train_idx), ("val", val_idx)):
             chunks, total, labels, n_split = _encode(tok, [texts[i] for i in idx],
-                                                     [sources[i] == TASK_SOURCE for i in idx], eot_id,
+                                                     [sources[i] == TASK_SOURCE for i in idx], eot,
                                                      f"tokenize {split}", progress)
             if total < cfg.seq_len + 1:
                 raise DrcError(
@@ -291,7 +290,7 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
             "per_source": per_source,
             "vocab_size": vocab,
             "vocab_size_requested": cfg.vocab_size,
-            "eot_id": eot_id,
+            "eot_id": eot,
             "dtype": np.dtype(dtype).name,
             "tokenizer_sha256": tokenizer_hash(tok),
             "seed": cfg.seed,

@@ -12,9 +12,11 @@ from drc_core.errors import MAX_JSON_BYTES, MAX_VOCAB, DrcError, first_line
 from drc_core.guard import parse_json, read_regular
 
 EOT = "<|endoftext|>"
+# the document separator under the names other models' tokenizers give it (a tokenizer passed to prepare)
+EOT_NAMES = (EOT, "<|end_text|>", "<|end_of_text|>", "</s>", "<eos>")
 MIN_VOCAB = 257  # 256 byte symbols + the document separator
-__all__ = ["EOT", "MAX_VOCAB", "MIN_VOCAB", "check_vocab_size", "encode_checked", "load_tokenizer", "recorded_hash",
-           "tokenizer_hash", "train_bpe"]
+__all__ = ["EOT", "EOT_NAMES", "MAX_VOCAB", "MIN_VOCAB", "check_vocab_size", "encode_checked", "eot_id",
+           "load_tokenizer", "recorded_hash", "tokenizer_hash", "train_bpe"]
 
 
 def _is_panic(exc: BaseException) -> bool:
@@ -133,3 +135,14 @@ def encode_checked(tok: Tokenizer, text: str, max_tokens: int, what: str = "text
     if len(ids) > max_tokens:
         raise DrcError(f"{what} has {len(ids):,} tokens, more than the limit of {max_tokens:,}: pass a shorter text")
     return ids
+
+
+def eot_id(tok: Tokenizer, where: str = "the tokenizer") -> int:
+    """The id of the tokenizer's end-of-text token (the first of :data:`EOT_NAMES` it has), else a one-line
+    :class:`DrcError`."""
+    for name in EOT_NAMES:
+        found = tok.token_to_id(name)
+        if found is not None:
+            return int(found)
+    raise DrcError(f"{where} has no end-of-text token (none of {', '.join(EOT_NAMES)}): pass a tokenizer that "
+                   "has one, e.g. one written by prepare")
