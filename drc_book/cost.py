@@ -22,16 +22,13 @@ tells glibc to keep freed memory in the process for reuse (``mallopt``), after w
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from drc_core import DepthRecurrentLM, DrcError
+from drc_core import KEEP_FREED_BYTES, DepthRecurrentLM, DrcError, keep_freed_memory
 
 __all__ = ["CLOCKS", "KEEP_FREED_BYTES", "VOCAB_STAT_FLOPS", "Log", "flop_parts", "honest_flops", "interleaved",
            "keep_freed_memory", "matmul_flops_per_token", "median", "page_faults", "rotations", "spread",
@@ -171,8 +168,6 @@ def spread(xs: Sequence[float]) -> float:
 # ----------------------------------------------------------------------------------------------------------
 # Memory: page faults on fresh buffers
 
-KEEP_FREED_BYTES = 256 << 20  # buffers up to this size come from (and go back to) the heap, never munmap'ed
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 
 
 def page_faults() -> int:
@@ -184,16 +179,3 @@ def page_faults() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
-def keep_freed_memory(max_bytes: int = KEEP_FREED_BYTES) -> bool:
-    """Make glibc keep freed memory for reuse: buffers up to ``max_bytes`` come from the heap (``M_MMAP_THRESHOLD``)
-    and the heap's free top is returned to the system only beyond twice that (``M_TRIM_THRESHOLD``). For the whole
-    process, from now on; the cost is a resident size that stays at its peak. Returns False (and changes nothing)
-    where the C library is not glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # noqa: B018 -- only glibc has it (musl's mallopt does nothing)
-    except (OSError, AttributeError):
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, max_bytes)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * max_bytes))

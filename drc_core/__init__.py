@@ -145,6 +145,10 @@ _EXPORTS = {
     "pass_loss_tables": "drc_core.halting.calibrate",
     "validity": "drc_core.halting.calibrate",
     "validity_summary": "drc_core.halting.calibrate",
+    # the allocator policy of a process: bounded memory (what trace applies) or freed buffers kept (for timing)
+    "KEEP_FREED_BYTES": "drc_core.heap",
+    "keep_freed_memory": "drc_core.heap",
+    "bound_freed_memory": "drc_core.heap",
     # errors: one-line messages, the validators and the CLI wrapper every command uses; and the depth explorer
     "DrcError": "drc_core.errors",
     "Interrupted": "drc_core.errors",

@@ -38,6 +38,7 @@ from drc_core.halting.calibrate import CalibratedRule, check_calibration
 from drc_core.halting.calibrate import calibrate as calibrate_windows
 from drc_core.halting.generate import generate as generate_ids
 from drc_core.halting.rules import HaltingRule, KLThreshold, Never, make_rule
+from drc_core.heap import bound_freed_memory, heap_policy
 from drc_core.model.huginn import HuginnLM
 from drc_core.model.huginn_checkpoint import hf_config, load_huginn, load_huginn_tokenizer
 from drc_core.model.lm import DepthRecurrentLM, RecurrentModel
@@ -190,6 +191,8 @@ def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor
     serve as a target); with ``targets`` the next input token is each position's target for ``ce``. The
     initial latent state comes from a generator seeded with ``seed``, as in every evaluation pass."""
     max_loops = need_int("max_loops", max_loops, 2)
+    if heap_policy() is None:  # memory O(loops x tokens) unless the process chose a policy (drc_core.heap)
+        bound_freed_memory()
     ids = _encode(tokenizer, text_or_ids, model.max_seq_len)
     window = torch.from_numpy(np.append(ids, ids[-1]))[None]  # the last target is a placeholder, blanked below
     frame = measure_windows(model, window, max_loops, seed=seed, kl_to_final=True, dynamics=True)

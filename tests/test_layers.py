@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "drc_core"
 
 # Lowest first. A module belongs to the layer of the longest prefix listed here; every module must have one.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("drc_core.errors", "drc_core.guard")),
+    ("base", ("drc_core.errors", "drc_core.guard", "drc_core.heap")),
     ("data", ("drc_core.data",)),
     ("model", ("drc_core.model",)),
     ("training", ("drc_core.training",)),
