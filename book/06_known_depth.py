@@ -93,8 +93,8 @@ import pandas as pd
 from IPython.display import display
 
 import drc_core
+from drc_book import guarantee, viz
 from drc_book import known_depth as dt
-from drc_book import viz
 from drc_book.cost import keep_freed_memory
 from drc_book.handoff import KnownDepth
 from drc_book.paths import at_root, results_for
@@ -123,7 +123,6 @@ from drc_core import (
     trained_router_specs,
     val_windows_with_docs,
     validity,
-    validity_summary,
     window_clusters,
 )
 
@@ -382,20 +381,9 @@ print(
     + ", ".join(f"alpha={a:g} needs >= {min_units(a, risk_delta)}" for a in risk_alphas)
     + f"; testable on a half: {testable}"
 )
-risk_rows = pd.concat(
-    [
-        validity(
-            top1, fam, risk_alphas, risk_delta, n_splits=risk_splits, seed=seed, among=task_units
-        )
-        for fam in default_families()
-    ]
-)
-risk_valid = validity_summary(risk_rows, risk_delta)
-print(
-    f"settings certified in some split: {int((risk_valid.certified > 0).sum())} "
-    f"of {len(risk_valid)}; "
-    f"violation rate above delta beyond Monte-Carlo error: {int((~risk_valid.kept).sum())}"
-)
+risk_valid, said = guarantee.held_over_splits(top1, default_families(), risk_alphas, risk_delta,
+                                             n_splits=risk_splits, seed=seed, among=task_units)
+print(said)
 risk_valid[
     [
         "family",

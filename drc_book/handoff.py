@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from drc_book.workspace import load_results, save_results
-from drc_core import DrcError
+from drc_core import DrcError, family_title
 
 __all__ = ["HANDOFFS", "ClassDepth", "Convergence", "Cycles", "Halting", "Handoff", "Interval", "KnownDepth", "Record",
            "Reproduction", "TokenTypes", "Training"]
@@ -316,31 +316,73 @@ class TokenTypes(Record):
                 f"last ({depth(last)}), {paper}. From shallow to deep: {' < '.join(self.order_shallow_to_deep)}.")
 
 
+_GAP_STATS = ("family_depth", "uniform_depth", "saved", "saved_frac")
+
+
+def gap_intervals(rows: list[Mapping[str, Any]]) -> dict[str, dict[str, Interval]]:
+    """:func:`drc_core.gap_table` rows (family, ``<stat>``, ``<stat>_lo``, ``<stat>_hi``) as family -> stat ->
+    :class:`Interval`."""
+    return {str(g["family"]): {k: Interval(_num(g[k]), _num(g[f"{k}_lo"]), _num(g[f"{k}_hi"])) for k in _GAP_STATS}
+            for g in rows}
+
+
 @dataclass(frozen=True)
-class Halting(Handoff):
-    """From 04_halting_and_routers: the reference depth; per rule family, the (interpolated) average depth at
-    which it matches uniform depth ``reference_loops``'s CE (NaN where it never does; absent families are None);
-    and per family the loops it saves against the uniform depth of equal quality, with intervals (``gaps``:
-    family -> ``family_depth``, ``uniform_depth``, ``saved``, ``saved_frac``, as
-    :func:`drc_core.halting.sweep.gap_table` gives them)."""
+class Halting(Record):
+    """Notebook 04's results: the reference depth and the matched-quality targets; per family the (interpolated)
+    average depth that matches uniform depth ``reference_loops``'s CE (``matching`` rows, :func:`drc_core.
+    matching_table`) and the loops it saves against the uniform depth of equal quality (``gaps`` rows,
+    :func:`drc_core.gap_table`); the calibration on the other half, the held-out points, the online check and the
+    guarantee's certificates and validity (``risk_control``). Tables are lists of rows."""
 
     NOTEBOOK: ClassVar[str] = "04_halting_and_routers"
+    profile: str
     reference_loops: int
-    matching: dict[str, float]
-    gaps: dict[str, dict[str, Interval]]
+    rule_max_loops: int
+    ce_tolerance: float
+    kl_target: float
+    ce_uniform_ref: float
+    matching: list[dict[str, Any]]
+    gaps: list[dict[str, Any]]
+    calibration: list[dict[str, Any]]
+    held_out_points: list[dict[str, Any]]
+    n_windows: dict[str, int]
+    online_check: list[dict[str, Any]]
+    risk_control: dict[str, Any]
+    notebook_seconds: float
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> Halting:
         _need(r, cls)
-        stats = ("family_depth", "uniform_depth", "saved", "saved_frac")
-        return cls(reference_loops=int(r["reference_loops"]),
-                   matching={str(m["family"]): _num(m["ce_depth_interp"]) for m in r["matching"]},
-                   gaps={str(g["family"]): {k: Interval(_num(g[k]), _num(g[f"{k}_lo"]), _num(g[f"{k}_hi"]))
-                                            for k in stats} for g in r["gaps"]})
+        return cls(**{f.name: r[f.name] for f in fields(cls)})
 
     def depth(self, family: str) -> float:
-        """The family's matching depth, NaN when the family is not in the table."""
-        return self.matching.get(family, math.nan)
+        """The family's matching depth (CE within the tolerance of uniform depth R), NaN when it is not in the
+        table or never matches."""
+        return next((_num(m["ce_depth_interp"]) for m in self.matching if m["family"] == family), math.nan)
+
+    @property
+    def gap_intervals(self) -> dict[str, dict[str, Interval]]:
+        """Family -> loops saved against the uniform depth of equal quality, with intervals (see
+        :func:`gap_intervals`)."""
+        return gap_intervals(self.gaps)
+
+    def findings(self) -> str:
+        gaps, R = self.gap_intervals, self.reference_loops
+        uniform = self.depth("uniform")
+
+        def saved(family: str) -> str:
+            g = gaps[family]["saved_frac"]
+            return f"{g.value:.0%} [{g.lo:.0%}, {g.hi:.0%}]"
+
+        ranked = sorted((f for f in gaps if f != "oracle"), key=lambda f: -gaps[f]["saved_frac"].value)
+        best = ranked[0] if ranked else None
+        beats = [f for f in ranked if gaps[f]["saved_frac"].lo > 0]
+        return (f"**Found.** Uniform depth already matches depth {R}'s loss (within {self.ce_tolerance:g} nats) at "
+                f"{uniform:.2f} loops. Against that depth, the per-token oracle saves "
+                f"{saved('oracle') if 'oracle' in gaps else 'n/a'} of the loops (an offline bound), and the best rule "
+                f"or router, {family_title(best) + ', ' + saved(best) if best else 'none'}; those whose interval lies "
+                f"above zero: "
+                f"{', '.join(family_title(f) for f in beats) or 'none'}.")
 
 
 @dataclass(frozen=True)
@@ -362,14 +404,11 @@ class KnownDepth(Handoff):
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> KnownDepth:
         _need(r, cls)
-        stats = ("family_depth", "uniform_depth", "saved", "saved_frac")
         p, lo, hi = (_num(x) for x in r["spearman_depth"])
         return cls(reference_loops=int(r["reference_loops"]), task_share=_num(r["task_share"]),
                    k_range=[int(k) for k in r["k_range"]], min_accuracy_at_R=_num(r["min_accuracy_at_R"]),
                    spearman_depth=Interval(p, lo, hi),
-                   gaps={name: {str(g["family"]): {k: Interval(_num(g[k]), _num(g[f"{k}_lo"]), _num(g[f"{k}_hi"]))
-                                                   for k in stats} for g in rows}
-                         for name, rows in r["gaps"].items()})
+                   gaps={name: gap_intervals(rows) for name, rows in r["gaps"].items()})
 
 
 @dataclass(frozen=True)

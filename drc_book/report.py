@@ -361,7 +361,7 @@ def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce
          f"{kl2R:.2g}; {cyc.count} tokens in a 2-cycle carry {share:.0%} of it", kl2R <= 1e-5),
     ]
     out = [{"target": t, "criterion": c, "measured": m, "met": "yes" if ok else "no"} for t, c, m, ok in rows]
-    gap = halting.gaps.get("kl")
+    gap = halting.gap_intervals.get("kl")
     if gap is not None:
         sv, fr = gap["saved"], gap["saved_frac"]
         out.append({"target": "the headline", "criterion": "KL rule vs the uniform depth of equal quality",
@@ -454,7 +454,7 @@ def depth_gain_side_by_side(halting: Halting, known: KnownDepth | None,
     family, on natural text (notebook 04's held-out windows) beside the model with known-depth tasks (its mixed
     validation windows and its task documents; notebook 06). One row per family, plus the uniform depth of
     equal quality itself in the first row; each cell ``saved [95% CI]`` or the depth in loops."""
-    sets = {"natural text": halting.gaps}
+    sets = {"natural text": halting.gap_intervals}
     if known is not None:
         sets.update({f"controlled depth: {name}": g for name, g in known.gaps.items()})
     rows = []

@@ -139,9 +139,14 @@ def _records(ce1: float, ce8: float, kl16: float, uniform: float, kl_rule: float
                        frac_updating=iv(0.05), frac_unconverged=iv(0.01), kl_concentration={},
                        oscillating=Cycles(count=3, share_of_mean_kl={16: 0.9}, tokens=[]), eps_sensitivity={},
                        dynamics={}, notebook_seconds=1.0)
-    gap = {"family_depth": iv(kl_rule), "uniform_depth": iv(uniform), "saved": iv(uniform - kl_rule),
-           "saved_frac": iv(1 - kl_rule / uniform)}
-    return conv, Halting(reference_loops=8, matching={"uniform": uniform, "kl": kl_rule}, gaps={"kl": gap})
+    gap = {"family": "kl"}
+    for k, v in (("family_depth", kl_rule), ("uniform_depth", uniform), ("saved", uniform - kl_rule),
+                 ("saved_frac", 1 - kl_rule / uniform)):
+        gap.update({k: v, f"{k}_lo": v - 0.01, f"{k}_hi": v + 0.01})
+    matching = [{"family": "uniform", "ce_depth_interp": uniform}, {"family": "kl", "ce_depth_interp": kl_rule}]
+    return conv, Halting(profile="test", reference_loops=8, rule_max_loops=16, ce_tolerance=0.005, kl_target=0.01,
+                         ce_uniform_ref=ce8, matching=matching, gaps=[gap], calibration=[], held_out_points=[],
+                         n_windows={}, online_check=[], risk_control={}, notebook_seconds=1.0)
 
 
 def test_reference_targets_are_met_or_not_by_their_stated_thresholds():
