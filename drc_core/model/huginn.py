@@ -184,11 +184,7 @@ class HuginnLM(nn.Module):
     def embed(self, idx: Tensor) -> Tensor:
         """Token ids (B, T) -> the prelude output e (B, T, d)."""
         check_token_ids(self, idx, "idx (token ids)", targets=False)
-        cos, sin = self._rope(idx.shape[1])
-        x = self.token_embedding(idx)
-        for block in self.prelude:
-            x = block(x, cos, sin)
-        return x
+        return run_blocks(self.prelude, self.token_embedding(idx), *self._rope(idx.shape[1]))
 
     def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Huginn's "like-init" s_0: a normal draw (consumed, as upstream's ``randn_like``), overwritten by a

@@ -174,11 +174,7 @@ class DepthRecurrentLM(nn.Module):
         """Token ids (B, T) -> the prelude output e (B, T, d). Every public path (forward, iterate, masked_forward,
         skip_forward, anderson) starts here, so the ids are checked here once (:func:`check_token_ids`)."""
         check_token_ids(self, idx, "idx (token ids)", targets=False)
-        cos, sin = self._rope(idx.shape[1])
-        x = self.token_embedding(idx)
-        for block in self.prelude:
-            x = block(x, cos, sin)
-        return x
+        return run_blocks(self.prelude, self.token_embedding(idx), *self._rope(idx.shape[1]))
 
     def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """s_0 shaped like ``e``: N(0, init_state_scale^2) drawn with ``generator`` (else the global RNG),
