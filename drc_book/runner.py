@@ -45,6 +45,7 @@ from typing import Any
 
 from drc_book.paths import RUN_ENV
 from drc_book.rollback import Rollback, Terminated, raise_terminated
+from drc_core import machine_kind
 from drc_core.errors import MB, ArgumentParser, DrcError, Interrupted, first_line
 from drc_core.guard import exclusive, parse_json, read_json, read_regular, refuse_links, write_file
 
@@ -426,6 +427,7 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             (failed_dir / f"{name}.ipynb").unlink(missing_ok=True)
             timings[name] = round(seconds, 1)
             write_file(timings_path, json.dumps(timings, indent=2) + "\n")
+            write_file(dest / "machine.json", json.dumps(machine_kind(), indent=2) + "\n")  # the kind beside them
             print(f"[{profile}] {name}: done in {seconds:.1f} s -> {dest / (name + '.ipynb')}; slowest cells: "
                   + "; ".join(f"#{i} {sec:.0f} s ({line})" for i, sec, line in slowest_cells(executed)), flush=True)
     finally:

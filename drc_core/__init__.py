@@ -51,6 +51,7 @@ _EXPORTS = {
     "iterate": "drc_core.model.lm",
     "logits_at": "drc_core.model.lm",
     "bf16_support": "drc_core.model.precision",
+    "machine_kind": "drc_core.model.precision",
     "check_token_ids": "drc_core.model.checks",
     "eval_batches": "drc_core.model.passes",
     "EVAL_STATE_SEED": "drc_core.model.passes",

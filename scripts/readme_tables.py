@@ -297,7 +297,11 @@ def timings_table(res: Results) -> str:
     seconds = json.loads(path.read_text())
     rows = [(name, f"{s:.0f}") for name, s in sorted(seconds.items())]
     rows.append(("all notebooks", f"{sum(seconds.values()):.0f} ({sum(seconds.values()) / 60:.1f} minutes)"))
-    return table(("notebook", "seconds"), rows)
+    machine = path.parent / "machine.json"
+    kind = json.loads(machine.read_text()) if machine.is_file() else None
+    said = ("" if kind is None else
+            f"Measured on {kind['cpu']} (bf16 matmul: {kind['bf16']}), {kind['cores']} cores (`machine.json`).\n\n")
+    return said + table(("notebook", "seconds"), rows)
 
 
 def doc_pages(results: Path | Results = RESULTS, docs: Path = DOCS) -> dict[Path, str]:

@@ -17,6 +17,7 @@ what was chosen and why, which the trainer prints.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from functools import cache
@@ -54,6 +55,17 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
     return tuple(f for f in BF16_CPU_FLAGS if f in flags)
+
+
+def machine_kind(cpuinfo: str = "/proc/cpuinfo") -> dict[str, object]:
+    """What a timing was measured on: the CPU's model name, its bf16 matmul flags ("none" without) and its core
+    count, for stating the kind beside a timing (Intel with AMX-bf16 and AMD EPYC without differ by 2x)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        text = ""
+    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
+    return {"cpu": name, "bf16": "+".join(cpu_bf16_flags(cpuinfo)) or "none", "cores": os.cpu_count()}
 
 
 def bf16_support(device: torch.device) -> str | None:
