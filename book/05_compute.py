@@ -181,19 +181,8 @@ pd.DataFrame(
 
 # %%
 matched = matched_rules(model, windows, speed)
-matched.table[
-    [
-        "family",
-        "rule",
-        "avg_loops_offline",
-        "ce_offline",
-        "avg_loops",
-        "ce",
-        "ce_target",
-        "within_tolerance",
-        "note",
-    ]
-].round(4)
+matched.table[["family", "rule", "avg_loops_offline", "ce_offline", "avg_loops", "ce", "ce_target",
+               "within_tolerance", "note"]].round(4)
 
 # %% [markdown]
 # ## Batched evaluation
@@ -207,23 +196,9 @@ matched.table[
 # %%
 extra = preset_specs(speed, matched.specs) if presets else []
 batched = time_batched(model, windows, [*matched.specs, *extra], speed)
-batched[
-    [
-        "family",
-        "rule",
-        "avg_loops",
-        "ce_gap",
-        "seconds",
-        "spread",
-        "page_faults_per_batch",
-        "proxy_speedup",
-        "honest_flops",
-        "honest_speedup",
-        "wallclock_speedup",
-        "wall_over_proxy",
-        "wall_over_honest",
-    ]
-].round(3)
+batched[["family", "rule", "avg_loops", "ce_gap", "seconds", "spread", "page_faults_per_batch",
+         "proxy_speedup", "honest_flops", "honest_speedup", "wallclock_speedup", "wall_over_proxy",
+         "wall_over_honest"]].round(3)
 
 # %% [markdown]
 # ## Generation
@@ -253,23 +228,9 @@ more = [b for b in decoder_batches_here if b not in gen_batches_here]
 if more:
     decoding.append(time_decoding(model, prompts, decoder_rules, speed, batches=more))
 generation = decoding[0].generation
-generation[
-    [
-        "rows",
-        "rule",
-        "avg_loops",
-        "loops_run",
-        "first_divergence",
-        "same_tokens",
-        "ms_per_token",
-        "tokens_per_s",
-        "proxy_speedup",
-        "honest_speedup",
-        "wallclock_speedup",
-        "wall_over_proxy",
-        "wall_over_honest",
-    ]
-].round(3)
+generation[["rows", "rule", "avg_loops", "loops_run", "first_divergence", "same_tokens",
+            "ms_per_token", "tokens_per_s", "proxy_speedup", "honest_speedup", "wallclock_speedup",
+            "wall_over_proxy", "wall_over_honest"]].round(3)
 
 # %% [markdown]
 # ### What a decode loop costs with fewer rows active

@@ -384,19 +384,8 @@ print(
 risk_valid, said = guarantee.held_over_splits(top1, default_families(), risk_alphas, risk_delta,
                                              n_splits=risk_splits, seed=seed, among=task_units)
 print(said)
-risk_valid[
-    [
-        "family",
-        "alpha",
-        "certified",
-        "violation",
-        "violation_hi",
-        "test_risk",
-        "loops",
-        "uniform_depth",
-        "saved_frac",
-    ]
-].round(3)
+risk_valid[["family", "alpha", "certified", "violation", "violation_hi", "test_risk", "loops",
+            "uniform_depth", "saved_frac"]].round(3)
 
 # %%
 viz.risk_validity(risk_valid)
