@@ -83,3 +83,16 @@ def script() -> Callable[[str], ModuleType]:
         return sys.modules[name]
 
     return load
+
+
+def assert_notebooks_ran(executed: Path, names: list[str] | tuple[str, ...], results_dir: Path) -> None:
+    """Each notebook of ``names`` executed into ``executed/<name>.ipynb`` without an error output, and wrote its
+    results file into ``results_dir``."""
+    import nbformat
+
+    for name in names:
+        nb = nbformat.read(executed / f"{name}.ipynb", as_version=4)
+        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                  if o.get("output_type") == "error"]
+        assert not errors, name
+        assert (results_dir / f"{name}.json").is_file(), name

@@ -17,6 +17,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import yaml
+from conftest import assert_notebooks_ran
 
 from drc_book.paths import ROOT_ENV, RUN_ENV
 from drc_book.runner import build_book, find_browser, load_profiles, main, run_book, slowest_cells, toc_for
@@ -235,12 +236,7 @@ def test_smoke_profile_runs_every_notebook_and_renders(tmp_path: Path) -> None:
                        overrides={"results_dir": str(tmp_path / "results"), "work_dir": str(tmp_path / "work"),
                                   "runs_dir": str(tmp_path / "experiments")})
     assert list(timings) == list(spec.notebooks)
-    for name in spec.notebooks:
-        nb = nbformat.read(out / "smoke" / f"{name}.ipynb", as_version=4)
-        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                  if o.get("output_type") == "error"]
-        assert not errors, name
-        assert (tmp_path / "results" / f"{name}.json").is_file(), name
+    assert_notebooks_ran(out / "smoke", spec.notebooks, tmp_path / "results")
     # render inside a copy of the repository layout so the generated toc's paths resolve
     site = tmp_path / "site"
     (site / "book").mkdir(parents=True)
@@ -500,12 +496,7 @@ def test_paper_profile_end_to_end_on_a_fineweb_shard(tmp_path: Path, fineweb_sha
                  "runs_dir": str(tmp_path / "experiments")}
     timings = run_book(spec, "paper", out, cwd=ROOT, progress=False, overrides=overrides)
     assert list(timings) == list(spec.notebooks)
-    for name in spec.notebooks:
-        nb = nbformat.read(out / "paper" / f"{name}.ipynb", as_version=4)
-        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                  if o.get("output_type") == "error"]
-        assert not errors, name
-        assert (tmp_path / "results" / f"{name}.json").is_file(), name
+    assert_notebooks_ran(out / "paper", spec.notebooks, tmp_path / "results")
     meta = json.loads((tmp_path / "corpus" / "meta.json").read_text())
     assert meta["source"] == "fineweb-edu" and json.dumps(str(fineweb_shard))[1:-1] in json.dumps(meta)
     trained = json.loads((tmp_path / "results" / "01_training.json").read_text())["model_source"]

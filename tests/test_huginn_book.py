@@ -10,8 +10,8 @@ import json
 import shutil
 from pathlib import Path
 
-import nbformat
 import pytest
+from conftest import assert_notebooks_ran
 from tokenizers import Tokenizer, models
 
 from drc_book.runner import load_profiles, run_book
@@ -53,12 +53,7 @@ def test_the_huginn_profile_runs_the_chapters_on_a_huginn_checkpoint(checkpoint:
     assert list(timings) == CHAPTERS
     for name in ("01_training", "05_compute", "06_known_depth", "07_reproduction"):
         assert f"[huginn] {name}: skipped (" in said
-    for name in CHAPTERS:
-        nb = nbformat.read(out / "huginn" / f"{name}.ipynb", as_version=4)
-        errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                  if o.get("output_type") == "error"]
-        assert not errors, name
-        assert (tmp_path / "results" / f"{name}.json").is_file(), name
+    assert_notebooks_ran(out / "huginn", CHAPTERS, tmp_path / "results")
     conv = json.loads((tmp_path / "results" / "02_convergence.json").read_text())
     assert conv["train_mean_depth"] == json.loads((checkpoint / "config.json").read_text())["mean_recurrence"]
     meta = json.loads((tmp_path / "corpus" / "meta.json").read_text())
