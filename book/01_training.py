@@ -69,8 +69,8 @@ from drc_core import (
 
 work_dir, corpus_dir, checkpoint = at_root(work_dir, corpus_dir, checkpoint)
 data_files = [at_root(f) for f in data_files]
-results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 t0 = time.time()

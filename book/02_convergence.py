@@ -61,8 +61,8 @@ from drc_book.workspace import ensure_corpus, open_study
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-checkpoint = at_root(checkpoint) if checkpoint else ""
 keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
+checkpoint = at_root(checkpoint) if checkpoint else ""
 
 # %%
 t0 = time.time()

@@ -17,18 +17,18 @@
 # successive outputs) keeps depth-8 quality at fewer loops, while a learned router does not.
 #
 # **How.** A halting rule looks at a token's statistics after each loop and decides whether it stops there; a
-# halted token's state is frozen and later tokens keep attending to it (`drc_core.halting.rules`). For every
+# halted token's state is frozen and later tokens keep attending to it (`drc_core.make_rule`). For every
 # rule over a grid of thresholds, for uniform depths and for the offline oracle, we measure the average
 # exit loop (the FLOP proxy: prelude and coda run once) against two qualities: the validation
 # cross-entropy at each token's exit, and the mean `KL(p_8 ‖ p_exit)` to the uniform training-mean-depth
-# output (`drc_core.halting.sweep`). The validation windows are split in two: routers are trained and thresholds
+# output (`drc_core.sweep`). The validation windows are split in two: routers are trained and thresholds
 # calibrated on the first half; every number below is measured on the held-out half.
 #
 # The full grid is swept *offline*: every rule is replayed on one uniform-depth trajectory per window
 # (`drc_core.sweep(..., mode="offline")`): one forward pass for every rule setting of the grid, not one each.
 # Offline replay ignores one effect of real halting: a halted token's frozen state and keys/values change
 # what later tokens see. The last section runs the matched points *online* (true per-token halting,
-# `drc_core.halting.reference.masked_forward`) and reports the difference.
+# `drc_core.masked_forward`) and reports the difference.
 
 # %% [markdown]
 # **Parameters.** `ce_tolerance` and `kl_target` define "the same quality as uniform depth `reference`" (the
@@ -77,8 +77,8 @@ from drc_book.workspace import open_study
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
-checkpoint = at_root(checkpoint) if checkpoint else ""
 keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
+checkpoint = at_root(checkpoint) if checkpoint else ""
 
 # %%
 t0 = time.time()
@@ -180,7 +180,7 @@ cal[["family", "quality", "param", "calib_depth", "heldout_depth", "heldout_qual
 # %% [markdown]
 # ## Halting with a stated guarantee
 # The calibration above picks a threshold on one split and checks it on the other: no promise beyond that split.
-# Learn then Test (Angelopoulos et al. 2021; `drc_core.halting.calibrate`) gives one: for each family it tests the
+# Learn then Test (Angelopoulos et al. 2021; `drc_core.calibrate`) gives one: for each family it tests the
 # grid's thresholds from the one that halts latest to the one that halts earliest, and returns the most aggressive
 # threshold whose risk it can certify, such that **with probability ≥ 1 − δ over the calibration documents, the
 # expected share of a new document's tokens whose top prediction differs from depth `reference` is ≤ α** (risk

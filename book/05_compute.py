@@ -17,9 +17,9 @@
 # (`drc_book.speed`):
 #
 # - **batched evaluation**: `model(x, r)` (uniform depth, one readout) against
-#   `drc_core.halting.skipping.skip_forward`, which really skips the halted tokens: at loop `l` the core runs only
+#   `drc_core.skip_forward`, which really skips the halted tokens: at loop `l` the core runs only
 #   on the tokens still active;
-# - **generation**: the KV-cached decoder `drc_core.halting.generate.generate` with `Uniform(r)` against the same
+# - **generation**: the KV-cached decoder `drc_core.generate_ids` with `Uniform(r)` against the same
 #   decoder with the rule, same prompt, same number of greedy tokens;
 # - **the measurement pass** of notebook 2 (`measure_windows`, 32 loops) against one depth-32 forward.
 #
@@ -174,7 +174,7 @@ pd.DataFrame(
 
 # %% [markdown]
 # ## Matched quality
-# For each rule family, the lowest-average-depth point of its threshold grid (`drc_core.halting.sweep.default_rules`)
+# For each rule family, the lowest-average-depth point of its threshold grid (`drc_core.default_rules`)
 # whose validation cross-entropy on these windows is within `ce_tolerance` of uniform depth `r`. The grid is
 # swept offline (one uniform pass for every threshold, as in notebook 4); the chosen point is rerun online with
 # `skip_forward` -- the path that is timed -- and a stricter point is taken if it misses the target there.
@@ -390,7 +390,7 @@ if not profile.startswith("smoke"):
 # %% [markdown]
 # ## bf16 where the CPU does it fast
 # The dense forward and the skipping path under `torch.autocast(bfloat16)` against fp32 (where
-# `drc_core.model.precision.bf16_support` finds AMX / AVX-512 bf16): time, CE, the share of tokens with the same
+# `drc_core.bf16_support` finds AMX / AVX-512 bf16): time, CE, the share of tokens with the same
 # exit loop, and how far the successive KL the rule thresholds moves (relative difference per token).
 
 # %%
@@ -405,7 +405,7 @@ if bf16_compare and fast_bf16:
 # %% [markdown]
 # ## Anderson acceleration: fewer core evaluations to the fixed point?
 # The state converges to a per-token fixed point, so Anderson acceleration (the deep-equilibrium solver;
-# `drc_core.model.anderson`) may reach it in fewer core evaluations than plain iteration: per sequence,
+# `drc_core.anderson_iterate`) may reach it in fewer core evaluations than plain iteration: per sequence,
 # window m = 2, 3, 5, damping 0.7. Beside it, damped plain iteration `s' = 0.85 f(s) + 0.15 s` (m = 0): the
 # same fixed points, no mixing, and a period-2 oscillation (notebook 2's 2-cycle tokens) becomes a
 # contraction. Per method: mean evaluations per token until the successive KL stays below 1e-3 and 1e-5,

@@ -13,7 +13,7 @@
 #
 # On natural text at our scale almost every token needs about the same depth, so no halting rule can show
 # much (notebook 4). Here a second model reads the same natural text mixed with generated documents
-# (`drc_core.data.depth_tasks`) in which some tokens need a known number `k` of sequential lookups. The
+# (`drc_core.generate_document`) in which some tokens need a known number `k` of sequential lookups. The
 # families (`task_families`):
 #
 # - **links**: `Links: cup box . box barn . lamp hall . ? cup barn .` -- each statement puts an object right
@@ -132,8 +132,8 @@ work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_ini
 task_work = str(Path(work_dir) / "depth_tasks")
 task_corpus = task_corpus_dir or str(Path(task_work) / "corpus")
 data_files = [at_root(f) for f in data_files]
-results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 t0 = time.time()
@@ -265,7 +265,7 @@ over.round(3)
 # %% [markdown]
 # ## What each answer's state does on its way to the fixed point
 # Notebook 2's per-token dynamics, read from the same answer trajectories: each answer's class over the last
-# loops (settled, oscillating, contracting, drifting; `drc_core.analysis.dynamics.classify`) with 95% intervals
+# loops (settled, oscillating, contracting, drifting; `drc_core.classify`) with 95% intervals
 # over documents, and how much its state norm grows from loop 1 to loop `max_loops`, by `k`.
 
 # %%
@@ -348,7 +348,7 @@ viz.depth_by_k_figure(
 # %% [markdown]
 # ## Halting with a stated guarantee on the task documents
 # Notebook 4's validation split has too few documents to certify a risk of 5% or less; the task documents are
-# many. Learn then Test (`drc_core.halting.calibrate`), each task document one unit, read from the offline pass
+# many. Learn then Test (`drc_core.calibrate`), each task document one unit, read from the offline pass
 # of the sweep above (no further model pass): with probability at least 1 − δ over the calibration documents,
 # the share of a new document's tokens whose top prediction differs from depth R's is at most α.
 # `risk_splits` random halvings of the task documents (certify on one half, measure on the other): the share of

@@ -66,8 +66,8 @@ from drc_core import Corpus, val_windows_with_docs
 work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, damping_file = at_root(
     work_dir, corpus_dir, runs_dir, levers_dir, scale_dir, previous_reference, damping_file
 )
-results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 keep_freed_memory()  # glibc reuses freed buffers: no page faults on fresh vocabulary-sized arrays
+results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
 
 # %%
 t0 = time.time()
