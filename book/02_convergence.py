@@ -22,7 +22,7 @@
 # change `‖s_l − s_{l−1}‖ / ‖s_l‖`, the entropy, and the cross-entropy of the next token. Every interval is a 95%
 # percentile bootstrap interval that resamples documents, since tokens of one document are not independent.
 # The frame is saved for notebook 3.
-
+#
 # **Another model.** With `checkpoint` set (the `huginn` profile) the same measurements run on a depth-recurrent
 # checkpoint trained elsewhere, such as Huginn-0125: the corpus is then prepared with that checkpoint's own
 # tokenizer, and the training-mean depth is the checkpoint's own (its `mean_recurrence`). Nothing below depends on

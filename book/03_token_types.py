@@ -23,7 +23,7 @@
 # content word, or a word-continuation piece (no leading space). `drc_core.class_depth_summary` gives each
 # class's mean depth with a 95% bootstrap interval that resamples *documents*, the unit whose tokens are not
 # independent.
-
+#
 # With `checkpoint` set (the `huginn` profile), the classes describe a model trained elsewhere, on notebook 2's
 # measurement of it.
 
