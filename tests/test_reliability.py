@@ -498,7 +498,8 @@ def test_train_onto_a_full_disk(site, small_fs):
 @pytest.mark.slow
 def test_sigint_during_training_is_one_line_and_resumes(site):
     out = site.tmp / "r"
-    args = train_args(site, "max_steps=400", "ckpt_every=5", out=out)
+    # long enough that the run cannot finish between its first checkpoint and the signal (400 steps once did)
+    args = train_args(site, "max_steps=2000", "ckpt_every=5", out=out)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", TRAIN, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -515,7 +516,7 @@ def test_sigint_during_training_is_one_line_and_resumes(site):
     assert "--resume" in lines[0]
     resumed = run_cli(TRAIN, train_args(site, "max_steps=20", "ckpt_every=5", out=out, resume=True))
     assert resumed.returncode == 2 and "differs from the run" in resumed.stderr  # max_steps is part of the config
-    resumed = run_cli(TRAIN, [*train_args(site, "max_steps=400", "ckpt_every=5", out=out, resume=True)])
+    resumed = run_cli(TRAIN, [*train_args(site, "max_steps=2000", "ckpt_every=5", out=out, resume=True)])
     assert resumed.returncode == 0, resumed.stderr
     assert (out / "final" / "model.safetensors").is_file()
 
