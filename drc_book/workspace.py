@@ -170,10 +170,10 @@ def open_model(work_dir: str | Path, checkpoint: str | Path = "") -> tuple[Any, 
     :class:`CheckpointConfig` (its window length and trained mean depth) and no metrics."""
     if checkpoint:
         m = load(checkpoint)
-        depth = float(getattr(m.model, "mean_recurrence", 0) or (m.config.recurrence.mean if m.config else 8))
-        cfg = m.config if m.config is not None else CheckpointConfig(
-            seq_len=int(m.model.max_seq_len), recurrence=RecurrenceConfig(mean=depth))
-        return m.model, cfg, pd.DataFrame()
+        if m.config is not None:  # one of this project's runs, given by path
+            return m.model, m.config, pd.DataFrame()
+        depth = RecurrenceConfig(mean=float(m.model.mean_recurrence))  # a checkpoint states its trained depth
+        return m.model, CheckpointConfig(seq_len=int(m.model.max_seq_len), recurrence=depth), pd.DataFrame()
     model_dir = Path(work_dir) / "model"
     if not (model_dir / WEIGHTS_FILE).is_file():
         raise DrcError(f"no model in '{model_dir}': run 01_training of this profile first")
