@@ -11,7 +11,11 @@
 # %% [markdown]
 # # 5. Compute: FLOP proxy versus wall-clock
 #
-# Notebook 4 counted a halting rule's savings as the *FLOP proxy* `r / a`: uniform depth `r` against the
+# **The question.** Notebook 4 found rules that keep depth-8 quality at fewer loops on average. Does that make the
+# model faster on the clock, in batched evaluation and in generation, and where it does not, what does the time go
+# to: the work the rule itself asks for, or the implementation?
+#
+# **How.** Notebook 4 counted a halting rule's savings as the *FLOP proxy* `r / a`: uniform depth `r` against the
 # rule's average exit loop `a`, counting only the core (prelude and coda run once). Here we measure what
 # that becomes on the clock, at matched quality, on the same validation windows and in the same process
 # (`drc_book.speed`):
@@ -79,37 +83,17 @@ anderson_evals = 16  # core evaluations per method there
 # imports; the parameters' paths resolved against the repository root (any working directory)
 import time
 
-import pandas as pd
 import torch
-from IPython.display import display
+from IPython.display import Markdown, display
 
 import drc_core
-from drc_book import viz
+from drc_book import speed, speed_checks, viz
 from drc_book.continuous_speed import decoder_targets, serving_latency
-from drc_book.cost import flop_parts, keep_freed_memory, matmul_flops_per_token
-from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_decoding
+from drc_book.cost import flop_summary, keep_freed_memory, speedup_model
+from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_decoder_sets
+from drc_book.handoff import Compute
 from drc_book.paths import at_root, results_for
-from drc_book.speed import (
-    TARGET_RATIO,
-    SpeedConfig,
-    matched_rules,
-    preset_specs,
-    skip_overhead,
-    speed_targets,
-    speedup_table,
-    targets_met,
-    time_batched,
-)
-from drc_book.speed_checks import (
-    anderson_configs,
-    anderson_table,
-    bf16_check,
-    measurement_cost,
-    measurement_summary,
-    profile_batched,
-    profile_generation,
-)
-from drc_book.workspace import open_study, save_results
+from drc_book.workspace import open_study
 from drc_core import bf16_support, default_families, val_windows_with_docs
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
@@ -123,26 +107,13 @@ if threads:
     torch.set_num_threads(threads)
 model, cfg, corpus, windows, _, reference = open_study(work_dir, corpus_dir, n_windows)
 prompt_len = min(prompt_len, cfg.seq_len, model.cfg.max_seq_len - new_tokens)
-speed = SpeedConfig(
-    reference_loops=reference,
-    rule_max_loops=rule_max_loops,
-    families=tuple(families or default_families()),
-    ce_tolerance=ce_tolerance,
-    rounds=rounds,
-    new_tokens=new_tokens,
-    prompt_len=prompt_len,
-    measure_loops=max_loops,
-    measure_windows=measure_windows,
-    fused=fused,
-    clock=clock,
-    keep_freed=keep_freed,
-)
+timing = speed.SpeedConfig(reference_loops=reference, rule_max_loops=rule_max_loops,
+                           families=tuple(families or default_families()), ce_tolerance=ce_tolerance, rounds=rounds,
+                           new_tokens=new_tokens, prompt_len=prompt_len, measure_loops=max_loops,
+                           measure_windows=measure_windows, fused=fused, clock=clock, keep_freed=keep_freed)
 c = model.cfg
-print(
-    f"{len(windows)} windows x {cfg.seq_len} tokens; uniform depth r = {reference}; d={c.d_model}, "
-    f"P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; "
-    f"{torch.get_num_threads()} torch threads"
-)
+print(f"{len(windows)} windows x {cfg.seq_len} tokens; uniform depth r = {reference}; d={c.d_model}, "
+      f"P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; {torch.get_num_threads()} torch threads")
 
 # %% [markdown]
 # ### The cost model on this model
@@ -151,26 +122,8 @@ print(
 # realisable speed-up small.
 
 # %%
-parts = flop_parts(model, cfg.seq_len)
-print(
-    ", ".join(f"{k} {v / 1e6:.2f} MFLOP" for k, v in parts.items())
-    + f"; one readout (coda + head + statistic) = {parts['readout'] / parts['core']:.2f} core loops"
-)
-base = matmul_flops_per_token(model, reference, cfg.seq_len, "forward")
-depths = sorted({1.0, reference / 4, reference / 2, float(reference)})
-pd.DataFrame(
-    [
-        {
-            "avg loops a": a,
-            "FLOP proxy r/a": reference / a,
-            "matmul speed-up, rule on states": base
-            / matmul_flops_per_token(model, a, cfg.seq_len, "skip_states"),
-            "matmul speed-up, rule on log-probs": base
-            / matmul_flops_per_token(model, a, cfg.seq_len, "skip_log_probs"),
-        }
-        for a in depths
-    ]
-).round(2)
+print(flop_summary(model, cfg.seq_len))
+speedup_model(model, reference, cfg.seq_len).round(2)
 
 # %% [markdown]
 # ## Matched quality
@@ -180,7 +133,7 @@ pd.DataFrame(
 # `skip_forward` -- the path that is timed -- and a stricter point is taken if it misses the target there.
 
 # %%
-matched = matched_rules(model, windows, speed)
+matched = speed.matched_rules(model, windows, timing)
 matched.table[["family", "rule", "avg_loops_offline", "ce_offline", "avg_loops", "ce", "ce_target",
                "within_tolerance", "note"]].round(4)
 
@@ -194,8 +147,8 @@ matched.table[["family", "rule", "avg_loops_offline", "ce_offline", "avg_loops",
 # the loop proxy `r / a`.
 
 # %%
-extra = preset_specs(speed, matched.specs) if presets else []
-batched = time_batched(model, windows, [*matched.specs, *extra], speed)
+extra = speed.preset_specs(timing, matched.specs) if presets else []
+batched = speed.time_batched(model, windows, [*matched.specs, *extra], timing)
 batched[["family", "rule", "avg_loops", "ce_gap", "seconds", "spread", "page_faults_per_batch",
          "proxy_speedup", "honest_flops", "honest_speedup", "wallclock_speedup", "wall_over_proxy",
          "wall_over_honest"]].round(3)
@@ -218,16 +171,9 @@ kl_and_state = (drc_core.KLThreshold.family, drc_core.StateDelta.family)  # pape
 decoder_rules = [sp for sp in matched.specs if sp.family in decoder_families]
 prompts, _ = val_windows_with_docs(corpus, cfg.seq_len, max([*gen_batches, *decoder_batches]))
 prompts = prompts[:, :prompt_len]
-gen_batches_here = [b for b in gen_batches if b <= len(prompts)]
-decoder_batches_here = [b for b in decoder_batches if b <= len(prompts)]
-# the generation batch sizes: every matched rule with generate, the decoder families with both
-# decoders; the other decoder batch sizes: the decoder families only
-decoding = [time_decoding(model, prompts, matched.specs, speed, batches=gen_batches_here,
-                          continuous=decoder_families)]
-more = [b for b in decoder_batches_here if b not in gen_batches_here]
-if more:
-    decoding.append(time_decoding(model, prompts, decoder_rules, speed, batches=more))
-generation = decoding[0].generation
+decoding = time_decoder_sets(model, prompts, matched.specs, timing, gen_batches=gen_batches,
+                             decoder_batches=decoder_batches, continuous=decoder_families)
+generation = decoding.generation
 generation[["rows", "rule", "avg_loops", "loops_run", "first_divergence", "same_tokens",
             "ms_per_token", "tokens_per_s", "proxy_speedup", "honest_speedup", "wallclock_speedup",
             "wall_over_proxy", "wall_over_honest"]].round(3)
@@ -245,7 +191,7 @@ generation[["rows", "rule", "avg_loops", "loops_run", "first_divergence", "same_
 
 # %%
 rows_here = [b for b in decode_rows if b <= len(windows)]
-decode_cost = decode_loop_cost(model, windows[:, :prompt_len], speed, rows=rows_here)
+decode_cost = decode_loop_cost(model, windows[:, :prompt_len], timing, rows=rows_here)
 display(decode_cost.round(3))
 prediction = decode_prediction(generation, decode_cost)
 display(prediction.round(3))
@@ -263,17 +209,10 @@ display(prediction.round(3))
 # generation batch sizes' rows come from the generation section's timing (the same calls).
 
 # %%
-decoders = pd.concat([d.decoders for d in decoding], ignore_index=True)
-decoders = decoders[decoders.batch.isin(decoder_batches_here)].sort_values("batch", kind="stable")
-display(
-    decoders[
-        [
-            "batch", "rule", "path", "avg_loops", "ms_per_step", "tokens_per_s", "x_dense",
-            "flop_speedup", "realization", "same_as_generate",
-        ]
-    ].round(3)
-)
-decoder_checks = decoder_targets(decoders, batches=[b for b in decoder_batches_here if b > 1])
+decoders = decoding.decoders
+display(decoders[["batch", "rule", "path", "avg_loops", "ms_per_step", "tokens_per_s", "x_dense", "flop_speedup",
+                  "realization", "same_as_generate"]].round(3))
+decoder_checks = decoder_targets(decoders, batches=[b for b in decoder_batches if 1 < b <= len(prompts)])
 display(decoder_checks.round(3))
 viz.decoder_bars(decoders)
 
@@ -288,10 +227,8 @@ viz.decoder_bars(decoders)
 state_rule = [sp.rule for sp in decoder_rules if sp.family == "state_delta"]
 serving = None
 if serving_slots and state_rule and len(prompts) > serving_slots:
-    serving = serving_latency(
-        model, prompts, state_rule[0], slots=serving_slots,
-        new_tokens=(max(1, new_tokens // 4), new_tokens, new_tokens, new_tokens), cfg=speed,
-    )
+    serving = serving_latency(model, prompts, state_rule[0], slots=serving_slots,
+                              new_tokens=(max(1, new_tokens // 4), new_tokens, new_tokens, new_tokens), cfg=timing)
     display(serving.round(3))
 
 # %% [markdown]
@@ -300,9 +237,7 @@ if serving_slots and state_rule and len(prompts) > serving_slots:
 # 0.9 × the proxy (the target), the dotted line no speed-up.
 
 # %%
-table = speedup_table(
-    batched[batched.family != "huginn"], generation[generation.rows == gen_batches[0]]
-)
+table = speed.speedup_table(batched[batched.family != "huginn"], generation[generation.rows == gen_batches[0]])
 viz.speedup_bars(table)
 
 # %%
@@ -318,14 +253,12 @@ table.round(3)
 # reachable is bound by the implementation; one that is not reachable, by the work the rule asks for.
 
 # %%
-targets = speed_targets(batched[batched.family != "huginn"], generation)
+targets = speed.speed_targets(batched[batched.family != "huginn"], generation)
 display(targets.round(3))
 missed = targets[~targets.met]
-print(
-    f"{targets.met.sum()} of {len(targets)} met; of the {len(missed)} missed, "
-    f"{(~missed.reachable).sum()} are out of reach at any implementation (ceiling short of the "
-    f"threshold), {missed.reachable.sum()} are bound by the implementation"
-)
+print(f"{targets.met.sum()} of {len(targets)} met; of the {len(missed)} missed, {(~missed.reachable).sum()} are out "
+      f"of reach at any implementation (ceiling short of the threshold), {missed.reachable.sum()} are bound by the "
+      "implementation")
 
 # %% [markdown]
 # ## Where the time goes
@@ -368,24 +301,16 @@ print(
 #   successive KL moves under bf16 far more than the CE does, which matters for the tiniest thresholds.
 
 # %%
-def by_kind(kinds: pd.DataFrame) -> pd.DataFrame:
-    """Self CPU ms by kind of op, and the number of matmul calls and of all ops, per variant."""
-    ms = kinds.pivot_table(index="variant", columns="kind", values="ms", sort=False)
-    calls = kinds.pivot_table(index="variant", columns="kind", values="calls", sort=False)
-    return ms.round(0).assign(matmul_calls=calls["matmul"], ops=calls["total"])
-
-
 if not profile.startswith("smoke"):
     named = [spec for spec in matched.specs if spec.family in kl_and_state]
-    kinds, ops = profile_batched(model, windows, named, speed)
-    display(by_kind(kinds))
+    kinds, ops = speed_checks.profile_batched(model, windows, named, timing)
+    display(speed_checks.by_kind(kinds))
     display(ops.round(3))
     for rows in gen_batches:
-        gen_kinds, _ = profile_generation(
-            model, windows[:rows, :prompt_len], named, speed, continuous=rows > 1
-        )
+        gen_kinds, _ = speed_checks.profile_generation(model, windows[:rows, :prompt_len], named, timing,
+                                                       continuous=rows > 1)
         print(f"generation, {rows} row(s), {new_tokens} new tokens:")
-        display(by_kind(gen_kinds))
+        display(speed_checks.by_kind(gen_kinds))
 
 # %% [markdown]
 # ## bf16 where the CPU does it fast
@@ -398,7 +323,7 @@ fast_bf16 = bf16_support(next(model.parameters()).device)
 print(fast_bf16 or "no fast bf16 on this device: skipped")
 if bf16_compare and fast_bf16:
     named = [spec for spec in matched.specs if spec.family in kl_and_state]
-    bf16_frame, bf16_kl = bf16_check(model, windows, named, speed)
+    bf16_frame, bf16_kl = speed_checks.bf16_check(model, windows, named, timing)
     display(bf16_frame.round(4))
     display(bf16_kl.round(5))
 
@@ -415,13 +340,8 @@ if bf16_compare and fast_bf16:
 
 # %%
 if anderson_windows:
-    anderson = anderson_table(
-        model,
-        windows[:anderson_windows],
-        anderson_configs(),
-        max_evals=anderson_evals,
-        time_rounds=rounds,
-    )
+    anderson = speed_checks.anderson_table(model, windows[:anderson_windows], speed_checks.anderson_configs(),
+                                           max_evals=anderson_evals, time_rounds=rounds)
     display(anderson.round(6))
 
 # %% [markdown]
@@ -429,25 +349,7 @@ if anderson_windows:
 
 # %%
 if anderson_windows:
-    plain = anderson.iloc[0]
-    acc = anderson[anderson.method.str.startswith("anderson")]
-    for _, row in anderson[anderson.method.str.startswith("plain (")].iterrows():
-        print(
-            f"{row.method}: evaluations to 1e-5 {row['evals_kl_1e-5']:.2f} "
-            f"(plain {plain['evals_kl_1e-5']:.2f}), to 1e-3 {row['evals_kl_1e-3']:.2f} "
-            f"(plain {plain['evals_kl_1e-3']:.2f}); tokens reaching 1e-5: "
-            f"{row['converged_1e-5']:.1%} (plain {plain['converged_1e-5']:.1%}); "
-            f"time per evaluation {row.x_plain_time_per_eval:.2f}x plain"
-        )
-    best = acc.loc[(acc["evals_kl_1e-5"] * acc.x_plain_time_per_eval).idxmin()]
-    e5, e3, cost = acc["evals_kl_1e-5"], acc["evals_kl_1e-3"], acc.x_plain_time_per_eval
-    ratio = best["evals_kl_1e-5"] * best.x_plain_time_per_eval / plain["evals_kl_1e-5"]
-    print(
-        f"Anderson: evaluations to 1e-5 {e5.min():.2f}-{e5.max():.2f}, "
-        f"to 1e-3 {e3.min():.2f}-{e3.max():.2f}; each evaluation costs "
-        f"{cost.min():.2f}-{cost.max():.2f}x a plain one; "
-        f"time to 1e-5, best ({best.method}): {ratio:.2f}x plain"
-    )
+    print(speed_checks.anderson_summary(anderson))
 
 # %% [markdown]
 # The line above compares the methods: fewer evaluations to a tight fixed point (1e-5), each costing more than
@@ -464,54 +366,24 @@ if anderson_windows:
 # (notebook 2's setting) adds a first pass to get the deepest output and a KL to it at every loop.
 
 # %%
-measurement = measurement_cost(model, windows, speed)
+measurement = speed_checks.measurement_cost(model, windows, timing)
 measurement[["pass", "seconds", "spread", "x_forward", "x_readout_pass"]].round(3)
 
+# %% [markdown]
+# ## What this notebook found
+#
+# The record (`drc_book.handoff.Compute`) holds every table above and is what the README's speed rows read; the
+# paragraph is built from it.
+
 # %%
-results = {
-    "profile": profile,
-    "reference_loops": reference,
-    "rule_max_loops": rule_max_loops,
-    "ce_tolerance": ce_tolerance,
-    "n_windows": len(windows),
-    "seq_len": cfg.seq_len,
-    "rounds": rounds,
-    "threads": torch.get_num_threads(),
-    "target_wall_over_proxy": TARGET_RATIO,
-    "matched": matched.table.to_dict("records"),
-    "batched": batched.to_dict("records"),
-    "generation": generation.to_dict("records"),
-    "measurement": measurement.to_dict("records"),
-    "table": table.to_dict("records"),
-    "skip_overhead_at_equal_depth": skip_overhead(batched),
-    "target_met": targets_met(batched[batched.family != "huginn"], generation),
-    "speed_targets": targets.to_dict("records"),
-    "anderson": anderson.to_dict("records") if anderson_windows else None,
-    "decode_loop_cost": decode_cost.to_dict("records"),
-    "decode_prediction": prediction.to_dict("records"),
-    "decoders": decoders.to_dict("records"),
-    "decoder_targets": decoder_checks.to_dict("records"),
-    "serving": None if serving is None else serving.to_dict("records"),
-    "bf16": bf16_frame.to_dict("records") if bf16_compare and fast_bf16 else None,
-    **measurement_summary(measurement),
-    "notebook_seconds": time.time() - t0,
-}
-save_results(results_dir, "05_compute", results)
-for r in table.itertuples():
-    if (
-        f"{r.setting}: {r.rule}" in results["target_met"]
-    ):  # the matched rules (not skip_forward at uniform depth)
-        print(
-            f"{r.setting:12s} {r.rule:22s} proxy {r.proxy_speedup:.2f}x  "
-            f"wall-clock {r.wallclock_speedup:.2f}x  "
-            f"ratio {r.wall_over_proxy:.2f} "
-            f"({'meets' if r.wall_over_proxy >= TARGET_RATIO else 'misses'} "
-            f"the {TARGET_RATIO} target)"
-        )
-print(
-    f"skip_forward at equal depth: {results['skip_overhead_at_equal_depth']:.2f}x the dense "
-    f"forward; measurement "
-    f"pass {results['measurement_x_forward']:.2f}x one depth-{max_loops} forward, "
-    f"{results['measurement_x_readout_pass']:.2f}x the every-loop readout pass "
-    f"(which alone is {results['readout_pass_x_forward']:.2f}x)"
-)
+record = Compute.build(
+    profile=profile, reference_loops=reference, rule_max_loops=rule_max_loops, ce_tolerance=ce_tolerance,
+    n_windows=len(windows), seq_len=cfg.seq_len, rounds=rounds, threads=torch.get_num_threads(),
+    matched=matched.table, batched=batched, generation=generation, measurement=measurement, table=table,
+    **speed.speed_summary(batched, generation), speed_targets=targets,
+    anderson=anderson if anderson_windows else None, decode_loop_cost=decode_cost, decode_prediction=prediction,
+    decoders=decoders, decoder_targets=decoder_checks, serving=serving,
+    bf16=bf16_frame if bf16_compare and fast_bf16 else None, **speed_checks.measurement_summary(measurement),
+    notebook_seconds=time.time() - t0)
+record.save(results_dir)
+display(Markdown(record.findings()))

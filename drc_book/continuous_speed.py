@@ -1,18 +1,6 @@
-"""Does per-token halting make generation faster at batch > 1? The dense KV-cached decoder at depth r, the
-step-synchronous :func:`~drc_core.halting.generate.generate` and continuous depth batching
-(:func:`~drc_core.halting.continuous.generate_continuous`), timed side by side.
-
-- :func:`time_decoders`: for each batch size, one interleaved timing of the three decoders for ``Uniform(r)``
-  (the machinery's cost at equal depth) and each rule; tokens/s, the wall-clock speed-up over the dense
-  decoder, the honest-FLOP speed-up (:func:`drc_book.cost.honest_flops` of the work each path did)
-  and the **realization ratio** = wall-clock speed-up / honest-FLOP speed-up (1 = the clock gets all the
-  compute the rule saves).
-- :func:`serving_latency`: requests queued behind a fixed number of slots; per-request latency percentiles of
-  continuous depth batching (a finished row's slot takes the next request at once) against the step-synchronous
-  decoder run batch after batch.
-
-Timing as in :mod:`drc_book.speed`: time per decode step = (time of n new tokens - time of 1) /
-(n - 1), medians over interleaved rounds, the same prompts and initial states for every variant.
+"""Does per-token halting make generation faster at batch > 1? The dense decoder at depth r, the step-synchronous
+``generate`` and continuous depth batching (``generate_continuous``) side by side (:func:`time_decoders`), their
+targets, and request latency behind a fixed number of slots (:func:`serving_latency`).
 """
 
 from __future__ import annotations
@@ -43,17 +31,11 @@ TARGET_OVERHEAD = 1.05  # continuous batching at equal depth costs <= 1.05x the 
 def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                   cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (1, 8, 32), log: Log = None
                   ) -> pd.DataFrame:
-    """One row per (batch, rule, path): greedy decoding of ``cfg.new_tokens`` tokens after the first B prompts of
-    ``prompt`` (B in ``batches``), by the dense decoder (``generate_fixed`` at ``cfg.reference_loops`` r), by
-    ``generate`` and by ``generate_continuous`` with ``Uniform(r)`` and each rule.
-
-    Columns: ``batch``, ``rule``, ``family``, ``path``, ``avg_loops`` (mean exit loop of the new tokens),
-    ``ms_per_step`` (one decode step of all B rows), ``tokens_per_s``, ``x_dense`` (wall-clock speed-up over the
-    dense decoder), ``honest_flops`` (per new token), ``flop_speedup`` (the dense decoder's honest FLOPs over
-    the path's), ``realization`` (x_dense / flop_speedup), ``same_as_generate`` (continuous only: every request's
-    tokens and exit loops equal ``generate``'s), ``spread`` and ``steps`` (core steps of the continuous decode
-    phase). (:func:`~drc_book.decode_speed.time_decoding`, which also gives the generation table of the
-    same timing.)"""
+    """One row per (batch, rule, path): greedy decoding after the first B prompts (B in ``batches``) by the
+    dense decoder, ``generate`` and ``generate_continuous`` with ``Uniform(r)`` and each rule: ``avg_loops``,
+    ``ms_per_step``, ``tokens_per_s``, ``x_dense`` (speed-up over the dense decoder), ``honest_flops``,
+    ``flop_speedup``, ``realization`` (x_dense / flop_speedup), ``same_as_generate``, ``spread`` and ``steps``
+    (:func:`~drc_book.decode_speed.time_decoding`)."""
     return time_decoding(model, prompt, rules, cfg, batches=batches, log=log).decoders
 
 

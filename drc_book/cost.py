@@ -1,23 +1,8 @@
-"""What a forward costs: the matmul-FLOP model of each path, and the interleaved timer the speed measurements and
-``bench/`` share.
-
-FLOPs come from one formula, :meth:`drc_core.model.lm.DepthRecurrentLM.flops_per_token` (``block`` per transformer
-block, ``adapter`` per loop for concat injection, ``2 d V`` for the head); this module only splits it into the
-prelude, core, coda and head and recombines them per path (:func:`matmul_flops_per_token`) or for a training
-step (:func:`train_flops_per_token`).
-
-Timing: :func:`rotations` gives each round's order (each round starts one variant later, so no variant always
-runs first or after the same neighbour), :func:`interleaved` times one call per variant per round, and
-:func:`median` / :func:`spread` summarize the rounds: on a shared machine load slows all variants alike.
-
-Memory: with glibc's default settings, a freed buffer of more than ~128 KB to 32 MB may go back to the
-operating system (``munmap``, or trimming the top of the heap), and the next buffer of that size faults on
-every 4 KB page at first touch. Whether that happens depends on the order of allocations, not on the work: on
-the reference model the dense forward at depth 8 took 0 minor page faults per batch after warm-up and
-``skip_forward`` with ``Uniform(8)``, the same matmuls, 35,000-58,000 (the MLP's (N, 1376) and (N, 688)
-temporaries faulting in ``mm``, ``mul`` and ``silu``), which made it 1.08-1.19x slower. :func:`keep_freed_memory`
-tells glibc to keep freed memory in the process for reuse (``mallopt``), after which both take 0 faults;
-:func:`page_faults` counts them. The speed measurements call it before timing.
+"""What a forward costs: the matmul-FLOP model of each path (split from
+:meth:`drc_core.DepthRecurrentLM.flops_per_token`), and the interleaved timer the speed measurements and ``bench/``
+share: each round starts one variant later, and medians over rounds keep load on a shared machine from favouring
+one variant. :func:`keep_freed_memory` keeps glibc from returning freed buffers to the system, so that no variant
+pays page faults on fresh buffers by the luck of its allocation order (:func:`page_faults` counts them).
 """
 
 from __future__ import annotations
@@ -28,11 +13,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+import pandas as pd
+
 from drc_core import KEEP_FREED_BYTES, DepthRecurrentLM, DrcError, keep_freed_memory
 
-__all__ = ["CLOCKS", "KEEP_FREED_BYTES", "VOCAB_STAT_FLOPS", "Log", "flop_parts", "honest_flops", "interleaved",
-           "keep_freed_memory", "matmul_flops_per_token", "median", "page_faults", "rotations", "spread",
-           "train_flops_per_token"]
+__all__ = ["CLOCKS", "KEEP_FREED_BYTES", "VOCAB_STAT_FLOPS", "Log", "flop_parts", "flop_summary", "honest_flops",
+           "interleaved", "keep_freed_memory", "matmul_flops_per_token", "median", "page_faults", "rotations",
+           "speedup_model", "spread", "train_flops_per_token"]
 
 Log = Callable[[str], None] | None
 T = TypeVar("T")
@@ -75,6 +62,24 @@ def flop_parts(model: DepthRecurrentLM, seq_len: int) -> dict[str, float]:
     stats = VOCAB_STAT_FLOPS * c.vocab_size
     return {"prelude": c.n_prelude * block, "core": core, "coda": coda, "head": float(head),
             "vocab_stats": float(stats), "readout": coda + head + stats}
+
+
+def flop_summary(model: DepthRecurrentLM, seq_len: int) -> str:
+    """One line: the MFLOP per token of each part (:func:`flop_parts`) and what one readout costs in core loops."""
+    parts = flop_parts(model, seq_len)
+    return (", ".join(f"{k} {v / 1e6:.2f} MFLOP" for k, v in parts.items())
+            + f"; one readout (coda + head + statistic) = {parts['readout'] / parts['core']:.2f} core loops")
+
+
+def speedup_model(model: DepthRecurrentLM, reference: int, seq_len: int) -> pd.DataFrame:
+    """The matmul speed-up over uniform depth ``reference`` that each skipping path can reach at a few average
+    depths ``a`` (1, r/4, r/2, r), beside the FLOP proxy r / a."""
+    base = matmul_flops_per_token(model, reference, seq_len, "forward")
+    return pd.DataFrame([
+        {"avg loops a": a, "FLOP proxy r/a": reference / a,
+         "matmul speed-up, rule on states": base / matmul_flops_per_token(model, a, seq_len, "skip_states"),
+         "matmul speed-up, rule on log-probs": base / matmul_flops_per_token(model, a, seq_len, "skip_log_probs")}
+        for a in sorted({1.0, reference / 4, reference / 2, float(reference)})])
 
 
 VOCAB_STAT_FLOPS = 8  # per vocabulary entry and token-loop of a per-loop readout: softmax (max, subtract, exp, sum)

@@ -1,17 +1,7 @@
-"""Realized speedup of per-token halting in generation: the KV-cached decoder at fixed depth against the halting
-decoder, on the clock, beside the FLOP proxy and the honest FLOPs (the batched comparison is
-:mod:`drc_book.speed`, whose :class:`~drc_book.speed.SpeedConfig` and timing protocol this
-module shares).
-
-- :func:`time_generation`: :func:`~drc_core.halting.generate.generate_fixed` (the decoder at fixed depth r with no
-  halting machinery) against :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` and with each matched
-  rule: same prompts, same number of new tokens, greedy. Time per step = (time of n new tokens - time of 1) /
-  (n - 1), so the prompt pass drops out; tokens/s = rows / time per step.
-- :func:`time_decoding`: one interleaved timing per batch size that gives both :func:`time_generation`'s table and
-  :func:`~drc_book.continuous_speed.time_decoders`' (with continuous depth batching for the rules
-  asked), so that a book showing both times each decoder once.
-- :func:`decode_loop_cost`: the time of one loop of the decoder against the number of rows it runs (a fixed cost
-  plus a per-row cost), and :func:`decode_prediction`: the speed-up that cost model predicts for each rule.
+"""Realized speed-up of per-token halting in generation: the KV-cached decoder at fixed depth (``generate_fixed``)
+against the halting decoders, beside the FLOP proxy and the honest FLOPs, with the timing protocol of
+:mod:`drc_book.speed`. Time per decode step = (time of n new tokens - time of 1) / (n - 1), so the prompt pass
+drops out; :func:`decode_loop_cost` and :func:`decode_prediction` model what one loop of a step costs.
 """
 
 from __future__ import annotations
@@ -41,7 +31,8 @@ from drc_core import (
 )
 from drc_core import generate_ids as generate
 
-__all__ = ["DecodeTimes", "decode_loop_cost", "decode_prediction", "time_decoding", "time_generation"]
+__all__ = ["DecodeTimes", "decode_loop_cost", "decode_prediction", "time_decoder_sets", "time_decoding",
+           "time_generation"]
 
 
 def _first_divergence(tokens: Tensor, reference: Tensor) -> float:
@@ -91,22 +82,12 @@ class DecodeTimes:
 
 def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
-    """Time per new token of greedy :func:`~drc_core.halting.generate.generate` with ``Uniform(r)`` against each rule.
-
-    Same prompt (B, T0), same ``new_tokens`` n, same initial states. The baseline (``path`` "dense decode") is
-    :func:`~drc_core.halting.generate.generate_fixed` at depth r, the KV-cached decoder with no halting machinery;
-    then ``generate`` with ``Uniform(r)`` (the machinery's own overhead at equal depth) and with each rule. Time
-    per new token = (median time of n new tokens - median time of 1) / (n - 1): the decode steps alone (should
-    noise make that <= 0, the median time of n tokens / n). One row per variant; columns as in
-    :func:`time_batched` (``setting`` "generation", ``path`` "generate"), with ``avg_loops`` the mean exit loop
-    of the n positions whose outputs chose the new tokens, ``ms_per_token``, ``tokens_per_s`` (B new tokens per
-    step), ``rows`` (B), ``prompt_ms`` (the prompt pass plus the first token), ``same_tokens`` (fraction of new
-    tokens equal to the dense decoder's, position by position), ``first_divergence`` (index of the first new
-    token that differs; n if none; mean over rows), ``loops_run`` (loops a decode step runs: the mean over the n
-    positions of the deepest exit among the B rows; ``avg_loops`` when B = 1) and no CE. ``honest_flops`` is
-    per new token (the work of n new tokens minus that of 1, over n - 1, per row); ``flop_speedup`` uses a
-    context of T0 + n tokens. (:func:`time_decoding` with one batch size and no continuous decoder.)
-    """
+    """Time per new token of greedy ``generate`` with each rule against the dense decoder at depth r
+    (``generate_fixed``, ``path`` "dense decode") and ``generate`` with ``Uniform(r)``: same prompt (B, T0), same
+    ``new_tokens``, same initial states. One row per variant, columns as in :func:`~drc_book.speed.time_batched` plus
+    ``rows``, ``ms_per_token``, ``prompt_ms``, ``same_tokens`` and ``first_divergence`` (against the dense decoder's
+    tokens) and ``loops_run`` (the mean deepest exit among the rows per step); no CE. :func:`time_decoding` with one
+    batch size and no continuous decoder."""
     prompt = on_device(model, prompt, "prompt", targets=False)
     return time_decoding(model, prompt, rules, cfg, batches=[prompt.shape[0]], continuous=(), log=log).generation
 
@@ -161,6 +142,25 @@ def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
             generation += _generation_rows(model, specs, kept, times, step, b, t0, n, r)
             decoders += _decoder_rows(model, both, kept, times, step, b, t0, n, r)
     return DecodeTimes(pd.DataFrame(generation), pd.DataFrame(decoders))
+
+
+def time_decoder_sets(model: DepthRecurrentLM, prompts: Tensor, rules: Sequence[RuleSpec], cfg: SpeedConfig, *,
+                      gen_batches: Sequence[int], decoder_batches: Sequence[int],
+                      continuous: Sequence[str]) -> DecodeTimes:
+    """Notebook 05's decoder timings, each decoder timed once: at the batch sizes of ``gen_batches`` every rule with
+    ``generate`` and the ``continuous`` families with both decoders (:func:`time_decoding`); at the other batch
+    sizes of ``decoder_batches`` those families only. Batch sizes beyond the prompts are left out. Returns the
+    generation table of ``gen_batches`` and the decoder table of ``decoder_batches``, ordered by batch."""
+    gen = [b for b in gen_batches if b <= len(prompts)]
+    dec = [b for b in decoder_batches if b <= len(prompts)]
+    decoding = [time_decoding(model, prompts, rules, cfg, batches=gen, continuous=continuous)]
+    more = [b for b in dec if b not in gen]
+    if more:
+        decoding.append(time_decoding(model, prompts, [sp for sp in rules if sp.family in continuous], cfg,
+                                      batches=more))
+    decoders = pd.concat([d.decoders for d in decoding], ignore_index=True)
+    decoders = decoders[decoders.batch.isin(dec)].sort_values("batch", kind="stable")
+    return DecodeTimes(decoding[0].generation, decoders)
 
 
 def _summary(out: object) -> dict[str, Any]:
@@ -247,16 +247,10 @@ def _decoder_rows(model: DepthRecurrentLM, specs: list[RuleSpec], kept: dict[str
 
 def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig | None = None, *,
                      rows: Sequence[int] = (1, 2, 4, 8, 16), log: Log = None) -> pd.DataFrame:
-    """What one core loop of a decode step costs with B rows active, for each B of ``rows`` (the first B
-    prompts of ``prompt``): the decode step of :func:`~drc_core.halting.generate.generate_fixed` at depth r and
-    at depth 1 (each as in :func:`time_generation`: time of n new tokens - time of 1, over n - 1), and per loop
-    ``loop_ms`` = (step at r - step at 1) / (r - 1), all in one interleaved timing.
-
-    One row per B: ``rows``, ``step_ms`` (depth r), ``loop_ms``, ``loop_ms_per_row``, ``fixed_ms`` and
-    ``per_row_ms`` (the least-squares line loop_ms = fixed + per_row * B over all B, same on every row) and
-    ``fixed_share`` (fixed_ms / loop_ms: the part of a loop that does not shrink when rows exit). A loop over a
-    few rows is latency-bound (one pass over the weights, ~40 small ops), not FLOP-bound: see
-    :func:`decode_prediction`."""
+    """What one core loop of a decode step costs with B rows active, for each B of ``rows``: the
+    ``generate_fixed`` step at depth r and at depth 1, ``loop_ms`` = their difference / (r - 1), and the
+    least-squares line loop_ms = ``fixed_ms`` + ``per_row_ms`` x B with ``fixed_share`` (the part that does not shrink
+    when rows exit). One row per B."""
     cfg = cfg or SpeedConfig()
     prepare_memory(cfg)
     n, r = cfg.new_tokens, cfg.reference_loops
@@ -292,16 +286,10 @@ def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig |
 
 
 def decode_prediction(generation: pd.DataFrame, cost: pd.DataFrame) -> pd.DataFrame:
-    """The core-loop speed-up each rule of a :func:`time_generation` frame can expect at the decode loop cost
-    measured by :func:`decode_loop_cost` (loop = ``fixed_ms`` + ``per_row_ms`` x active rows), beside its
-    honest-FLOP and measured speed-ups.
-
-    A decode step of B rows with uniform depth r costs r (f + p B); with a rule, loop l costs f + p (rows still
-    active at l), so a step costs f x (deepest exit among its rows) + p x (sum of the rows' exits): on average
-    f ``loops_run`` + p B ``avg_loops``. ``loop_cost_speedup`` = r (f + p B) / (f loops_run + p B avg_loops):
-    r / avg_loops (the proxy) when p dominates, r / loops_run when f does. It counts core loops only: the
-    readouts a rule performs per loop (KL, entropy, ...) come on top, so for those rules it is an upper bound.
-    One row per (rows, rule) of the frame's rules (baselines and ``Uniform(r)`` left out)."""
+    """The core-loop speed-up each rule of a generation frame can expect at the measured decode loop cost
+    (loop = f + p x active rows): a step costs f x its deepest exit + p x the sum of its rows' exits, so
+    ``loop_cost_speedup`` = r (f + p B) / (f loops_run + p B avg_loops); an upper bound for rules that also read out
+    every loop. One row per (rows, rule), baselines and ``Uniform(r)`` left out."""
     fixed, per_row = float(cost.fixed_ms.iloc[0]), float(cost.per_row_ms.iloc[0])
     rows = []
     for g in generation[generation.family != "uniform"].itertuples():

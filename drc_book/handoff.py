@@ -1,13 +1,8 @@
-"""Each notebook's results as a typed record: the only way notebook 07, the README and the docs tables read 01-04
-and 06.
-
-A record is written once as JSON (``drc_book.workspace.save_results``, integer keys become strings). A class here
-names the fields a later reader takes from one of those files and parses them (:meth:`from_results`); a missing
-field is a one-line :class:`~drc_core.errors.DrcError` that names the notebook to re-run. A notebook whose record
-is complete (a :class:`Record`: :class:`TokenTypes`) builds it and writes it with one call (:meth:`Record.save`),
-and says what it found from it (:meth:`Record.findings`); the others still write a dict, and
-``tests/test_handoff.py`` checks that every field is among the keys the producing notebook writes (by reading its
-source) and that the reference book's results parse, so a renamed key fails a fast test rather than the book run.
+"""Each notebook's results as a typed record, written once as JSON and read back the same way by notebook 07, the
+README and the docs tables. A :class:`Record` (01-05, 07) is the whole file: the notebook builds it, writes it with
+one call (:meth:`Record.save`) and says what it found from it (:meth:`Record.findings`); a :class:`Handoff`
+(06) parses the fields a later reader takes. A missing field is a one-line :class:`~drc_core.DrcError` naming the
+notebook to re-run; ``tests/test_handoff.py`` checks that the reference results parse and write back identically.
 """
 
 from __future__ import annotations
@@ -23,8 +18,8 @@ import pandas as pd
 from drc_book.workspace import load_results, save_results
 from drc_core import DrcError, family_title
 
-__all__ = ["HANDOFFS", "ClassDepth", "Convergence", "Cycles", "Halting", "Handoff", "Interval", "KnownDepth", "Record",
-           "Reproduction", "TokenTypes", "Training"]
+__all__ = ["HANDOFFS", "ClassDepth", "Compute", "Convergence", "Cycles", "Halting", "Handoff", "Interval", "KnownDepth",
+           "Record", "Reproduction", "TokenTypes", "Training"]
 
 
 def _num(x: Any) -> float:
@@ -386,6 +381,82 @@ class Halting(Record):
 
 
 @dataclass(frozen=True)
+class Compute(Record):
+    """Notebook 05's results: the setting (``reference_loops`` r, the rules' ``rule_max_loops``, the matched-quality
+    ``ce_tolerance``, windows, threads), then every timing table as a list of rows: the matched rules, batched
+    evaluation, generation, the measurement pass, the speed-up table and targets, Anderson acceleration, the decode
+    loop cost and its prediction, the three decoders and their targets, serving and bf16 (None where skipped), with
+    the measurement pass's ratios and whether each matched rule reaches ``target_wall_over_proxy``."""
+
+    NOTEBOOK: ClassVar[str] = "05_compute"
+    profile: str
+    reference_loops: int
+    rule_max_loops: int
+    ce_tolerance: float
+    n_windows: int
+    seq_len: int
+    rounds: int
+    threads: int
+    target_wall_over_proxy: float
+    matched: list[dict[str, Any]]
+    batched: list[dict[str, Any]]
+    generation: list[dict[str, Any]]
+    measurement: list[dict[str, Any]]
+    table: list[dict[str, Any]]
+    skip_overhead_at_equal_depth: float
+    target_met: dict[str, bool]
+    speed_targets: list[dict[str, Any]]
+    anderson: list[dict[str, Any]] | None
+    decode_loop_cost: list[dict[str, Any]]
+    decode_prediction: list[dict[str, Any]]
+    decoders: list[dict[str, Any]]
+    decoder_targets: list[dict[str, Any]]
+    serving: list[dict[str, Any]] | None
+    bf16: list[dict[str, Any]] | None
+    measurement_x_forward: float
+    measurement_x_readout_pass: float
+    readout_pass_x_forward: float
+    notebook_seconds: float
+
+    @classmethod
+    def from_results(cls, r: Mapping[str, Any]) -> Compute:
+        _need(r, cls)
+        return cls(**{f.name: r[f.name] for f in fields(cls)})
+
+    @classmethod
+    def build(cls, **values: Any) -> Compute:
+        """The record from the notebook's values, its frames (and None for a skipped section) as lists of rows."""
+        return cls(**{k: v.to_dict("records") if isinstance(v, pd.DataFrame) else v for k, v in values.items()})
+
+    def _best(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The fastest matched rule (not a baseline, uniform depth or a Huginn preset) of a timing table."""
+        return max((e for e in rows if not e["baseline"] and e["family"] not in ("uniform", "huginn")),
+                   key=lambda e: e["wallclock_speedup"])
+
+    def findings(self) -> str:
+        rules = [e for e in self.batched if not e["baseline"] and e["family"] not in ("uniform", "huginn")]
+        best = self._best(self.batched)
+        faster = [e for e in rules if e["wallclock_speedup"] > 1]
+        gen = "; ".join(
+            f"with {b} row{'s' * (b > 1)} {g['rule']} at {g['wallclock_speedup']:.2f}x"
+            for b in sorted({e["rows"] for e in self.generation})
+            for g in [self._best([e for e in self.generation if e["rows"] == b])])
+        met = [t for t in self.speed_targets if t["met"]]
+        missed = [t for t in self.speed_targets if not t["met"]]
+        r = self.reference_loops
+        return (f"**Found.** At matched quality (CE within {self.ce_tolerance:g} nats of uniform depth {r}), "
+                f"{len(faster)} of the {len(rules)} rules beat uniform depth {r} on the clock in batched evaluation; "
+                f"the fastest, {best['rule']}, runs {best['wallclock_speedup']:.2f}x against a FLOP proxy of "
+                f"{best['proxy_speedup']:.2f}x. In generation the best rule against the dense decoder: {gen}. The "
+                f"skipping path at equal depth runs at {self.skip_overhead_at_equal_depth:.2f}x the dense forward. "
+                f"{len(met)} of the {len(self.speed_targets)} speed targets are met; of the {len(missed)} missed, "
+                f"{sum(not t['reachable'] for t in missed)} are out of reach of any implementation of the same work. "
+                f"The measurement pass costs {self.measurement_x_forward:.2f}x one forward at its depth and "
+                f"{self.measurement_x_readout_pass:.2f}x the bare every-loop readout pass (itself "
+                f"{self.readout_pass_x_forward:.2f}x the forward).")
+
+
+@dataclass(frozen=True)
 class KnownDepth(Handoff):
     """From 06_known_depth (the model trained on natural text mixed with depth tasks): its training-mean depth
     ``reference_loops``, the share of its training tokens that are tasks, the range of lookups ``k_range``, the
@@ -454,4 +525,4 @@ class Reproduction(Record):
                 f"training-mean depth: {plateaus} loops.")
 
 
-HANDOFFS = (Training, Convergence, TokenTypes, Halting, KnownDepth, Reproduction)
+HANDOFFS = (Training, Convergence, TokenTypes, Halting, Compute, KnownDepth, Reproduction)

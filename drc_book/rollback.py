@@ -10,8 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from drc_core import DrcError
-from drc_core.guard import read_json, write_file
+from drc_core import DrcError, read_json, write_file
 
 __all__ = ["Rollback", "Terminated", "raise_terminated"]
 
@@ -100,7 +99,7 @@ class Rollback:
         roots = [a.resolve() for a in allowed] if allowed is not None else None
         for entry in record["dirs"]:
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
-                    and isinstance(entry[1], bool)):
+                    and "\x00" not in entry[0] and isinstance(entry[1], bool)):
                 raise refuse("names a directory that is not [path, recursive]")
             d = Path(entry[0])
             if roots is not None and d.resolve() not in roots:
@@ -109,9 +108,12 @@ class Rollback:
             dirs.append((d, entry[1]))
         pairs: list[tuple[int, str, str | None]] = []
         if record.get("format") == MANIFEST_FORMAT:
-            for entry in record.get("kept", None) or []:
+            if not isinstance(record.get("kept", []), list):
+                raise refuse("keeps no list of [directory, path, sha256] entries")
+            for entry in record.get("kept", []):
                 if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
-                        and isinstance(entry[1], str) and isinstance(entry[2], str)):
+                        and not isinstance(entry[0], bool) and isinstance(entry[1], str) and "\x00" not in entry[1]
+                        and isinstance(entry[2], str)):
                     raise refuse("holds an entry that is not [directory, path, sha256]")
                 pairs.append((entry[0], entry[1], entry[2]))
         elif "format" not in record and isinstance(record.get("kept"), dict):  # written before the format field

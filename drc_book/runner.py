@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 import shutil
@@ -45,9 +46,19 @@ from typing import Any
 
 from drc_book.paths import RUN_ENV
 from drc_book.rollback import Rollback, Terminated, raise_terminated
-from drc_core import machine_kind
-from drc_core.errors import MB, ArgumentParser, DrcError, Interrupted, first_line
-from drc_core.guard import exclusive, parse_json, read_json, read_regular, refuse_links, write_file
+from drc_core import (
+    ArgumentParser,
+    DrcError,
+    Interrupted,
+    exclusive,
+    first_line,
+    machine_kind,
+    parse_json,
+    read_json,
+    read_regular,
+    refuse_links,
+    write_file,
+)
 
 __all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
            "load_profiles", "present", "render_png", "reproduction_markdown", "run_book", "slowest_cells", "toc_for"]
@@ -118,7 +129,7 @@ def load_profiles(path: str | Path = DEFAULT_PROFILES) -> BookSpec:
     if not path.exists():
         raise DrcError(f"profiles file '{path}' not found: run from the repository root or pass --profiles")
     try:
-        raw = tomllib.loads(read_regular(path, "a profiles file", 16 * MB).decode("utf-8"))
+        raw = tomllib.loads(read_regular(path, "a profiles file", 16 << 20).decode("utf-8"))  # at most 16 MB
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise DrcError(f"profiles file '{path}' is not valid TOML ({first_line(exc, 120)}): fix the line it names") \
             from None
@@ -130,6 +141,8 @@ def load_profiles(path: str | Path = DEFAULT_PROFILES) -> BookSpec:
     if not isinstance(listed, list | tuple):
         raise DrcError(f"{path}: [book] notebooks is not a list: list the notebook sources in order")
     notebooks = tuple(_need_name("notebook", nb, path) for nb in listed)
+    if len(set(notebooks)) != len(notebooks):
+        raise DrcError(f"{path}: [book] notebooks lists a notebook twice: list each once")
     if not notebooks:
         raise DrcError(f"{path}: [book] notebooks is empty: list the notebook sources in order")
     if not isinstance(book.get("source_dir", "."), str) or not isinstance(book.get("root", ""), str):
@@ -153,6 +166,10 @@ def load_profiles(path: str | Path = DEFAULT_PROFILES) -> BookSpec:
         stray = set(table.get("notebooks", {})) - set(notebooks)
         if stray:
             raise DrcError(f"{path}: profile '{name}' sets parameters of unlisted notebook(s) {sorted(stray)}")
+        if not all(isinstance(table.get(k, ""), str) for k in ("description", "plotly_renderer")):
+            raise DrcError(f"{path}: profile '{name}': description and plotly_renderer must be strings")
+        if not all(isinstance(v, str | int | float | bool) for v in table.get("env", {}).values()):
+            raise DrcError(f"{path}: [profiles.{name}.env] values must be strings or numbers (environment variables)")
         skip = _need_table(table.get("skip", {}), f"[profiles.{name}.skip]", path)
         if set(skip) - set(notebooks) or not all(isinstance(v, str) and v for v in skip.values()):
             raise DrcError(f"{path}: [profiles.{name}.skip] must map listed notebooks to a reason (a string)")
@@ -457,9 +474,12 @@ def _read_timings(path: Path) -> dict[str, float]:
     if not path.exists() and not path.is_symlink():
         return {}
     fix = f"delete {path} (it only records how long each notebook took) and rerun"
-    data = read_json(path, "the timings file", fix)
+    try:
+        data = read_json(path, "the timings file", fix)
+    except FileNotFoundError:  # a symbolic link to nothing
+        raise DrcError(f"the timings file '{path}' is a link to a missing file: {fix}") from None
     if not (isinstance(data, dict) and all(isinstance(v, int | float) and not isinstance(v, bool)
-                                           for v in data.values())):
+                                           and math.isfinite(v) and v >= 0 for v in data.values())):
         raise DrcError(f"the timings file '{path}' is damaged (not an object of seconds): {fix}")
     return data
 

@@ -1,51 +1,12 @@
-"""Realized speedup of per-token halting: the FLOP proxy beside measured wall-clock, and what the
-32-loop measurement pass costs.
+"""Realized speed-up of per-token halting: the FLOP proxy ``r / a`` (uniform depth r against a rule's average exit
+loop a) beside the clock, in batched evaluation.
 
-The FLOP proxy of a halting rule is ``r / a``: uniform depth r against the rule's average exit loop a,
-counting only the core (prelude and coda run once). This module measures, on the same windows and in the
-same process, what that becomes on the clock:
-
-- :func:`matched_rules`: for each rule family (default :class:`~drc_core.halting.rules.KLThreshold` and
-  :class:`~drc_core.halting.rules.StateDelta`), the lowest-average-depth point of its threshold grid
-  (:func:`drc_core.halting.sweep.default_rules`) whose cross-entropy is within ``ce_tolerance`` of uniform depth r.
-  The grid is swept offline (:func:`drc_core.halting.sweep.sweep`, one uniform pass for all thresholds,
-  :func:`~drc_core.halting.sweep.summarize`, :func:`~drc_core.halting.sweep.matching_depth`); the chosen point is
-  then run online with :func:`~drc_core.halting.skipping.skip_forward` (the path that is timed) and, should its
-  CE miss the target there, the next stricter grid point is tried.
-- :func:`time_batched`: ``model(x, r)`` (uniform depth r, one readout) against ``skip_forward`` with each
-  matched rule, and against ``skip_forward`` with ``Uniform(r)`` (the skipping machinery's own overhead at
-  equal depth), over the same windows with the same initial states.
-- generation (:mod:`drc_book.decode_speed`): the same comparison for the KV-cached decoder.
-- honest FLOPs: every skipping run counts the work it did (:class:`~drc_core.halting.work.Work`),
-  priced by :func:`drc_book.cost.honest_flops`; ``wall_over_honest`` beside ``wall_over_proxy``;
-  :func:`speed_targets` checks the speed targets at matched quality; :mod:`drc_book.speed_checks` shows
-  where the time goes, compares bf16 autocast with fp32, measures Anderson acceleration and what the 32-loop
-  measurement pass costs (against one depth-32 forward and a bare pass that reads out at every loop).
-
-Timing: every comparison runs its variants once untimed first (warm-up, and the quality numbers), then
-``rounds`` interleaved rounds (the order rotates from round to round, as in ``bench/train_throughput.py``);
-reported times are medians over rounds, so load on a shared machine slows all variants alike. Everything
-runs under ``torch.inference_mode()`` in eval mode.
-
-Why the clock falls short of the proxy (the cost model of :mod:`drc_core.halting.skipping`; ``block`` one transformer
-block, ``core = R * block + adapter``, ``head = 2 d V``; :func:`drc_book.cost.matmul_flops_per_token`)::
-
-    uniform depth r (forward)             (P + C) * block + r * core + head
-    skip_forward, rule with log-probs     P * block + a * (core + C * block + head)   (+ a V-sized softmax per loop)
-    skip_forward, rule without            P * block + a * core + C * block + head     (coda context ignored)
-
-A rule that reads the output (KL, entropy, confidence) pays the coda and the vocabulary head at every loop
-of every active token: with d = 128 and V = 4096 the head (2 d V) is about one whole core loop, so on a small
-model such a rule's honest FLOPs stay close to uniform depth's even at a large proxy (at 3.4 loops ~9.6 M
-against ~11.1 M per token on the reference model: at most ~1.15x). A rule on the states only (StateDelta)
-pays the core per active token and one readout, so its FLOPs follow the proxy; what remains between them is
-the fixed cost of the skipping machinery (the ``Uniform(r)`` row of :func:`time_batched` shows it at equal
-depth).
-
-Why "measurement pass <= 1.2 x one depth-32 forward" cannot hold: per-token, per-loop statistics need
-every loop's output distribution, i.e. the coda, the head and a log-softmax at each of the 32 loops, while a
-forward reads out once. The bare every-loop readout pass is the floor of any such measurement; the
-measurement's own overhead is its time over that floor (:func:`measurement_cost` prints both ratios).
+:func:`matched_rules` picks each family's cheapest threshold whose CE is within ``ce_tolerance`` of uniform depth r
+(swept offline, checked online with ``skip_forward``); :func:`time_batched` times ``model(x, r)`` against
+``skip_forward`` with ``Uniform(r)`` and each rule; :func:`speed_targets` checks the targets. Generation is in
+:mod:`drc_book.decode_speed`, the other checks in :mod:`drc_book.speed_checks`, the cost model in
+:mod:`drc_book.cost`. Every comparison runs its variants once untimed (warm-up and quality), then ``rounds``
+interleaved rounds (:func:`drc_book.cost.interleaved`), reported as medians, under ``torch.inference_mode()``.
 """
 
 from __future__ import annotations
@@ -54,6 +15,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import torch
@@ -104,6 +66,7 @@ __all__ = [
     "matched_rules",
     "preset_specs",
     "skip_overhead",
+    "speed_summary",
     "speed_targets",
     "speedup_table",
     "targets_met",
@@ -116,24 +79,13 @@ TARGET_MEASURE = 1.2  # the measurement pass <= 1.2 x one depth-32 forward (the 
 
 @dataclass(frozen=True)
 class SpeedConfig:
-    """What to measure and how (every field validated; a bad value is a one-line :class:`DrcError`).
-
-    ``reference_loops`` r: the uniform depth to match and to beat. ``rule_max_loops``: every rule's
-    ``max_loops``. ``families``: rule families of :func:`drc_core.halting.sweep.default_rules` to match.
-    ``ce_tolerance``: "matched quality" is CE <= CE(uniform r) + this (nats). ``batch_size``: windows per
-    batch (also fixes the initial states, as in :func:`drc_core.training.evaluate.loss_by_depth`). ``rounds``: timed,
-    interleaved rounds. ``new_tokens``/``prompt_len``/``gen_rows``: generation of ``new_tokens`` greedy
-    tokens after the first ``prompt_len`` tokens of ``gen_rows`` windows. ``measure_loops`` and
-    ``measure_windows``: the measurement pass compared (on the first ``measure_windows`` windows).
-    ``max_online_tries``: stricter grid points tried when the offline-matched one misses the target online.
-    ``fused``: rules with log-probs compute their readout statistics with the compiled kernel
-    (:func:`drc_core.halting.loopstats.fused_stats_kernel`; needs a C++ compiler). ``clock``: "wall" or "cpu"
-    (:func:`drc_book.cost.interleaved`). ``more_gen_rows``: further batch sizes for generation
-    (e.g. (8,)). ``presets``: also time Huginn's presets in batched evaluation. ``profile``: also profile one
-    batch (:func:`profile_batched`). ``keep_freed``: before timing, make glibc keep freed memory for reuse
-    (:func:`drc_book.cost.keep_freed_memory`, for the whole process), so that no variant pays page
-    faults on fresh buffers by the luck of its allocation order.
-    """
+    """What to measure and how (validated: a bad value is a one-line :class:`DrcError`). ``reference_loops``
+    r is the uniform depth to match and beat; "matched quality" is CE <= CE(uniform r) + ``ce_tolerance``;
+    ``new_tokens`` greedy tokens after ``prompt_len`` prompt tokens of ``gen_rows`` windows (and ``more_gen_rows``);
+    the measurement pass at ``measure_loops`` on ``measure_windows`` windows; ``max_online_tries`` stricter grid
+    points when the offline match misses online; ``fused`` readout statistics through the compiled kernel; ``clock``
+    "wall" or "cpu"; ``presets``/``profile`` also time Huginn's presets / profile one batch; ``keep_freed``:
+    :func:`drc_book.cost.keep_freed_memory` before timing."""
 
     reference_loops: int = 8
     rule_max_loops: int = 16
@@ -229,15 +181,10 @@ def _online(model: DepthRecurrentLM, batches: list[tuple[Tensor, Tensor, Tensor]
 
 def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
                   log: Log = None) -> Matched:
-    """Each family's lowest-average-depth grid point with CE <= CE(uniform r) + ``ce_tolerance`` on ``windows``.
-
-    Offline sweep of the family grids of :func:`drc_core.halting.sweep.default_rules` (``rule_max_loops``), then
-    :func:`~drc_core.halting.sweep.matching_depth` on its :func:`~drc_core.halting.sweep.summarize`; the pick is checked
-    online with :func:`~drc_core.halting.skipping.skip_forward` (same initial states) and, if its CE misses the
-    target there, up to ``max_online_tries - 1`` stricter grid points are tried. A family whose grid has no point
-    within the target offline (``matched_offline`` False) falls back to its lowest-CE point, so that it is still timed;
-    ``within_tolerance`` says whether the chosen point meets the target online, ``note`` why not.
-    """
+    """Each family's lowest-average-depth grid point with CE <= CE(uniform r) + ``ce_tolerance``: swept
+    offline, then checked online with ``skip_forward`` (up to ``max_online_tries`` stricter points if it misses). A
+    family with no point within the target offline falls back to its lowest-CE point; ``within_tolerance`` and
+    ``note`` say whether and why not."""
     cfg = cfg or SpeedConfig()
     windows = on_device(model, windows)
     r = cfg.reference_loops
@@ -317,19 +264,13 @@ def speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flo
 
 def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                  cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
-    """Wall-clock of uniform depth r (``model(x, r)``) against ``skip_forward`` with each rule, same windows.
-
-    One row per variant: the baseline (``path`` "forward"), ``Uniform(r)`` through ``skip_forward`` (the
-    skipping machinery at equal depth) and every rule. Columns: ``setting`` ("batched eval"), ``family``,
-    ``param``, ``rule``, ``path``, ``baseline``, ``needs_log_probs``, ``avg_loops`` (mean exit loop), ``ce``
-    (mean next-token CE of exactly the timed outputs), ``ce_uniform``, ``ce_gap``, ``within_tolerance``,
-    ``seconds`` (median over rounds for all windows), ``spread``, ``page_faults_per_batch`` (minor page faults,
-    median over rounds), ``tokens_per_s``, ``proxy_speedup`` (r /
-    avg_loops), ``flop_speedup`` (:func:`~drc_book.cost.matmul_flops_per_token` ratio),
-    ``wallclock_speedup`` and ``wall_over_proxy`` (target: >= 0.9), ``honest_flops`` (per token:
-    :func:`~drc_book.cost.honest_flops` of the work the run really did; the forward's
-    ``flops_per_token(r, T)``), ``honest_speedup`` and ``wall_over_honest`` (target: >= 0.9).
-    """
+    """Wall-clock of uniform depth r (``model(x, r)``, the baseline) against ``skip_forward`` with
+    ``Uniform(r)`` (the skipping machinery at equal depth) and with each rule, same windows and initial states.
+    One row per variant: what it is (``setting``, ``family``, ``param``, ``rule``, ``path``, ``baseline``), its
+    quality (``avg_loops``, ``ce`` of exactly the timed outputs, ``ce_gap``, ``within_tolerance``), its time
+    (``seconds`` median over rounds, ``spread``, ``page_faults_per_batch``, ``tokens_per_s``) and its speed-ups:
+    ``proxy_speedup`` r / avg_loops, ``flop_speedup`` (matmul model), ``honest_flops`` (the work it really did),
+    ``honest_speedup``, ``wallclock_speedup``, ``wall_over_proxy`` and ``wall_over_honest``."""
     cfg = cfg or SpeedConfig()
     prepare_memory(cfg)
     windows = on_device(model, windows)
@@ -410,6 +351,14 @@ def targets_met(*frames: pd.DataFrame) -> dict[str, bool]:
     return {f"{r.setting}: {r.rule}": bool(r.wall_over_proxy >= TARGET_RATIO) for r in rules.itertuples()}
 
 
+def speed_summary(batched: pd.DataFrame, generation: pd.DataFrame) -> dict[str, Any]:
+    """The skipping path's speed-up at equal depth (:func:`skip_overhead`), whether each matched rule reaches
+    ``TARGET_RATIO`` x its proxy (:func:`targets_met`, Huginn's presets left out) and that target."""
+    return {"skip_overhead_at_equal_depth": skip_overhead(batched),
+            "target_met": targets_met(batched[batched.family != "huginn"], generation),
+            "target_wall_over_proxy": TARGET_RATIO}
+
+
 TARGET_OVERHEAD = 1.05  # the skipping path at equal depth <= 1.05 x the dense forward / decoder
 TARGET_HONEST = 0.9  # wall-clock speedup >= 0.9 x the honest-FLOP speedup, every rule
 TARGET_KL_BATCHED = 1.5  # the KL rule >= 1.5 x faster than uniform depth r in batched evaluation
@@ -417,18 +366,10 @@ TARGET_KL_BATCHED = 1.5  # the KL rule >= 1.5 x faster than uniform depth r in b
 
 def speed_targets(*frames: pd.DataFrame) -> pd.DataFrame:
     """The speed targets at matched quality, one row per (frame, rule, target) of :func:`time_batched` /
-    :func:`time_generation` frames: ``setting`` (generation labelled with its batch size), ``rule``, ``target``,
-    ``value``, ``threshold``, ``met``, ``ceiling`` and ``reachable``. Targets: the skipping path at equal depth
-    (``Uniform(r)`` row) takes <= 1.05 x the dense time; every rule is faster than uniform depth r (wall-clock
-    speedup > 1) and reaches >= 0.9 x its honest-FLOP speedup; the state-change rule >= 0.9 x its FLOP proxy; the
-    KL rule >= 1.5 x in batched evaluation.
-
-    ``ceiling`` is the value the target's quantity would take if the wall clock followed the rule's honest FLOPs
-    exactly (wall / honest = 1, the best any implementation of the same work can do): the honest-FLOP speedup for
-    the speed-up targets, honest / proxy for wall / proxy, 1.0 for the overhead and wall / honest targets.
-    ``reachable`` says whether the ceiling meets the threshold: a target that is not ``met`` but ``reachable`` is
-    bound by the implementation, one that is not ``reachable`` by the work the rule itself asks for (its readout,
-    the prelude / coda / head that do not shrink with depth)."""
+    generation frames: the skipping path at equal depth takes <= 1.05 x the dense time; every rule beats uniform depth
+    r and reaches >= 0.9 x its honest-FLOP speed-up; the state-change rule >= 0.9 x its proxy; the KL rule >= 1.5 x in
+    batched evaluation. ``ceiling`` is the value if the clock followed the honest FLOPs exactly; ``reachable`` whether
+    that meets the threshold (a missed, reachable target is bound by the implementation, else by the work)."""
     rows = []
 
     def add(setting: str, rule: str, target: str, value: float, threshold: float,

@@ -1,11 +1,6 @@
-"""What else notebook 05 and ``bench/adaptive_speed.py`` measure beside the speed-ups of
-:mod:`drc_book.speed` (same :class:`~drc_book.speed.SpeedConfig`, same interleaved timing):
-
-- :func:`measurement_cost`: what the 32-loop measurement pass costs against one depth-32 forward and a bare
-  every-loop readout pass (why "<= 1.2 x one forward" cannot hold as worded: see :mod:`drc_book.speed`);
-- :func:`profile_batched` / :func:`profile_generation`: where the time goes, by kind of op (``torch.profiler``);
-- :func:`bf16_check`: bf16 autocast against fp32 (time, exits, and the successive KL's relative error);
-- :func:`anderson_table`: Anderson acceleration of the core iteration.
+"""What else notebook 05 and ``bench/adaptive_speed.py`` measure beside :mod:`drc_book.speed`: the cost of
+the 32-loop measurement pass, where the time goes (``torch.profiler``), bf16 autocast against fp32, and Anderson
+acceleration of the core iteration.
 """
 
 from __future__ import annotations
@@ -48,8 +43,8 @@ from drc_core import (
 )
 from drc_core import generate_ids as generate
 
-__all__ = ["anderson_configs", "anderson_table", "bf16_check", "measurement_cost", "measurement_pass",
-           "measurement_summary", "profile_batched", "profile_generation"]
+__all__ = ["anderson_configs", "anderson_summary", "anderson_table", "bf16_check", "by_kind", "measurement_cost",
+           "measurement_pass", "measurement_summary", "profile_batched", "profile_generation"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -58,16 +53,10 @@ __all__ = ["anderson_configs", "anderson_table", "bf16_check", "measurement_cost
 
 def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
                      log: Log = None) -> pd.DataFrame:
-    """Wall-clock of the per-token, per-loop measurement pass against one forward at the same depth.
-
-    On the first ``measure_windows`` windows, L = ``measure_loops``: ``forward`` (``model(x, L)``, one
-    readout), ``readout every loop`` (``iterate(model, x, L, readout="log_probs")``: coda, head and
-    log-softmax at each loop, the floor of any per-loop statistic), and
-    :func:`drc_core.analysis.measure.measure_windows` with ``kl_to_final`` False and True (the latter is what
-    notebook 2 runs). Columns: ``pass``, ``seconds``
-    (median), ``spread``, ``x_forward`` (time / forward's), ``x_readout_pass`` (time / the readout pass's),
-    ``target_as_worded`` (``x_forward`` <= 1.2).
-    """
+    """Wall-clock of the per-token, per-loop measurement pass (``measure_windows`` without and with
+    ``kl_to_final``) against one forward at the same depth and a bare every-loop readout pass (the floor of any
+    per-loop statistic), on the first ``measure_windows`` windows: ``seconds``, ``spread``, ``x_forward``,
+    ``x_readout_pass`` and ``target_as_worded`` (<= 1.2 x the forward)."""
     cfg = cfg or SpeedConfig()
     prepare_memory(cfg)
     windows = on_device(model, windows)[: cfg.measure_windows]
@@ -273,17 +262,20 @@ def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[
         return _profile(variants, top)
 
 
+def by_kind(kinds: pd.DataFrame) -> pd.DataFrame:
+    """A profile's ``kinds`` (:func:`profile_batched`) as one row per variant: self CPU ms by kind of op, the
+    number of matmul calls (``matmul_calls``) and of all ops (``ops``)."""
+    ms = kinds.pivot_table(index="variant", columns="kind", values="ms", sort=False)
+    calls = kinds.pivot_table(index="variant", columns="kind", values="calls", sort=False)
+    return ms.round(0).assign(matmul_calls=calls["matmul"], ops=calls["total"])
+
+
 def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                cfg: SpeedConfig | None = None, *, log: Log = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The dense forward at depth r and ``skip_forward`` with each rule, in fp32 and under bf16 autocast
-    (``torch.autocast(device, bfloat16)``; fast where :func:`drc_core.model.precision.bf16_support` says so), same
-    windows and initial states.
-
-    Returns ``(variants, kl)``. ``variants``: one row per (rule, precision) with ``avg_loops``, ``ce``,
-    ``same_exit`` (share of tokens whose exit loop equals fp32's), ``seconds`` (median of interleaved rounds)
-    and ``x_fp32_time``. ``kl``: per loop 2..r the median and 90th percentile over tokens of
-    |KL_bf16 - KL_fp32| / KL_fp32 of the successive KL (:func:`drc_core.analysis.loops.iterate_stats` on the
-    first batch), and the fp32 median KL: the precision check that the rule's statistic stays within noise."""
+    """The dense forward and ``skip_forward`` with each rule in fp32 and under bf16 autocast, same windows and
+    states. Returns ``(variants, kl)``: per (rule, precision) ``avg_loops``, ``ce``, ``same_exit`` (share of exits
+    equal to fp32's), ``seconds`` and ``x_fp32_time``; per loop 2..r the relative error of the successive KL under
+    bf16 (median, 90th percentile) beside the fp32 median KL."""
     cfg = cfg or SpeedConfig()
     prepare_memory(cfg)
     windows = on_device(model, windows)
@@ -384,3 +376,23 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
     out = pd.DataFrame(rows)
     out["x_plain_time_per_eval"] = out.seconds_per_eval / out.seconds_per_eval.iloc[0]
     return out
+
+
+def anderson_summary(anderson: pd.DataFrame) -> str:
+    """What an :func:`anderson_table` says, in lines: each damped plain iteration against plain iteration, then the
+    range over the Anderson windows and the time to 1e-5 of the best of them (evaluations x time per evaluation)
+    against plain iteration's."""
+    plain = anderson.iloc[0]
+    acc = anderson[anderson.method.str.startswith("anderson")]
+    lines = [f"{row.method}: evaluations to 1e-5 {row['evals_kl_1e-5']:.2f} (plain {plain['evals_kl_1e-5']:.2f}), "
+             f"to 1e-3 {row['evals_kl_1e-3']:.2f} (plain {plain['evals_kl_1e-3']:.2f}); tokens reaching 1e-5: "
+             f"{row['converged_1e-5']:.1%} (plain {plain['converged_1e-5']:.1%}); "
+             f"time per evaluation {row.x_plain_time_per_eval:.2f}x plain"
+             for _, row in anderson[anderson.method.str.startswith("plain (")].iterrows()]
+    best = acc.loc[(acc["evals_kl_1e-5"] * acc.x_plain_time_per_eval).idxmin()]
+    e5, e3, cost = acc["evals_kl_1e-5"], acc["evals_kl_1e-3"], acc.x_plain_time_per_eval
+    ratio = best["evals_kl_1e-5"] * best.x_plain_time_per_eval / plain["evals_kl_1e-5"]
+    lines.append(f"Anderson: evaluations to 1e-5 {e5.min():.2f}-{e5.max():.2f}, to 1e-3 {e3.min():.2f}-{e3.max():.2f}; "
+                 f"each evaluation costs {cost.min():.2f}-{cost.max():.2f}x a plain one; "
+                 f"time to 1e-5, best ({best.method}): {ratio:.2f}x plain")
+    return "\n".join(lines)

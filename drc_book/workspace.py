@@ -27,7 +27,13 @@ import torch
 
 from drc_book.paths import committed_counterpart
 from drc_core import (
+    CHECKPOINTS_DIR,
+    FINAL_DIR,
+    METRICS_FILE,
+    SHIPPED_TRAIN_CONFIG,
+    WEIGHTS_FILE,
     Corpus,
+    DepthRecurrentLM,
     DepthTaskConfig,
     DrcError,
     PrepareConfig,
@@ -35,14 +41,14 @@ from drc_core import (
     SourceSpec,
     TrainConfig,
     load,
+    open_run,
     prepare,
     preset_for,
+    read_json,
     train,
     val_windows_with_docs,
+    write_file,
 )
-from drc_core.guard import read_json, write_file
-from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM
-from drc_core.training.rundir import CHECKPOINTS_DIR, FINAL_DIR, METRICS_FILE, SHIPPED_TRAIN_CONFIG, open_run
 
 __all__ = [
     "ensure_corpus",

@@ -15,7 +15,8 @@ the file and key of each row. ``tests/test_readme.py`` checks that README.md hol
 below the others and decorate it with ``@section``; the block is the sections' outputs in definition order,
 separated by blank lines. ``res.get("NN_name")`` is the parsed ``NN_name.json`` or None when that file does not
 exist, so a section for a notebook that has not been run returns None and leaves its part out;
-``res.need("NN_name")`` is for files a section cannot do without (it raises, naming the file).
+``res.need("NN_name")`` is for files a section cannot do without (it raises, naming the file), and
+``res.record(Cls)`` is the typed record of a notebook (:mod:`drc_book.handoff`) read from ``need``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import drc_core
+from drc_book.handoff import Compute, Convergence, Halting, Handoff, Training
 from drc_book.report import GAIN_FAMILIES
 from drc_core import KLThreshold, Oracle
 
@@ -48,6 +51,10 @@ class Results:
             path = self.directory / f"{name}.json"
             self._cache[name] = json.loads(path.read_text()) if path.is_file() else None
         return self._cache[name]
+
+    def record(self, cls: type[Handoff]) -> Any:
+        """The typed record of ``cls.NOTEBOOK`` in this directory (a missing file raises as :meth:`need`)."""
+        return cls.from_results(self.need(cls.NOTEBOOK))
 
     def need(self, name: str) -> dict:
         data = self.get(name)
@@ -118,52 +125,51 @@ def speedups(entries: list[dict], families: set[str]) -> list[tuple[str, float]]
 @section
 def reference_model(res: Results) -> str:
     """The reference model (data/reference) as the reference book measured it."""
-    train, conv = res.need("01_training"), res.need("02_convergence")
-    halt, speed = res.need("04_halting_and_routers"), res.need("05_compute")
-    ce = train["ce_by_loops"]
-    gaps = {g["family"]: g for g in halt["gaps"]}
-    ref = halt["reference_loops"]
-    uniform = next(m for m in halt["matching"] if m["family"] == "uniform")
+    train, conv = res.record(Training), res.record(Convergence)
+    halt, speed = res.record(Halting), res.record(Compute)
+    ce = train.ce_by_loops
+    gaps = halt.gap_intervals
+    ref = halt.reference_loops
 
     def saved(family: str) -> str:
-        g = gaps[family]
-        return (f"{g['family_depth']:.2f} loops: {pct(g['saved_frac'])} [{pct(g['saved_frac_lo'])}, "
-                f"{pct(g['saved_frac_hi'])}] fewer than uniform depth")
+        g = gaps[family]["saved_frac"]
+        return (f"{gaps[family]['family_depth'].value:.2f} loops: {pct(g.value)} [{pct(g.lo)}, {pct(g.hi)}] fewer "
+                "than uniform depth")
 
     own_rows = {KLThreshold.family, Oracle.family}  # the rows above; the others share one row
-    others = sorted((g["family_depth"], f) for f, g in gaps.items() if f not in own_rows)
-    matched = {m["family"] for m in speed["matched"]}
-    batched = speedups(speed["batched"], matched)
+    others = sorted((g["family_depth"].value, f) for f, g in gaps.items() if f not in own_rows)
+    matched = {m["family"] for m in speed.matched}
+    batched = speedups(speed.batched, matched)
     faster = [f"{name(f)} {x:.2f}x" for f, x in batched if x >= 1.0]
     slower = [x for _, x in batched if x < 1.0]
     if slower:
         faster.append(f"the other {len(slower)}: {min(slower):.2f}–{max(slower):.2f}x")
     best_gen = []
-    for rows in sorted({e["rows"] for e in speed["generation"]}):
-        f, x = speedups([e for e in speed["generation"] if e["rows"] == rows], matched)[0]
+    for rows in sorted({e["rows"] for e in speed.generation}):
+        f, x = speedups([e for e in speed.generation if e["rows"] == rows], matched)[0]
         best_gen.append(f"{name(f)} {x:.2f}x with {rows} row{'s' if rows > 1 else ''}")
-    tol = halt["ce_tolerance"]
+    tol = halt.ce_tolerance
     rows = [
-        ("the model", f"{train['n_params'] / 1e6:.2f} M parameters, {train['train_tokens'] / 1e6:.1f} M training "
-                      f"tokens, {train['train_minutes']:.0f} minutes of training",
+        ("the model", f"{train.n_params / 1e6:.2f} M parameters, {train.train_tokens / 1e6:.1f} M training "
+                      f"tokens, {train.train_minutes:.0f} minutes of training",
          "`01_training.json`: `n_params`, `train_tokens`, `train_minutes`"),
-        ("validation loss at 1 / 8 / 32 loops", f"{ce['1']:.3f} / {ce['8']:.3f} / {ce['32']:.3f} nats per token",
+        ("validation loss at 1 / 8 / 32 loops", f"{ce[1]:.3f} / {ce[8]:.3f} / {ce[32]:.3f} nats per token",
          "`01_training.json`: `ce_by_loops`"),
-        ("gain from depth, CE(1) − CE(8)", f"{train['ce_gain_1_to_8']:.3f} nats",
+        ("gain from depth, CE(1) − CE(8)", f"{train.ce_gain_1_to_8:.3f} nats",
          "`01_training.json`: `ce_gain_1_to_8`"),
-        (f"median loop at which a token's successive KL falls below {sci(conv['eps'])}",
-         f"{conv['median_depth']['value']:.0f}; {conv['frac_updating']['value'] * 100:.1f}% of tokens still "
-         f"updating at loop {conv['train_mean_depth']:.0f}",
+        (f"median loop at which a token's successive KL falls below {sci(conv.eps)}",
+         f"{conv.median_depth.value:.0f}; {conv.frac_updating.value * 100:.1f}% of tokens still "
+         f"updating at loop {conv.train_mean_depth:.0f}",
          "`02_convergence.json`: `median_depth`, `frac_updating`"),
         (f"uniform depth with the loss of depth {ref} (within {tol:g} nats)",
-         f"{uniform['ce_depth_interp']:.2f} loops", "`04_halting_and_routers.json`: `matching`"),
+         f"{halt.depth('uniform'):.2f} loops", "`04_halting_and_routers.json`: `matching`"),
         ("KL halting rule at that loss", saved(KLThreshold.family), "`04_halting_and_routers.json`: `gaps`"),
         ("per-token oracle (offline bound) at that loss", saved(Oracle.family),
          "`04_halting_and_routers.json`: `gaps`"),
         ("the other rules and routers at that loss, loops",
          ", ".join(f"{name(f)} {d:.2f}" for d, f in others), "`04_halting_and_routers.json`: `gaps`"),
         (f"wall-clock speed-up over uniform depth {ref} at its loss, batched evaluation, "
-         f"{speed['threads']} CPU threads", ", ".join(faster), "`05_compute.json`: `batched`"),
+         f"{speed.threads} CPU threads", ", ".join(faster), "`05_compute.json`: `batched`"),
         (f"the same in KV-cached generation, best rule against the dense decoder at depth {ref}",
          "; ".join(best_gen), "`05_compute.json`: `generation`"),
     ]
@@ -229,12 +235,12 @@ def x(v: float) -> str:
 @doc_block("measurements.md", "batched")
 def batched_table(res: Results) -> str:
     """Notebook 05's batched evaluation: every variant against uniform depth through the dense forward."""
-    speed = res.need("05_compute")
+    speed = res.record(Compute)
     rows = [(f"`{e['rule']}` ({e['path']})", f"{e['avg_loops']:.2f}", x(e["proxy_speedup"]), x(e["honest_speedup"]),
              x(e["wallclock_speedup"]), f"{e['wall_over_proxy']:.2f}", f"{e['wall_over_honest']:.2f}",
-             f"{e['page_faults_per_batch']:.0f}") for e in speed["batched"]]
-    return (f"{speed['n_windows']} windows x {speed['seq_len']} tokens, medians of {speed['rounds']} interleaved "
-            f"rounds, {speed['threads']} threads (`05_compute.json`: `batched`).\n\n"
+             f"{e['page_faults_per_batch']:.0f}") for e in speed.batched]
+    return (f"{speed.n_windows} windows x {speed.seq_len} tokens, medians of {speed.rounds} interleaved "
+            f"rounds, {speed.threads} threads (`05_compute.json`: `batched`).\n\n"
             + table(("rule (path)", "avg loops", "FLOP proxy", "honest speed-up", "wall-clock", "wall / proxy",
                      "wall / honest", "page faults per batch"), rows))
 
@@ -242,12 +248,12 @@ def batched_table(res: Results) -> str:
 @doc_block("measurements.md", "generation")
 def generation_table(res: Results) -> str:
     """Notebook 05's KV-cached generation against the dense decoder at the reference depth."""
-    speed = res.need("05_compute")
-    predicted = {(p["rule"], p["rows"]): p["loop_cost_speedup"] for p in speed["decode_prediction"]}
+    speed = res.record(Compute)
+    predicted = {(p["rule"], p["rows"]): p["loop_cost_speedup"] for p in speed.decode_prediction}
     rows = [(f"`{e['rule']}` ({e['path']})", str(e["rows"]), f"{e['avg_loops']:.2f}", f"{e['loops_run']:.2f}",
              f"{e['tokens_per_s']:.0f}", x(e["honest_speedup"]),
              x(predicted[(e["rule"], e["rows"])]) if (e["rule"], e["rows"]) in predicted else "",
-             x(e["wallclock_speedup"]), f"{e['wall_over_honest']:.2f}") for e in speed["generation"]]
+             x(e["wallclock_speedup"]), f"{e['wall_over_honest']:.2f}") for e in speed.generation]
     return ("`05_compute.json`: `generation`, `decode_prediction`.\n\n"
             + table(("rule (path)", "rows", "avg loops", "loops run", "tokens/s", "honest speed-up",
                      "loop-cost prediction", "wall-clock", "wall / honest"), rows))
@@ -256,12 +262,12 @@ def generation_table(res: Results) -> str:
 @doc_block("measurements.md", "decoders")
 def decoders_table(res: Results) -> str:
     """Notebook 05's three decoders side by side per batch size, and serving through a fixed number of slots."""
-    speed = res.need("05_compute")
+    speed = res.record(Compute)
     rows = [(str(e["batch"]), f"`{e['rule']}`", e["path"], f"{e['avg_loops']:.2f}", f"{e['tokens_per_s']:.0f}",
              x(e["x_dense"]), "" if e["realization"] is None else f"{e['realization']:.2f}",
-             {True: "yes", False: "NO", None: ""}[e["same_as_generate"]]) for e in speed["decoders"]]
+             {True: "yes", False: "NO", None: ""}[e["same_as_generate"]]) for e in speed.decoders]
     serving = [(f"`{e['rule']}`", e["path"], str(e["requests"]), str(e["slots"]), f"{e['p50']:.2f}",
-                f"{e['p90']:.2f}", f"{e['p99']:.2f}", f"{e['tokens_per_s']:.0f}") for e in speed["serving"]]
+                f"{e['p90']:.2f}", f"{e['p99']:.2f}", f"{e['tokens_per_s']:.0f}") for e in speed.serving or []]
     return ("`05_compute.json`: `decoders`, `serving` (latencies in seconds).\n\n"
             + table(("batch", "rule", "decoder", "avg loops", "tokens/s", "x dense", "realization",
                      "same tokens as generate"), rows)
@@ -273,7 +279,7 @@ def bf16_table(res: Results) -> str:
     """Notebook 05's bf16 autocast against fp32 on the same windows."""
     rows = [(f"`{e['rule']}`", e["precision"], f"{e['avg_loops']:.2f}", f"{e['ce']:.4f}",
              "" if e["same_exit"] is None else pct(e["same_exit"]), x(e["x_fp32_time"]))
-            for e in res.need("05_compute")["bf16"]]
+            for e in res.record(Compute).bf16 or []]
     return "`05_compute.json`: `bf16`.\n\n" + table(
         ("rule", "precision", "avg loops", "CE", "same exit loop as fp32", "time / fp32"), rows)
 
@@ -282,7 +288,7 @@ def bf16_table(res: Results) -> str:
 def anderson_table(res: Results) -> str:
     """Notebook 05's fixed-point solvers: core evaluations to a successive KL below 1e-3 and 1e-5."""
     rows = [(e["method"], f"{e['evals_kl_1e-3']:.2f}", f"{e['evals_kl_1e-5']:.2f}", pct(e["converged_1e-5"]),
-             f"{e['ce_at_8']:.4f}", x(e["x_plain_time_per_eval"])) for e in res.need("05_compute")["anderson"]]
+             f"{e['ce_at_8']:.4f}", x(e["x_plain_time_per_eval"])) for e in res.record(Compute).anderson or []]
     return "`05_compute.json`: `anderson`.\n\n" + table(
         ("method", "evaluations to KL < 1e-3", "to KL < 1e-5", "tokens reaching 1e-5", "CE at 8 evaluations",
          "time per evaluation / plain"), rows)

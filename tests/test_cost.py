@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from drc_book.cost import (
+    flop_parts,
+    flop_summary,
     interleaved,
     keep_freed_memory,
+    matmul_flops_per_token,
     median,
     page_faults,
     rotations,
+    speedup_model,
     spread,
     train_flops_per_token,
 )
@@ -77,3 +81,21 @@ def test_kept_memory_is_reused_without_page_faults():
         torch.ones(n)  # allocated, touched and freed
         faults.append(page_faults() - before)
     assert faults[-1] < 1000 and faults[-2] < 1000, faults
+
+
+def test_flop_summary_and_speedup_model():
+    """Notebook 05's cost-model line and table: the parts in MFLOP, and each path's matmul speed-up at 1, r/4, r/2
+    and r loops (at a = r the state path pays exactly the forward's matmuls)."""
+    m = DepthRecurrentLM(ModelConfig(vocab_size=64, d_model=32, n_heads=2, n_prelude=1, n_core=2, n_coda=1,
+                                     max_seq_len=16))
+    parts = flop_parts(m, 16)
+    line = flop_summary(m, 16)
+    assert line.startswith(f"prelude {parts['prelude'] / 1e6:.2f} MFLOP")
+    assert line.endswith(f"= {parts['readout'] / parts['core']:.2f} core loops")
+    table = speedup_model(m, 8, 16)
+    assert table["avg loops a"].tolist() == [1.0, 2.0, 4.0, 8.0]
+    assert table["FLOP proxy r/a"].tolist() == [8.0, 4.0, 2.0, 1.0]
+    assert table["matmul speed-up, rule on states"].iloc[-1] == 1.0
+    base = matmul_flops_per_token(m, 8, 16, "forward")
+    assert table["matmul speed-up, rule on log-probs"].iloc[0] == base / matmul_flops_per_token(m, 1, 16,
+                                                                                                "skip_log_probs")

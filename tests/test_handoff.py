@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from drc_book.handoff import HANDOFFS, Convergence, Halting, Record, TokenTypes, Training
+from drc_book.handoff import HANDOFFS, Compute, Convergence, Halting, Record, TokenTypes, Training
 from drc_book.report import ours_from
 from drc_core.errors import DrcError
 
@@ -97,3 +97,16 @@ def test_convergence_findings_follow_the_record():
     stuck = dataclasses.replace(record, eps=record.kl_by_loop[deep].value / 10,
                                 oscillating=dataclasses.replace(record.oscillating, count=0))
     assert "does not fall below" in stuck.findings() and "2-cycle" not in stuck.findings()
+
+
+def test_compute_findings_follow_the_record():
+    record = Compute.load(RESULTS)
+    text = record.findings()
+    rules = [e for e in record.batched if not e["baseline"] and e["family"] not in ("uniform", "huginn")]
+    best = max(rules, key=lambda e: e["wallclock_speedup"])
+    assert f"the fastest, {best['rule']}, runs {best['wallclock_speedup']:.2f}x" in text
+    assert f"{sum(e['wallclock_speedup'] > 1 for e in rules)} of the {len(rules)} rules" in text
+    assert f"{sum(t['met'] for t in record.speed_targets)} of the {len(record.speed_targets)} speed targets" in text
+    for rows in {e["rows"] for e in record.generation}:
+        assert f"with {rows} row" in text
+    assert f"{record.measurement_x_forward:.2f}x one forward" in text

@@ -17,26 +17,30 @@ import pytest
 import torch
 
 from drc_book.cost import VOCAB_STAT_FLOPS, flop_parts, matmul_flops_per_token
-from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_generation
+from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_decoder_sets, time_generation
 from drc_book.fixed_point import fixed_point_costs
 from drc_book.speed import (
     TARGET_RATIO,
     SpeedConfig,
     matched_rules,
     skip_overhead,
+    speed_summary,
     speedup_table,
     targets_met,
     time_batched,
 )
 from drc_book.speed_checks import (
     anderson_configs,
+    anderson_summary,
     anderson_table,
+    by_kind,
     measurement_cost,
     measurement_pass,
     measurement_summary,
     profile_generation,
 )
 from drc_book.speed_report import run_speed
+from drc_core import RuleSpec
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
 from drc_core.halting.generate import generate
@@ -511,3 +515,36 @@ def test_anderson_table_rows_agree_with_fixed_point_costs(model, windows):
         assert t.loc[name, "ce_at_3"] == pytest.approx(c.loc[(name, 3), "ce"], rel=1e-6)
     with pytest.raises(DrcError, match="at_evals"):
         anderson_table(model, windows, configs, max_evals=3, at_evals=4)
+
+
+def test_speed_summary_gathers_the_batched_checks(report):
+    b, g = report.batched, report.generation
+    assert speed_summary(b, g) == {"skip_overhead_at_equal_depth": skip_overhead(b),
+                                   "target_met": targets_met(b[b.family != "huginn"], g),
+                                   "target_wall_over_proxy": TARGET_RATIO}
+
+
+def test_time_decoder_sets_times_each_batch_once(model, windows, cfg):
+    """Notebook 05's decoder timings: generation at the generation batch sizes, the decoder table at the decoder
+    batch sizes (those beyond the prompts left out), ordered by batch."""
+    state, kl = StateDelta(0.1, max_loops=8), KLThreshold(0.01, max_loops=8)
+    specs = [RuleSpec(state.family, 0.1, state), RuleSpec(kl.family, 0.01, kl)]
+    out = time_decoder_sets(model, windows[:, : cfg.prompt_len], specs, cfg, gen_batches=[1],
+                            decoder_batches=[2, 1, 64], continuous=[state.family])
+    assert set(out.generation.rows) == {1} and set(out.generation.rule) >= {str(sp.rule) for sp in specs}
+    assert out.decoders.batch.tolist() == sorted(out.decoders.batch) and set(out.decoders.batch) == {1, 2}
+    assert set(out.decoders[out.decoders.path == "continuous"].family) == {"uniform", state.family}
+
+
+def test_profile_by_kind_and_anderson_summary():
+    kinds = pd.DataFrame([{"variant": "a", "kind": "matmul", "ms": 2.4, "calls": 3},
+                          {"variant": "a", "kind": "total", "ms": 5.6, "calls": 10}])
+    table = by_kind(kinds)
+    assert table.loc["a", "matmul"] == 2 and table.loc["a", "matmul_calls"] == 3 and table.loc["a", "ops"] == 10
+    anderson = pd.DataFrame({"method": ["plain", "plain (damped 0.85)", "anderson m=2", "anderson m=3"],
+                             "evals_kl_1e-3": [4.0, 3.0, 2.0, 2.5], "evals_kl_1e-5": [10.0, 8.0, 5.0, 4.0],
+                             "converged_1e-5": [0.5, 0.6, 0.9, 0.95], "x_plain_time_per_eval": [1.0, 1.0, 1.5, 2.0]})
+    lines = anderson_summary(anderson).splitlines()
+    assert lines[0].startswith("plain (damped 0.85): evaluations to 1e-5 8.00 (plain 10.00)")
+    assert lines[1] == ("Anderson: evaluations to 1e-5 4.00-5.00, to 1e-3 2.00-2.50; each evaluation costs "
+                        "1.50-2.00x a plain one; time to 1e-5, best (anderson m=2): 0.75x plain")
