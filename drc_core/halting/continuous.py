@@ -1,36 +1,19 @@
-"""Continuous depth batching: generation whose rows advance one loop at a time, each on its own.
+"""Continuous depth batching (arXiv 2608.09444): generation whose rows advance one loop at a time, each on its own.
 
-:func:`~drc_core.halting.generate.generate` decodes a batch step-synchronously: every new token of every row
-runs loop 1, then loop 2, ... until the deepest row's token exits, so a decode step costs the depth of its
-deepest row. :func:`generate_continuous` schedules single loop iterations instead (Continuous Depth Batching,
-arXiv 2608.09444): every *core step* runs one loop for every active (row, token) item, each at its own loop
-index. A row whose token exits at this step runs coda + head, chooses its next token, and that token's prelude
-joins the next core step at loop 1 while the other rows keep looping. A row that has generated all its tokens
-frees its slot, and the next waiting request (``slots`` < number of requests: serving mode) takes it.
+:func:`~drc_core.halting.generate.generate` decodes step-synchronously, a step costing the depth of its deepest
+row. :func:`generate_continuous` runs *core steps* instead: one loop of every active (row, token) item, each at its
+own loop index; a row whose token exits runs coda + head, chooses its next token, whose prelude joins the next
+step at loop 1; a finished row frees its slot for the next waiting request (serving mode). Every request gets
+the tokens and exit loops of decoding it alone with ``generate`` from its initial states (logits to float
+tolerance): a token at loop l attends to each earlier token of its row at loop min(l, e').
 
-Semantics are those of :func:`~drc_core.halting.generate.generate` row by row: a token active at loop l
-attends, in every core and coda block, to each earlier token of its row at loop min(l, e'); keys/values of an
-exited token are copied into the later loops' slabs (the policy of ``masked_forward``). So the tokens and exit
-loops of every request are those of decoding it alone with ``generate`` (``state`` = its initial states), and
-its logits equal them to float tolerance (a decision can only differ where a statistic lies within rounding of
-the threshold).
-
-How. Caches per block are ``(L, S, H, T, hd)`` for S slots and L = ``rule.max_loops`` per-loop slabs; viewed as
-``(L * S, H, T, hd)``, an item of slot b at loop l is a row (l - 1) * S + b of one flat batch, so one
-:class:`~drc_core.halting.kvlayout.Attn` layout (one query per row, causal mask by position) serves every core
-and coda block of the step, whatever mix of loops the items are at. Attention gathers each item's row, except
-when the items are a run of slots at one loop: their keys/values are then one contiguous slab, read in place, and
-when those items are at one position too (rows in lockstep: a uniform depth over prompts of one length) the step
-runs in the dense layout of ``generate_fixed`` over views of that slab (:meth:`_Decoder.layout`; so does the
-prelude of the new tokens joining a step). Prompts are processed by
-:func:`~drc_core.halting.skipping.run_loops` on their slots' view of the caches (exactly what ``generate`` does
-with them); requests admitted together on a run of free slots with prompts of one length run as one batch.
-The rule's statistics of each item against the previous loop of the same token are those ``generate``
-computes (its tracker, only the fields the rule reads), the previous loop's values kept per slot; the decision
-is the rule's :meth:`~drc_core.halting.rules.HaltingRule.criterion` with the
-min/max-loop forcing applied per item. A rule that reads states only runs the coda per step on the items at
-loop >= ``min_loops`` (writing the coda keys/values later tokens read), the last coda block's attention and MLP
-and the head only on the exiting items. Host syncs: one per step (which items exit).
+Caches per block are ``(L, S, H, T, hd)`` (S slots, L = ``rule.max_loops``); viewed as ``(L * S, H, T, hd)`` an
+item of slot b at loop l is row (l - 1) * S + b of one flat batch, so one layout serves every block of a step,
+whatever the items' loops (:meth:`_Decoder.layout`: a run of slots at one loop reads its slab in place, and at one
+position too runs dense). Prompts run through :func:`~drc_core.halting.skipping.run_loops` on their slots' view of
+the caches, a run of free slots with prompts of one length as one batch. The statistics are ``generate``'s (its
+tracker, the previous loop's values kept per slot); a rule on states only runs the coda per step on the items at
+loop >= ``min_loops`` and the last coda block and head on the exiting ones. One host sync per step.
 """
 
 from __future__ import annotations
@@ -38,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,11 +43,9 @@ __all__ = ["Completion", "ContinuousResult", "generate_continuous"]
 
 @dataclass
 class Completion:
-    """One request's output: ``tokens`` (T0 + n,) the prompt and its n new tokens; ``exit_loop`` (T0 + n - 1,) and
-    ``logits`` (T0 + n - 1, V) (None unless ``keep_logits``) of every processed position, as in
-    :class:`~drc_core.halting.generate.GenerationResult`; ``initial_state`` (T0 + n, d). Times are seconds since
-    the call started: ``admitted`` (its prompt began), ``first_token`` (its first new token was chosen) and
-    ``finished`` (its last)."""
+    """One request's output, as a row of :class:`~drc_core.halting.generate.GenerationResult` (``logits`` None
+    unless ``keep_logits``), and its times in seconds since the call: ``admitted`` (its prompt began),
+    ``first_token`` and ``finished`` (its first and last new token chosen)."""
 
     tokens: Tensor
     exit_loop: Tensor
@@ -87,9 +68,8 @@ class Completion:
 
 @dataclass
 class ContinuousResult:
-    """What :func:`generate_continuous` returns: one :class:`Completion` per request (in request order), the
-    number of core steps the decode phase ran, the :class:`~drc_core.halting.work.Work` done and the wall
-    time."""
+    """What :func:`generate_continuous` returns: one :class:`Completion` per request, in order, the number of core
+    steps of the decode phase, the work done and the wall time."""
 
     completions: list[Completion]
     rule: str
@@ -105,8 +85,7 @@ class ContinuousResult:
         return float(loops.float().mean())
 
     def latency(self, q: Sequence[float] = (50, 90, 99)) -> dict[str, float]:
-        """Percentiles (seconds) of the per-request latency: from the call (every request arrives at its start)
-        to its last token; ``ttft p..`` the same for its first token."""
+        """Percentiles (seconds) of the per-request latency from the call to its last token (``ttft p..``: first)."""
         done = np.array([c.finished for c in self.completions])
         first = np.array([c.first_token for c in self.completions])
         out = {f"p{g:g}": float(np.percentile(done, g)) for g in q}
@@ -115,19 +94,14 @@ class ContinuousResult:
 
 
 class _Items(Attn):
-    """The :class:`~drc_core.halting.kvlayout.Attn` of items with one query per flat cache row: item i writes its
-    keys/values at position ``pos[i]`` of row ``rows[i]`` of caches (R, H, T, hd) and attends to that row's
-    positions 0..pos[i] (no padding, no per-row counts: every row holds one item).
-
-    Attention gathers each item's row (a copy of its keys/values) unless ``lockstep`` = (first slot, end slot,
-    loop, S) says the items are the slots first..end-1 in order, all at one loop: their rows are then one slab
-    of the caches (L, S, H, T, hd), read in place. (Items in lockstep at one position too take the dense layout
-    of ``generate_fixed`` instead: :meth:`_Decoder.layout`.)"""
+    """The :class:`~drc_core.halting.kvlayout.Attn` of one item per flat cache row: item i writes position
+    ``pos[i]`` of row ``rows[i]`` of caches (R, H, T, hd) and attends to its positions 0..pos[i]. Attention gathers
+    each item's row unless ``lockstep`` = (first slot, end slot, loop, S): the items are those slots at one loop,
+    one slab of the caches (L, S, H, T, hd) read in place. ``base``: the items' ``rows * heads * seq_len + pos``."""
 
     def __init__(self, rows: Tensor, pos: Tensor, t_k: int, seq_len: int, heads: int,
                  rope: tuple[Tensor, Tensor], base: Tensor | None = None,
                  lockstep: tuple[int, int, int, int] | None = None) -> None:
-        """``base`` (N,): each item's offset ``rows * heads * seq_len + pos`` when the caller has it."""
         self.toks, self.seq_len, self.heads, self.rope, self.t_k = Tokens(rows, pos), seq_len, heads, rope, t_k
         self.dense, self.pending, self.lockstep = False, {}, lockstep
         self.cos, self.sin = rope[0][pos], rope[1][pos]
@@ -153,32 +127,14 @@ class _Items(Attn):
         return _Items(toks.rows, toks.pos, self.t_k, self.seq_len, self.heads, self.rope)
 
 
-@dataclass
-class _Slots:
-    """Per-slot decode state: the token each slot processes (its position and loop), its state and injection, and
-    the previous loop's statistics of that token (a :class:`LoopStats`-shaped dict over slots)."""
-
-    n: int
-    request: list[int]
-    pos: list[int]
-    loop: list[int]
-    x: Tensor
-    e: Tensor
-    prev: dict[str, Tensor] = field(default_factory=dict)
-
-    def active(self) -> list[int]:
-        return [b for b in range(self.n) if self.request[b] >= 0 and self.loop[b] > 0]
-
-
 def _is_run(slots: list[int]) -> bool:
     """Whether sorted, distinct ``slots`` are consecutive (read and written through a slice, not an index)."""
     return slots[-1] - slots[0] + 1 == len(slots)
 
 
 def _masked(res: dict[str, Tensor], loops: Tensor) -> dict[str, Tensor]:
-    """Give the items at loop 1 (and 2, for the second-order statistics) the values that
-    :func:`~drc_core.analysis.loops.loop_stats` gives a first loop (their slot's previous values belong to
-    another token)."""
+    """The first loop's values (of :func:`~drc_core.analysis.loops.loop_stats`) for the items at loop 1 (and 2, for
+    the second-order statistics), whose slot's previous values belong to another token."""
     first, early = loops == 1, loops <= 2
     for name, value in res.items():
         stat = STATISTICS.get(name)
@@ -223,31 +179,18 @@ def _request_list(prompts: Tensor | Sequence[Tensor], max_new_tokens: int | Sequ
 
 
 @torch.no_grad()
-def generate_continuous(
-    model: DepthRecurrentLM,
-    prompts: Tensor | Sequence[Tensor],
-    max_new_tokens: int | Sequence[int],
-    rule: HaltingRule,
-    *,
-    slots: int | None = None,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-    states: Sequence[Tensor | None] | Tensor | None = None,
-    fused: bool = False,
-    keep_logits: bool = True,
-) -> ContinuousResult:
-    """Generate ``max_new_tokens`` (one int, or one per prompt) after each prompt with continuous depth batching
-    (module docstring): every core step runs one loop of every active row's token at its own loop index.
+def generate_continuous(model: DepthRecurrentLM, prompts: Tensor | Sequence[Tensor],
+                        max_new_tokens: int | Sequence[int], rule: HaltingRule, *, slots: int | None = None,
+                        temperature: float = 0.0, generator: torch.Generator | None = None,
+                        states: Sequence[Tensor | None] | Tensor | None = None, fused: bool = False,
+                        keep_logits: bool = True) -> ContinuousResult:
+    """Generate ``max_new_tokens`` (one int, or one per prompt) after each prompt with continuous depth batching.
 
     ``prompts``: (B, T0) token ids or a list of 1-D prompts of any lengths. ``slots``: rows decoded together
-    (default: all requests at once); fewer slots than requests is serving mode, where a finished row's slot
-    takes the next request in order. ``states``: each request's initial states (T0 + n, d), else drawn up front,
-    request by request, with ``generator`` (as :func:`~drc_core.halting.generate.generate` draws them).
-    ``temperature`` and ``fused`` as in ``generate``; greedy (0) outputs equal decoding each request alone with
-    ``generate``. ``keep_logits=False`` keeps no (T, V) logits per request. The rule must declare the statistics
-    it reads (:attr:`~drc_core.halting.rules.HaltingRule.reads`): its decision for a token may depend only on
-    that token.
-    """
+    (default: all requests; fewer is serving mode, a finished row's slot taking the next request). ``states``: each
+    request's initial states (T0 + n, d), else drawn up front request by request with ``generator``.
+    ``temperature`` and ``fused`` as in :func:`~drc_core.halting.generate.generate`; ``keep_logits=False`` keeps
+    no logits. The rule must declare its ``reads`` (its decision for a token depends only on that token)."""
     t_start = time.perf_counter()
     reqs = _request_list(prompts, max_new_tokens, states)
     for p, n, _ in reqs:
@@ -274,9 +217,8 @@ def generate_continuous(
 
 
 class _Decoder:
-    """The scheduler of :func:`generate_continuous`: the slots and their key/value caches, the queue of waiting
-    requests, each request's record (tokens, exit loops, logits, times), and :meth:`step`, one core step of every
-    active slot's token at its own loop."""
+    """The scheduler of :func:`generate_continuous`: the slots and their caches, the queue of waiting requests,
+    each request's record (tokens, exit loops, logits, times), and :meth:`step`, one core step."""
 
     def __init__(self, model: DepthRecurrentLM, rule: HaltingRule, reqs: list[tuple[Tensor, int, Tensor | None]],
                  init: list[Tensor], n_slots: int, t_start: float, *, temperature: float,
@@ -304,8 +246,11 @@ class _Decoder:
         self.per_loop = rule.needs_log_probs
         self.need = stat_fields(rule)
         self.work = Work()
-        self.sl = _Slots(n_slots, [-1] * n_slots, [0] * n_slots, [0] * n_slots, like.new_zeros(n_slots, d),
-                         like.new_zeros(n_slots, d))
+        # per slot: its request (-1: free), the position and loop of its token, its state and injection, and the
+        # previous loop's statistics of that token
+        self.request, self.pos, self.loop = [-1] * n_slots, [0] * n_slots, [0] * n_slots
+        self.state, self.inj = like.new_zeros(n_slots, d), like.new_zeros(n_slots, d)
+        self.prev: dict[str, Tensor] = {}
         self.tokens: list[list[int]] = [[] for _ in reqs]  # each request's tokens so far (host side)
         self.prompt_exits: list[Tensor] = [like for _ in reqs]
         self.exits: list[list[int]] = [[] for _ in reqs]  # exit loops of the decode phase
@@ -319,6 +264,9 @@ class _Decoder:
         self.z_prev = like.new_zeros(n_slots, self.V, dtype=torch.float32) if self.per_loop else self.z_none
         self.steps = 0
 
+    def active(self) -> list[int]:
+        return [b for b in range(self.n_slots) if self.request[b] >= 0 and self.loop[b] > 0]
+
     def now_s(self) -> float:
         return time.perf_counter() - self.t_start
 
@@ -329,22 +277,20 @@ class _Decoder:
 
     def advance(self, b: int) -> None:
         """After slot b's token chose the next token: finish the request or queue that token's prelude."""
-        sl = self.sl
-        r = sl.request[b]
+        r = self.request[b]
         t = len(self.tokens[r]) - 1  # the position of the token just chosen
         if t == self.reqs[r][0].shape[1] + self.reqs[r][1] - 1:  # the last new token: it is never processed
             self.times[r][2] = self.now_s()
-            sl.request[b], sl.loop[b] = -1, 0
+            self.request[b], self.loop[b] = -1, 0
             return
-        sl.pos[b], sl.loop[b] = t, 1
-        sl.x[b] = self.init[r][0, t]
+        self.pos[b], self.loop[b] = t, 1
+        self.state[b] = self.init[r][0, t]
         self.joiners.append(b)
 
     def admit(self) -> None:
-        """Run the queued requests' prompts on the free slots (what ``generate`` does with each). Requests that
-        take a run of free slots and have prompts of one length run as one batch."""
-        sl = self.sl
-        free = [b for b in range(self.n_slots) if sl.request[b] < 0]
+        """Run the queued requests' prompts on the free slots, a run of slots with prompts of one length as one
+        batch."""
+        free = [b for b in range(self.n_slots) if self.request[b] < 0]
         while free and self.queue:
             t0 = self.reqs[self.queue[0]][0].shape[1]
             n = 1
@@ -370,7 +316,7 @@ class _Decoder:
         for j, r in enumerate(rs):
             self.times[r][0] = now
             self.tokens[r] = self.reqs[r][0][0].tolist()
-            self.sl.request[b0 + j] = r
+            self.request[b0 + j] = r
             self.prompt_exits[r] = res.exit_loop[j]
             if self.keep_logits:
                 self.outs[r].append(res.logits[j])
@@ -381,28 +327,26 @@ class _Decoder:
         """The prelude of every slot's new token (positions differ by row: one flat layout)."""
         if not self.joiners:
             return
-        sl, model = self.sl, self.model
+        model = self.model
         joiners = sorted(self.joiners)
-        pos_list = [sl.pos[b] for b in joiners]
+        pos_list = [self.pos[b] for b in joiners]
         # the prelude caches (S, H, T, hd) are one loop's slab
         attn, (kvs,), _, _ = self.layout(joiners, [1] * len(joiners), pos_list, [self.pre_looped])
-        x = model.token_embedding(torch.tensor([self.tokens[sl.request[b]][-1] for b in joiners],
+        x = model.token_embedding(torch.tensor([self.tokens[self.request[b]][-1] for b in joiners],
                                                device=self.device))
         for block, kv in zip(model.prelude, kvs, strict=True):
             x = block_step(block, x, attn, kv, *self.rope, work=self.work)
         sel = slice(joiners[0], joiners[-1] + 1) if _is_run(joiners) else torch.tensor(joiners, device=self.device)
-        sl.e[sel] = x
+        self.inj[sel] = x
         self.joiners.clear()
 
     def layout(self, items: list[int], loop_list: list[int], pos_list: list[int],
                caches: list[list[tuple[Tensor, Tensor]]]) -> tuple[Attn, list[list[tuple[Tensor, Tensor]]], Tensor,
                                                                   Tensor]:
-        """The attention layout of items (slots, their loops and positions), what the blocks of each list of
-        per-block caches (L, S, H, T, hd) read and write through it, and the items' slots and loops on the device.
-        Items that are a run of slots at one loop and one position take the dense layout of ``generate_fixed``
-        (one query per row) over that loop's slab of those slots (views); otherwise one flat row per item
-        (:class:`_Items`) over the (L * S, H, T, hd) caches, from one host-to-device copy of the items' slots,
-        loops, flat rows, positions and cache offsets."""
+        """The attention layout of items (slots, their loops and positions), the views of each list of per-block
+        caches (L, S, H, T, hd) its blocks use, and the items' slots and loops on the device: dense over one slab
+        for a run of slots at one loop and position, else one flat row per item (:class:`_Items`) over the
+        (L * S, H, T, hd) caches, from one host-to-device copy."""
         n_slots, t, n = self.n_slots, pos_list[0], len(items)
         run, one_loop = _is_run(items), min(loop_list) == max(loop_list)
         if run and one_loop and min(pos_list) == max(pos_list):
@@ -431,8 +375,8 @@ class _Decoder:
         return attn, flat, b_t, loops
 
     def exited(self, gone: list[tuple[int, int, int]]) -> None:
-        """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop: one gather
-        and one scatter for every block's caches."""
+        """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop (one gather and
+        one scatter for every block)."""
         pairs = [(b, loop, t, later) for b, loop, t in gone for later in range(loop, self.L)]
         if not pairs:
             return
@@ -443,53 +387,50 @@ class _Decoder:
     def step(self) -> bool:
         """Admit waiting requests into free slots, run the new tokens' prelude, then one loop of every active
         item; the exiting items choose their next tokens. False when no item is left."""
-        sl = self.sl
         if self.queue:
             self.admit()
         self.join()
-        items = sl.active()
+        items = self.active()
         if not items:
             return False
         self.steps += 1
-        loop_list = [sl.loop[b] for b in items]
-        pos_list = [sl.pos[b] for b in items]
+        loop_list = [self.loop[b] for b in items]
+        pos_list = [self.pos[b] for b in items]
         attn, (core_kv, coda_kv), b_t, loops = self.layout(items, loop_list, pos_list, [self.core_kv, self.coda_kv])
         # items that are a run of slots are read and written through slices (views), not gathers
         sel: Tensor | slice = slice(items[0], items[-1] + 1) if _is_run(items) else b_t
-        x = self.model.inject(sl.x[sel], sl.e[sel])
+        x = self.model.inject(self.state[sel], self.inj[sel])
         for block, kv in zip(self.model.core, core_kv, strict=True):
             x = block_step(block, x, attn, kv, *self.rope)
         self.work.core += len(items)
         kept, res, z = self._statistics(x, attn, coda_kv, b_t, sel, loops, loop_list)
         decide, gone, gone_list = self._decide(x, res, loops, loop_list)
         logits_g = self._exit_logits(x, attn, coda_kv, loops, loop_list, decide, gone, z)
-        sl.x[sel] = x
+        self.state[sel] = x
         if self.per_loop:
             self.z_prev[sel] = z
         for k, v in kept.items():
-            if k not in sl.prev:
-                sl.prev[k] = v.new_zeros(self.n_slots, *v.shape[1:])
-            sl.prev[k][sel] = v
+            if k not in self.prev:
+                self.prev[k] = v.new_zeros(self.n_slots, *v.shape[1:])
+            self.prev[k][sel] = v
         if gone_list:
             self._emit(logits_g, [(items[i], loop_list[i], pos_list[i]) for i in gone_list])
         gone_set = set(gone_list)
         for i, b in enumerate(items):
             if i not in gone_set:
-                sl.loop[b] += 1
+                self.loop[b] += 1
         return True
 
     def _statistics(self, x: Tensor, attn: Attn, coda_kv: list, b_t: Tensor, sel: Tensor | slice, loops: Tensor,
                     loop_list: list[int]) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
-        """The rule's statistics of the items: ``generate``'s own tracker, its previous loop being each item's
-        slot's (items at loop 1 get the first loop's values by :func:`_masked`, as their slot's previous values
-        belong to another token); with the step's logits when the rule reads the output distribution. Returns the
-        values to keep for the items' next loop, the statistics and the logits."""
+        """The items' statistics by ``generate``'s tracker against their slots' previous values: the values to keep
+        for the next loop, the statistics and the step's logits (rules that read the output)."""
         if not self.need:  # a rule that reads nothing (a uniform depth): no tracker, no statistics
             return {}, {}, self.z_none
         n_items = x.shape[0]
         tracker = Tracker(self.need, 0, self.V, self.like, False, self.fused)
-        if self.sl.prev:
-            tracker.prev, tracker.loop = {k: v[sel] for k, v in self.sl.prev.items()}, 1
+        if self.prev:
+            tracker.prev, tracker.loop = {k: v[sel] for k, v in self.prev.items()}, 1
         res = tracker.states(x, 3)
         z = self.z_none
         if self.per_loop:
@@ -506,8 +447,7 @@ class _Decoder:
 
     def _decide(self, x: Tensor, res: dict[str, Tensor], loops: Tensor,
                 loop_list: list[int]) -> tuple[Tensor | None, Tensor | None, list[int]]:
-        """Which items exit (None: no item may exit yet): the rule's criterion with the min/max-loop forcing per
-        item; the one host sync."""
+        """Which items exit (None: none may yet): the criterion with the min/max-loop forcing per item."""
         rule, n_items = self.rule, x.shape[0]
         if max(loop_list) < rule.min_loops:  # no item may exit yet: no decision, no host sync
             return None, None, []
@@ -524,9 +464,8 @@ class _Decoder:
 
     def _exit_logits(self, x: Tensor, attn: Attn, coda_kv: list, loops: Tensor, loop_list: list[int],
                      decide: Tensor | None, gone: Tensor | None, z: Tensor) -> Tensor:
-        """The logits of the exiting items. A rule that reads states only runs the coda here: every item at loop
-        >= ``min_loops`` writes its coda keys/values (later tokens exiting at its loop read them), and only the
-        exiting ones run the last coda block and the head."""
+        """The exiting items' logits. A rule on states only runs the coda here: every item at loop >= ``min_loops``
+        writes its coda keys/values (later tokens read them), the exiting ones run the last block and the head."""
         if self.per_loop:
             return z.index_select(0, gone) if gone is not None else z[:0]
         min_loops = self.rule.min_loops
@@ -542,13 +481,12 @@ class _Decoder:
         return self.model.head(y).float()
 
     def _emit(self, logits_g: Tensor, gone: list[tuple[int, int, int]]) -> None:
-        """The exiting items (slot, exit loop, position) choose their next tokens; their keys/values fill the
-        later loops' slabs."""
+        """The exiting items (slot, exit loop, position) choose their next tokens and fill the later loops' slabs."""
         picks = choose_next(logits_g, self.temperature, self.generator).tolist()
         self.exited(gone)
         rows = logits_g.to(self.dtype) if self.keep_logits else None
         for j, (b, loop, _) in enumerate(gone):
-            r = self.sl.request[b]
+            r = self.request[b]
             self.exits[r].append(loop)
             if rows is not None:
                 self.outs[r].append(rows[j : j + 1])

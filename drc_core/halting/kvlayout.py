@@ -1,8 +1,6 @@
-"""Where the skipping paths' tokens write and read keys/values: a flat list of tokens (:class:`Tokens`), their
-attention layout over caches (:class:`Attn`, computed once per active set), one transformer block on them
-(:func:`block_step`, the code of ``Block.forward`` around cached attention), the coda (:func:`coda`), and the
-per-block caches with the exit policy of the halting semantics (:class:`LoopCaches`). How the layout works:
-:mod:`drc_core.halting.skipping`."""
+"""Where the skipping paths' tokens write and read keys/values: flat tokens (:class:`Tokens`), their attention
+layout over caches (:class:`Attn`), one block on them (:func:`block_step`), the coda (:func:`coda`), and the
+per-block caches with the exit policy of the halting semantics (:class:`LoopCaches`)."""
 
 from __future__ import annotations
 
@@ -21,8 +19,6 @@ __all__ = ["Attn", "KVSlab", "LoopCaches", "Tokens", "block_step", "coda", "empt
 
 KVSlab = tuple[Tensor, Tensor]  # (K, V), each (B, H, T, hd): one block's cached keys/values at one loop
 
-# Flat tokens, the attention layout and cached attention
-
 
 @dataclass
 class Tokens:
@@ -30,12 +26,6 @@ class Tokens:
 
     rows: Tensor
     pos: Tensor
-
-    @classmethod
-    def of(cls, mask: Tensor) -> Tokens:
-        """The True entries of a (B, T) mask."""
-        rows, pos = mask.nonzero(as_tuple=True)
-        return cls(rows, pos)
 
     @classmethod
     def window(cls, batch: int, t0: int, t1: int, device: torch.device) -> Tokens:
@@ -57,16 +47,12 @@ class Tokens:
 
 
 class Attn:
-    """How the N flat tokens ``toks`` write keys/values into and attend over caches (B, H, T, hd), computed once
-    per active set and reused by every block of every loop until the set changes.
-
-    ``dense`` (``window`` (t0, t1) given and every row's positions t0..t1-1 present): q, k, v in the (B, H, W, hd)
-    layout of ``Block.forward``, cache writes a slice copy, attention the dense causal kernel. ``scratch`` (the
-    caches are read by this run only, as in ``skip_forward``) with a dense layout over the whole cache: the
-    writes are deferred to :meth:`flush` (which :meth:`select` calls), attention reads the fresh keys/values.
-    Otherwise the queries are padded per row (see the module docstring) with the padding, the mask and the cache
-    offsets precomputed here.
-    """
+    """How the N flat tokens ``toks`` write keys/values into and attend over caches (B, H, T, hd), built once per
+    active set. ``dense`` (``window`` (t0, t1) given and every row's positions t0..t1-1 present): q, k, v in the
+    (B, H, W, hd) layout of ``Block.forward`` and the dense causal kernel; with ``scratch`` (caches read by this
+    run only) over the whole cache, the cache writes wait for :meth:`flush` and attention reads the fresh
+    keys/values. Otherwise queries are padded per row to the largest count, with a mask (key position <= query
+    position; padding queries see key 0 only and are dropped) over the keys cropped to the last position + 1."""
 
     def __init__(self, toks: Tokens, batch: int, seq_len: int, heads: int, rope: tuple[Tensor, Tensor],
                  window: tuple[int, int] | None = None, *, scratch: bool = False) -> None:
@@ -99,10 +85,8 @@ class Attn:
         self.kv_index = ((toks.rows[:, None] * heads + h) * seq_len + toks.pos[:, None]).reshape(-1)
 
     def write(self, kv: KVSlab, k: Tensor, v: Tensor) -> None:
-        """Write the tokens' keys/values into the cache: k, v (B, H, W, hd) in the dense layout, else (N, H, hd).
-
-        Dense over the whole cache with ``scratch``: only kept (the attention of this loop reads them as they
-        are), and written into the cache by :meth:`flush`, when a later layout needs them."""
+        """Write the tokens' keys/values into the cache (k, v (B, H, W, hd) dense, else (N, H, hd)); only kept until
+        :meth:`flush` in the lazy layout."""
         if self.dense and self.lazy:
             self.pending[id(kv[0])] = (kv, k, v)
             return
@@ -125,22 +109,20 @@ class Attn:
         (B, H, W, hd) in the dense layout, else (N, H, hd)."""
         if self.dense:
             t0, t1 = self.t0, self.t1
-            qd = q
             batch, heads, _, hd = q.shape
-            n = batch * (t1 - t0)
             fresh = self.pending.get(id(kv[0]))
             if fresh is not None:
                 k, v = fresh[1], fresh[2]
             else:
                 k, v = kv[0][:, :, :t1].to(q.dtype), kv[1][:, :, :t1].to(q.dtype)
             if t0 == 0:
-                y = F.scaled_dot_product_attention(qd, k, v, is_causal=True)
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             elif t1 - t0 == 1:
-                y = F.scaled_dot_product_attention(qd, k, v)
+                y = F.scaled_dot_product_attention(q, k, v)
             else:
                 mask = torch.arange(t1, device=q.device) <= torch.arange(t0, t1, device=q.device)[:, None]
-                y = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask)
-            return y.transpose(1, 2).reshape(n, heads * hd)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return y.transpose(1, 2).reshape(batch * (t1 - t0), heads * hd)
         heads, hd = q.shape[1:]
         k, v = kv[0][:, :, : self.t_k], kv[1][:, :, : self.t_k]
         if self.used is not None:
@@ -157,26 +139,12 @@ class Attn:
         return Attn(self.toks.select(keep), self.batch, self.seq_len, self.heads, self.rope)
 
 
-def _attn(toks: Tokens, kv: KVSlab, rope: tuple[Tensor, Tensor]) -> Attn:
-    """The (not dense) :class:`Attn` of ``toks`` over caches shaped like ``kv`` (B, H, T, hd)."""
-    B, H, T, _ = kv[0].shape
-    return Attn(toks, B, T, H, rope)
-
-
-
 def block_step(block: Block, x: Tensor, toks: Tokens | Attn, kv: KVSlab, cos: Tensor, sin: Tensor,
                query: Tensor | None = None, *, work: Work | None = None) -> Tensor:
-    """One transformer block on the flat tokens ``x`` (N, d) at ``toks`` (or their :class:`Attn` layout),
-    attending over the cache ``kv``: :meth:`Block.qkv <drc_core.model.lm.Block.qkv>` and
-    :meth:`Block.finish <drc_core.model.lm.Block.finish>`, the code of ``Block.forward``, around cached attention
-    instead of dense causal attention.
-
-    The tokens' keys/values are written into ``kv`` first (in place), so they see themselves and every other
-    token's cached keys/values. ``query`` (N,) bool: only those tokens get the attention output and the MLP
-    (all tokens still write their k/v); returns (N', d) for the N' selected tokens. ``cos``/``sin``: the full
-    RoPE tables (max_seq_len, hd/2).
-    """
-    attn = toks if isinstance(toks, Attn) else _attn(toks, kv, (cos, sin))
+    """One block on the flat tokens ``x`` (N, d) at ``toks`` (or their :class:`Attn` layout): ``Block.qkv`` and
+    ``Block.finish`` around attention over the cache ``kv``, into which the tokens' keys/values are written first.
+    Only the ``query`` (N,) bool tokens get attention and MLP -> (N', d). ``cos``/``sin``: the full RoPE tables."""
+    attn = toks if isinstance(toks, Attn) else Attn(toks, kv[0].shape[0], kv[0].shape[2], kv[0].shape[1], (cos, sin))
     n = x.shape[0]
     if attn.dense:  # the layout of Block.forward: q, k, v (B, H, W, hd)
         q, k, v = block.qkv(x.view(attn.batch, -1, x.shape[-1]), attn.cos_w, attn.sin_w)
@@ -212,7 +180,6 @@ def coda(model: DepthRecurrentLM, x: Tensor, attn: Attn, coda_kv: list[KVSlab], 
     return x
 
 
-
 def empty_caches(model: DepthRecurrentLM, n_blocks: int, shape: tuple[int, ...], like: Tensor) -> list[KVSlab]:
     """Zeroed (K, V) caches per block, each ``(*lead, B, H, T, hd)`` for ``shape = (*lead, B, T)`` (zeros, so
     that masked-out keys never hold NaN)."""
@@ -221,14 +188,12 @@ def empty_caches(model: DepthRecurrentLM, n_blocks: int, shape: tuple[int, ...],
     return [(like.new_zeros(size), like.new_zeros(size)) for _ in range(n_blocks)]
 
 
-
 @dataclass
 class LoopCaches:
-    """Key/value caches for :func:`run_loops`: ``core[j]``/``coda[j]`` are block j's (K, V), either one slab
-    (B, H, T, hd) each that always holds every token's last computed keys/values (``per_loop=False``), or
-    one slab per loop (L, B, H, T, hd) where slab l-1 holds every token's loop-min(l, e) keys/values
-    (``per_loop=True``, what generation needs to add tokens later). A token still active at loop l writes
-    its own loop-l slab; one that exits at loop e copies its loop-e keys/values into slabs e+1..L."""
+    """Key/value caches of :func:`~drc_core.halting.skipping.run_loops`, block j's (K, V) in ``core[j]``/``coda[j]``:
+    one slab (B, H, T, hd) holding every token's last keys/values, or (``per_loop``, for generation) one per loop
+    (L, B, H, T, hd), slab l-1 holding every token's loop-min(l, e) keys/values (an exit at loop e copies its
+    loop-e keys/values into slabs e+1..L)."""
 
     core: list[KVSlab]
     coda: list[KVSlab]

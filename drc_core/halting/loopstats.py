@@ -1,13 +1,13 @@
-"""The rule's statistics on the skipping paths: computed for the active tokens only (a compact (N,) layout), only
-the fields the rule reads (:func:`stat_fields`), against the previous loop kept per token (:class:`Tracker`);
-the readout's vocabulary-sized statistics in L2-sized row chunks or one compiled kernel
-(:func:`fused_stats_kernel`). The definitions of the statistics are :class:`~drc_core.analysis.loops.LoopStats`'s;
-:mod:`drc_core.halting.skipping` explains the cost."""
+"""The rule's statistics on the skipping paths: for the active tokens only (a compact (N,) layout), only the
+fields the rule reads (:func:`stat_fields`), against the previous loop kept per token (:class:`Tracker`). The
+statistics are defined by :class:`~drc_core.analysis.loops.LoopStats`."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,15 +29,14 @@ from drc_core.errors import DrcError
 from drc_core.halting.rules import HaltingRule
 from drc_core.model.lm import DepthRecurrentLM
 
-__all__ = ["CHUNK", "FullLayout", "Tracker", "Trajectory", "compact_stats", "fused_stats_kernel", "stat_fields"]
+__all__ = ["CHUNK", "FullLayout", "Tracker", "compact_stats", "fused_stats_kernel", "stat_fields"]
 
 CHUNK = 128  # rows of the fused head + statistics pass (128 x 4096 floats = 2 MB: stays in L2)
 
 
 def _needs(name: str) -> set[str]:
-    """What statistic ``name`` needs computed on the compact layout: its ``needs`` (the previous loop's values,
-    so this loop's too), without the state (always there); a built-in's log-probs are not materialised (the
-    kernels read the logits), a registered statistic that reads the output gets this loop's log-probs."""
+    """What statistic ``name`` needs computed on the compact layout: its ``needs`` without the state (always
+    there); a built-in reads the logits (no log-probs), a registered output statistic this loop's log-probs."""
     stat = STATISTICS.get(name)
     if stat is None:
         return set()
@@ -48,8 +47,8 @@ def _needs(name: str) -> set[str]:
 
 
 def stat_fields(rule: HaltingRule) -> frozenset[str]:
-    """The statistics the skipping paths compute for ``rule``: what it reads (:attr:`HaltingRule.reads`) and,
-    transitively, what those need on the compact layout (:func:`_needs`); every statistic where it reads None."""
+    """The statistics the skipping paths compute for ``rule``: what it reads and, transitively, what those need
+    (every statistic where it reads None)."""
     if rule.reads is None:
         return frozenset(STATISTICS)
     unknown = sorted(set(rule.reads) - set(STATISTICS))
@@ -64,8 +63,7 @@ def _vecdot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _stats_first(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(lse, top_prob, entropy) of logits z (N, V): one expression, which ``torch.compile`` fuses into one loop
-    over each row."""
+    """(lse, top_prob, entropy) of logits z (N, V), one expression for ``torch.compile`` to fuse."""
     m = z.amax(-1, keepdim=True)
     e = torch.exp(z - m)
     s = e.sum(-1, keepdim=True)
@@ -74,8 +72,8 @@ def _stats_first(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _stats_kl(z: Tensor, zp: Tensor, index: Tensor, lse_prev: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(lse, top_prob, entropy, KL(p || p_prev)) of logits z (N, V) against the previous loop's logits
-    ``zp[index]`` and normaliser ``lse_prev`` (N,): read z and the previous rows once, no (N, V) temporary."""
+    """(lse, top_prob, entropy, KL(p || p_prev)) of logits z (N, V) against the previous loop's logits ``zp[index]``
+    and normaliser ``lse_prev`` (N,)."""
     m = z.amax(-1, keepdim=True)
     e = torch.exp(z - m)
     s = e.sum(-1, keepdim=True)
@@ -98,16 +96,14 @@ def _stats_minp(z: Tensor, zp: Tensor, index: Tensor) -> Tensor:
     return (lq_prev.exp() * (lq_prev - lq)).sum(-1)
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[str, Callable[..., Any]] = {}
 FUSED_MIN_ROWS = 16  # fewer active tokens take the eager path
 
 
-def fused_stats_kernel(kind: str = "kl") -> object:
-    """:func:`_stats_kl` (``kind`` "kl"), :func:`_stats_first` ("first") or :func:`_stats_minp` ("minp", Huginn's
-    min-p KL from the logits) compiled with dynamic shapes, built
-    once per process (the first call compiles, ~20 s on a CPU; inductor caches the kernel on disk). Every
-    argument is always a tensor and the callers use the kernels only from 16 rows on (no size-1
-    specialisation), so each compiles once per grad / autocast mode."""
+def fused_stats_kernel(kind: str = "kl") -> Callable[..., Any]:
+    """:func:`_stats_kl` ("kl"), :func:`_stats_first` ("first") or :func:`_stats_minp` ("minp") compiled with
+    dynamic shapes, once per process (~20 s on a CPU; inductor caches it on disk). Used only from
+    :data:`FUSED_MIN_ROWS` rows on (no size-1 specialisation), so each compiles once per grad / autocast mode."""
     if kind not in _COMPILED:
         fn = {"kl": _stats_kl, "first": _stats_first, "minp": _stats_minp}[kind]
         _COMPILED[kind] = torch.compile(fn, dynamic=True)
@@ -115,12 +111,9 @@ def fused_stats_kernel(kind: str = "kl") -> object:
 
 
 class Tracker:
-    """Compact (active tokens only) statistics of one loop against the previous, only the fields in ``need``.
-
-    The output statistics come from the logits z (N, V) of :meth:`logits_buffer` (two preallocated buffers that
-    alternate: this loop's and the previous loop's), computed chunk by chunk (:meth:`readout`); per-token
-    values of the previous loop (normaliser, entropy, argmax and its run, state, step) are kept compact and
-    shrunk with :meth:`keep`; the previous loop's logits are read through an index (no copy)."""
+    """Compact statistics (active tokens only) of one loop against the previous, only the fields in ``need``. The
+    logits z (N, V) go into one of two preallocated buffers that alternate (this loop's, the previous loop's,
+    read through an index: no copy); per-token values of the previous loop are kept compact (:meth:`keep`)."""
 
     def __init__(self, need: frozenset[str], n: int, vocab: int, like: Tensor, readout: bool,
                  fused: bool = False) -> None:
@@ -144,43 +137,40 @@ class Tracker:
         return self.bufs[self.cur][:n]
 
     def readout(self, model: DepthRecurrentLM, y: Tensor, loop: int) -> dict[str, Tensor]:
-        """Head + statistics of the coda outputs ``y`` (N, d): fills :meth:`logits_buffer` and returns the
-        output fields in ``need`` (N,) (``log_probs`` (N, V)). Long because the built-in statistics are computed
-        together in one chunked pass over the logits (one read of the (N, V) buffer, no intermediate of that
-        size)."""
-        n, need = y.shape[0], self.need
-        z = self.logits_buffer(n)
-        first = self.loop == 0
-        idx = self.prev_index
+        """Head + statistics of the coda outputs ``y`` (N, d): fills :meth:`logits_buffer` and returns the output
+        fields in ``need``. The softmax-based ones come from one pass over the logits in L2-sized row chunks of
+        :data:`CHUNK` (``lse = max - log p_max``, entropy ``lse - sum p z``, ``KL(p_l || p_{l-1}) = sum p (z_l -
+        z_{l-1}) - lse_l + lse_{l-1}``, no (N, V) temporary) or, with ``fused``, from one compiled kernel; only
+        the min-p KL and registered output statistics materialise log-probs."""
+        n, need, first = y.shape[0], self.need, self.loop == 0
+        z, idx = self.logits_buffer(n), self.prev_index
         zp = None if first else self.bufs[1 - self.cur] if idx is not None else self.bufs[1 - self.cur][:n]
         want_p = bool(need & {"kl", "entropy", "entropy_delta", "top_prob"})
-        out = {k: y.new_empty(n, dtype=torch.float32) for k in ("lse", "kl", "entropy", "top_prob") if want_p}
         arg = y.new_empty(n, dtype=torch.long) if "argmax" in need else None
         hn = model.norm(y)
         if not torch.is_autocast_enabled(y.device.type) and model.lm_head.bias is None and hn.dtype == z.dtype:
             torch.mm(hn, model.lm_head.weight.t(), out=z)  # into the preallocated buffer: no (N, V) allocation
         else:
             z.copy_(model.lm_head(hn))
-        scratch = None
         fused = self.fused and n >= FUSED_MIN_ROWS  # a few rows: eager is as fast, and no recompiles for N = 1
+        index = (idx if idx is not None else torch.arange(n, device=z.device)) if fused and zp is not None else None
+        out: dict[str, Tensor] = {}
         if want_p and fused:
             if zp is None or "kl" not in need:
-                lse, top, ent = fused_stats_kernel("first")(z)  # type: ignore[operator]
+                out["lse"], out["top_prob"], out["entropy"] = fused_stats_kernel("first")(z)
             else:
-                index = idx if idx is not None else torch.arange(n, device=z.device)
-                lse, top, ent, kl = fused_stats_kernel("kl")(z, zp, index, self.prev["lse"])  # type: ignore[operator]
-                out["kl"] = kl.reshape(n)
-            out.update(lse=lse.reshape(n), top_prob=top.reshape(n), entropy=ent.reshape(n))  # (N,) also at N = 1
-            want_p = False  # done; the chunk loop below only computes the argmax, if read
-            computed = True
-        else:
-            computed = False
+                out["lse"], out["top_prob"], out["entropy"], out["kl"] = fused_stats_kernel("kl")(
+                    z, zp, index, self.prev["lse"])
+            out = {k: v.reshape(n) for k, v in out.items()}  # (N,) also at N = 1
+        elif want_p:
+            out = {k: y.new_empty(n, dtype=torch.float32) for k in ("lse", "kl", "entropy", "top_prob")}
+        scratch = None
         for i in range(0, n, CHUNK):
             j = min(i + CHUNK, n)
             zc = z[i:j]
             if arg is not None:
                 arg[i:j] = zc.argmax(dim=-1)
-            if not want_p:
+            if not want_p or fused:
                 continue
             p = torch.softmax(zc, dim=-1)
             p_max = p.amax(dim=-1)
@@ -194,7 +184,7 @@ class Tracker:
                 out["kl"][i:j] = _vecdot(p, scratch) - (lse - self.prev["lse"][i:j])
         res: dict[str, Tensor] = {}
         inf = torch.full((n,), math.inf, device=y.device)
-        if want_p or computed:
+        if want_p:
             res["lse"] = out["lse"]
             if "kl" in need:
                 res["kl"] = inf if first else out["kl"]
@@ -209,27 +199,20 @@ class Tracker:
             if "argmax_run" in need:
                 res["argmax_run"] = (torch.ones_like(arg) if first else
                                      torch.where(arg == self.prev["argmax"], self.prev["argmax_run"] + 1, 1))
-        fused_minp = "minp_kl" in need and fused
-        if fused_minp:
-            if first:
+        eager_minp = "minp_kl" in need and not fused
+        if "minp_kl" in need and fused:
+            res["minp_kl"] = inf if first else fused_stats_kernel("minp")(z, zp, index).reshape(n)
+        if "log_probs" in need or eager_minp:
+            lp = res["log_probs"] = torch.log_softmax(z, dim=-1)
+            if eager_minp and first:
                 res["minp_kl"] = inf
-            else:
-                assert zp is not None
-                index = idx if idx is not None else torch.arange(n, device=z.device)
-                res["minp_kl"] = fused_stats_kernel("minp")(z, zp, index).reshape(n)  # type: ignore[operator]
-        if "log_probs" in need or ("minp_kl" in need and not fused_minp):
-            lp = torch.log_softmax(z, dim=-1)
-            res["log_probs"] = lp
-            if "minp_kl" in need and not fused_minp:
-                if first:
-                    res["minp_kl"] = inf
-                else:
-                    prev = self.prev.get("log_probs")
-                    if prev is None:  # the previous loop ran the fused kernel: its log-probs from its logits
-                        assert zp is not None
-                        prev = torch.log_softmax(zp if idx is None else zp.index_select(0, idx), dim=-1)
-                    q_prev, q = minp_log_probs(prev), minp_log_probs(lp)
-                    res["minp_kl"] = _vecdot(q_prev.exp(), q_prev - q)
+            elif eager_minp:
+                prev = self.prev.get("log_probs")
+                if prev is None:  # the previous loop ran the fused kernel: its log-probs from its logits
+                    assert zp is not None
+                    prev = torch.log_softmax(zp if idx is None else zp.index_select(0, idx), dim=-1)
+                q_prev, q = minp_log_probs(prev), minp_log_probs(lp)
+                res["minp_kl"] = _vecdot(q_prev.exp(), q_prev - q)
         if self.extra_output:
             assert self.x is not None, "states() runs before readout()"
             res.update(extra_values(res["log_probs"], self.x, None if first else self.prev, self.extra_output))
@@ -248,9 +231,9 @@ class Tracker:
                 res["state_delta"], res["cosine"] = inf, -inf
             else:
                 res["state_delta"], res["cosine"] = state_change(x, self.prev["state"])
-        if "state_step" in need:
-            prev = None if first else Trajectory(loop - 1, self.prev["state"], self.prev["state_step"],
-                                                  self.prev["accel"])
+        if "state_step" in need:  # what trajectory_step reads of the previous loop
+            prev = None if first else SimpleNamespace(loop=loop - 1, state=self.prev["state"],
+                                                      state_step=self.prev["state_step"], accel=self.prev["accel"])
             res["state_step"], res["accel"], res["accel_prev"] = trajectory_step(x, prev)  # type: ignore[arg-type]
         return res
 
@@ -271,20 +254,9 @@ class Tracker:
         self.prev_index = keep
 
 
-@dataclass
-class Trajectory:
-    """What :func:`~drc_core.analysis.loops.trajectory_step` reads of the previous loop."""
-
-    loop: int
-    state: Tensor
-    state_step: Tensor
-    accel: Tensor
-
-
 def compact_stats(loop: int, x: Tensor, res: dict[str, Tensor]) -> LoopStats:
     """The (1, N) :class:`LoopStats` of the computed fields ``res``; the others are placeholders
-    (:func:`~drc_core.analysis.loops.with_placeholders`: NaN, argmax -1, run 0, empty log-probs and steps) that a
-    rule declaring its ``reads`` never looks at."""
+    (:func:`~drc_core.analysis.loops.with_placeholders`) that a rule declaring its ``reads`` never looks at."""
     return LoopStats.of(loop, x[None], with_placeholders({k: v[None] for k, v in res.items()}, (1, x.shape[0]),
                                                         x.device))
 

@@ -1,8 +1,6 @@
-"""Running halting rules on a model: the masked reference forward (:func:`masked_forward`: every token computed,
-halted tokens frozen with their exit-loop keys/values), the offline replay of rules on a uniform run's statistics
-(:func:`offline_exits`), the ``halt`` callable of :func:`~drc_core.model.lm.iterate` (:func:`halt_fn`), and the
-oracle (:func:`oracle_exit`: each token's first loop within eps of the reference depth). The rules themselves:
-:mod:`drc_core.halting.rules`."""
+"""Running halting rules on a model: the masked reference forward (:func:`masked_forward`), the offline replay of
+rules on a uniform run's statistics (:func:`offline_exits`), the ``halt`` callable of
+:func:`~drc_core.model.lm.iterate` (:func:`halt_fn`), and the oracle (:func:`oracle_exit`)."""
 
 from __future__ import annotations
 
@@ -24,44 +22,34 @@ __all__ = ["AdaptiveResult", "OracleResult", "first_within", "halt_fn", "masked_
            "oracle_exit"]
 
 
-class _RuleHalt:
-    """A ``halt`` callable for :func:`drc_core.model.lm.iterate` that feeds ``rule`` the loop's stats."""
+def halt_fn(rule: HaltingRule, readout: str = "log_probs") -> HaltFn:
+    """A fresh ``halt`` callable applying ``rule`` for one ``iterate(model, ..., readout=readout, halt=...)`` call
+    (it keeps the previous loop's stats); ``readout`` is iterate's ("logits" or "log_probs"), every position read
+    out."""
+    if not isinstance(rule, HaltingRule):
+        raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
+    if readout not in ("logits", "log_probs"):
+        raise DrcError(f"readout={readout!r} is not supported; use 'logits' or 'log_probs'")
+    stats: LoopStats | None = None
 
-    def __init__(self, rule: HaltingRule, readout: str) -> None:
-        if not isinstance(rule, HaltingRule):
-            raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
-        if readout not in ("logits", "log_probs"):
-            raise DrcError(f"readout={readout!r} is not supported; use 'logits' or 'log_probs'")
-        self.rule, self.readout = rule, readout
-        self.stats: LoopStats | None = None
-
-    def __call__(self, out: LoopOutput) -> Tensor:
+    def halt(out: LoopOutput) -> Tensor:
+        nonlocal stats
         if out.out is None:
             raise DrcError("the halting rule needs the readout; call iterate with readout='logits'/'log_probs'")
         if out.out.shape[:2] != out.state.shape[:2]:
             raise DrcError("the halting rule needs every position read out; call iterate with positions=None")
-        logp = out.out if self.readout == "log_probs" else F.log_softmax(out.out.float(), dim=-1)
-        self.stats = loop_stats(self.stats, out.loop, logp, out.state, only=self.rule.reads)
-        return self.rule.decide(self.stats)
+        logp = out.out if readout == "log_probs" else F.log_softmax(out.out.float(), dim=-1)
+        stats = loop_stats(stats, out.loop, logp, out.state, only=rule.reads)
+        return rule.decide(stats)
 
-
-def halt_fn(rule: HaltingRule, readout: str = "log_probs") -> HaltFn:
-    """A fresh ``halt`` callable for ``iterate(model, ..., readout=readout, halt=...)`` applying ``rule``.
-
-    It remembers the previous loop's stats, so use one per ``iterate`` call. ``readout`` must be the one
-    passed to ``iterate`` ("logits" or "log_probs"), with all positions read out.
-    """
-    return _RuleHalt(rule, readout)
+    return halt
 
 
 @dataclass
 class AdaptiveResult:
-    """What :func:`masked_forward` returns.
-
-    ``exit_loop`` (B, T) long: each token's exit loop; ``logits`` (B, T, V): each token's logits at its exit
-    loop (model dtype, as ``forward`` returns them); ``avg_depth``: mean exit loop; ``state`` (B, T, d): the
-    final latent state (a halted token's is its state at its exit loop); ``rule``: ``str(rule)``.
-    """
+    """What :func:`masked_forward` returns: ``exit_loop`` (B, T) long; ``logits`` (B, T, V) at each token's exit
+    loop (model dtype); ``avg_depth``, the mean exit loop; ``state`` (B, T, d), the final latent state (a halted
+    token's from its exit loop); ``rule``: ``str(rule)``."""
 
     exit_loop: Tensor
     logits: Tensor
@@ -75,30 +63,18 @@ class AdaptiveResult:
 
 
 @torch.no_grad()
-def masked_forward(
-    model: RecurrentModel,
-    idx: Tensor,
-    rule: HaltingRule,
-    *,
-    generator: torch.Generator | None = None,
-    state: Tensor | None = None,
-) -> AdaptiveResult:
+def masked_forward(model: RecurrentModel, idx: Tensor, rule: HaltingRule, *, generator: torch.Generator | None = None,
+                   state: Tensor | None = None) -> AdaptiveResult:
     """Run ``model`` on ``idx`` (B, T) with per-token halting by ``rule``, up to ``rule.max_loops`` loops.
 
-    Semantics (the masked reference of :func:`drc_core.model.lm.iterate`): after loop l the rule sees loop
-    l's stats; a token that halts at loop e keeps s_e from then on, and at every later loop offers, in every
-    core and coda block, the keys/values it computed at loop e (its last computed ones); so a token active at
-    loop l attends to each earlier token's loop-min(l, e) keys/values. A token's ``logits`` are the readout
-    at its exit loop. The core still runs on every token here (the halted tokens' results are discarded);
-    :func:`drc_core.halting.skipping.skip_forward` gives the same result (to float tolerance) while computing only
-    the active tokens.
-
-    The log-probs the rule sees are ``log_softmax(logits.float())``, exactly iterate's "log_probs" readout.
-    With the same ``generator`` state (or ``state`` s_0), :class:`Never` with ``max_loops=r`` gives
-    ``forward(idx, r)`` and ``Uniform(k)`` gives ``forward(idx, k)``. Runs under ``torch.no_grad()``; put
-    the model in eval mode first if it has dropout.
-    """
-    halt = _RuleHalt(rule, "logits")
+    After loop l the rule sees loop l's stats (log-probs ``log_softmax(logits.float())``); a token that halts at
+    loop e keeps s_e and at every later loop offers, in every core and coda block, its loop-e keys/values, so a
+    token active at loop l attends to each earlier token's loop-min(l, e) keys/values; its logits are its readout
+    at loop e. Every token is computed (the halted ones' results discarded);
+    :func:`~drc_core.halting.skipping.skip_forward` computes only the active ones. From the same ``generator``
+    state (or ``state`` s_0), ``Never(max_loops=r)`` and ``Uniform(r)`` give ``forward(idx, r)``. Runs under
+    no_grad."""
+    halt = halt_fn(rule, "logits")
     logits: Tensor | None = None
     last: LoopOutput | None = None
     for out in iterate(model, idx, rule.max_loops, generator=generator, readout="logits", halt=halt, state=state):
@@ -107,25 +83,15 @@ def masked_forward(
         logits = out.out.clone() if logits is None else torch.where(now, out.out, logits)
         last = out
     assert last is not None and logits is not None
-    exit_loop = last.exit_loop
-    return AdaptiveResult(
-        exit_loop=exit_loop,
-        logits=logits,
-        avg_depth=float(exit_loop.float().mean()),
-        state=last.state,
-        rule=str(rule),
-    )
+    return AdaptiveResult(exit_loop=last.exit_loop, logits=logits, avg_depth=float(last.exit_loop.float().mean()),
+                          state=last.state, rule=str(rule))
 
 
 def offline_exits(stats: Iterable[LoopStats], rules: Sequence[HaltingRule]) -> list[Tensor]:
-    """Each rule's per-token exit loop (B, T) long on one sequence of loop stats (loops 1, 2, ... in order).
-
-    A token's exit is the first loop where ``rule.decide`` is True. The stats come from a run without
-    halting (e.g. :func:`iterate_stats`), so this is the rule's decisions when halting changes no other
-    token's trajectory -- cheap for sweeping many rules over one run, and equal to :func:`masked_forward`
-    for a token whose earlier tokens all run at least as long as it does (e.g. the first position). The
-    stats must reach every rule's ``max_loops`` unless every token has halted earlier.
-    """
+    """Each rule's per-token exit loop (B, T) long, the first loop where ``rule.decide`` is True, on the stats of
+    loops 1, 2, ... of a run without halting (e.g. :func:`~drc_core.analysis.loops.iterate_stats`, reaching every
+    rule's ``max_loops`` unless every token halts earlier): the decisions when halting changes no other token,
+    equal to :func:`masked_forward` for a token whose earlier tokens run at least as long as it does."""
     rules = list(rules)
     for rule in rules:
         if not isinstance(rule, HaltingRule):
@@ -145,26 +111,16 @@ def offline_exits(stats: Iterable[LoopStats], rules: Sequence[HaltingRule]) -> l
         raise DrcError("offline_exits got no loop stats; pass the stats of loops 1..max_loops")
     for rule, ex in zip(rules, exits, strict=True):
         if bool((ex == 0).any()):
-            raise DrcError(
-                f"rule {rule} left tokens running after the last loop given ({last_loop}); "
-                f"pass stats up to its max_loops={rule.max_loops}"
-            )
+            raise DrcError(f"rule {rule} left tokens running after the last loop given ({last_loop}); "
+                           f"pass stats up to its max_loops={rule.max_loops}")
     return exits
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Oracle
 
 
 @dataclass
 class OracleResult:
-    """What :func:`oracle_exit` returns.
-
-    ``exit_loop`` (B, T) long; ``avg_depth`` its mean; ``reached`` (B, T) bool: the token came within ``eps``
-    of the reference at its exit loop (False only where the reference is not one of the loops given and no
-    loop got close enough; those tokens exit at the last loop considered); ``eps``; ``reference_loop`` (the
-    last loop considered).
-    """
+    """What :func:`oracle_exit` returns: ``exit_loop`` (B, T) long and ``avg_depth`` its mean; ``reached`` (B, T)
+    bool, whether the token came within ``eps`` of the reference (else it exits at the last loop considered,
+    ``reference_loop``); ``eps``."""
 
     exit_loop: Tensor
     avg_depth: float
@@ -189,27 +145,15 @@ def first_within(kl_to_reference: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def oracle_exit(
-    log_probs_per_loop: Tensor | Iterable[Tensor],
-    reference_loop: int | None,
-    eps: float,
-    *,
-    reference: Tensor | None = None,
-    min_loops: int = 1,
-) -> OracleResult:
-    """The offline oracle: each token's earliest loop l with ``KL(p_ref || p_l) <= eps``.
+def oracle_exit(log_probs_per_loop: Tensor | Iterable[Tensor], reference_loop: int | None, eps: float, *,
+                reference: Tensor | None = None, min_loops: int = 1) -> OracleResult:
+    """The offline oracle: each token's earliest loop l with ``KL(p_ref || p_l) = sum_v p_ref(v) (log p_ref(v) -
+    log p_l(v)) <= eps``, raised to ``min_loops``; tokens never within ``eps`` exit at the last loop considered.
 
-    Direction: the reference output p_ref is measured against the loop's output p_l,
-    ``KL(p_ref || p_l) = sum_v p_ref(v) (log p_ref(v) - log p_l(v))``.
-
-    ``log_probs_per_loop``: the uniform-depth log-probs of loops 1, 2, ..., either stacked (L, B, T, V) or
-    (lighter on memory) an iterable of (B, T, V) tensors, consumed one at a time. ``reference_loop`` is the
-    last loop considered (None: all loops given); ``reference`` the reference log-probs (B, T, V) -- with a
-    stacked tensor it defaults to loop ``reference_loop``'s; with an iterable it is required. Tokens never
-    within ``eps`` exit at the last loop considered (``reached`` False). Exits below ``min_loops`` are raised
-    to it. The result is a lower bound on the average depth of any rule whose tokens end within ``eps`` of
-    the reference (on the same uniform-depth outputs); it is not a deployable rule.
-    """
+    ``log_probs_per_loop``: the uniform-depth log-probs of loops 1, 2, ..., stacked (L, B, T, V) or an iterable
+    of (B, T, V) consumed one at a time. ``reference_loop``: the last loop considered (None: all given);
+    ``reference``: the reference log-probs (B, T, V), by default (stacked input only) loop ``reference_loop``'s.
+    A lower bound on the average depth of any rule whose tokens end within ``eps`` of the reference."""
     eps = need_float("eps", eps, 0.0, math.inf, owner="oracle_exit")
     need_int("min_loops", min_loops, 1, "oracle_exit")
     if reference_loop is not None:
@@ -217,26 +161,19 @@ def oracle_exit(
     if isinstance(log_probs_per_loop, Tensor):
         stacked = log_probs_per_loop
         if stacked.dim() != 4:
-            raise DrcError(
-                f"oracle_exit: stacked log_probs_per_loop must be (L, B, T, V); got {tuple(stacked.shape)}"
-            )
+            raise DrcError(f"oracle_exit: stacked log_probs_per_loop must be (L, B, T, V); got {tuple(stacked.shape)}")
         n_loops = stacked.shape[0]
-        if reference_loop is None:
-            reference_loop = n_loops
+        reference_loop = n_loops if reference_loop is None else reference_loop
         if reference_loop > n_loops:
-            raise DrcError(
-                f"oracle_exit: reference_loop={reference_loop} is invalid; it must be in [1, {n_loops}] "
-                f"(the number of loops given)"
-            )
+            raise DrcError(f"oracle_exit: reference_loop={reference_loop} is invalid; it must be in [1, {n_loops}] "
+                           f"(the number of loops given)")
         if reference is None:
             reference = stacked[reference_loop - 1]
         loops: Iterable[Tensor] = stacked[:reference_loop]
+    elif reference is None:
+        raise DrcError("oracle_exit: with an iterable of per-loop log-probs, pass reference= (the reference "
+                       "loop's log-probs, B x T x V)")
     else:
-        if reference is None:
-            raise DrcError(
-                "oracle_exit: with an iterable of per-loop log-probs, pass reference= (the reference "
-                "loop's log-probs, B x T x V)"
-            )
         loops = log_probs_per_loop
     reference = reference.float()
     if reference.dim() != 3:
@@ -247,10 +184,8 @@ def oracle_exit(
         if reference_loop is not None and loop > reference_loop:
             break
         if logp.shape != reference.shape:
-            raise DrcError(
-                f"oracle_exit: loop {loop}'s log-probs have shape {tuple(logp.shape)} but the reference has "
-                f"{tuple(reference.shape)}"
-            )
+            raise DrcError(f"oracle_exit: loop {loop}'s log-probs have shape {tuple(logp.shape)} but the reference "
+                           f"has {tuple(reference.shape)}")
         kls.append(kl_successive(reference, logp.float().to(reference.device), p_ref))  # (B, T) per loop
     last = len(kls)
     if last == 0:
@@ -259,10 +194,5 @@ def oracle_exit(
         raise DrcError(f"oracle_exit: reference_loop={reference_loop} but only {last} loops were given")
     exit_loop, reached = first_within(torch.stack(kls), eps)
     exit_loop.clamp_(min=min_loops)
-    return OracleResult(
-        exit_loop=exit_loop,
-        avg_depth=float(exit_loop.float().mean()),
-        reached=reached,
-        eps=eps,
-        reference_loop=reference_loop if reference_loop is not None else last,
-    )
+    return OracleResult(exit_loop=exit_loop, avg_depth=float(exit_loop.float().mean()), reached=reached, eps=eps,
+                        reference_loop=reference_loop if reference_loop is not None else last)

@@ -1,32 +1,13 @@
-"""Learned halting routers: the trained baseline the paper compares the training-free KL rule with. The features,
-the harvested examples and the window split live in :mod:`drc_core.halting.router_data` (and are re-exported
-here); the routers, their training loop, metrics, rule and files here.
+"""Learned halting routers, the trained baseline the paper compares the training-free KL rule with: the routers,
+their training, metrics, rule and files (the features, harvested examples and window split are
+:mod:`~drc_core.halting.router_data`'s, re-exported here).
 
-Pipeline:
-
-1. :func:`split_windows` splits the validation windows into a router-training part and a held-out part.
-2. :func:`harvest` runs the model at uniform depth on the training windows and records, per token and loop,
-   the features a deployable router can see at that loop (:class:`FeatureSpec`; by default the latent state
-   s_l) and the *convergence label* "has this token converged by loop l?".
-3. :class:`LinearRouter` (logistic regression) or :class:`MLPRouter` is fitted with :func:`train_router`
-   (class-balanced BCE, early stopping on a validation part of the harvested windows).
-4. :class:`RouterRule` wraps a trained router as a :class:`drc_core.halting.rules.HaltingRule` (halt when the
-   router's probability >= ``tau``), so it is evaluated on the held-out windows exactly like every other rule,
-   through :func:`drc_core.halting.reference.masked_forward` or :func:`drc_core.halting.reference.offline_exits`.
-
-Label definition (consistent with :func:`drc_core.analysis.measure.convergence_depth`): with L = ``max_loops``, a
-token's convergence depth D is the smallest l >= 1 such that ``KL(p_{l'} || p_{l'-1}) < eps`` for every l' in
-l+1..L (so D = L for a token that never settled); the label at loop l is ``l >= D``. Labels are monotone in l.
-At loop L the label is True for every token by construction (and every rule halts there anyway), so by
-default loops 1..L-1 are harvested.
-
-Features (:func:`router_features`, shared by :func:`harvest` and :class:`RouterRule` so that training and
-deployment see exactly the same numbers): the state s_l (d dims, float32); optionally the loop index (a
-scalar l, or a one-hot over 1..``max_loops``, loops beyond clamped to the last); optionally five readout
-statistics of loop l: entropy H(p_l), top probability, log10 KL(p_l || p_{l-1}), log10 of the relative state
-change and cos(s_l, s_{l-1}). The log10 statistics are clamped to [-12, 4] and the cosine to [-1, 1], which
-also gives the undefined loop-1 values (+inf / -inf in :class:`drc_core.analysis.loops.LoopStats`) finite values.
-Routers standardise their input with the training part's mean and std (stored as buffers).
+:func:`split_windows` splits the validation windows; :func:`harvest` records, per token and loop of a uniform run,
+the features a router can see at that loop (:class:`FeatureSpec`, by default the state s_l, the same
+:func:`router_features` at training and deployment) and the convergence label ``l >= D``, D the smallest l with
+``KL(p_{l'} || p_{l'-1}) < eps`` for every l' in l+1..L (as :func:`~drc_core.analysis.measure.convergence_depth`);
+:func:`train_router` fits a :class:`LinearRouter` or :class:`MLPRouter`; :class:`RouterRule` halts when the
+router's probability >= ``tau``, evaluated like every other rule.
 """
 
 from __future__ import annotations
@@ -52,39 +33,17 @@ from drc_core.halting.rules import HaltingRule, rule_classes
 from drc_core.halting.sweep import RuleSpec
 from drc_core.model.lm import RecurrentModel
 
-__all__ = [
-    "FeatureSpec",
-    "LinearRouter",
-    "MLPRouter",
-    "Router",
-    "RouterData",
-    "RouterRule",
-    "TrainLog",
-    "harvest",
-    "harvest_specs",
-    "load_router",
-    "family_title",
-    "router_features",
-    "router_metrics",
-    "save_router",
-    "split_windows",
-    "train_router",
-]
+__all__ = ["FeatureSpec", "LinearRouter", "MLPRouter", "Router", "RouterData", "RouterRule", "TrainLog", "harvest",
+           "harvest_specs", "load_router", "family_title", "router_features", "router_metrics", "save_router",
+           "split_windows", "train_router"]
 
 ROUTER_CONFIG_FILE = "router.json"
 ROUTER_WEIGHTS_FILE = "router.safetensors"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Routers
-
-
 class Router(nn.Module):
-    """Base class: standardises its input ``(x - mean) / std`` and maps it to one logit per row.
-
-    ``spec`` (the :class:`FeatureSpec` it reads) and ``info`` (e.g. the labels' ``eps``) are set by
-    :func:`train_router` and saved with :func:`save_router`.
-    """
+    """Base class: standardises its input ``(x - mean) / std`` and maps it to one logit per row; ``spec`` (the
+    :class:`FeatureSpec` it reads) and ``info`` (e.g. the labels' ``eps``) are set by :func:`train_router`."""
 
     kind = "router"
     title = "router"  # the family in words (family_title)
@@ -160,14 +119,10 @@ def family_title(family: str) -> str:
     return cls.title if cls is not None and cls.title else family.replace("_", " ")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Training
-
-
 @dataclass
 class TrainLog:
-    """What :func:`train_router` returns: per-epoch mean training and validation loss (class-weighted BCE;
-    validation NaN without a validation part), the epoch whose weights were kept (1-based), and sizes."""
+    """What :func:`train_router` returns: per-epoch mean training and validation loss (class-weighted BCE; NaN
+    without a validation part), the epoch whose weights were kept (1-based), and sizes."""
 
     train_loss: list[float] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
@@ -206,31 +161,14 @@ def _reset(router: Router, seed: int) -> None:
                 m.reset_parameters()
 
 
-def train_router(
-    router: Router,
-    data: RouterData,
-    *,
-    epochs: int = 50,
-    lr: float = 1e-2,
-    weight_decay: float = 0.0,
-    batch_size: int = 1024,
-    seed: int = 0,
-    val_fraction: float = 0.2,
-    patience: int = 5,
-) -> TrainLog:
-    """Fit ``router`` in place on ``data`` and return the :class:`TrainLog`.
-
-    The router is re-initialised from ``seed`` (which also draws the validation part and the minibatch order,
-    so training is deterministic by seed; the global RNG is left untouched). ``val_fraction`` of the windows
-    (rows if there is only one window) are held out for early stopping: training stops after ``patience``
-    epochs without a lower validation loss and the best epoch's weights are kept (``val_fraction=0``: all
-    ``epochs`` run, the last weights are kept). Loss: BCE with ``pos_weight = n_negative / n_positive`` of the
-    training part (class-balanced). AdamW with ``lr`` and ``weight_decay``. The features are standardised
-    with the training part's mean and std (std floored at 1e-6), stored in the router with ``data.spec``.
-
-    Long because it is one loop with its early stopping and logging inline; its parts share the optimizer and the
-    best weights.
-    """
+def train_router(router: Router, data: RouterData, *, epochs: int = 50, lr: float = 1e-2, weight_decay: float = 0.0,
+                 batch_size: int = 1024, seed: int = 0, val_fraction: float = 0.2, patience: int = 5) -> TrainLog:
+    """Fit ``router`` in place on ``data`` (AdamW; BCE with ``pos_weight = n_negative / n_positive``) and return
+    the :class:`TrainLog`. ``seed`` re-initialises the router and draws the validation part and the minibatch
+    order (the global RNG is untouched). ``val_fraction`` of the windows (rows, with one window) are held out:
+    training stops after ``patience`` epochs without a lower validation loss, keeping the best epoch's weights
+    (``val_fraction=0``: all epochs, the last weights). The features are standardised with the training part's
+    mean and std (floored at 1e-6), stored in the router with ``data.spec``."""
     owner = "train_router"
     if not isinstance(router, Router):
         raise DrcError(f"{owner}: router={router!r} is not a Router; pass LinearRouter(d) or MLPRouter(d)")
@@ -255,9 +193,8 @@ def train_router(
     n_neg = len(y_tr) - n_pos
     if n_pos == 0 or n_neg == 0:
         which = "converged" if n_neg == 0 else "not converged"
-        raise DrcError(
-            f"{owner}: every training label is {which!r}; use another eps or more loops so both classes occur"
-        )
+        raise DrcError(f"{owner}: every training label is {which!r}; use another eps or more loops so both classes "
+                       "occur")
     _reset(router, seed)
     device = router.mean.device
     with torch.no_grad():
@@ -305,10 +242,6 @@ def train_router(
     return log
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Metrics
-
-
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
     """ROC AUC by the rank-sum (Mann-Whitney) formula, ties getting their average rank; NaN with one class."""
     n_pos = int(labels.sum())
@@ -327,13 +260,10 @@ def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
 
 @torch.no_grad()
 def router_metrics(router: Router, data: RouterData, tau: float = 0.5) -> dict[str, float]:
-    """Classification quality of ``router`` on ``data`` at threshold ``tau``, next to the chance baselines.
-
-    Keys: ``n``, ``positive_rate`` (of the labels), ``predicted_positive_rate``, ``accuracy``,
-    ``balanced_accuracy`` (mean of the true-positive and true-negative rates; NaN with one class), ``auc``
-    (rank formula; NaN with one class), ``majority_accuracy`` (always predicting the majority class) and the
-    chance levels ``chance_balanced_accuracy`` = ``chance_auc`` = 0.5.
-    """
+    """Classification quality of ``router`` on ``data`` at threshold ``tau``: ``n``, ``positive_rate``,
+    ``predicted_positive_rate``, ``accuracy``, ``balanced_accuracy`` (mean of the true-positive and true-negative
+    rates), ``auc`` (both NaN with one class), and the baselines ``majority_accuracy``,
+    ``chance_balanced_accuracy`` = ``chance_auc`` = 0.5."""
     if not isinstance(data, RouterData) or len(data) == 0:
         raise DrcError("router_metrics: data is empty; pass harvested rows (harvest(model, windows, ...))")
     tau = need_float("tau", tau, 0.0, 1.0, lo_open=True, hi_open=True, owner="router_metrics")
@@ -361,19 +291,10 @@ def router_metrics(router: Router, data: RouterData, tau: float = 0.5) -> dict[s
     }
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The halting rule
-
-
 @dataclass(eq=False)
 class RouterRule(HaltingRule):
-    """Halt once the router's P(converged) >= ``tau`` (``tau`` in (0, 1)), from the loop's features.
-
-    The features are :func:`router_features` of the loop's :class:`~drc_core.analysis.loops.LoopStats` with the
-    router's ``spec`` (so exactly what it was trained on); the test is done on the logit,
-    ``logit >= log(tau / (1 - tau))``, so a tiny or near-1 ``tau`` does not saturate. ``min_loops`` and
-    ``max_loops`` apply as for every rule.
-    """
+    """Halt once the router's P(converged) >= ``tau`` (``tau`` in (0, 1)) on :func:`router_features` of the loop
+    with the router's ``spec``; tested on the logit, ``logit >= log(tau / (1 - tau))``, which does not saturate."""
 
     router: Router
     tau: float = 0.5
@@ -401,12 +322,7 @@ class RouterRule(HaltingRule):
 
     @property
     def name(self) -> str:
-        tau = f"{self.tau:g}"
-        return f"router-{self.router.kind}>={tau}"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Save / load
+        return f"router-{self.router.kind}>={self.tau:g}"
 
 
 def save_router(router: Router, path_dir: str | Path) -> Path:
@@ -448,13 +364,10 @@ ROUTER_TAUS = (0.3, 0.5, 0.7, 0.9, 0.97, 0.99)
 def trained_router_specs(model: RecurrentModel, windows: Tensor, max_loops: int, eps: float = DEFAULT_EPS, *,
                          positions: int | None = 64, seed: int = 0,
                          taus: Sequence[float] = ROUTER_TAUS) -> tuple[list, dict[str, dict[str, float]]]:
-    """The book's two learned routers, trained on ``windows`` (the calibration part) and offered as sweep points.
-
-    ``linear`` sees the latent state (the paper's router); ``mlp`` (64 hidden) sees the state, the loop one-hot
-    and the readout statistics. Labels: converged by loop l at ``eps``. Returns the
-    :class:`~drc_core.halting.sweep.RuleSpec` list (families ``router_linear`` and ``router_mlp``, one point per
-    ``tau``, every rule with ``max_loops``) and each router's training metrics (:func:`router_metrics`, plus
-    ``rows`` and ``positive_rate``)."""
+    """The book's two learned routers trained on ``windows`` (labels: converged by loop l at ``eps``): ``linear`` on
+    the latent state (the paper's), ``mlp`` (64 hidden) on the state, the loop one-hot and the readout statistics.
+    Returns their sweep points (families ``router_linear``, ``router_mlp``, one per ``tau``) and each one's
+    :func:`router_metrics` with ``rows`` and ``positive_rate``."""
     specs, metrics = [], {}
     kinds = [("linear", lambda d: LinearRouter(d), FeatureSpec(max_loops=max_loops)),
              ("mlp", lambda d: MLPRouter(d, hidden=64), FeatureSpec(loop="onehot", readout_stats=True,

@@ -1,26 +1,15 @@
-"""Per-token halting rules for depth-recurrent inference, and the masked reference forward built on them.
-
-One small interface: after loop l the per-token statistics of the batch (:class:`LoopStats`, computed from
-loop l and loop l-1 only) go to :meth:`HaltingRule.decide`, which returns the (B, T) tokens that halt now.
-Every rule has ``min_loops`` (no token halts before it) and ``max_loops`` (every token halts there); a
-subclass only supplies :meth:`HaltingRule.criterion`.
+"""Per-token halting rules: after loop l, :meth:`HaltingRule.decide` maps the loop's per-token statistics
+(:class:`LoopStats`, from loops l and l-1 only) to the (B, T) tokens that halt now.
 
 Rules: :class:`KLThreshold` (the paper's training-free rule), :class:`StateDelta`, :class:`EntropyDelta`,
 :class:`Cosine`, :class:`ArgmaxPatience`, :class:`SoftmaxConfidence`, :class:`MinPKL`, :class:`Acceleration`,
-:class:`Uniform`, :class:`Never`, and :class:`Oracle` -- precomputed exit loops from :func:`oracle_exit`, an
-offline lower bound on the average depth, not a deployable rule.
+:class:`Uniform`, :class:`Never`, and :class:`Oracle` (precomputed exits: an offline lower bound, not deployable).
+A rule class declares its short name (``family``) and default sweep grid (``grid``) in its body, and defining it
+registers it: :data:`RULE_FAMILIES`, :func:`make_rule`, the sweeps' families and ``drc_core``'s exports read the
+registry (:func:`unregister_rule` takes a class back).
 
-The registry: a rule class declares its short name (``family``) and its default sweep grid (``grid``) in its
-own body, and defining it registers it. :data:`RULE_FAMILIES` and :func:`make_rule`,
-:func:`drc_core.halting.sweep.default_rules` (every family with a grid, in definition order), the families of
-notebook 5 and of ``bench/adaptive_speed.py``, and the rule classes that ``drc_core`` exports all read it, so a
-new rule is one class here (or anywhere: defining it is enough; :func:`unregister_rule` takes it back).
-
-Direction convention (see :mod:`drc_core.analysis.measure`): the successive KL at loop l is ``KL(p_l || p_{l-1})``;
-the oracle's distance to the reference is ``KL(p_ref || p_l)``.
-
-Depth accounting: a token's depth is its exit loop (the loop at which it halted, 1-based); the average
-depth is the mean exit loop over all tokens of the batch (the FLOP proxy: prelude and coda run once).
+The successive KL at loop l is ``KL(p_l || p_{l-1})``. A token's depth is its exit loop (1-based); the average
+depth, the mean exit loop over all tokens, is the FLOP proxy (prelude and coda run once).
 """
 
 from __future__ import annotations
@@ -36,30 +25,9 @@ from torch import Tensor
 from drc_core.analysis.loops import STATISTICS, LoopStats, with_needs
 from drc_core.errors import MAX_LOOPS, DrcError, fmt_number, need_float, need_int
 
-__all__ = [
-    "Acceleration",
-    "ArgmaxPatience",
-    "Cosine",
-    "EntropyDelta",
-    "HaltingRule",
-    "KLThreshold",
-    "MinPKL",
-    "Never",
-    "Oracle",
-    "RULE_FAMILIES",
-    "rule_classes",
-    "SoftmaxConfidence",
-    "StateDelta",
-    "huginn_presets",
-    "Uniform",
-    "make_rule",
-    "statistics_read",
-    "unregister_rule",
-]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The registry of rule families
+__all__ = ["Acceleration", "ArgmaxPatience", "Cosine", "EntropyDelta", "HaltingRule", "KLThreshold", "MinPKL", "Never",
+           "Oracle", "RULE_FAMILIES", "rule_classes", "SoftmaxConfidence", "StateDelta", "huginn_presets", "Uniform",
+           "make_rule", "statistics_read", "unregister_rule"]
 
 _REGISTRY: dict[str, type[HaltingRule]] = {}  # family -> class, every registered rule (the oracle too)
 RULE_FAMILIES: dict[str, type[HaltingRule]] = {}  # the deployable ones, as the sweeps' family column spells them
@@ -102,50 +70,30 @@ def unregister_rule(family: str) -> type[HaltingRule]:
 
 
 def rule_classes() -> dict[str, type[HaltingRule]]:
-    """Every registered rule class by its class name, in definition order (those of :data:`RULE_FAMILIES` and
-    :class:`Oracle`): the rule classes that ``drc_core`` exports."""
+    """Every registered rule class (:data:`RULE_FAMILIES` and :class:`Oracle`) by class name, in definition order:
+    the rule classes that ``drc_core`` exports."""
     return {cls.__name__: cls for cls in _REGISTRY.values()}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Rules
 
 
 @dataclass(kw_only=True)
 class HaltingRule:
     """A per-token halting rule; ``decide(stats)`` -> (B, T) bool of the tokens that halt at ``stats.loop``.
 
-    :meth:`decide` applies :meth:`criterion` and then forces False before ``min_loops`` and True at (and
-    after) ``max_loops``; subclasses implement only :meth:`criterion`. ``decide`` does not know which tokens
-    have already halted: the caller (``drc_core.model.lm.iterate``, :func:`offline_exits`) keeps the first
-    loop at which a token's decision was True.
-
-    :attr:`needs_log_probs` says whether :meth:`criterion` reads the output-based statistics (log-probs, KL,
-    entropy, argmax, top probability); it is derived from :attr:`reads` and the statistics registry: True where
-    ``reads`` is None or names, directly or through what it needs, a statistic read from the output. Where it is
-    False the compute-skipping paths (:mod:`drc_core.halting.skipping`, :mod:`drc_core.halting.generate`) skip
-    the per-loop readout and pass stats whose output-based fields are placeholders (see
-    :func:`drc_core.halting.skipping.skip_forward`).
-
-    :attr:`reads` names the :class:`LoopStats` fields :meth:`criterion` reads, for a rule whose decision for a
-    token depends only on that token's own statistics (every rule here but :class:`Oracle`); the skipping
-    paths then compute only those statistics, only for the active tokens, and decide on them in their compact
-    (1, N) layout. ``None`` (the default, e.g. a router or a rule of your own) means "any field, in the (B, T)
-    layout": the skipping paths then compute every statistic.
-
-    The registry (class attributes, set in a subclass's own body): :attr:`family`, the short name -- a
-    subclass that sets it is registered when it is defined (:data:`RULE_FAMILIES`, :func:`make_rule`, the
-    ``drc_core`` exports); :attr:`grid`, the default sweep grid of its first argument (the threshold;
-    :func:`drc_core.halting.sweep.default_rules` sweeps every family with a non-empty one); :attr:`title`, the family
-    in words (:func:`family_title`); :attr:`deployable`,
-    False for a rule that :func:`make_rule` cannot build by name (:class:`Oracle`).
+    :meth:`decide` forces False before ``min_loops`` and True from ``max_loops`` on, and applies :meth:`criterion`
+    (all a subclass implements) in between; the caller keeps each token's first True loop. :attr:`reads` names the
+    :class:`LoopStats` fields the criterion reads, for a rule whose decision for a token depends only on that
+    token's statistics: the skipping paths then compute only those, for the active tokens, in a (1, N) layout;
+    None (a router, a rule of your own) means any field in the (B, T) layout. :attr:`needs_log_probs` (derived
+    from it) says whether the rule reads a statistic of the loop's readout. Registry class attributes:
+    :attr:`family` (setting it registers the class), :attr:`grid` (the default sweep grid of the first
+    argument), :attr:`title` (the family in words), :attr:`deployable` (False: :func:`make_rule` cannot build it).
     """
 
     min_loops: int = 1
     max_loops: int = 32
-    reads: ClassVar[frozenset[str] | None] = None  # a class attribute too (see above)
+    reads: ClassVar[frozenset[str] | None] = None
     family: ClassVar[str | None] = None
-    title: ClassVar[str] = ""  # the family in words, for tables and figures ("" : the family, "_" read as " ")
+    title: ClassVar[str] = ""  # "": the family with "_" read as " "
     grid: ClassVar[tuple[float, ...]] = ()
     deployable: ClassVar[bool] = True
 
@@ -158,14 +106,12 @@ class HaltingRule:
         owner = type(self).__name__
         need_int("min_loops", self.min_loops, 1, owner)
         need_int("max_loops", self.max_loops, 1, owner)
-        if self.max_loops > MAX_LOOPS:  # the same 1..MAX_LOOPS bound as every loop count (masked_forward, the CLIs)
+        if self.max_loops > MAX_LOOPS:
             raise DrcError(f"{owner}: max_loops={self.max_loops} is above the limit of {MAX_LOOPS} loops: the state "
                            f"converges within tens of loops; use at most {MAX_LOOPS}")
         if self.min_loops > self.max_loops:
-            raise DrcError(
-                f"{owner}: min_loops={self.min_loops} > max_loops={self.max_loops} is invalid; "
-                "it must be 1 <= min_loops <= max_loops"
-            )
+            raise DrcError(f"{owner}: min_loops={self.min_loops} > max_loops={self.max_loops} is invalid; "
+                           "it must be 1 <= min_loops <= max_loops")
         self._validate(owner)
 
     def _validate(self, owner: str) -> None:
@@ -187,7 +133,7 @@ class HaltingRule:
 
     @property
     def needs_log_probs(self) -> bool:
-        """Whether the rule reads a statistic computed from the loop's readout (see the class docstring)."""
+        """Whether the rule reads, directly or through what a statistic needs, a statistic of the readout."""
         if self.reads is None:
             return True
         known = with_needs(n for n in self.reads if n in STATISTICS)
@@ -199,17 +145,14 @@ class HaltingRule:
         return type(self).__name__
 
     def __str__(self) -> str:
-        extra = []
-        if self.min_loops != 1:
-            extra.append(f"min {self.min_loops}")
+        extra = [f"min {self.min_loops}"] if self.min_loops != 1 else []
         if self.max_loops != 32:
             extra.append(f"max {self.max_loops}")
         return self.name + (f" ({', '.join(extra)})" if extra else "")
 
 
 def statistics_read(rules: Iterable[HaltingRule]) -> frozenset[str] | None:
-    """What ``rules`` read together: the union of their :attr:`HaltingRule.reads`; None (every statistic) when one
-    of them declares none."""
+    """The union of the rules' :attr:`HaltingRule.reads`; None (every statistic) when one of them declares none."""
     out: set[str] = set()
     for rule in rules:
         if rule.reads is None:
@@ -220,17 +163,21 @@ def statistics_read(rules: Iterable[HaltingRule]) -> frozenset[str] | None:
 
 @dataclass
 class _BelowThreshold(HaltingRule):
-    """Halt once the per-token statistic ``stats.<_stat>`` falls strictly below ``tau`` (``tau`` >= 0)."""
+    """Halt once the statistic ``stats.<_stat>`` < ``tau`` (with ``_above``: >= ``tau``); ``tau`` in ``_range``."""
 
     tau: float
-    _stat = ""  # the LoopStats field (a class attribute, not a dataclass field)
-    _label = ""  # how the statistic is written in the rule's name
+    _stat = ""  # the LoopStats field (class attributes, not dataclass fields)
+    _label = ""  # how the rule's name writes the statistic
+    _above = False
+    _range = (0.0, math.inf, False)  # lo, hi, lo excluded
 
     def _validate(self, owner: str) -> None:
-        self.tau = need_float("tau", self.tau, 0.0, math.inf, owner=owner)
+        lo, hi, lo_open = self._range
+        self.tau = need_float("tau", self.tau, lo, hi, lo_open=lo_open, owner=owner)
 
     def criterion(self, stats: LoopStats) -> Tensor:
-        return getattr(stats, self._stat) < self.tau
+        value = getattr(stats, self._stat)
+        return value >= self.tau if self._above else value < self.tau
 
     @property
     def reads(self) -> frozenset[str]:  # type: ignore[override]
@@ -238,15 +185,14 @@ class _BelowThreshold(HaltingRule):
 
     @property
     def name(self) -> str:
-        return f"{self._label}<{fmt_number(self.tau)}"
+        return f"{self._label}{'>=' if self._above else '<'}{fmt_number(self.tau)}"
 
 
 @dataclass
 class KLThreshold(_BelowThreshold):
     """Halt once the successive-output KL(p_l || p_{l-1}) < ``tau`` (the paper's training-free rule)."""
 
-    family, grid = "kl", HALF_DECADES
-    title = "KL"
+    family, grid, title = "kl", HALF_DECADES, "KL"
     _stat = _label = "kl"
 
 
@@ -254,8 +200,7 @@ class KLThreshold(_BelowThreshold):
 class StateDelta(_BelowThreshold):
     """Halt once the relative latent change ||s_l - s_{l-1}|| / ||s_l|| < ``tau``."""
 
-    family, grid = "state_delta", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4)
-    title = "state change"
+    family, grid, title = "state_delta", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4), "state change"
     _stat, _label = "state_delta", "dstate"
 
 
@@ -263,28 +208,16 @@ class StateDelta(_BelowThreshold):
 class EntropyDelta(_BelowThreshold):
     """Halt once the output entropy changes by less than ``tau`` nats: |H_l - H_{l-1}| < ``tau``."""
 
-    family, grid = "entropy_delta", HALF_DECADES
-    title = "entropy change"
+    family, grid, title = "entropy_delta", HALF_DECADES, "entropy change"
     _stat, _label = "entropy_delta", "dH"
 
 
 @dataclass
-class Cosine(HaltingRule):
+class Cosine(_BelowThreshold):
     """Halt once cos(s_l, s_{l-1}) >= ``tau`` (``tau`` in [-1, 1])."""
 
     family, grid = "cosine", (0.9, 0.99, 0.999, 0.9999, 0.99999)
-    tau: float
-    reads = frozenset({"cosine"})
-
-    def _validate(self, owner: str) -> None:
-        self.tau = need_float("tau", self.tau, -1.0, 1.0, owner=owner)
-
-    def criterion(self, stats: LoopStats) -> Tensor:
-        return stats.cosine >= self.tau
-
-    @property
-    def name(self) -> str:
-        return f"cos>={fmt_number(self.tau)}"
+    _stat, _label, _above, _range = "cosine", "cos", True, (-1.0, 1.0, False)
 
 
 @dataclass
@@ -308,23 +241,11 @@ class ArgmaxPatience(HaltingRule):
 
 
 @dataclass
-class SoftmaxConfidence(HaltingRule):
+class SoftmaxConfidence(_BelowThreshold):
     """Halt once the top probability max_v p_l(v) >= ``tau`` (``tau`` in (0, 1])."""
 
-    family, grid = "confidence", (0.3, 0.5, 0.7, 0.9, 0.95, 0.99)
-    title = "top probability"
-    tau: float
-    reads = frozenset({"top_prob"})
-
-    def _validate(self, owner: str) -> None:
-        self.tau = need_float("tau", self.tau, 0.0, 1.0, lo_open=True, owner=owner)
-
-    def criterion(self, stats: LoopStats) -> Tensor:
-        return stats.top_prob >= self.tau
-
-    @property
-    def name(self) -> str:
-        return f"pmax>={fmt_number(self.tau)}"
+    family, grid, title = "confidence", (0.3, 0.5, 0.7, 0.9, 0.95, 0.99), "top probability"
+    _stat, _label, _above, _range = "top_prob", "pmax", True, (0.0, 1.0, True)
 
 
 @dataclass
@@ -332,16 +253,15 @@ class MinPKL(_BelowThreshold):
     """Halt once the min-p filtered KL(q_{l-1} || q_l) < ``tau`` (Huginn's ``minp-kl`` criterion; see
     :class:`~drc_core.analysis.loops.LoopStats`)."""
 
-    family, grid = "minp_kl", (*HALF_DECADES, 3e-6, 1e-6)
-    title = "min-p KL"
+    family, grid, title = "minp_kl", (*HALF_DECADES, 3e-6, 1e-6), "min-p KL"
     _stat, _label = "minp_kl", "minp-kl"
 
 
 @dataclass
 class Acceleration(HaltingRule):
     """Halt once the relative second difference of the latent trajectory, ||Δs_l - Δs_{l-1}|| / ||s_l||, has been
-    below ``tau`` at two consecutive loops (l-1 and l): the "acceleration" exit of two-scale latent dynamics
-    (arXiv 2509.23314). Needs no readout; the earliest possible halt is loop 4."""
+    below ``tau`` at loops l-1 and l (the "acceleration" exit of arXiv 2509.23314). Needs no readout; the earliest
+    possible halt is loop 4."""
 
     family, grid = "acceleration", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4)
     tau: float
@@ -362,8 +282,7 @@ class Acceleration(HaltingRule):
 class Uniform(HaltingRule):
     """Every token halts at loop ``k`` exactly (``min_loops = max_loops = k``): the fixed-depth baseline."""
 
-    family = "uniform"  # no grid: sweeps run every uniform depth themselves
-    title = "uniform depth"
+    family, title = "uniform", "uniform depth"  # no grid: sweeps run every uniform depth themselves
     k: int
     min_loops: int = field(default=1, init=False)
     max_loops: int = field(default=1, init=False)
@@ -402,12 +321,9 @@ class Never(HaltingRule):
 
 @dataclass(eq=False)
 class Oracle(HaltingRule):
-    """Precomputed per-token exit loops (B, T) (from :func:`oracle_exit`), replayed as a rule in sweeps.
-
-    Not deployable: the exit loops were found offline by looking at the reference depth's output. Its
-    ``criterion`` is ``loop >= exit_loops``; ``min_loops``/``max_loops`` apply as for every rule, and every
-    exit loop must be <= ``max_loops``. ``eps`` (optional) is only used in the name.
-    """
+    """Precomputed per-token exit loops (B, T) (from :func:`~drc_core.halting.reference.oracle_exit`), replayed
+    as a rule: ``criterion`` is ``loop >= exit_loops``. Not deployable (the exits were found offline from the
+    reference depth's output); every exit loop must be <= ``max_loops``; ``eps`` only names it."""
 
     family, deployable = "oracle", False  # exported, but make_rule cannot build it by name
     exit_loops: Tensor
@@ -422,19 +338,15 @@ class Oracle(HaltingRule):
         if e.numel() and int(e.min()) < 1:
             raise DrcError(f"{owner}: exit_loops has loop {int(e.min())}; every exit loop must be >= 1")
         if e.numel() and int(e.max()) > self.max_loops:
-            raise DrcError(
-                f"{owner}: exit_loops reaches loop {int(e.max())} but max_loops={self.max_loops}; "
-                f"pass max_loops >= {int(e.max())}"
-            )
+            raise DrcError(f"{owner}: exit_loops reaches loop {int(e.max())} but max_loops={self.max_loops}; "
+                           f"pass max_loops >= {int(e.max())}")
         if self.eps is not None:
             self.eps = need_float("eps", self.eps, 0.0, math.inf, owner=owner)
 
     def criterion(self, stats: LoopStats) -> Tensor:
         if tuple(self.exit_loops.shape) != tuple(stats.shape):
-            raise DrcError(
-                f"Oracle: exit_loops has shape {tuple(self.exit_loops.shape)} but the batch is "
-                f"{tuple(stats.shape)}; compute the oracle on the same batch"
-            )
+            raise DrcError(f"Oracle: exit_loops has shape {tuple(self.exit_loops.shape)} but the batch is "
+                           f"{tuple(stats.shape)}; compute the oracle on the same batch")
         return self.exit_loops.to(stats.state.device) <= stats.loop
 
     @property
@@ -449,11 +361,9 @@ class Oracle(HaltingRule):
 
 def huginn_presets(max_loops: int = 32, min_loops: int = 1) -> dict[str, HaltingRule]:
     """Huginn's exit criteria at its documented default thresholds (``exit_threshold="auto"`` of
-    ``generate_with_adaptive_compute``, and the 5e-4 KL its paper uses), as rules on this model:
-    kl 1e-3 and 5e-4, minp-kl 1e-5, latent-diff 0.03 (:class:`StateDelta`), entropy-diff 1e-3, cosine
-    (1 - cos < 1e-3, i.e. :class:`Cosine` 0.999) and argmax-stability 5 (the argmax unchanged for 5 loops). Huginn
-    computes KL as KL(p_{l-1} || p_l); :class:`KLThreshold` is the paper's KL(p_l || p_{l-1}) (equal to first
-    order near the fixed point)."""
+    ``generate_with_adaptive_compute``, and its paper's KL 5e-4) as rules on this model. Huginn's KL is
+    KL(p_{l-1} || p_l); :class:`KLThreshold`'s KL(p_l || p_{l-1}) equals it to first order near the fixed point;
+    its cosine criterion 1 - cos < 1e-3 is :class:`Cosine` 0.999."""
     kw = {"min_loops": min_loops, "max_loops": max_loops}
     return {
         "huginn kl 1e-3": KLThreshold(1e-3, **kw),
@@ -467,11 +377,10 @@ def huginn_presets(max_loops: int = 32, min_loops: int = 1) -> dict[str, Halting
 
 
 def make_rule(name: str, *args: float, **kwargs: int) -> HaltingRule:
-    """A halting rule by its short name: ``make_rule("kl", 1e-3, max_loops=16)`` is ``KLThreshold(1e-3,
-    max_loops=16)``. Names: the keys of :data:`RULE_FAMILIES` (each class's ``family``); the arguments are the
-    class's (the threshold first; ``uniform`` takes the depth, ``never`` nothing). The oracle is not here: it
-    needs the deepest outputs of the very batch it halts (:func:`oracle_exit`)."""
-    if name not in RULE_FAMILIES:
+    """A halting rule by its short name (a key of :data:`RULE_FAMILIES`) and its class's arguments:
+    ``make_rule("kl", 1e-3, max_loops=16)`` is ``KLThreshold(1e-3, max_loops=16)``. The oracle is not here: it
+    needs the deepest outputs of the very batch it halts (:func:`~drc_core.halting.reference.oracle_exit`)."""
+    if not isinstance(name, str) or name not in RULE_FAMILIES:
         raise DrcError(f"unknown halting rule {name!r}: choose from {', '.join(RULE_FAMILIES)}")
     try:
         return RULE_FAMILIES[name](*args, **kwargs)

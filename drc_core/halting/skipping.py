@@ -1,66 +1,27 @@
-"""Per-token halting that really skips the halted tokens' compute (the "realized speedup": wall-clock against the
-FLOP proxy and the honest FLOPs).
+"""Per-token halting that skips the halted tokens' compute: :func:`skip_forward` gives what the masked reference
+:func:`~drc_core.halting.reference.masked_forward` gives (to float tolerance, same exit loops) but runs loop l
+only on the tokens still active at loop l. A token that halts at loop e keeps s_e and offers its loop-e
+keys/values in every core and coda block, so an active token at loop l attends to each earlier token's
+loop-min(l, e) keys/values; its logits are its readout at its exit loop.
 
-:func:`skip_forward` computes exactly what the masked reference :func:`drc_core.halting.reference.masked_forward`
-computes (to float tolerance, with the same exit loops), but at loop l it runs the core only on the tokens
-still active at loop l. The semantics (see :func:`drc_core.model.lm.iterate`): a token that
-halts at loop e keeps s_e, and at every later loop offers, in every core and coda block, the keys/values it
-computed at loop e; an active token at loop l therefore attends to each earlier token's loop-min(l, e)
-keys/values, and a token's logits are its readout at its exit loop.
+The active tokens are kept compacted, (N,) (row, position) pairs with states and injections (N, d), shrunk only
+at a loop where some token halts; per block a key/value cache (B, H, T, hd) holds every token's last keys/values
+and the attention layout (:class:`~drc_core.halting.kvlayout.Attn`) is built once per active set: dense causal
+while every position is active (no cache copies at all: ``Uniform(r)`` runs as the dense forward), else queries
+padded per row with a mask. Host syncs: one per loop. Only the statistics the rule reads are computed
+(:mod:`~drc_core.halting.loopstats`): a rule with ``needs_log_probs`` runs the coda and head on the active tokens
+every loop; a rule on states only reads a token out once, at its exit loop (the coda on its row's active tokens
+up to the last exiting position, the last coda block and the head only on the exiting ones).
 
-How. The active tokens are kept *compacted* across loops: a flat list (N,) of (row, position) pairs in
-row-major order with their states x (N, d) and injections (N, d), gathered once and shrunk (one index per
-tensor) only at a loop where some token halts; a halting token's state, exit loop and logits are written out
-once, when it halts. Per block there is a key/value cache (B, H, T, hd) that always holds every token's last
-computed keys/values: a loop computes q/k/v, attention output and MLP only for the N active tokens (matmuls on
-(N, d)), writes their k/v into the cache (``index_copy_`` at precomputed offsets) and lets their queries
-attend over the cache. The attention layout (:class:`Attn`) is computed once per active set: while every
-position of the window is active (every loop of ``Uniform``, and the loops before the first halt) the queries
-are the plain (B, H, W, hd) view and attention is the dense causal kernel (no padding, no mask, no index);
-after the first halt the queries are padded per row to the largest active count M of any row that has one,
-with an explicit boolean mask (key position <= query position; padding queries see key 0 only and are
-dropped), over the cached keys cropped to the last active position + 1. Host syncs: one per loop (which
-tokens halted), plus the index of the new active set at a loop where some halted.
-
-While every position of every row is active (``skip_forward``'s dense loops), a block runs exactly as in
-``Block.forward`` (q, k, v (B, H, T, hd), the causal kernel on the fresh keys/values) and its keys/values are
-not copied into the cache at all: the layout keeps the last ones of each block and writes them into the cache
-only when the active set first shrinks (:meth:`Attn.flush`), so ``Uniform(r)`` copies no key/value. (Measured
-on the reference model: with the copies, 1.04x the dense forward at equal depth; without, 0.99-1.01x.)
-
-Readout: only what the rule reads. A rule declares the :class:`~drc_core.analysis.loops.LoopStats` fields
-its criterion reads (:attr:`HaltingRule.reads <drc_core.halting.rules.HaltingRule.reads>`); only those are
-computed, only for the active tokens, and the rule decides on them in the compact (1, N) layout (no (B, T)
-buffers). A rule with ``needs_log_probs`` (KL, entropy, argmax, confidence, min-p KL) needs every active
-token's output at every loop, so the coda runs on the N active tokens and the head writes their logits into
-a preallocated (N, V) buffer (the loop's one vocabulary-sized buffer; two alternate, this loop's and the
-previous one's). The statistics then read that buffer in row chunks of :data:`CHUNK` tokens (L2-resident):
-softmax, the log-normaliser ``lse = max - log(p_max)`` and, only if read, KL(p_l || p_{l-1}) =
-sum p (z_l - z_{l-1}) - lse_l + lse_{l-1} (the previous loop's logits z and normaliser reused, no log-softmax
-materialised), entropy ``lse - sum p z``, top probability ``p_max`` and argmax. With ``fused=True`` the
-softmax, normaliser, KL and entropy are one compiled kernel instead (:func:`fused_stats_kernel`: one pass
-over z and the previous z per row). Only the min-p KL (and a rule with ``reads=None``) materialises log-probs.
-A rule that reads states only (state change, cosine, acceleration, uniform) runs no readout per loop: a token
-is read out once, at its exit loop (the coda runs on the tokens of its row that are still active at that loop
-and lie at or before the last exiting position, their coda keys/values being what the exiting token sees; the
-last coda block's queries, attention and MLP only on the exiting tokens, whose coda outputs (d wide) are kept;
-the head runs once at the end on every token, as in the dense forward). A rule with
-``reads=None`` (routers, rules of your own) gets every statistic in the (B, T) layout, as before.
-
-Work actually done is counted (:class:`Work`: token passes through the core, full blocks, key/value-only
-projections, the head and the vocabulary-sized statistics); :func:`drc_book.cost.honest_flops`
-turns it into the honest FLOP count.
-
-Cost model (matmul FLOPs per token, ``block`` and ``head = 2 d V`` as in
-:meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`, ``a`` the average exit loop)::
+Cost (matmul FLOPs per token, ``block`` and ``head = 2 d V`` as in
+:meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`, ``a`` the average exit loop; :class:`Work` counts
+what ran, :func:`drc_book.cost.honest_flops` prices it)::
 
     uniform depth r (forward)             (P + C) * block + r * core + head              core = R * block + adapter
     skip_forward, rule with log-probs     P * block + a * (core + C * block + head)      + a * (softmax + stats) * V
     skip_forward, rule without            P * block + a * core + C' + head               C' <= coda context
 
-The FLOP proxy ``r / a`` counts only the core, so it is what a rule without log-probs can realise; a rule
-with log-probs pays the coda, a head (2 d V: with V = 4096, d = 128 about one core loop) and a V-sized softmax
-per token per loop.
+The FLOP proxy ``r / a`` counts only the core: what a rule without log-probs can realise.
 """
 
 from __future__ import annotations
@@ -81,10 +42,6 @@ from drc_core.model.lm import DepthRecurrentLM
 __all__ = ["LoopResult", "SkipResult", "check_state", "run_loops", "skip_forward"]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The loop
-
-
 @dataclass
 class LoopResult:
     """What :func:`run_loops` returns for the processed positions [t0, t1): ``exit_loop`` (B, W) long and
@@ -96,37 +53,27 @@ class LoopResult:
 
 def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, window: tuple[int, int],
               caches: LoopCaches, *, work: Work | None = None, fused: bool = False) -> LoopResult:
-    """Run loops 1..``rule.max_loops`` with per-token halting on the tokens at positions [t0, t1) of every
-    row, computing only the active ones; earlier positions must be complete (their caches filled).
-
-    ``s`` (B, T, d) holds s_0 at the processed positions and is updated in place (a halted token keeps its
-    exit state); ``e`` (B, T, d) is the prelude output. Stops as soon as every processed token has halted.
-    ``work``, if given, is incremented by the work done (:class:`Work`). ``fused``: the readout statistics
-    through the compiled kernel (:func:`fused_stats_kernel`) instead of the eager chunked pass.
-
-    Long because the loop driver keeps the active set, the caches and the statistics in locals across loops;
-    splitting it would pass them all back and forth.
-    """
+    """Loops 1..``rule.max_loops`` with per-token halting on positions [t0, t1) of every row, computing only the
+    active tokens (earlier positions' caches must be filled). ``s`` (B, T, d) holds s_0 there and is updated in
+    place (a halted token keeps its exit state); ``e`` (B, T, d) is the prelude output. Stops once every token has
+    halted. ``work`` is incremented by the work done; ``fused``: the readout statistics through the compiled
+    kernel. One function: the active set, caches and statistics live in its locals across loops."""
     t0, t1 = window
     B, width, d = s.shape[0], t1 - t0, s.shape[-1]
     V = model.cfg.vocab_size
     exit_loop = torch.zeros(B, width, dtype=torch.long, device=s.device)
-    # a rule with a per-loop readout: the exiting tokens' logits rows, copied out of the loop's logits buffer;
-    # without: their coda outputs (d wide, not V), and the head runs once at the end on every token, as in the
-    # dense forward. Allocated at the first exit (or the loop's own tensor, if every token exits at once).
+    # the exiting tokens' logits (a rule with a per-loop readout) or coda outputs (d wide; the head runs once at
+    # the end), allocated at the first exit
     logits: Tensor | None = None
     hidden: Tensor | None = None
     flat_exit = exit_loop.view(-1)
-    need = stat_fields(rule)
     per_loop = rule.needs_log_probs
     toks = Tokens.window(B, t0, t1, s.device)
     lin = torch.arange(B * width, device=s.device)  # the active tokens' index into the (B, W) window
-    x = s[:, t0:t1].reshape(-1, d)
-    inj = e[:, t0:t1].reshape(-1, d)
-    core_kv, coda_kv = caches.slabs(1)
-    attn = Attn(toks, B, core_kv[0][0].shape[-2], model.cfg.n_heads, (model.rope_cos, model.rope_sin), window,
-                scratch=not caches.per_loop)
-    tracker = Tracker(need, len(toks), V, s, per_loop, fused)
+    x, inj = s[:, t0:t1].reshape(-1, d), e[:, t0:t1].reshape(-1, d)
+    attn = Attn(toks, B, caches.slabs(1)[0][0][0].shape[-2], model.cfg.n_heads, (model.rope_cos, model.rope_sin),
+                window, scratch=not caches.per_loop)
+    tracker = Tracker(stat_fields(rule), len(toks), V, s, per_loop, fused)
     full = FullLayout((B, width), V, s) if rule.reads is None else None
     w = work if work is not None else Work()
     for loop in range(1, rule.max_loops + 1):
@@ -153,9 +100,8 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
         gone = now.nonzero().squeeze(1)
         n_gone = gone.numel()
         if n_gone:
-            everyone = n_gone == n
             if per_loop:
-                out = tracker.logits_buffer(n) if everyone else tracker.logits_buffer(n).index_select(0, gone)
+                out = tracker.logits_buffer(n) if n_gone == n else tracker.logits_buffer(n).index_select(0, gone)
                 logits = _put_rows(logits, (B, width, V), lin, gone, out.to(s.dtype))
             else:
                 out = _exit_readout(model, x, attn, now, gone, coda_kv, w, full_context=caches.per_loop)
@@ -163,7 +109,7 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
             flat_exit.index_fill_(0, lin[gone], loop)
             s.view(-1, d)[_window_to_seq(lin[gone], width, s.shape[1], t0)] = x.index_select(0, gone)
             caches.exited(attn.toks.select(gone), loop)
-        elif not per_loop and caches.per_loop and len(model.coda) and loop >= rule.min_loops:
+        elif not per_loop and caches.per_loop and len(model.coda):
             # generation: later tokens that exit at this loop read these coda keys/values (none exits before
             # min_loops, so those loops' coda slabs are never read and not written)
             _exit_readout(model, x, attn, now, gone, coda_kv, w, full_context=True)
@@ -184,10 +130,9 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
 
 
 def _put_rows(buf: Tensor | None, shape: tuple[int, int, int], lin: Tensor, gone: Tensor, rows: Tensor) -> Tensor:
-    """Write ``rows`` (G, k) of the exiting tokens ``gone`` (an index into the active tokens, whose window
-    indices are ``lin``) into ``buf`` (B, W, k), allocated on first use; when every token of the window exits at
-    once, ``rows`` (in window order) becomes the buffer without a copy. (``index_put_``: on a CPU 3x faster than
-    ``index_copy_`` for rows of V = 4096 floats.)"""
+    """Write ``rows`` (G, k) of the exiting tokens ``gone`` (an index into the active tokens, at window indices
+    ``lin``) into ``buf`` (B, W, k), allocated on first use; ``rows`` is the buffer when the whole window exits.
+    (``index_put_``: on a CPU 3x faster than ``index_copy_`` for rows of V = 4096 floats.)"""
     if buf is None and rows.shape[0] == shape[0] * shape[1]:
         return rows.view(shape)
     if buf is None:
@@ -205,10 +150,9 @@ def _window_to_seq(lin: Tensor, width: int, seq_len: int, t0: int) -> Tensor:
 
 def _exit_readout(model: DepthRecurrentLM, x: Tensor, attn: Attn, now: Tensor, gone: Tensor,
                   coda_kv: list[KVSlab], work: Work, *, full_context: bool) -> Tensor:
-    """The coda outputs (G, d) of the tokens that exit now (``now`` (N,) bool, ``gone`` their index, G of them)
-    for a rule without a per-loop readout (the head runs later, once for every token). The coda context is the
-    active tokens of their rows at or before the last exiting position (every active token with
-    ``full_context``: generation, whose later tokens read these coda keys/values)."""
+    """The coda outputs (G, d) of the tokens exiting now (``now`` (N,) bool, ``gone`` its index) for a rule without
+    a per-loop readout. Context: the active tokens of their rows up to the last exiting position (every active
+    token with ``full_context``: generation, whose later tokens read these coda keys/values)."""
     if gone.numel() == now.numel():  # everyone exits: the whole layout, every token a query
         y = coda(model, x, attn, coda_kv, work=work)
     else:
@@ -224,18 +168,12 @@ def _exit_readout(model: DepthRecurrentLM, x: Tensor, attn: Attn, now: Tensor, g
     return y
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Public entry point
-
-
 def check_state(state: Tensor | None, shape: tuple[int, int, int], what: str = "(B, T, d_model)") -> None:
     """A one-line DrcError unless ``state`` is None or a tensor of ``shape`` (``what`` names its axes)."""
     if state is not None and (not isinstance(state, Tensor) or tuple(state.shape) != shape):
         shown = tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__
-        raise DrcError(
-            f"state has shape {shown} but must be {what} = {shape}; "
-            "pass s_0 for every position, or state=None to draw it"
-        )
+        raise DrcError(f"state has shape {shown} but must be {what} = {shape}; "
+                       "pass s_0 for every position, or state=None to draw it")
 
 
 @dataclass
@@ -246,30 +184,15 @@ class SkipResult(AdaptiveResult):
 
 
 @torch.no_grad()
-def skip_forward(
-    model: DepthRecurrentLM,
-    idx: Tensor,
-    rule: HaltingRule,
-    *,
-    generator: torch.Generator | None = None,
-    state: Tensor | None = None,
-    fused: bool = False,
-) -> SkipResult:
-    """:func:`drc_core.halting.reference.masked_forward`, computing only the active tokens at every loop.
-
-    Same arguments, same :class:`~drc_core.halting.reference.AdaptiveResult` (a :class:`SkipResult`, which also
-    carries the :class:`Work` done), same semantics (halted tokens frozen, offering their exit-loop keys/values
-    in every core and coda block; logits from the exit loop), equal to it to float tolerance with the same
-    exit loops (a decision can only differ where a statistic lies within rounding of the threshold). A rule
-    that declares :attr:`~drc_core.halting.rules.HaltingRule.reads` decides on the active tokens' statistics in
-    a (1, N) layout, with only the fields it reads computed (the others are placeholders); a rule with
-    ``reads=None`` gets :class:`~drc_core.analysis.loops.LoopStats` over (B, T) whose active entries equal the
-    reference's (a halted token's are stale; its decisions are ignored). Stops early once every token has
-    halted. ``fused=True`` computes the readout statistics of a rule with log-probs with one compiled kernel
-    (``torch.compile``, needs a C++ compiler on a CPU; the first call compiles). Runs under
-    ``torch.no_grad()`` (and under the caller's autocast, if any); put the model in eval mode first if it has
-    dropout. Cost: see the module docstring.
-    """
+def skip_forward(model: DepthRecurrentLM, idx: Tensor, rule: HaltingRule, *, generator: torch.Generator | None = None,
+                 state: Tensor | None = None, fused: bool = False) -> SkipResult:
+    """:func:`~drc_core.halting.reference.masked_forward` (same arguments, result and semantics), computing only
+    the active tokens at every loop; equal to it to float tolerance with the same exit loops (a decision can only
+    differ where a statistic lies within rounding of the threshold). A rule with declared ``reads`` decides on the
+    active tokens in a (1, N) layout, the fields it does not read being placeholders; one with ``reads=None`` gets
+    (B, T) stats whose active entries equal the reference's. ``fused=True``: the readout statistics in one
+    ``torch.compile`` kernel (needs a C++ compiler on a CPU; the first call compiles). Runs under no_grad (and the
+    caller's autocast); cost: see the module docstring."""
     if not isinstance(rule, HaltingRule):
         raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
     if idx.dim() != 2:

@@ -1,26 +1,14 @@
 """Quality versus average depth: threshold sweeps over halting rules, matching depths, and calibration.
 
-The paper's allocation result, measured: for every rule over a grid of thresholds (and for uniform depths and
-the offline oracle) this module runs the model with per-token halting on validation windows and records, per
-window, the average exit loop and two quality measures:
-
-- ``ce``: next-token cross-entropy at each token's exit loop (nats; the validation loss);
-- ``kl_ref``: ``KL(p_ref || p_exit)``, the uniform reference-depth output (default depth 8, the training
-  mean) measured against the token's output at its exit -- the direction of the oracle
-  (:func:`drc_core.halting.reference.oracle_exit`) and of ``kl_final`` in :mod:`drc_core.analysis.measure`.
-
-One batch at a time (the same initial latent state s_0 for every rule of a batch, drawn as in
-:func:`drc_core.training.evaluate.loss_by_depth`): a single uniform-depth ``iterate`` pass gives every uniform depth
-and the oracle's exits at once. In ``mode="online"`` each halting rule then gets its own adaptive run
-(``forward_fn``, by default :func:`drc_core.halting.reference.masked_forward`: halted tokens' states are frozen, later
-tokens keep attending to them), so a rule's numbers include the effect of its halting on later tokens; in
-``mode="offline"`` every rule is replayed on that one uniform pass (one pass for any number of rules, the
-analysis behind a FLOP proxy), which ignores that effect.
-
-:func:`summarize` turns the per-window frame into one row per rule with bootstrap CIs over documents (or
-windows); :func:`matching_depth` gives the lowest average depth at which a family of rules matches a target
-quality (e.g. uniform depth 8's), on the grid and interpolated; :func:`calibrate` picks a threshold on one
-split for a stated target and reports whether the target holds on another.
+For every rule over a grid of thresholds, every uniform depth and the offline oracle, :func:`sweep` records per
+validation window the average exit loop and two qualities: ``ce``, the next-token cross-entropy at each token's
+exit loop (nats), and ``kl_ref``, ``KL(p_ref || p_exit)`` of the uniform reference-depth output (default 8, the
+training mean) against the token's output at its exit (the oracle's direction). Per batch one uniform pass from
+one s_0 (drawn as in :func:`~drc_core.training.evaluate.loss_by_depth`) gives every uniform depth and the oracle;
+rules run online (each its own halting run: its effect on later tokens included) or offline (replayed on that
+pass). :func:`summarize` gives one row per rule with bootstrap CIs over documents, :func:`matching_depth` the
+lowest average depth matching a target quality, :func:`calibrate` a threshold chosen on one split and checked on
+another.
 """
 
 from __future__ import annotations
@@ -41,31 +29,12 @@ from drc_core.halting.reference import AdaptiveResult, first_within, masked_forw
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, statistics_read
 from drc_core.model.checks import check_token_ids
 from drc_core.model.lm import RecurrentModel, logits_at
-from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
+from drc_core.model.passes import EVAL_STATE_SEED, Batch, eval_batches, kl_successive
 
-__all__ = [
-    "gap_table",
-    "matching_gap",
-    "QUALITIES",
-    "ROUTER_FAMILIES",
-    "Calibration",
-    "OfflinePass",
-    "RuleSpec",
-    "calibrate",
-    "calibrated_families",
-    "state_families",
-    "calibration_table",
-    "default_families",
-    "default_rules",
-    "matching_depth",
-    "matching_table",
-    "offline_pass",
-    "online_vs_offline",
-    "summarize",
-    "sweep",
-    "uniform_ce",
-    "window_clusters",
-]
+__all__ = ["gap_table", "matching_gap", "QUALITIES", "ROUTER_FAMILIES", "Calibration", "OfflinePass", "RuleSpec",
+           "calibrate", "calibrated_families", "state_families", "calibration_table", "default_families",
+           "default_rules", "matching_depth", "matching_table", "offline_pass", "online_vs_offline", "summarize",
+           "sweep", "uniform_ce", "window_clusters"]
 
 QUALITIES = ("ce", "kl_ref")
 DEFAULT_ORACLE_EPS = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4)  # the oracle's KL thresholds in a sweep
@@ -82,24 +51,20 @@ class RuleSpec:
 
 
 def default_families() -> list[str]:
-    """The rule families that :func:`default_rules` sweeps, in order: every family of
-    :data:`~drc_core.halting.rules.RULE_FAMILIES` with a default grid (every training-free rule)."""
+    """The families :func:`default_rules` sweeps: every family of :data:`~drc_core.halting.rules.RULE_FAMILIES`
+    with a default grid (every training-free rule), in order."""
     return [family for family, cls in RULE_FAMILIES.items() if cls.grid]
 
 
 def state_families() -> list[str]:
-    """The families of :func:`default_families` whose rule reads only the latent state (no readout statistic: the
-    rules a decoder can run without the per-loop head), in order."""
+    """The families of :func:`default_families` whose rule reads only the latent state (a decoder runs it without
+    the per-loop head)."""
     return [f for f in default_families() if not RULE_FAMILIES[f](RULE_FAMILIES[f].grid[0]).needs_log_probs]
 
 
 def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
-    """The threshold grids of every training-free rule (one :class:`RuleSpec` each), ``max_loops`` for all.
-
-    The families of :func:`default_families` in order, each over its class's ``grid`` (declared with the class
-    in :mod:`drc_core.halting.rules`, chosen to span "halts almost at once" to "runs to ``max_loops``" on the
-    reference model), the grid's value as the rule's first argument and as :attr:`RuleSpec.param`.
-    """
+    """One :class:`RuleSpec` per point of every :func:`default_families` family's ``grid`` (the rule's first
+    argument and :attr:`RuleSpec.param`), each rule with ``min_loops`` and ``max_loops``."""
     kw = {"min_loops": min_loops, "max_loops": max_loops}
     return [RuleSpec(family, p, RULE_FAMILIES[family](p, **kw)) for family in default_families()
             for p in RULE_FAMILIES[family].grid]
@@ -124,8 +89,7 @@ def _rows(family: str, param: float, rule: str, window0: int, depth: torch.Tenso
 
 def _checked(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], reference_loops: int,
              batch_size: int) -> tuple[torch.Tensor, tuple[RuleSpec, ...], int, int, int]:
-    """The arguments of a sweep or an offline pass, checked (one-line errors), and the deepest loop any of them
-    needs (the reference depth or a rule's ``max_loops``)."""
+    """The arguments of a sweep or an offline pass, checked, and the deepest loop any of them needs."""
     windows = check_token_ids(model, windows)
     reference_loops = need_int("reference_loops", reference_loops, 1)
     batch_size = need_int("batch_size", batch_size, 1)
@@ -137,36 +101,19 @@ def _checked(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleS
 
 
 @torch.no_grad()
-def sweep(
-    model: RecurrentModel,
-    windows: torch.Tensor,
-    rules: Sequence[RuleSpec],
-    *,
-    reference_loops: int = 8,
-    uniform_loops: Iterable[int] | None = None,
-    oracle_eps: Sequence[float] = DEFAULT_ORACLE_EPS,
-    batch_size: int = 16,
-    seed: int = EVAL_STATE_SEED,
-    forward_fn: ForwardFn = masked_forward,
-    mode: str = "online",
-    progress: bool = False,
-) -> pd.DataFrame:
-    """Per-window quality and average depth of every rule, uniform depth and oracle point on ``windows``.
+def sweep(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], *, reference_loops: int = 8,
+          uniform_loops: Iterable[int] | None = None, oracle_eps: Sequence[float] = DEFAULT_ORACLE_EPS,
+          batch_size: int = 16, seed: int = EVAL_STATE_SEED, forward_fn: ForwardFn = masked_forward,
+          mode: str = "online", progress: bool = False) -> pd.DataFrame:
+    """Per-window quality and average depth of every rule, uniform depth and oracle point on ``windows`` (N, T+1):
+    a frame with columns ``family, param, rule, window, avg_depth, ce, kl_ref`` (means over the window's tokens).
 
-    ``windows`` (N, T+1): inputs ``[:, :-1]``, targets ``[:, 1:]``. ``uniform_loops`` (default 1..the largest
-    ``max_loops`` of ``rules``, at least ``reference_loops``) become family ``"uniform"`` (param = depth);
-    the oracle (family ``"oracle"``, param = eps) exits each token at its first loop <= ``reference_loops``
-    with ``KL(p_ref || p_l) <= eps`` -- an offline lower bound on the average depth at that KL, computed on
-    the uniform-depth trajectories. Returns a frame with columns ``family, param, rule, window, avg_depth,
-    ce, kl_ref`` (per-window means over its T tokens). Runs in eval mode under no_grad.
-
-    ``mode="online"`` runs every rule with ``forward_fn`` (true per-token halting: a halted token's frozen
-    state and keys/values change what later tokens see). ``mode="offline"`` replays every rule on the one
-    uniform trajectory (:func:`drc_core.halting.reference.offline_exits`; quality read at the exit loop of that
-    trajectory), as a FLOP-proxy analysis does: one pass for all rules instead of one per rule, exact for a
-    token whose earlier tokens run at least as long as it does. Compare the two on a few rules to see how much
-    the freezing matters (notebook 4 does).
-    """
+    ``uniform_loops`` (default 1..the deepest ``max_loops``, at least ``reference_loops``) are family
+    ``"uniform"``; the oracle (family ``"oracle"``, param eps) exits each token at its first loop <=
+    ``reference_loops`` with ``KL(p_ref || p_l) <= eps``. ``mode="online"`` runs every rule with ``forward_fn``
+    (true per-token halting); ``mode="offline"`` replays every rule on the uniform trajectory
+    (:func:`~drc_core.halting.reference.offline_exits`): one pass for all rules, exact for a token whose earlier
+    tokens run at least as long as it does. Runs in eval mode under no_grad."""
     if mode not in ("online", "offline"):
         raise DrcError(f"mode={mode!r} is invalid; pass 'online' (run each rule) or 'offline' (replay)")
     windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
@@ -182,16 +129,13 @@ def sweep(
     n_batches = (len(windows) + batch_size - 1) // batch_size
     bar = tqdm(total=n_batches * (1 + len(rules)), desc=f"sweep ({mode})", disable=not progress)
     for batch in eval_batches(model, windows, batch_size, seed):
-        b0, x, y = batch.start, batch.x, batch.y
-        s0 = batch.initial_state(model)
-        ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
-        ce_l, kl_l, _, _ = _trajectory(model, x, y, s0, ref, max(uniform[-1], deepest), [])
-        rows += _uniform_and_oracle(ce_l, kl_l, y, b0, uniform, reference_loops, oracle_eps)
+        s0, ref, ce_l, kl_l, _, _ = _trajectory(model, batch, reference_loops, max(uniform[-1], deepest), [])
+        rows += _uniform_and_oracle(ce_l, kl_l, batch.y, batch.start, uniform, reference_loops, oracle_eps)
         bar.update()
         for spec in rules:
-            res = forward_fn(model, x, spec.rule, state=s0)
-            ce, kl = _token_quality(res.log_probs(), y, ref)
-            rows += _rows(spec.family, float(spec.param), str(spec.rule), b0, res.exit_loop, ce, kl)
+            res = forward_fn(model, batch.x, spec.rule, state=s0)
+            ce, kl = _token_quality(res.log_probs(), batch.y, ref)
+            rows += _rows(spec.family, float(spec.param), str(spec.rule), batch.start, res.exit_loop, ce, kl)
             bar.update()
     bar.close()
     return pd.DataFrame(rows)
@@ -199,11 +143,10 @@ def sweep(
 
 @dataclass(frozen=True)
 class OfflinePass:
-    """One uniform trajectory of ``loops`` loops per batch of windows (N, T+1) with every rule replayed on it
-    offline (:func:`offline_pass`): per loop the CE, ``KL(p_ref || p_l)`` and argmax of every token,
-    ``ce``/``kl_ref``/``argmax`` (loops, N, T), and each rule's exit loops (N, T) keyed by ``str(rule)``.
-    :func:`sweep` (offline), :func:`token_exits` and the risk tables of :mod:`drc_core.halting.calibrate` read
-    one; a notebook that needs several of them on the same windows runs the model once."""
+    """One uniform trajectory per batch of windows (N, T+1) with every rule replayed on it (:func:`offline_pass`):
+    per loop every token's CE, ``KL(p_ref || p_l)`` and argmax, ``ce``/``kl_ref``/``argmax`` (loops, N, T), and
+    each rule's exit loops (N, T) keyed by ``str(rule)``; what the offline sweep, :func:`token_exits` and the risk
+    tables of :mod:`~drc_core.halting.calibrate` read."""
 
     ce: torch.Tensor
     kl_ref: torch.Tensor
@@ -215,8 +158,8 @@ class OfflinePass:
 
     def frame(self, uniform_loops: Iterable[int] | None = None,
               oracle_eps: Sequence[float] = DEFAULT_ORACLE_EPS) -> pd.DataFrame:
-        """:func:`sweep`'s frame (``mode="offline"``), rows in its order: per batch of ``batch_size`` windows
-        the uniform depths (default 1..``loops``), the oracle at each ``oracle_eps``, then every rule."""
+        """The offline :func:`sweep`'s frame, rows in its order (per batch the uniform depths, default 1..loops,
+        the oracle points, then every rule)."""
         loops = self.ce.shape[0]
         uniform = sorted(set(range(1, loops + 1) if uniform_loops is None else uniform_loops))
         if not uniform or uniform[0] < 1 or uniform[-1] > loops:
@@ -258,10 +201,8 @@ class OfflinePass:
 def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], *,
                  reference_loops: int = 8, loops: int | None = None, batch_size: int = 16,
                  seed: int = EVAL_STATE_SEED, progress: bool = False) -> OfflinePass:
-    """The :class:`OfflinePass` of ``rules`` on ``windows``: ``loops`` (default the deepest of
-    ``reference_loops`` and the rules' ``max_loops``) uniform loops per batch, the reference output at
-    ``reference_loops`` from the same initial state, every rule replayed
-    (:func:`drc_core.halting.reference.offline_exits`). Runs in eval mode."""
+    """The :class:`OfflinePass` of ``rules`` on ``windows``: ``loops`` uniform loops per batch (default the deepest
+    ``max_loops`` or ``reference_loops``), the reference output at ``reference_loops`` from the same s_0."""
     windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
                                                                    batch_size)
     loops = deepest if loops is None else need_int("loops", loops, deepest)
@@ -269,9 +210,7 @@ def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[R
     n_batches = (len(windows) + batch_size - 1) // batch_size
     for batch in tqdm(eval_batches(model, windows, batch_size, seed), total=n_batches, desc="offline pass",
                       disable=not progress):
-        s0 = batch.initial_state(model)
-        ref = F.log_softmax(logits_at(model, batch.x, reference_loops, state=s0).float(), dim=-1)
-        ce_l, kl_l, ex, arg = _trajectory(model, batch.x, batch.y, s0, ref, loops, rules)
+        _, _, ce_l, kl_l, ex, arg = _trajectory(model, batch, reference_loops, loops, rules)
         ces.append(ce_l)
         kls.append(kl_l)
         args.append(arg)
@@ -284,20 +223,18 @@ def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[R
 def token_exits(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], *, reference_loops: int = 8,
                 oracle_eps: Sequence[float] = (), batch_size: int = 16,
                 seed: int = EVAL_STATE_SEED) -> dict[str, np.ndarray]:
-    """Per-token exit loops (N, T) of each rule, replayed offline on one uniform trajectory per batch (as
-    :func:`sweep` with ``mode="offline"``), keyed by ``str(rule)``; plus ``oracle(kl<=eps)`` for each
-    ``oracle_eps`` (first loop <= ``reference_loops`` whose KL to the reference output is <= eps)."""
+    """Per-token exit loops (N, T) of each rule replayed offline, keyed by ``str(rule)``, and ``oracle(kl<=eps)``
+    for each ``oracle_eps``: :meth:`OfflinePass.token_exits` of :func:`offline_pass`."""
     return offline_pass(model, windows, rules, reference_loops=reference_loops, batch_size=batch_size,
                         seed=seed).token_exits(oracle_eps)
 
 
-def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: torch.Tensor, ref: torch.Tensor,
-                loops: int, rules: Sequence[RuleSpec]
-                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """One uniform ``iterate`` pass of ``loops`` loops: per-loop CE and KL(p_ref || p_l), each (loops, B, T),
-    for ``rules`` (offline mode) each rule's exit loops replayed on this trajectory
-    (:func:`drc_core.halting.reference.offline_exits`: the decisions when halting changes no other token), and
-    the per-loop argmax (loops, B, T)."""
+def _trajectory(model: RecurrentModel, batch: Batch, reference_loops: int, loops: int, rules: Sequence[RuleSpec]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """A batch's s_0 and reference log-probs (B, T, V) at ``reference_loops``, and one uniform pass of ``loops``
+    loops from s_0: per-loop CE, KL(p_ref || p_l) and argmax, each (loops, B, T), and each rule's exits on it."""
+    x, y, s0 = batch.x, batch.y, batch.initial_state(model)
+    ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
     ces, kls, args = [], [], []
     read = statistics_read(spec.rule for spec in rules)
     only = None if read is None else read | {"argmax"}
@@ -314,7 +251,7 @@ def _trajectory(model: RecurrentModel, x: torch.Tensor, y: torch.Tensor, s0: tor
     exits = offline_exits(it, [spec.rule for spec in rules]) if rules else []
     for _ in it:  # the uniform depths need every loop, even after every rule has halted
         pass
-    return torch.stack(ces), torch.stack(kls), exits, torch.stack(args)
+    return s0, ref, torch.stack(ces), torch.stack(kls), exits, torch.stack(args)
 
 
 def _uniform_and_oracle(ce_l: torch.Tensor, kl_l: torch.Tensor, y: torch.Tensor, b0: int, uniform: list[int],
@@ -338,8 +275,8 @@ def _exit_rows(family: str, param: float, rule: str, b0: int, exit_loop: torch.T
 
 
 def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Per-window cluster ids for :func:`summarize` from per-position doc ids (N, T) (as returned by
-    :func:`drc_core.analysis.measure.val_windows_with_docs`): each window's most common document."""
+    """Per-window cluster ids for :func:`summarize` from per-position doc ids (N, T)
+    (:func:`~drc_core.analysis.measure.val_windows_with_docs`): each window's most common document."""
     docs = np.asarray(doc_ids)
     if docs.ndim != 2:
         raise DrcError(f"doc_ids must be (N, T) per-position document ids; got shape {docs.shape}")
@@ -353,13 +290,9 @@ def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:
 def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None = None,
               clusters: np.ndarray | None = None, n_boot: int = 1000, seed: int = 0,
               level: float = 0.95) -> pd.DataFrame:
-    """One row per (family, param, rule): ``avg_depth``, ``ce``, ``kl_ref`` and ``<q>_lo``/``<q>_hi`` CIs.
-
-    ``windows`` restricts to those window ids (e.g. a calibration or held-out split); ``clusters`` gives each
-    window's bootstrap cluster (indexed by window id, e.g. :func:`window_clusters`; default: windows). Every
-    window has the same number of tokens, so means over windows are means over tokens. CIs: percentile
-    bootstrap over clusters (:func:`drc_core.analysis.intervals.bootstrap_ci`), the same draws for every rule.
-    """
+    """One row per (family, param, rule): ``avg_depth``, ``ce``, ``kl_ref`` (means over windows, so over tokens)
+    and their ``_lo``/``_hi`` percentile bootstrap CIs over clusters, the same draws for every rule. ``windows``
+    restricts to those window ids (e.g. a split); ``clusters``: each window id's cluster (default: windows)."""
     needed = {"family", "param", "rule", "window", "avg_depth", *QUALITIES}
     if missing := needed - set(frame.columns):
         raise DrcError(f"the frame lacks columns {sorted(missing)}; pass the output of sweep()")
@@ -380,21 +313,12 @@ def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None
     return pd.DataFrame(out)
 
 
-def _need_quality(quality: str) -> str:
+def matching_depth(summary: pd.DataFrame, family: str, target: float, *, quality: str = "ce") -> dict[str, float]:
+    """The lowest average depth at which ``family`` reaches ``quality <= target``: ``grid``, the smallest
+    ``avg_depth`` of the family's points that meet it (NaN if none does), with its ``param`` and ``quality``, and
+    ``interpolated``, where the family's curve (sorted by depth, linear between points) first crosses it."""
     if quality not in QUALITIES:
         raise DrcError(f"quality={quality!r} is not supported; use one of {QUALITIES}")
-    return quality
-
-
-def matching_depth(summary: pd.DataFrame, family: str, target: float, *, quality: str = "ce") -> dict[str, float]:
-    """The lowest average depth at which ``family`` reaches ``quality <= target``.
-
-    ``grid``: the smallest ``avg_depth`` among the family's points that meet the target (NaN if none does);
-    ``interpolated``: along the family's quality-vs-depth curve (points sorted by depth, linear between
-    neighbours), the first depth where it crosses the target (equal to ``grid`` when the shallowest point
-    already meets it). Also returns that point's ``param`` and ``quality``.
-    """
-    quality = _need_quality(quality)
     g = summary[summary.family == family].sort_values("avg_depth")
     if g.empty:
         raise DrcError(f"family {family!r} is not in the summary; it has {sorted(summary.family.unique())}")
@@ -423,15 +347,11 @@ def _crossing(depth: np.ndarray, q: np.ndarray, target: float) -> tuple[int, flo
 def matching_gap(frame: pd.DataFrame, family: str, *, reference: int, ce_tolerance: float,
                  clusters: np.ndarray | None = None, n_boot: int = 1000, seed: int = 0,
                  level: float = 0.95) -> dict[str, tuple[float, float, float]]:
-    """How many loops ``family`` saves against *uniform depth* at matched quality, with a bootstrap CI.
-
-    Quality is matched as in :func:`matching_table`: CE <= CE(uniform ``reference``) + ``ce_tolerance``. Both
-    matching depths are interpolated (:func:`matching_depth`) and recomputed on every bootstrap resample of the
-    windows' clusters (``clusters`` as for :func:`summarize`; default: windows), the target included, so the
-    intervals carry the uncertainty of both curves and of the target. ``frame``: the per-window output of
-    :func:`sweep` (every window the same number of tokens). Returns ``(point, lo, hi)`` for ``family_depth``,
-    ``uniform_depth``, ``saved`` (uniform - family loops) and ``saved_frac`` (saved / uniform); a resample in
-    which a family never reaches the target is left out of that interval (NaN when none reaches it)."""
+    """How many loops ``family`` saves against uniform depth at CE <= CE(uniform ``reference``) + ``ce_tolerance``,
+    with a bootstrap CI: both interpolated matching depths and the target recomputed on every resample of the
+    clusters of :func:`sweep`'s windows (``clusters`` as for :func:`summarize`). ``(point, lo, hi)`` of
+    ``family_depth``, ``uniform_depth``, ``saved`` (uniform - family) and ``saved_frac`` (saved / uniform); a
+    resample where a family never reaches the target is left out of the interval."""
     level = need_level(level)
     n_boot = need_int("n_boot", n_boot, 1)
     curves = {}
@@ -475,9 +395,8 @@ def matching_gap(frame: pd.DataFrame, family: str, *, reference: int, ce_toleran
 
 @dataclass
 class Calibration:
-    """What :func:`calibrate` returns: the chosen ``param`` (NaN if no point met the target on the
-    calibration split), its depth and quality on both splits, and whether the target holds on the held-out
-    split (``holds``)."""
+    """What :func:`calibrate` returns: the chosen ``param`` (NaN if no point met the target), its depth and
+    quality on both splits, and whether the target ``holds`` on the held-out one."""
 
     family: str
     quality: str
@@ -494,13 +413,9 @@ class Calibration:
 
 def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: float, *,
               quality: str = "ce", heldout_target: float | None = None) -> Calibration:
-    """Choose ``family``'s threshold on the calibration summary -- the point of lowest average depth with
-    ``quality <= target`` -- and evaluate the same threshold on the held-out summary (both from
-    :func:`summarize` of one sweep on two disjoint window sets). ``holds``: the held-out quality meets
-    ``heldout_target`` (default ``target``); pass it when the target is relative to a split's own baseline,
-    e.g. "CE within 0.005 nats of uniform depth 8" is ``CE_calib(8) + 0.005`` on the calibration split but
-    ``CE_heldout(8) + 0.005`` on the held-out one."""
-    quality = _need_quality(quality)
+    """``family``'s threshold chosen on the calibration summary (the shallowest point with ``quality <= target``)
+    and evaluated on the held-out one (:func:`summarize` on disjoint windows): ``holds`` if it meets
+    ``heldout_target`` there (default ``target``; differs when the target is relative to a split's baseline)."""
     m = matching_depth(calib, family, target, quality=quality)
     nan = float("nan")
     if np.isnan(m["param"]):
@@ -513,9 +428,6 @@ def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: f
                        float(r[quality]), float(r[f"{quality}_lo"]), float(r[f"{quality}_hi"]),
                        bool(r[quality] <= (target if heldout_target is None else heldout_target)))
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The tables of notebook 4
 
 ROUTER_KINDS = ("linear", "mlp")  # drc_core.halting.router's router kinds, trained by trained_router_specs
 ROUTER_FAMILIES = tuple(f"router_{kind}" for kind in ROUTER_KINDS)  # the families of their sweep rows
@@ -535,10 +447,9 @@ def uniform_ce(summary: pd.DataFrame, reference: int) -> float:
 
 
 def matching_table(summary: pd.DataFrame, reference: int, ce_tolerance: float, kl_target: float) -> pd.DataFrame:
-    """Per family (the index), the shallowest point matching uniform depth ``reference``: ``ce_depth``,
-    ``ce_depth_interp`` and ``ce_param`` for CE <= CE(uniform reference) + ``ce_tolerance``, ``kl_depth``,
-    ``kl_depth_interp`` and ``kl_param`` for mean KL to the reference <= ``kl_target`` (:func:`matching_depth`),
-    and the cut in loops against ``reference``: ``cut_vs_8_ce`` and ``cut_vs_8_kl`` (1 - interpolated / reference)."""
+    """Per family, :func:`matching_depth` for CE <= CE(uniform ``reference``) + ``ce_tolerance`` (``ce_depth``,
+    ``ce_depth_interp``, ``ce_param``) and for ``kl_ref <= kl_target`` (``kl_*``), and the cut against
+    ``reference``, 1 - interpolated / reference (``cut_vs_8_ce``, ``cut_vs_8_kl``)."""
     ce_target = uniform_ce(summary, reference) + ce_tolerance
     rows = []
     for fam in summary.family.unique():
@@ -556,9 +467,8 @@ def matching_table(summary: pd.DataFrame, reference: int, ce_tolerance: float, k
 def gap_table(frame: pd.DataFrame, reference: int, ce_tolerance: float, *, families: Sequence[str] | None = None,
               windows: Sequence[int] | np.ndarray | None = None, clusters: np.ndarray | None = None,
               n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """:func:`matching_gap` for each family (default: every family of ``frame`` but uniform depth itself), on the
-    ``windows`` given (e.g. the held-out split): one row per family with ``<stat>``, ``<stat>_lo`` and
-    ``<stat>_hi`` for ``family_depth``, ``uniform_depth``, ``saved`` and ``saved_frac``."""
+    """:func:`matching_gap` of each family (default: every one but uniform) on ``windows``, one row per family with
+    each statistic and its ``_lo``/``_hi``."""
     if windows is not None:
         frame = frame[frame.window.isin(np.asarray(windows))]
     fams = [f for f in (families or frame.family.unique()) if f != "uniform"]
@@ -576,9 +486,8 @@ def gap_table(frame: pd.DataFrame, reference: int, ce_tolerance: float, *, famil
 def calibration_table(calib: pd.DataFrame, heldout: pd.DataFrame, reference: int, ce_tolerance: float,
                       kl_target: float, families: Sequence[str] | None = None) -> pd.DataFrame:
     """:func:`calibrate` for each family (default: :func:`calibrated_families`) and both qualities, one row each
-    (the fields of :class:`Calibration` and ``heldout_target``). The CE target is relative: CE(uniform
-    ``reference``) + ``ce_tolerance`` on the calibration split to choose, on the held-out split to check; the KL
-    target is ``kl_target`` on both."""
+    (:class:`Calibration` and ``heldout_target``). The CE target is CE(uniform ``reference``) + ``ce_tolerance``
+    of each split (to choose, to check); the KL target ``kl_target`` on both."""
     families = calibrated_families() if families is None else families
     ce_heldout = uniform_ce(heldout, reference) + ce_tolerance
     ce_calib = uniform_ce(calib, reference) + ce_tolerance
@@ -594,11 +503,9 @@ def calibration_table(calib: pd.DataFrame, heldout: pd.DataFrame, reference: int
 def online_vs_offline(model: RecurrentModel, windows: torch.Tensor, frame: pd.DataFrame, specs: Sequence[RuleSpec],
                       match: pd.DataFrame, subset: Sequence[int] | np.ndarray, reference: int, *, seed: int = 0,
                       n_boot: int = 200) -> pd.DataFrame:
-    """Each family's CE-matched point (``match.ce_param`` of :func:`matching_table`) run online -- true per-token
-    halting, :func:`sweep` in ``mode="online"`` -- on the windows ``subset``, beside its offline replay in
-    ``frame`` (the offline :func:`sweep` of all ``windows``) on the same windows: per family and param,
-    ``avg_depth`` / ``ce`` / ``kl_ref`` with suffixes ``_online`` and ``_offline``, ``depth_diff`` and ``ce_diff``
-    (online minus offline)."""
+    """Each family's CE-matched point (``match.ce_param``) run online on the windows ``subset`` beside its offline
+    replay in ``frame`` (the offline :func:`sweep` of ``windows``): ``avg_depth``, ``ce``, ``kl_ref`` with
+    suffixes ``_online``/``_offline``, and ``depth_diff``, ``ce_diff`` (online minus offline)."""
     by_param = {(sp.family, float(sp.param)): sp for sp in specs}
     check = [by_param[(fam, float(match.loc[fam, "ce_param"]))] for fam in match.index
              if (fam, float(match.loc[fam, "ce_param"])) in by_param]
