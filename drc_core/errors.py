@@ -1,11 +1,6 @@
-"""One exception type for problems a user can fix, and the CLI convention for reporting them.
-
-Every CLI runs through :func:`run_cli`, which turns whatever its inputs, the disk or an interrupt cause into one
-``error: ...`` line on stderr: a :class:`DrcError` (bad input: exit 2), an ``OSError`` (a full disk, a read-only
-or missing path: exit 2, with the path and the fix) and Ctrl-C (exit 1; :class:`Interrupted` says where and how to
-resume). Any other exception is a bug in this project and keeps its traceback. ``--debug`` on any CLI (or
-``DRC_DEBUG=1``) shows the traceback of the one-line errors too.
-"""
+"""One exception type for problems a user can fix (:class:`DrcError`, a one-line message), the number validators and
+limits every input is checked against, and :func:`run_cli`, which turns bad input, the disk or Ctrl-C into one
+``error: ...`` line (any other exception is a bug and keeps its traceback; ``--debug`` or ``DRC_DEBUG=1`` shows it)."""
 
 from __future__ import annotations
 
@@ -18,6 +13,7 @@ import shutil
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,15 +23,15 @@ class DrcError(ValueError):
 
 
 class Interrupted(DrcError):
-    """The user interrupted a long run (Ctrl-C); the message says what was kept and how to go on. Exit 1."""
+    """Ctrl-C during a long run; the message says what was kept and how to go on (exit 1)."""
 
 
 MB = 1 << 20
 
 
 def need_disk(path: str | Path, nbytes: int, what: str) -> None:
-    """A :class:`DrcError` unless the filesystem holding ``path`` (or its nearest existing parent) has ``nbytes``
-    free, plus a 1 MB margin; ``what`` names what is about to be written."""
+    """A :class:`DrcError` unless the filesystem of ``path`` (or its nearest existing parent) has ``nbytes`` + 1 MB
+    free; ``what`` names what is about to be written."""
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -46,8 +42,7 @@ def need_disk(path: str | Path, nbytes: int, what: str) -> None:
 
 
 def first_line(exc: BaseException, limit: int | None = None) -> str:
-    """The first line of an exception's message (its type name when the message is empty), for a one-line error
-    that quotes a library's cause; cut to ``limit`` characters when given."""
+    """The first line of an exception's message (else its type name), cut to ``limit`` characters when given."""
     line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return line if limit is None else line[:limit]
 
@@ -66,9 +61,8 @@ def _os_error_line(exc: OSError) -> str:
 
 
 def need_int(name: str, value: object, minimum: int, owner: str = "", maximum: int | None = None) -> int:
-    """``value`` as an int, or a one-line :class:`DrcError` unless it is an integer (not a bool) >= ``minimum``
-    (and <= ``maximum`` when given: one of the limits below); ``owner`` (e.g. a rule's name) prefixes the
-    message."""
+    """``value`` as an int, or a one-line :class:`DrcError` unless it is an integer (not a bool) >= ``minimum`` and
+    <= ``maximum`` when given; ``owner`` (e.g. a rule's name) prefixes the message."""
     prefix = f"{owner}: " if owner else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise DrcError(f"{prefix}{name}={value!r} is invalid; it must be an integer >= {minimum}")
@@ -79,10 +73,7 @@ def need_int(name: str, value: object, minimum: int, owner: str = "", maximum: i
 
 def check_fields(cls: type, data: object, where: str) -> dict:
     """``data`` as a dict holding exactly the fields of the dataclass ``cls``, or a one-line :class:`DrcError`
-    naming the first missing or unknown field. Stored configs are written whole, so a missing field means a
-    damaged file (defaults are not filled in: that would silently load another model)."""
-    from dataclasses import fields
-
+    naming the first missing or unknown one (stored configs are whole: a default would load another model)."""
     names = [f.name for f in fields(cls)]
     if not isinstance(data, dict):
         raise DrcError(f"{where} is not a JSON object of {cls.__name__} fields: restore the file")
@@ -128,7 +119,7 @@ def need_loops(name: str, value: object) -> int:
 
 
 def fmt_number(x: float) -> str:
-    """A short number for names and messages: 0.001 -> '1e-3', 0.5 -> '0.5', 1e-5 -> '1e-5'."""
+    """A short number for names and messages: 0.001 -> '1e-3', 0.5 -> '0.5'."""
     if x == 0 or not math.isfinite(x) or 1e-2 <= abs(x) < 1e5:
         return f"{x:g}"
     text = f"{x:.6e}"
@@ -143,8 +134,7 @@ def fmt_number(x: float) -> str:
 def need_float(name: str, value: object, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False,
                hi_open: bool = False, owner: str = "") -> float:
     """``value`` as a float, or a one-line :class:`DrcError` unless it is a finite real number (not a bool) in
-    [lo, hi] (an end is excluded with ``lo_open`` / ``hi_open``; an infinite end is always open); ``owner``
-    prefixes the message, e.g. ``KLThreshold: tau=-1.0 is invalid; it must be a finite number in [0, inf)``."""
+    [lo, hi] (``lo_open`` / ``hi_open`` exclude an end; an infinite end is open); ``owner`` prefixes the message."""
     lo_text = f"({fmt_number(lo)}" if lo_open or not math.isfinite(lo) else f"[{fmt_number(lo)}"
     hi_text = f"{fmt_number(hi)})" if hi_open or not math.isfinite(hi) else f"{fmt_number(hi)}]"
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
@@ -159,8 +149,6 @@ def need_float(name: str, value: object, lo: float = -math.inf, hi: float = math
 
 def need_eps(eps: object) -> float:
     """A convergence threshold as a float, or a one-line :class:`DrcError` unless it is a finite number > 0."""
-    import numbers
-
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < float(eps) < float("inf"):
         raise DrcError(f"eps={eps!r} is invalid; it must be a finite number > 0")
     return float(eps)
@@ -174,16 +162,15 @@ def need_level(level: object) -> float:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose usage errors are one :class:`DrcError` line (exit 2 through
-    :func:`run_cli`) instead of argparse's usage block; its subcommands' parsers are of this class too."""
+    """``argparse.ArgumentParser`` whose usage errors are one :class:`DrcError` line instead of a usage block."""
 
     def error(self, message: str) -> NoReturn:
         raise DrcError(f"{self.prog}: {' '.join(message.split())}: see `{self.prog} --help`")
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Run a CLI entry point (see the module docstring): one ``error:`` line and exit 2 for bad input or the disk,
-    exit 1 for an interrupt; ``--debug`` (removed from ``argv`` before ``main`` sees it) adds the traceback."""
+    """Run a CLI entry point: one ``error:`` line and exit 2 for bad input or the disk, exit 1 for an interrupt;
+    ``--debug`` (removed from ``argv``) adds the traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("DRC_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]

@@ -1,21 +1,13 @@
-"""What a CLI may replace, and one writer at a time: the rules every writer of this project goes through.
+"""What a writer may replace, and one writer at a time: the rules every writer of this project goes through.
 
-- :func:`exclusive`: an exclusive ``flock`` on a directory a process writes (a run directory, a prepared corpus, a
-  book profile). The lock file is ``.<name>.lock`` beside the directory (so it survives the directory being
-  renamed or swapped in), holds the owner's pid, and is removed on release; the OS drops the lock when the process
-  dies, so a crash never leaves a stale lock. A second writer gets one :class:`~drc_core.errors.DrcError` line
-  naming the holder's pid. A directory that exists is locked too, so deleting the lock file while a writer runs
-  does not let a second one in; a lock file that is a symbolic link, a hard link or not a regular file is refused
-  (it would truncate what it points at).
-- :func:`owned_file`: an output file named by the user is written only when it is new or a file this tool wrote
-  (it carries :data:`OWNER_KEY`); anything else -- a run's ``config.json``, a user's notes -- is refused.
-- :func:`remove_leftovers`: temporary siblings (``.<name>.tmp-*``, ``.<name>.old-*``) that a killed writer of the
-  same path left behind; only called under that path's lock, so no live writer owns them. A directory swapped
-  out by a writer killed before it swapped the new one in is put back first.
-- Untrusted files: :func:`read_regular` / :func:`read_json` read only regular files up to a size limit (a FIFO,
-  ``/dev/zero`` or a huge file is one line, never a hang); :func:`write_file` writes a new file beside the target
-  and renames it over it, and :func:`open_append` opens with ``O_NOFOLLOW``, so no write goes through a symbolic
-  link planted at an output path; :func:`refuse_links` names one before anything is written.
+- :func:`exclusive`: an exclusive ``flock`` on ``.<name>.lock`` beside a directory a process writes (and on the
+  directory itself), holding the owner's pid; a second writer gets one :class:`~drc_core.errors.DrcError` line. A
+  lock file that is a link or not a regular file is refused (locking would truncate what it points at).
+- :func:`owned_file`: a user-named output file is written only when new or written by this tool (:data:`OWNER_KEY`).
+- :func:`remove_leftovers`: the ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings a killed writer left, under the lock.
+- Untrusted files: :func:`read_regular` / :func:`read_json` read only regular files up to a size limit;
+  :func:`write_file` and :func:`write_dir` write a new sibling and rename it over the target, :func:`open_append`
+  opens ``O_NOFOLLOW``, so no write goes through a symbolic link; :func:`refuse_links` names one before writing.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
@@ -35,7 +27,7 @@ from typing import IO, Any
 from drc_core.errors import MAX_JSON_BYTES, MB, DrcError, first_line
 
 __all__ = ["OWNER_KEY", "exclusive", "lock_path", "open_append", "owned_file", "parse_json", "read_json",
-           "read_regular", "refuse_links", "remove_leftovers", "write_file", "write_owned_json"]
+           "read_regular", "refuse_links", "remove_leftovers", "write_dir", "write_file", "write_owned_json"]
 
 OWNER_KEY = "written_by"  # the key a JSON output of this project carries, naming the writer
 
@@ -55,8 +47,8 @@ def _holder(lock: Path) -> str:
 
 
 def _open_lock(lock: Path) -> int:
-    """The lock file's descriptor, opened without following a symbolic link; a link, a hard link (the file has
-    another name somewhere) or anything but a regular file is refused: locking truncates and rewrites the file."""
+    """The lock file's descriptor, opened without following a link; a link, a hard link or a non-regular file is
+    refused."""
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
@@ -80,10 +72,9 @@ def _busy(what: str, target: str | Path, lock: Path, why: str) -> DrcError:
 
 @contextmanager
 def exclusive(target: str | Path, what: str) -> Iterator[Path]:
-    """Hold the exclusive lock of ``target`` (a directory, existing or not) while the block runs; ``what`` names it
-    in the error (e.g. ``run directory``). A second process, or a second lock of the same path in this process, gets
-    ``DrcError: <what> '<target>' is being written by another process (pid N): ...``. When ``target`` is an
-    existing directory it is locked as well, so a writer whose lock file was deleted still keeps others out."""
+    """Hold the exclusive lock of ``target`` (a directory, existing or not; ``what`` names it in the error) while the
+    block runs. An existing directory is locked too, so a writer whose lock file was deleted keeps others out; the
+    OS drops the lock when the process dies."""
     lock = lock_path(target)
     made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # removed again if left empty
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -132,10 +123,8 @@ def exclusive(target: str | Path, what: str) -> Iterator[Path]:
 
 
 def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
-    """Remove ``.<name>.<kind>-*`` siblings of ``target`` (what an interrupted writer of it left); call under
-    :func:`exclusive` of ``target``. A writer killed between swapping ``target`` out (to ``.<name>.old-*``) and
-    swapping its replacement in leaves no ``target``: the newest ``.old-*`` directory is renamed back first, so
-    nothing is lost. Symbolic links are removed as links, never followed. Returns what was removed."""
+    """Remove the ``.<name>.<kind>-*`` siblings an interrupted writer of ``target`` left (call under its lock), links
+    as links; where ``target`` was swapped out and not back, the newest ``.old-*`` is renamed back first."""
     t = Path(target).absolute()
     if not t.parent.is_dir():
         return []
@@ -155,9 +144,7 @@ def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")
 
 
 def refuse_links(paths: Iterable[Path], owner: str) -> None:
-    """A one-line :class:`DrcError` when any of ``paths`` is a symbolic link: the entries of a directory this
-    project writes (``owner`` names it, e.g. ``run directory 'R'``) are its own files, and a write must never go
-    through a link to somewhere else."""
+    """A one-line :class:`DrcError` when any of ``paths``, entries of the directory ``owner`` names, is a link."""
     for p in paths:
         if p.is_symlink():
             raise DrcError(f"{p} is a symbolic link (to {os.readlink(p)}): the {owner} holds only files it wrote "
@@ -166,9 +153,8 @@ def refuse_links(paths: Iterable[Path], owner: str) -> None:
 
 
 def read_regular(path: str | Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of ``path`` when it is a regular file of at most ``limit`` bytes; a FIFO, a device (``/dev/zero``),
-    a directory or a bigger file is a one-line :class:`DrcError` naming ``what`` it should have been. Opened without
-    blocking, so a FIFO never hangs the caller. A missing file raises ``FileNotFoundError`` as ``open`` does."""
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else a one-line :class:`DrcError`
+    naming ``what`` (opened without blocking: a FIFO never hangs). A missing file raises ``FileNotFoundError``."""
     p = Path(path)
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
@@ -193,8 +179,7 @@ def read_regular(path: str | Path, what: str, limit: int = MAX_JSON_BYTES) -> by
 
 
 def parse_json(raw: bytes) -> Any:
-    """The JSON value of ``raw``; a ``ValueError`` saying why when it is not UTF-8, not JSON or nested too deeply
-    for the parser (which would otherwise raise ``RecursionError``)."""
+    """The JSON value of ``raw``; a ``ValueError`` saying why when it is not UTF-8, not JSON or nested too deeply."""
     try:
         return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -207,9 +192,8 @@ def parse_json(raw: bytes) -> Any:
 
 
 def read_json(path: str | Path, what: str, fix: str, limit: int = MAX_JSON_BYTES) -> Any:
-    """The JSON value in ``path`` (:func:`read_regular`, :func:`parse_json`); a file that is not UTF-8, not JSON or
-    nested too deeply is a one-line :class:`DrcError`: ``<what> '<path>' is damaged (<why>): <fix>``. A missing file
-    raises ``FileNotFoundError``; the caller checks the value's type."""
+    """The JSON value in ``path`` (:func:`read_regular`, :func:`parse_json`); a damaged file is a one-line
+    :class:`DrcError` ``<what> '<path>' is damaged (<why>): <fix>``; the caller checks the value's type."""
     raw = read_regular(path, what, limit)
     try:
         return parse_json(raw)
@@ -218,9 +202,8 @@ def read_json(path: str | Path, what: str, fix: str, limit: int = MAX_JSON_BYTES
 
 
 def write_file(path: str | Path, data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` atomically and never through a symbolic link: into a new temporary sibling
-    (``.<name>.tmp-*``, created exclusively), then renamed over ``path`` (a link at ``path`` is replaced, its
-    target untouched). A reader sees the old file or the new one, never half of it."""
+    """Write ``data`` to ``path`` atomically, never through a link: into a new sibling ``.<name>.tmp-*``, renamed over
+    ``path`` (a link there is replaced, its target untouched)."""
     p = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.tmp-", dir=p.parent)
     try:
@@ -235,9 +218,27 @@ def write_file(path: str | Path, data: str | bytes) -> Path:
     return p
 
 
+def write_dir(path: str | Path, fill: Callable[[Path], object], prefix: str | None = None) -> Path:
+    """Make the directory ``path`` atomically, never through a link: ``fill`` writes a new sibling (``prefix``, by
+    default ``.<name>.tmp-``), which then replaces ``path`` (a link there is removed, its target untouched)."""
+    p = Path(path)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{p.name}.tmp-", dir=p.parent))
+    try:
+        tmp.chmod(0o755)
+        fill(tmp)
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+        os.replace(tmp, p)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return p
+
+
 def open_append(path: str | Path) -> IO[str]:
-    """``path`` opened for appending text, created if missing; a symbolic link or anything but a regular file at
-    ``path`` is a one-line :class:`DrcError` (nothing is written through it)."""
+    """``path`` opened for appending text, created if missing; a link or a non-regular file is a :class:`DrcError`."""
     p = Path(path)
     try:
         fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -254,11 +255,9 @@ def open_append(path: str | Path) -> IO[str]:
 
 
 def owned_file(path: str | Path, writer: str, flag: str, legacy_keys: frozenset[str] = frozenset()) -> Path:
-    """``path`` if a JSON output of ``writer`` may be written there: a new file in an existing directory, or a
-    file that ``writer`` wrote before (a JSON object whose :data:`OWNER_KEY` is ``writer``, or, for files written
-    before the mark existed, whose keys are exactly ``legacy_keys`` when given). Anything else -- a symbolic link
-    included -- is a one-line :class:`DrcError` (``flag`` names the option, e.g. ``--json``): nothing the user did
-    not name as replaceable is replaced."""
+    """``path`` if a JSON output of ``writer`` may be written there: a new file in an existing directory, or one whose
+    :data:`OWNER_KEY` is ``writer`` (or, written before the mark, whose keys are exactly ``legacy_keys``). Anything
+    else, a link included, is a one-line :class:`DrcError` naming ``flag`` (e.g. ``--json``)."""
     p = Path(path)
     if p.is_dir():
         raise DrcError(f"{flag} '{p}' is a directory: pass a file path, e.g. {p / 'eval.json'}")
@@ -278,9 +277,7 @@ def owned_file(path: str | Path, writer: str, flag: str, legacy_keys: frozenset[
 
 
 def write_owned_json(path: str | Path, data: dict, writer: str, legacy_keys: frozenset[str] = frozenset()) -> Path:
-    """Write ``data`` (with :data:`OWNER_KEY` = ``writer``) to ``path`` atomically (:func:`write_file`), after
-    :func:`owned_file` allowed it, under the file's lock; the temporary files of a writer killed before its rename
-    are removed first."""
+    """Write ``data`` marked with ``writer`` to ``path`` under its lock, after :func:`owned_file` allowed it."""
     p = Path(path)
     with exclusive(p, "output file"):
         remove_leftovers(p, ("tmp",))

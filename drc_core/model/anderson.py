@@ -1,23 +1,13 @@
-"""Anderson acceleration of the core iteration at inference: reach the fixed point in fewer core evaluations.
-
-The core defines the map ``f(s) = core_step(s, e)`` (``e`` fixed for a sequence); the model was trained on plain
-iteration ``s_l = f(s_{l-1})``, and its state converges to a per-token fixed point ``s* = f(s*)``. Anderson
-acceleration (type II, the solver deep-equilibrium models use) spends the same one evaluation of ``f`` per step,
-but chooses the next point from the last ``h <= m + 1`` iterates ``x_i`` and their images ``f(x_i)``::
+"""Anderson acceleration and damping of the core iteration ``x -> f(x) = core_step(x, e)`` at inference: the same
+one evaluation of ``f`` per step, the next point mixed from the last ``h <= m + 1`` iterates and their images::
 
     g_i   = f(x_i) - x_i                                           (residuals)
     alpha = argmin_a || sum_i a_i g_i ||^2   s.t.  sum_i a_i = 1   (regularised: + lam * tr(G) * ||a||^2)
     x'    = beta * sum_i alpha_i f(x_i) + (1 - beta) * sum_i alpha_i x_i
 
-``scope="token"`` solves one small (h x h) least-squares problem per token, from that token's own d-dimensional
-residuals (the per-token fixed point the paper measures); ``scope="sequence"`` one per sequence, over all of its
-T x d coordinates (the usual DEQ solver: the tokens are coupled through attention, so the map is really one map
-of the whole sequence). ``m = 0`` (or fewer than two iterates) is plain (damped) iteration: ``x' = beta f(x) +
-(1 - beta) x``; ``m = 0, beta = 1`` is exactly :func:`drc_core.model.lm.iterate`.
-
-After ``k`` evaluations the state read out is the last image ``f(x_{k-1})``: the output of a core application,
-which is what the coda was trained to read (for plain iteration it is ``s_k``). So "evaluations" compare one to
-one with loops. Mixing costs O(h^2 d) per token, negligible against a core step.
+``scope="token"`` solves one (h x h) problem per token from its own residuals; ``scope="sequence"`` one per
+sequence over all T x d coordinates (the usual DEQ solver). ``m = 0, beta = 1`` is exactly plain :func:`iterate`.
+The state read out after k evaluations is the last image ``f(x_{k-1})``, so evaluations compare one to one with loops.
 """
 
 from __future__ import annotations
@@ -27,11 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.errors import DrcError, need_float, need_int, need_loops
-from drc_core.model.lm import RecurrentModel
+from drc_core.model.lm import READOUTS, RecurrentModel, read_out
 
 SCOPES = ("token", "sequence")
 
@@ -39,8 +28,8 @@ SCOPES = ("token", "sequence")
 @dataclass(frozen=True)
 class AndersonConfig:
     """``m``: history window (0 = plain iteration); ``beta``: damping (1 = undamped); ``lam``: Tikhonov weight
-    relative to the trace of the residual Gram matrix; ``start``: plain steps before mixing begins (>= 1);
-    ``scope``: "token" or "sequence" (see the module docstring)."""
+    relative to the residual Gram matrix's trace; ``start``: plain steps before mixing; ``scope``: "token" or
+    "sequence"."""
 
     m: int = 3
     beta: float = 1.0
@@ -67,12 +56,8 @@ PLAIN = AndersonConfig(m=0)
 
 
 def anderson_weights(residuals: Tensor, lam: float) -> Tensor:
-    """The mixing weights for residuals (..., h, n): ``alpha`` (..., h) minimising ``||sum_i a_i g_i||^2 +
-    lam * tr(G) * ||a||^2`` subject to ``sum_i a_i = 1``, with ``G = g g^T`` the (h x h) Gram matrix.
-
-    Solved in float64 as ``alpha = z / sum(z)`` with ``(G + reg I) z = 1``; a tiny absolute floor on ``reg`` keeps
-    a zero residual (a token already at its fixed point) solvable, and gives it equal weights.
-    """
+    """The mixing weights ``alpha`` (..., h) for residuals (..., h, n), solved in float64 as ``z / sum(z)`` with
+    ``(G + reg I) z = 1``; a tiny floor on ``reg`` gives a zero residual (a token at its fixed point) equal weights."""
     g = residuals.double()
     gram = g @ g.transpose(-1, -2)
     h = gram.shape[-1]
@@ -92,12 +77,10 @@ def anderson_step(xs: list[Tensor], fxs: list[Tensor], cfg: AndersonConfig) -> T
     X, FX = torch.stack(xs, 2), torch.stack(fxs, 2)  # (B, T, h, d)
     if cfg.scope == "token":
         alpha = anderson_weights(FX - X, cfg.lam)[..., None]  # (B, T, h, 1)
-        mix_f, mix_x = (alpha * FX).sum(2), (alpha * X).sum(2)
     else:
         B, T, h, d = X.shape
-        res = (FX - X).permute(0, 2, 1, 3).reshape(B, h, T * d)
-        alpha = anderson_weights(res, cfg.lam)[:, None, :, None]  # (B, 1, h, 1)
-        mix_f, mix_x = (alpha * FX).sum(2), (alpha * X).sum(2)
+        alpha = anderson_weights((FX - X).permute(0, 2, 1, 3).reshape(B, h, T * d), cfg.lam)[:, None, :, None]
+    mix_f, mix_x = (alpha * FX).sum(2), (alpha * X).sum(2)
     return mix_f if cfg.beta == 1 else cfg.beta * mix_f + (1 - cfg.beta) * mix_x
 
 
@@ -115,13 +98,11 @@ class AndersonOutput:
 def anderson_iterate(model: RecurrentModel, idx: Tensor, max_evals: int, cfg: AndersonConfig = AndersonConfig(), *,
                      generator: torch.Generator | None = None, state: Tensor | None = None,
                      readout: str | None = "log_probs") -> Iterator[AndersonOutput]:
-    """Yield an :class:`AndersonOutput` after each core evaluation 1..``max_evals`` (prelude once).
-
-    The initial state is drawn as :func:`drc_core.model.lm.iterate` draws it (same ``generator`` -> same s_0), so
-    with :data:`PLAIN` the states equal ``iterate``'s loop by loop. Runs under the caller's grad mode.
-    """
+    """Yield an :class:`AndersonOutput` after each core evaluation 1..``max_evals`` (prelude once), under the caller's
+    grad mode; s_0 is drawn as :func:`~drc_core.model.lm.iterate` draws it, so with :data:`PLAIN` the states equal
+    ``iterate``'s loop by loop."""
     need_loops("max_evals", max_evals)
-    if readout not in ("logits", "log_probs", None):
+    if readout not in READOUTS:
         raise DrcError(f"readout={readout!r} is not supported; use logits, log_probs or None")
     e = model.embed(idx)
     x = model.initial_state(e, generator) if state is None else state
@@ -130,28 +111,21 @@ def anderson_iterate(model: RecurrentModel, idx: Tensor, max_evals: int, cfg: An
     for k in range(1, max_evals + 1):
         fx = model.core_step(x, e)
         residual = (fx - x).norm(dim=-1) / fx.norm(dim=-1).clamp_min(1e-12)
-        out = None
-        if readout is not None:
-            out = model.readout(fx)
-            if readout == "log_probs":
-                out = F.log_softmax(out.float(), dim=-1)
-        yield AndersonOutput(evals=k, state=fx, out=out, residual=residual)
+        yield AndersonOutput(evals=k, state=fx, out=read_out(model, fx, readout), residual=residual)
         if k == max_evals:
             return
-        xs.append(x)
-        fxs.append(fx)
-        if k < cfg.start:
-            xs.clear()
-            fxs.clear()
+        if k < cfg.start:  # plain steps: no history yet
             x = fx
             continue
+        xs.append(x)
+        fxs.append(fx)
         x = anderson_step(list(xs), list(fxs), cfg)
 
 
 def evals_to_converge(kl: Tensor, eps: float) -> Tensor:
-    """Per token, the first evaluation k >= 2 after which the successive KL stays below ``eps`` for the rest of
-    the pass (``kl`` (..., K-1) holds KL(p_k || p_{k-1}) for k = 2..K, the definition of
-    :func:`drc_core.analysis.measure.convergence_depth`); K where the last KL is still >= eps."""
+    """Per token, the first evaluation k >= 2 after which the successive KL (``kl`` (..., K-1): KL(p_k || p_{k-1})
+    for k = 2..K) stays below ``eps``, as :func:`drc_core.analysis.measure.convergence_depth` defines it; K where the
+    last KL is still >= eps."""
     above = ~(kl.double() < eps)
     n = above.shape[-1]
     last = (n - 1) - above.flip(-1).int().argmax(-1)

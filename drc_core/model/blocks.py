@@ -1,6 +1,5 @@
-"""The transformer blocks the prelude, the core and the coda are made of: pre-norm (or sandwich-norm) blocks with
-RoPE causal self-attention and a SwiGLU MLP, without biases (:class:`Block`), and :class:`FrozenKV`, the keys and
-values halted tokens keep offering to attention."""
+"""The transformer block (pre- or sandwich-norm, RoPE causal attention, SwiGLU, no biases), :class:`FrozenKV`
+(the keys/values halted tokens keep offering) and :class:`BlockStack`, the prelude/core/coda pass both models run."""
 
 from __future__ import annotations
 
@@ -11,9 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drc_core.errors import DrcError
+from drc_core.model.checks import check_token_ids
 from drc_core.model.config import ModelConfig
 
-__all__ = ["Attention", "Block", "FrozenKV", "KVFn", "RMSNorm", "SwiGLU", "apply_rope", "rope_tables"]
+__all__ = ["Attention", "Block", "BlockStack", "FrozenKV", "KVFn", "RMSNorm", "SwiGLU", "apply_rope", "rope_tables"]
 
 
 class RMSNorm(nn.Module):
@@ -45,16 +45,9 @@ KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (k, v) -> the (k, v)
 
 
 class FrozenKV:
-    """The keys/values that frozen (halted) tokens offer to attention: one cached (k, v) pair per block.
-
-    ``hook(j, frozen)`` is a ``kv_fn`` for block j (any index; a slot appears on first use; see
-    :meth:`Block.forward`): given the freshly computed k, v (B, H, T, hd) it returns
-    ``where(frozen, cached_j, fresh)`` and stores that as the new ``cached_j``.
-    So after each pass the cache holds, for every token, the keys/values it offered last: its fresh ones while
-    it is not frozen, and from then on those of the last pass before it froze (its *last computed* ones).
-    The first pass through block j only stores (nothing can be frozen before anything was computed), and a
-    pass with no frozen token passes the fresh tensors through unchanged.
-    """
+    """One cached (k, v) per block: ``hook(j, frozen)`` returns block j's ``kv_fn``, which gives attention
+    ``where(frozen, cached_j, fresh)`` and caches that, so a frozen token keeps offering its last computed keys and
+    values. The first pass through block j only stores them."""
 
     def __init__(self) -> None:
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
@@ -72,21 +65,13 @@ class FrozenKV:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with RoPE, in two steps that :class:`Block` composes:
-    :meth:`project_qkv` (fused projection + split heads + RoPE) and :meth:`attend` (attention + merge heads);
-    ``proj`` is the output projection."""
+    """Causal multi-head self-attention with RoPE; ``proj`` is the output projection."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.dropout = cfg.n_heads, cfg.head_dim, cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-
-    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, T, d) -> q, k, v each (B, H, T, hd), with RoPE applied to q and k."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal attention of q over k/v, heads merged: -> (B, T, d) (before the output projection)."""
@@ -110,10 +95,8 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """``x + post(attn(norm(x)))`` then ``x + post(mlp(norm(x)))``; ``post`` is identity unless sandwich.
 
-    :meth:`forward` is :meth:`qkv`, the causal attention over those keys/values, then :meth:`finish`; the
-    compute-skipping paths (:func:`drc_core.halting.kvlayout.block_step`) run the same :meth:`qkv` and
-    :meth:`finish` on a flat list of tokens and swap only the attention, which reads a key/value cache. A
-    ``kv_fn`` (see :class:`FrozenKV`) may replace the keys/values attention sees: ``k, v = kv_fn(k, v)``.
+    :meth:`forward` is :meth:`qkv`, attention, then :meth:`finish`; the compute-skipping paths
+    (:mod:`drc_core.halting.kvlayout`) run the same two on a flat list of tokens and swap only the attention.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -128,9 +111,11 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v (B, H, T, hd) of ``norm(x)`` (B, T, d), RoPE'd with ``cos``/``sin`` (T, hd/2) -- one row per
-        position of x, so a flat list of tokens passes its own positions' rows."""
-        return self.attn.project_qkv(self.attn_norm(x), cos, sin)
+        """q, k, v (B, H, T, hd) of ``norm(x)`` (B, T, d), RoPE'd with ``cos``/``sin`` (one row per position of x)."""
+        a = self.attn
+        B, T, _ = x.shape
+        q, k, v = a.qkv(self.attn_norm(x)).view(B, T, 3, a.n_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, x: Tensor, y: Tensor) -> Tensor:
         """The block after attention: ``y`` (..., H * hd) is the attention output of the tokens ``x`` (..., d)."""
@@ -144,26 +129,51 @@ class Block(nn.Module):
         return self.finish(x, self.attn.attend(q, k, v))
 
 
-def kv_hook(frozen_kv: FrozenKV | None, j: int, frozen: Tensor | None) -> KVFn | None:
-    """Block j's frozen-KV hook for a step over blocks (see :func:`drc_core.model.lm.iterate`), or None without
-    halting."""
-    if (frozen_kv is None) != (frozen is None):
-        raise DrcError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
-    return None if frozen_kv is None or frozen is None else frozen_kv.hook(j, frozen)
+class BlockStack(nn.Module):
+    """The pass of a looped model over its ``prelude``, ``core`` and ``coda`` blocks, ``norm`` + ``lm_head`` and RoPE
+    tables ``rope_cos``/``rope_sin``; a subclass builds them and defines ``token_embedding`` and ``inject``."""
 
+    max_seq_len: int
 
-def run_blocks(blocks: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, frozen_kv: FrozenKV | None = None,
-               frozen: Tensor | None = None) -> Tensor:
-    """``x`` through ``blocks`` in order, block j's keys/values through ``frozen_kv``'s slot j for the tokens
-    ``frozen`` marks (the core step and the coda of every model that implements the protocol)."""
-    for j, block in enumerate(blocks):
-        x = block(x, cos, sin, kv_hook(frozen_kv, j, frozen))
-    return x
+    def _rope(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        if seq_len > self.max_seq_len:
+            raise DrcError(f"sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}; use shorter inputs "
+                           "or a model with a larger max_seq_len")
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
+    def _run(self, blocks: nn.ModuleList, x: Tensor, frozen_kv: FrozenKV | None = None,
+             frozen: Tensor | None = None) -> Tensor:
+        """``x`` through ``blocks``, block j's keys/values through ``frozen_kv``'s slot j for the ``frozen`` tokens."""
+        if (frozen_kv is None) != (frozen is None):
+            raise DrcError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
+        cos, sin = self._rope(x.shape[1])
+        for j, block in enumerate(blocks):
+            x = block(x, cos, sin, None if frozen_kv is None else frozen_kv.hook(j, frozen))
+        return x
 
-def select_positions(x: Tensor, positions: slice | Tensor | None) -> Tensor:
-    """The readout's tokens of ``x`` (B, T, d): all (None), a slice or 1-D index along time, or single tokens by a
-    (B, T) bool mask (-> (n, d), row-major)."""
-    if isinstance(positions, Tensor) and positions.dim() == 2:
-        return x[positions]
-    return x if positions is None else x[:, positions]
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm + LM head: states after the coda (..., d) -> logits (..., V)."""
+        return self.lm_head(self.norm(x))
+
+    def embed(self, idx: Tensor) -> Tensor:
+        """Token ids (B, T), checked here for every public path -> the prelude output e (B, T, d)."""
+        check_token_ids(self, idx, "idx (token ids)", targets=False)
+        return self._run(self.prelude, self.token_embedding(idx))
+
+    def core_step(self, s: Tensor, e: Tensor, *, frozen_kv: FrozenKV | None = None,
+                  frozen: Tensor | None = None) -> Tensor:
+        """One loop with the shared core weights: s_l = core(inject(s_{l-1}, e)); with ``frozen_kv`` and ``frozen``
+        (B, T) the frozen tokens offer their cached keys/values in every core block."""
+        return self._run(self.core, self.inject(s, e), frozen_kv, frozen)
+
+    def readout(self, state: Tensor, positions: slice | Tensor | None = None, *, frozen_kv: FrozenKV | None = None,
+                frozen: Tensor | None = None) -> Tensor:
+        """Coda + head: state (B, T, d) -> logits (B, T', V). The coda runs on all T positions; ``positions`` (a
+        slice or 1-D index along time) then selects the tokens read out, or a (B, T) bool mask single tokens
+        (logits (n, V), row-major). ``frozen_kv``/``frozen``: as in :meth:`core_step`, for the coda."""
+        x = self._run(self.coda, state, frozen_kv, frozen)
+        if isinstance(positions, Tensor) and positions.dim() == 2:
+            x = x[positions]
+        elif positions is not None:
+            x = x[:, positions]
+        return self.head(x)

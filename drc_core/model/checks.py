@@ -1,5 +1,5 @@
-"""Checks of what a model is given: token ids it can read, an initial state shaped like its prelude output. Each
-failure is a one-line :class:`~drc_core.errors.DrcError` naming the argument."""
+"""One-line :class:`~drc_core.errors.DrcError` checks of what a model is given: token ids it can read, an initial
+state shaped like its prelude output."""
 
 from __future__ import annotations
 
@@ -10,22 +10,17 @@ from torch import Tensor
 
 from drc_core.errors import DrcError
 
+__all__ = ["check_initial_state", "check_token_ids"]
+
 
 class _Reads(Protocol):
-    """What the id check reads of a model (every :class:`~drc_core.model.lm.RecurrentModel` has it)."""
-
     vocab_size: int
     max_seq_len: int
 
 
-__all__ = ["check_initial_state", "check_token_ids"]
-
-
 def check_token_ids(model: _Reads, ids: object, what: str = "windows", *, targets: bool = True) -> Tensor:
-    """``ids`` unchanged if it is a non-empty integer tensor of token ids ``model`` can read, else a one-line
-    :class:`DrcError` naming ``what``. With ``targets`` it is (N, T+1) windows (inputs ``[:, :-1]``, targets
-    ``[:, 1:]``; T >= 1 positions), without it (N, T) inputs (T >= 1). Every id must lie in
-    0..vocab_size-1 and the T positions fit ``max_seq_len``."""
+    """``ids`` unchanged if it is a non-empty integer tensor of ids in 0..vocab_size-1 whose T positions fit
+    ``max_seq_len``: (N, T+1) windows with ``targets`` (inputs ``[:, :-1]``, targets ``[:, 1:]``), else (N, T)."""
     shape, least = ("(N, T+1)", 2) if targets else ("(N, T)", 1)
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < least:
         shown = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
@@ -44,8 +39,7 @@ def check_token_ids(model: _Reads, ids: object, what: str = "windows", *, target
 
 
 def check_initial_state(state: object, e: Tensor) -> Tensor:
-    """``state`` unchanged if it is a floating tensor shaped like the prelude output ``e`` (B, T, d_model), else a
-    one-line :class:`DrcError`."""
+    """``state`` unchanged if it is a float tensor shaped like the prelude output ``e`` (B, T, d_model)."""
     if not isinstance(state, Tensor) or tuple(state.shape) != tuple(e.shape) or not state.dtype.is_floating_point:
         shown = f"{tuple(state.shape)} {state.dtype}" if isinstance(state, Tensor) else type(state).__name__
         raise DrcError(f"state must be a float tensor of shape (B, T, d_model) = {tuple(e.shape)}; got {shown}: "

@@ -1,5 +1,4 @@
-"""The hyper-parameters of :class:`~drc_core.model.lm.DepthRecurrentLM` (:class:`ModelConfig`), checked when
-built: a bad value is a one-line :class:`~drc_core.errors.DrcError` naming the fix."""
+"""The hyper-parameters of :class:`~drc_core.model.lm.DepthRecurrentLM`, checked when built."""
 
 from __future__ import annotations
 
@@ -20,13 +19,10 @@ from drc_core.errors import (
 
 __all__ = ["ModelConfig"]
 
-_NORMS = ("pre", "sandwich")
-_INJECTIONS = ("concat", "add")
-_INIT_STATES = ("random", "zeros")
+_CHOICES = {"norm": ("pre", "sandwich"), "injection": ("concat", "add"), "init_state": ("random", "zeros")}
 
 
 def _valid_heads(d_model: int) -> str:
-    """The head counts that divide ``d_model`` into even head sizes, for error messages."""
     ok = [h for h in range(1, d_model + 1) if d_model % h == 0 and (d_model // h) % 2 == 0]
     shown = ", ".join(str(h) for h in ok[:8])
     return "{" + shown + (", ..." if len(ok) > 8 else "") + "}"
@@ -34,11 +30,10 @@ def _valid_heads(d_model: int) -> str:
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of :class:`DepthRecurrentLM`.
+    """Hyper-parameters of :class:`DepthRecurrentLM`; a bad value is a one-line :class:`DrcError`.
 
-    ``mlp_hidden=None`` means the SwiGLU hidden size ``8/3 * d_model`` rounded up to a multiple of 8 (see
-    :attr:`hidden_dim`). ``norm="sandwich"`` also RMS-normalises each sublayer's output before it is added to
-    the residual stream. ``init_state="random"`` draws the initial latent state from
+    ``mlp_hidden=None``: the SwiGLU hidden size is ``8/3 * d_model`` rounded up to a multiple of 8.
+    ``norm="sandwich"`` also normalises each sublayer's output; ``init_state="random"`` draws s_0 from
     ``N(0, init_state_scale**2)``.
     """
 
@@ -60,19 +55,13 @@ class ModelConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        def need(name: str, minimum: int, maximum: int) -> None:
-            need_int(name, getattr(self, name), minimum, maximum=maximum)
-
         # the limits of drc_core.errors, checked before anything is allocated (a config file is untrusted input)
-        need("vocab_size", 1, MAX_VOCAB)
-        need("d_model", 1, MAX_D_MODEL)
-        need("n_heads", 1, MAX_D_MODEL)
-        need("n_core", 1, MAX_LAYERS)
-        need("max_seq_len", 1, MAX_SEQ_LEN)
-        for name in ("n_prelude", "n_coda"):
-            need(name, 0, MAX_LAYERS)
-        if self.mlp_hidden is not None:
-            need("mlp_hidden", 1, 8 * MAX_D_MODEL)
+        limits = {"vocab_size": (1, MAX_VOCAB), "d_model": (1, MAX_D_MODEL), "n_heads": (1, MAX_D_MODEL),
+                  "n_core": (1, MAX_LAYERS), "max_seq_len": (1, MAX_SEQ_LEN), "n_prelude": (0, MAX_LAYERS),
+                  "n_coda": (0, MAX_LAYERS), "mlp_hidden": (1, 8 * MAX_D_MODEL)}
+        for name, (lo, hi) in limits.items():
+            if name != "mlp_hidden" or self.mlp_hidden is not None:
+                need_int(name, getattr(self, name), lo, maximum=hi)
         if self.d_model % self.n_heads != 0:
             raise DrcError(
                 f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
@@ -83,10 +72,9 @@ class ModelConfig:
                 f"head_dim = d_model/n_heads = {self.d_model // self.n_heads} is odd but RoPE needs an even "
                 f"head_dim; choose n_heads in {_valid_heads(self.d_model)}"
             )
-        for name, allowed in (("norm", _NORMS), ("injection", _INJECTIONS), ("init_state", _INIT_STATES)):
+        for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise DrcError(f"{name}={getattr(self, name)!r} is not supported; use one of {allowed}")
-
         need_float("rope_base", self.rope_base, 0.0, lo_open=True)
         need_float("norm_eps", self.norm_eps, 0.0, lo_open=True)
         need_float("init_state_scale", self.init_state_scale, 0.0)
@@ -101,8 +89,7 @@ class ModelConfig:
                            "(drc_core.errors.MAX_MODEL_PARAMS): choose a smaller model")
 
     def num_elements(self) -> int:
-        """How many numbers the model holds, computed from the config alone (before anything is allocated): its
-        parameters (a tied lm_head counted once) plus the RoPE tables' entries."""
+        """The parameters (a tied lm_head once) plus RoPE entries the model holds, from the config alone."""
         d, h = self.d_model, self.hidden_dim
         norms = 4 if self.norm == "sandwich" else 2
         block = 4 * d * d + 3 * d * h + norms * d
@@ -118,15 +105,12 @@ class ModelConfig:
     @property
     def hidden_dim(self) -> int:
         """The SwiGLU hidden size actually used."""
-        if self.mlp_hidden is not None:
-            return self.mlp_hidden
-        return 8 * math.ceil(8 * self.d_model / 3 / 8)
+        return self.mlp_hidden if self.mlp_hidden is not None else 8 * math.ceil(8 * self.d_model / 3 / 8)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, object], where: str = "model config") -> ModelConfig:
-        """A config from its stored dict: every field present, none unknown (:func:`~drc_core.errors.check_fields`)."""
-        data = check_fields(cls, data, where)
-        return cls(**data)  # type: ignore[arg-type]
+        """A config from its stored dict: every field present, none unknown."""
+        return cls(**check_fields(cls, data, where))

@@ -22,17 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drc_core.errors import DrcError, need_loops
-from drc_core.model.blocks import FrozenKV, KVFn, run_blocks, select_positions
-from drc_core.model.checks import check_initial_state, check_token_ids
+from drc_core.model.blocks import BlockStack, KVFn
+from drc_core.model.lm import logits_at
 
 __all__ = ["HuginnBlock", "HuginnConfig", "HuginnLM", "apply_rope", "rope_tables"]
 
 
 @dataclass(frozen=True)
 class HuginnConfig:
-    """The sizes of a Huginn checkpoint in this project's names. ``vocab_size`` is the embedding's rows (upstream
-    ``padded_vocab_size``, the logits' width); ``tokenizer_vocab_size`` is upstream ``vocab_size``."""
+    """A Huginn checkpoint's sizes in this project's names; ``vocab_size`` is upstream ``padded_vocab_size`` (the
+    embedding's rows), ``tokenizer_vocab_size`` upstream ``vocab_size``."""
 
     d_model: int
     n_heads: int
@@ -105,9 +104,9 @@ class GatedMLP(nn.Module):
 
 
 class HuginnBlock(nn.Module):
-    """The sandwich block, split like :class:`drc_core.model.blocks.Block` into :meth:`qkv` and :meth:`finish` so
-    that the KV-cached paths can run it. ``entry`` (the first coda block only): the final norm applied to the
-    block's input first (Huginn's first use of ``ln_f``); it is the model's ``norm`` module, shared."""
+    """The sandwich block, split into :meth:`qkv` and :meth:`finish` like :class:`~drc_core.model.blocks.Block`.
+    ``entry`` (first coda block only): the model's shared ``norm``, applied to the input first (Huginn's first
+    ``ln_f``)."""
 
     def __init__(self, cfg: HuginnConfig, entry: RMSNorm | None = None) -> None:
         super().__init__()
@@ -120,7 +119,7 @@ class HuginnBlock(nn.Module):
         return x if self.entry is None else self.entry(x)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, T, d) -> q, k, v (B, H, T, hd): bias on q and k, then RoPE (``cos``/``sin`` one row per position)."""
+        """x (B, T, d) -> q, k, v (B, H, T, hd): bias on q and k, then RoPE."""
         B, T, _ = x.shape
         a = self.attn
         q, k, v = a.Wqkv(self.norm_1(self._in(x))).view(B, T, 3, a.n_heads, a.head_dim).unbind(2)
@@ -142,10 +141,9 @@ class HuginnBlock(nn.Module):
         return self.finish(x, y.transpose(1, 2).flatten(2))
 
 
-class HuginnLM(nn.Module):
-    """Huginn's forward as a :class:`~drc_core.model.lm.RecurrentModel`, with the attributes the KV-cached and
-    compute-skipping paths read (``cfg``, ``tok_emb``, ``prelude``/``core``/``coda``, ``norm``, ``lm_head``, ``rope_*``,
-    ``token_embedding``, ``inject``, ``head``). ``init_scale`` scales s_0's std like upstream's (0: s_0 = 0). Built by
+class HuginnLM(BlockStack):
+    """Huginn's forward as a :class:`~drc_core.model.lm.RecurrentModel` with the attributes the KV-cached and
+    compute-skipping paths read. ``init_scale`` scales s_0's std like upstream's (0: s_0 = 0). Built by
     :func:`~drc_core.model.huginn_checkpoint.load_huginn` (on the meta device, then given the checkpoint's tensors)."""
 
     def __init__(self, cfg: HuginnConfig) -> None:
@@ -168,28 +166,13 @@ class HuginnLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def _rope(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        if seq_len > self.cfg.max_seq_len:
-            raise DrcError(f"sequence length {seq_len} exceeds the checkpoint's block_size={self.cfg.max_seq_len}; "
-                           "use shorter inputs")
-        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-
     def token_embedding(self, idx: Tensor) -> Tensor:
         return self.tok_emb(idx.long()) * self.cfg.embed_scale
 
-    def head(self, x: Tensor) -> Tensor:
-        """Final norm + tied head: coda outputs (..., d) -> logits (..., V)."""
-        return self.lm_head(self.norm(x))
-
-    def embed(self, idx: Tensor) -> Tensor:
-        """Token ids (B, T) -> the prelude output e (B, T, d)."""
-        check_token_ids(self, idx, "idx (token ids)", targets=False)
-        return run_blocks(self.prelude, self.token_embedding(idx), *self._rope(idx.shape[1]))
-
     def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Huginn's "like-init" s_0: a normal draw (consumed, as upstream's ``randn_like``), overwritten by a
-        normal truncated at +-3 std with std = init_values.std * init_scale, times embed_scale; zeros when std is 0.
-        From ``generator`` (else the global RNG, drawing exactly what upstream draws after the same seed)."""
+        """Huginn's "like-init" s_0: a normal draw (consumed, as upstream's ``randn_like``), overwritten by a normal
+        truncated at +-3 std (std = init_values.std * init_scale), times embed_scale; zeros when std is 0. From
+        ``generator``, else the global RNG (drawing exactly what upstream draws after the same seed)."""
         x = torch.randn(e.shape, generator=generator, device=e.device, dtype=e.dtype)
         std = self.cfg.state_std * self.init_scale
         if std <= 0:
@@ -200,25 +183,9 @@ class HuginnLM(nn.Module):
     def inject(self, s: Tensor, e: Tensor) -> Tensor:
         return self.adapter(torch.cat([s, e], dim=-1))
 
-    def core_step(self, s: Tensor, e: Tensor, *, frozen_kv: FrozenKV | None = None,
-                  frozen: Tensor | None = None) -> Tensor:
-        """One loop: s_l = core(adapter(cat([s_{l-1}, e]))); frozen-KV hooks as in DepthRecurrentLM.core_step."""
-        return run_blocks(self.core, self.inject(s, e), *self._rope(s.shape[1]), frozen_kv, frozen)
-
-    def readout(self, state: Tensor, positions: slice | Tensor | None = None, *, frozen_kv: FrozenKV | None = None,
-                frozen: Tensor | None = None) -> Tensor:
-        """ln_f, coda, ln_f, head: state (B, T, d) -> logits (B, T', V); ``positions`` as in
-        :meth:`DepthRecurrentLM.readout <drc_core.model.lm.DepthRecurrentLM.readout>`."""
-        x = run_blocks(self.coda, state, *self._rope(state.shape[1]), frozen_kv, frozen)
-        return self.head(select_positions(x, positions))
-
     def forward(self, idx: Tensor, n_loops: int | None = None, *, generator: torch.Generator | None = None,
                 state: Tensor | None = None) -> Tensor:
         """Logits (B, T, V) after ``n_loops`` loops (default: the trained mean depth), like upstream's
         ``model(idx, num_steps=n_loops)`` in eval mode; ``state``: s_0 (else drawn by :meth:`initial_state`)."""
-        n = need_loops("n_loops", self.mean_recurrence if n_loops is None else n_loops)
-        e = self.embed(idx)
-        s = self.initial_state(e, generator) if state is None else check_initial_state(state, e)
-        for _ in range(n):
-            s = self.core_step(s, e)
-        return self.readout(s)
+        n = self.mean_recurrence if n_loops is None else n_loops
+        return logits_at(self, idx, n, generator=generator, state=state)

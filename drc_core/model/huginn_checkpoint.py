@@ -1,10 +1,7 @@
-"""Reading Huginn-0125 checkpoint directories (untrusted files) into a :class:`~drc_core.model.huginn.HuginnLM`.
-
-Only JSON and safetensors are read, never pickle. :func:`load_huginn` checks the config (types, stated limits,
-:data:`LIMITS`) and every safetensors header (its length and each tensor's byte span against the file size,
-dtypes, names and shapes against the config) before a single tensor is touched, then uses the memory-mapped tensors
-in place (no second copy) or converts them one at a time. Every failure is a one-line :class:`DrcError`.
-"""
+"""Reading Huginn-0125 checkpoint directories (untrusted: JSON and safetensors only, never pickle) into a
+:class:`~drc_core.model.huginn.HuginnLM`. The config (types, :data:`LIMITS`) and every safetensors header (sizes against
+the file, dtypes, names and shapes against the config) are checked before a tensor is touched; every failure is a
+one-line :class:`DrcError`."""
 
 from __future__ import annotations
 
@@ -19,6 +16,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from drc_core.errors import MAX_LOOPS, DrcError, first_line
+from drc_core.guard import read_json, read_regular
 from drc_core.model.huginn import HuginnConfig, HuginnLM, rope_tables
 
 __all__ = ["config_from_json", "hf_config", "load_huginn", "load_huginn_tokenizer", "rename_tensor"]
@@ -26,7 +24,6 @@ __all__ = ["config_from_json", "hf_config", "load_huginn", "load_huginn_tokenize
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, TOKENIZER_FILE = (
     "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json")
 MODEL_TYPE, ARCHITECTURE = "huginn_raven", "RavenForCausalLM"
-MAX_JSON_BYTES = 64 << 20  # config.json, the shard index, tokenizer.json
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header (the safetensors library's own limit)
 # The largest value this reader accepts per config field (Huginn-0125: 5280, 55, 17920, 65536, 4096, 2/4/2, 32).
 LIMITS = {"n_embd": 1 << 16, "n_heads": 1 << 12, "intermediate_size": 1 << 18, "vocab_size": 1 << 21,
@@ -44,27 +41,13 @@ RENAME = (("transformer.wte.", "tok_emb."), ("transformer.prelude.", "prelude.")
           ("lm_head.", "lm_head."))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Config
-
-
-def _need_small(path: Path, what: str) -> None:
-    if (size := path.stat().st_size) > MAX_JSON_BYTES:
-        raise DrcError(f"'{path}' is {size} bytes, above the {MAX_JSON_BYTES >> 20} MB this reader accepts for a "
-                       f"{what}: restore the file")
-
-
 def _read_json(path: Path, what: str) -> object:
-    _need_small(path, what)
-    try:
-        return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DrcError(f"'{path}' is not valid JSON ({first_line(exc, 80)}): restore the {what}") from None
+    return read_json(path, what, f"restore the {what}")
 
 
 def hf_config(path: str | Path) -> dict | None:
     """The ``config.json`` of a Hugging Face-style checkpoint directory (with ``model_type`` or ``architectures``),
-    else None: for this project's run directories, and when it cannot be read (the run reader reports that)."""
+    else None (this project's run directories, or an unreadable file: the run reader reports that)."""
     p = Path(path) / CONFIG_FILE
     try:
         data = _read_json(p, "model config") if p.is_file() else None
@@ -126,13 +109,9 @@ def config_from_json(data: object, where: str) -> HuginnConfig:
                         state_std=float(num("std", 0.0, 1e3, init, integer=False)))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Loading
-
-
 def _header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) from a safetensors header, checked against the file's size before anything is read
-    beyond the header: a damaged, truncated or absurd file is a one-line DrcError."""
+    """name -> (dtype, shape) from a safetensors header, checked against the file's size before anything else is
+    read."""
     size = path.stat().st_size
     with path.open("rb") as f:
         n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
@@ -227,10 +206,9 @@ def _dtype(dtype: torch.dtype | str) -> torch.dtype:
 def load_huginn(path: str | Path, *, dtype: torch.dtype | str | None = None,
                 map_location: str | torch.device = "cpu") -> HuginnLM:
     """A Huginn checkpoint directory (config.json + model.safetensors or its shards) as a :class:`HuginnLM` in eval
-    mode, weights in ``dtype`` (default: the stored embedding's dtype, so nothing is converted): memory-mapped where
-    stored so, else converted one at a time. The
-    stored RoPE table ``freqs_cis`` (optional) must be ``rope_base``'s and is used as stored; a tied checkpoint's
-    stored ``lm_head.weight`` is ignored (the head is ``wte``, as upstream ties it)."""
+    mode, weights in ``dtype`` (default: the stored embedding's), memory-mapped where stored so, else converted one
+    at a time. A stored ``freqs_cis`` must be ``rope_base``'s and is used as stored; a tied checkpoint's stored
+    ``lm_head.weight`` is ignored (the head is ``wte``, as upstream ties it)."""
     path, want = Path(path), None if dtype is None else _dtype(dtype)
     if not (path / CONFIG_FILE).is_file():
         raise DrcError(f"'{path}' has no {CONFIG_FILE}: pass a Huginn checkpoint directory")
@@ -282,15 +260,14 @@ def _checked_rope(t: Tensor, cos: Tensor, sin: Tensor, cfg: HuginnConfig, stored
 
 
 def load_huginn_tokenizer(path: str | Path, cfg: HuginnConfig) -> Tokenizer | None:
-    """The checkpoint's ``tokenizer.json`` (None where absent); a tokenizer whose ids do not fit the checkpoint's
-    vocabulary (fewer than its ``vocab_size`` or more than its embedding rows) is a one-line DrcError."""
+    """The checkpoint's ``tokenizer.json`` (None where absent), its id count checked against the vocabulary."""
     p = Path(path) / TOKENIZER_FILE
     if not p.is_file():
         return None
-    _need_small(p, "tokenizer")
+    raw = read_regular(p, "a tokenizer")
     try:
-        tok = Tokenizer.from_file(str(p))
-    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        tok = Tokenizer.from_str(raw.decode())
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file (and not UTF-8)
         raise DrcError(f"'{p}' is not a readable tokenizer ({first_line(exc, 120)}): restore it") from None
     n = tok.get_vocab_size()
     if not cfg.tokenizer_vocab_size <= n <= cfg.vocab_size:

@@ -1,11 +1,5 @@
-"""Evaluation passes: the context every measurement runs in (eval mode, no grad, a seeded initial state), the
-batches of windows it walks, and the successive-output KL they all compute.
-
-Every pass over validation windows draws the initial latent state of batch k as the k-th draw of one generator
-seeded with :data:`EVAL_STATE_SEED` (unless told otherwise), so two passes over the same windows with the same
-batch size start from the same states: a measurement frame's mean CE at loop l is the validation loss at depth
-l, and a sweep's uniform rows are those losses too.
-"""
+"""Evaluation passes: the context every measurement runs in (eval mode, no grad, seeded initial states), its
+batches of windows, and the successive-output KL they all compute."""
 
 from __future__ import annotations
 
@@ -15,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drc_core.errors import need_int
+from drc_core.errors import MAX_SEED, need_int
 from drc_core.model.lm import RecurrentModel
 
 __all__ = ["EVAL_STATE_SEED", "Batch", "eval_batches", "evaluation", "kl_successive"]
@@ -25,17 +19,14 @@ EVAL_STATE_SEED = 1234  # the initial latent state of every evaluation pass, so 
 
 @contextmanager
 def evaluation(model: RecurrentModel, seed: int = EVAL_STATE_SEED) -> Iterator[torch.Generator]:
-    """Eval mode and no grad for a measurement pass; yields the generator of its initial latent states.
-
-    The generator is seeded with ``seed`` (so the global RNG, and therefore training, is not disturbed) and
-    lives on the model's device; the model's train/eval mode is restored afterwards, also on error.
-    """
+    """Eval mode and no grad for a measurement pass; yields the generator of its initial states, seeded with ``seed``
+    on the model's device (the global RNG is not touched). The model's mode is restored afterwards."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     try:
         with torch.no_grad():
-            yield torch.Generator(device=device).manual_seed(seed)
+            yield torch.Generator(device=device).manual_seed(need_int("seed", seed, 0, maximum=MAX_SEED))
     finally:
         model.train(was_training)
 
@@ -57,13 +48,10 @@ class Batch:
 
 def eval_batches(model: RecurrentModel, windows: torch.Tensor, batch_size: int = 16,
                  seed: int = EVAL_STATE_SEED) -> Iterator[Batch]:
-    """The (N, T+1) ``windows`` in batches of ``batch_size``, inside :func:`evaluation` (eval mode, no grad).
-
-    Every pass draws the initial state of batch k as the k-th draw of one generator seeded with ``seed``, so
-    two passes over the same windows with the same ``batch_size`` and ``seed`` start from the same states
-    (and the mean CE of a measurement frame at loop l is :func:`loss_by_depth` at l). A caller that replays
-    a batch's draw (``generator.get_state`` / ``set_state``) must leave the generator where one draw left it.
-    """
+    """The (N, T+1) ``windows`` in batches of ``batch_size``, inside :func:`evaluation`. Batch k's initial state is
+    the k-th draw of one generator seeded with ``seed``, so passes over the same windows start from the same states
+    (a measurement frame's mean CE at loop l is :func:`loss_by_depth` at l). A caller that replays a batch's draw
+    must leave the generator where one draw left it."""
     batch_size = need_int("batch_size", batch_size, 1)
     with evaluation(model, seed) as gen:
         for start in range(0, len(windows), batch_size):

@@ -1,31 +1,20 @@
-"""How many core loops to run at each training step.
+"""How many core loops to run at each training step (``RecurrenceConfig.scheme``):
 
-Schemes (``RecurrenceConfig.scheme``):
-
-* ``"poisson-lognormal"`` (default), the Poisson-lognormal mixture of the public recurrent-depth (Huginn)
-  training code, re-parametrised so that the training-mean depth is exactly ``mean``::
+* ``"poisson-lognormal"`` (default), Huginn's mixture re-parametrised so that E[r] is exactly ``mean`` (> 1)::
 
       rate ~ LogNormal(mu, sigma),  mu = ln(mean - 1) - sigma^2 / 2   (so E[rate] = mean - 1)
-      r    = Poisson(rate) + 1                                         (so r >= 1)
+      r    = Poisson(rate) + 1                                         (Var[r] = E[rate] + Var[rate])
 
-  E[r] = mean and Var[r] = E[rate] + Var[rate] = (mean - 1) + (exp(sigma^2) - 1) * (mean - 1)^2.
-  (Huginn puts ``mean`` itself into the lognormal mean and then adds 1, so its E[r] is mean + 1; here the
-  +1 is taken out of the rate instead.) Needs mean > 1.
-* ``"fixed"``: r = mean (an integer >= 1) at every step.
-* ``"uniform"``: r uniform on the integers low..high (inclusive).
+* ``"fixed"``: r = mean (an integer >= 1); ``"uniform"``: r uniform on the integers low..high.
 
-``max_loops`` (optional) clips every draw to at most that many loops; the moments above are those of the
-unclipped draw. ``backprop_loops`` is the truncated-backprop depth k: the model builds a graph for only the
-last min(k, r) loops (``None`` = full backprop).
-
-A draw is a pure function of (seed, step): every data-parallel rank gets the same r at the same step, and
-resuming at step n needs no sampler state.
+``max_loops`` clips every draw (the moments are the unclipped draw's); ``backprop_loops`` is the truncated-backprop
+depth (None: full). A draw is a pure function of (seed, step): every rank, and a resumed run, draws the same r.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,40 +47,28 @@ class RecurrenceConfig:
             raise DrcError(f"scheme={self.scheme!r} is not supported; use one of {SCHEMES}")
         if self.scheme == "poisson-lognormal":
             if not _is_number(self.mean) or self.mean <= 1:
-                raise DrcError(
-                    f"mean={self.mean!r} is invalid for scheme 'poisson-lognormal'; it must be > 1 "
-                    "(r = Poisson(rate) + 1 >= 1), or use scheme='fixed' for one loop"
-                )
+                raise DrcError(f"mean={self.mean!r} is invalid for scheme 'poisson-lognormal'; it must be > 1 "
+                               "(r = Poisson(rate) + 1 >= 1), or use scheme='fixed' for one loop")
             if not _is_number(self.sigma) or not 0 <= self.sigma <= MAX_SIGMA:
                 raise DrcError(f"sigma={self.sigma!r} is invalid; it must be a number in [0, {MAX_SIGMA:g}] (above, "
                                "the loop-count draw overflows)")
         fixed_ok = _is_number(self.mean) and self.mean >= 1 and self.mean == int(self.mean)
         if self.scheme == "fixed" and not fixed_ok:
             raise DrcError(f"mean={self.mean!r} is invalid for scheme 'fixed'; it must be an integer >= 1")
-        uniform_ok = _is_int(self.low) and _is_int(self.high) and 1 <= self.low <= self.high
-        if self.scheme == "uniform" and not uniform_ok:
-            raise DrcError(
-                f"low={self.low!r}, high={self.high!r} are invalid for scheme 'uniform'; "
-                "they must be integers with 1 <= low <= high"
-            )
+        if self.scheme == "uniform" and not (_is_int(self.low) and _is_int(self.high) and 1 <= self.low <= self.high):
+            raise DrcError(f"low={self.low!r}, high={self.high!r} are invalid for scheme 'uniform'; "
+                           "they must be integers with 1 <= low <= high")
         if self.max_loops is not None and not (_is_int(self.max_loops) and self.max_loops >= 1):
             raise DrcError(f"max_loops={self.max_loops!r} is invalid; use an integer >= 1 or None")
         k = self.backprop_loops
         if k is not None and not (_is_int(k) and k >= 1):
-            raise DrcError(
-                f"backprop_loops={k!r} is invalid; use an integer >= 1, or None for full backprop"
-            )
+            raise DrcError(f"backprop_loops={k!r} is invalid; use an integer >= 1, or None for full backprop")
         if not (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
             raise DrcError(f"seed={self.seed!r} is invalid; it must be an integer in 0..2**63-1")
 
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
     def expected_loops(self) -> float:
         """E[r] of the unclipped draw."""
-        if self.scheme == "uniform":
-            return (self.low + self.high) / 2
-        return float(self.mean)
+        return (self.low + self.high) / 2 if self.scheme == "uniform" else float(self.mean)
 
     def variance_loops(self) -> float:
         """Var[r] of the unclipped draw."""
@@ -104,7 +81,7 @@ class RecurrenceConfig:
 
 
 class RecurrenceSampler:
-    """Draw the number of core loops for a training step; see the module docstring for the schemes."""
+    """Draws the number of core loops for a training step (see the module docstring)."""
 
     def __init__(self, cfg: RecurrenceConfig) -> None:
         self.cfg = cfg

@@ -1,15 +1,10 @@
-"""Training configuration, the named presets, and ``key=value`` overrides.
-
-A :class:`TrainConfig` nests the :class:`~drc_core.model.lm.ModelConfig` and the
-:class:`~drc_core.model.recurrence.RecurrenceConfig`; overrides use dotted keys (``model.d_model=256``,
-``recurrence.mean=4``, ``lr=1e-3``).
-"""
+"""Training configuration (:class:`TrainConfig`, nesting the model's and the recurrence's), the named presets, and
+``--set key=value`` overrides with dotted keys (``model.d_model=256``, ``recurrence.mean=4``, ``lr=1e-3``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field
@@ -24,6 +19,7 @@ from drc_core.errors import (
     DrcError,
     check_fields,
     need_float,
+    need_int,
     need_loops,
 )
 from drc_core.model.config import ModelConfig
@@ -57,7 +53,6 @@ class TrainConfig:
     autocast: str = "none"
     answer_weight: float = 1.0  # loss weight of the depth-task answer tokens (the corpus's labels.parquet); 1: plain LM
 
-
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "max_steps", "eval_every", "eval_windows", "ckpt_every",
                      "keep_last", "log_every"):
@@ -65,17 +60,11 @@ class TrainConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise DrcError(f"{name}={v!r} must be a positive integer")
         for name in ("warmup_steps", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise DrcError(f"{name}={v!r} must be an integer >= 0")
-        if not (isinstance(self.answer_weight, int | float) and math.isfinite(self.answer_weight)
-                and self.answer_weight > 0):
-            raise DrcError(f"answer_weight={self.answer_weight!r} must be a positive finite number (1: every token "
-                           "weighs the same)")
+            need_int(name, getattr(self, name), 0)
         if self.seed > MAX_SEED:
             raise DrcError(f"seed={self.seed} is above the largest seed {MAX_SEED} (2**63 - 1): pass a smaller seed")
         # every number finite and in range before any work starts (AdamW and torch would fail deep inside)
-        for name in ("lr", "grad_clip"):
+        for name in ("lr", "grad_clip", "answer_weight"):
             need_float(name, getattr(self, name), 0.0, lo_open=True)
         need_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         need_float("weight_decay", self.weight_decay, 0.0)
@@ -85,28 +74,25 @@ class TrainConfig:
             raise DrcError(f"eval_loops={self.eval_loops!r} must be a non-empty list of loop counts >= 1")
         for n in self.eval_loops:
             need_loops("eval_loops", n)
-        if self.recurrence.max_loops is not None:
-            need_loops("recurrence.max_loops", self.recurrence.max_loops)
-        if self.recurrence.mean > MAX_LOOPS:
-            raise DrcError(f"recurrence.mean={self.recurrence.mean} is above the limit of {MAX_LOOPS} loops")
-        if self.recurrence.scheme == "uniform":
-            need_loops("recurrence.high", self.recurrence.high)
-        need_float("recurrence.mean", self.recurrence.mean, 1.0)
-        need_float("recurrence.sigma", self.recurrence.sigma, 0.0, MAX_SIGMA)
+        rec = self.recurrence
+        if rec.max_loops is not None:
+            need_loops("recurrence.max_loops", rec.max_loops)
+        need_float("recurrence.mean", rec.mean, 1.0, MAX_LOOPS)
+        if rec.scheme == "uniform":
+            need_loops("recurrence.high", rec.high)
+        need_float("recurrence.sigma", rec.sigma, 0.0, MAX_SIGMA)
         if isinstance(self.compile, bool):  # configs written before "auto" existed stored a bool
             self.compile = "true" if self.compile else "false"
         if self.autocast not in AUTOCAST_CHOICES:
             raise DrcError(f"autocast={self.autocast!r} is not supported: use one of {', '.join(AUTOCAST_CHOICES)}")
         if self.compile not in COMPILE_CHOICES:
             raise DrcError(f"compile={self.compile!r} is not supported: use one of {', '.join(COMPILE_CHOICES)}")
-        if self.seq_len > MAX_SEQ_LEN:
-            raise DrcError(f"seq_len={self.seq_len} is above the limit of {MAX_SEQ_LEN}: use at most {MAX_SEQ_LEN}")
+        need_int("seq_len", self.seq_len, 1, maximum=MAX_SEQ_LEN)
+        need_int("eval_windows", self.eval_windows, 1, maximum=MAX_BATCH_TOKENS)
         if self.batch_size * self.seq_len > MAX_BATCH_TOKENS:
             raise DrcError(f"batch_size * seq_len = {self.batch_size} * {self.seq_len} is above the limit of "
                            f"{MAX_BATCH_TOKENS:,} tokens a step (drc_core.errors.MAX_BATCH_TOKENS): lower batch_size "
                            "or seq_len")
-        if self.eval_windows > MAX_BATCH_TOKENS:
-            raise DrcError(f"eval_windows={self.eval_windows} is above the limit of {MAX_BATCH_TOKENS:,}")
         if self.seq_len > self.model.max_seq_len:
             raise DrcError(f"seq_len={self.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
                            "lower seq_len or raise model.max_seq_len")
@@ -120,20 +106,13 @@ class TrainConfig:
         d = check_fields(cls, d, where)
         model = ModelConfig.from_dict(d.pop("model"), f"{where} (model)")
         rec = RecurrenceConfig(**check_fields(RecurrenceConfig, d.pop("recurrence"), f"{where} (recurrence)"))
-        if "eval_loops" in d:
-            d["eval_loops"] = tuple(d["eval_loops"])
-        return cls(model=model, recurrence=rec, **d)
-
-
-# ------------------------------------------------------------------------------------------- presets
+        if not isinstance(d["eval_loops"], list | tuple):
+            raise DrcError(f"{where}: eval_loops={d['eval_loops']!r} is not a list of loop counts: restore the file")
+        return cls(model=model, recurrence=rec, **{**d, "eval_loops": tuple(d["eval_loops"])})
 
 
 def _tiny() -> TrainConfig:
-    """Seconds on a CPU: for tests and the notebook smoke run (a small-vocabulary corpus, e.g. prepared with
-    --vocab-size 512; the trainer takes the vocabulary from the corpus).
-
-    ``compile="false"``: compiling the blocks takes longer (~20 s) than the whole 30-step run.
-    """
+    """Seconds on a CPU, for tests and the smoke run; eager, as compiling (~20 s) takes longer than the run."""
     return TrainConfig(
         model=ModelConfig(vocab_size=512, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1,
                           max_seq_len=64),
@@ -144,18 +123,9 @@ def _tiny() -> TrainConfig:
 
 
 def _cpu() -> TrainConfig:
-    """The reference model for 2 CPU cores and the embedded corpus (vocab 4096), on the fast path.
-
-    d=256, 4 heads, prelude 1 / core 2 / coda 1 (4.34 M parameters), mean depth 8, backprop through the last 4
-    loops, 5000 steps of 16 x 256 tokens (20.5 M tokens, ~5.9 passes over the 3.46 M training tokens), bf16
-    autocast + compiled blocks where the CPU has AMX / AVX-512 bf16 (``auto``; fp32 elsewhere), ~1 hour on the
-    2-core development machine. Chosen with ``scripts/depth_scale.py`` (docs/results.md "What makes a CPU-scale
-    model use depth?"): on the fast path d=256 trains at the tokens/s of the d=128 fp32 trainer and is better at 1
-    and 8 loops at equal tokens; backprop through 8 loops cost 1.22x the time for no better loss. The d=128 fp32
-    reference of the first round (1.35 M parameters, 12.3 M tokens) is kept under
-    ``data/experiments/cpu-d128-reference``: ``--set model.d_model=128 --set max_steps=3000 --set lr=3e-3
-    --set autocast=none --set compile=false``.
-    """
+    """The reference model: 2 CPU cores, the embedded corpus, 4.34 M parameters, 20.5 M tokens, ~1 hour; bf16 and
+    compiled blocks where fast. Chosen with ``scripts/depth_scale.py`` (docs/results.md "What makes a CPU-scale
+    model use depth?")."""
     return TrainConfig(
         model=ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_prelude=1, n_core=2, n_coda=1,
                           max_seq_len=256),
@@ -166,12 +136,7 @@ def _cpu() -> TrainConfig:
 
 
 def _small() -> TrainConfig:
-    """Minutes on 2 CPU cores, on the default corpus (vocab 4096): for seed replicates and the training-mean
-    depth experiment (which mean depth to train at), where several models must be trained side by side.
-
-    d=64, 2 heads, prelude 1 / core 2 / coda 1, mean depth 8, backprop through the last 4 loops, 1200 steps of
-    16 x 128 tokens (2.5 M tokens).
-    """
+    """Minutes on 2 CPU cores (2.5 M tokens): seed replicates and the training-mean depth experiment."""
     return TrainConfig(
         model=ModelConfig(vocab_size=4096, d_model=64, n_heads=2, n_prelude=1, n_core=2, n_coda=1,
                           max_seq_len=256),
@@ -182,12 +147,7 @@ def _small() -> TrainConfig:
 
 
 def _paper_135m() -> TrainConfig:
-    """A 135M-parameter class model for a GPU and FineWeb-Edu (prepared with --vocab-size 49152).
-
-    d=768, 12 heads, prelude 2 / core 4 / coda 2: 8 distinct blocks (85M) + tied 49152x768 embedding (38M) +
-    concat adapter (1.2M) = ~124M parameters; at the training-mean depth 8 a token passes 36 block
-    applications. 16k steps of 256 x 1024 tokens = 4.2B tokens; see docs/gpu.md "The paper-135m preset" for GPU-hours.
-    """
+    """~124 M parameters for a GPU and FineWeb-Edu (--vocab-size 49152), 4.2 B tokens (docs/gpu.md)."""
     return TrainConfig(
         model=ModelConfig(vocab_size=49152, d_model=768, n_heads=12, n_prelude=2, n_core=4, n_coda=2,
                           mlp_hidden=3584, max_seq_len=1024),
@@ -206,9 +166,6 @@ def preset(name: str) -> TrainConfig:
     if name not in PRESETS:
         raise DrcError(f"unknown preset '{name}': choose from {', '.join(PRESETS)}")
     return PRESETS[name]()
-
-
-# ------------------------------------------------------------------------------------------ overrides
 
 
 def _coerce(raw: str, hint: Any, key: str) -> Any:

@@ -1,7 +1,5 @@
-"""Validation loss and mean successive KL at uniform depths, from one ``iterate`` pass per batch of
-:func:`drc_core.model.passes.eval_batches`; per-source bits per byte; the depth gain during training.
-
-``python -m drc_core.training.evaluate --run DIR --data DIR`` prints and saves them for a trained run."""
+"""Validation loss and mean successive KL at uniform depths (one ``iterate`` pass per batch), per-source bits per
+byte, the depth gain during training; ``python -m drc_core.training.evaluate --run DIR --data DIR``."""
 
 from __future__ import annotations
 
@@ -24,12 +22,8 @@ from drc_core.training.rundir import open_run
 
 def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
                   batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
-    """Mean next-token cross-entropy (nats) at each depth in ``loops``, over ``windows`` [N, T+1].
-
-    Depth l's loss is read at loop l of a single ``max(loops)``-deep pass (``iterate``), which equals
-    ``forward(x, l)`` with the same initial state; the initial state comes from a generator seeded with
-    ``seed`` so the global RNG (and therefore training) is not disturbed.
-    """
+    """Mean next-token cross-entropy (nats) at each depth in ``loops`` over ``windows`` (N, T+1), read at loop l of
+    one ``max(loops)``-deep pass (the numbers of ``forward(x, l)``), initial states from ``seed``."""
     wanted = sorted({need_loops("loops", n) for n in loops})
     if not wanted:
         raise DrcError("loops is empty: pass the depths to evaluate, e.g. [1, 4, 8]")
@@ -68,41 +62,24 @@ def unigram_loss(corpus: Corpus, alpha: float = 1.0) -> float:
     return float(-logp[np.asarray(corpus.tokens("val"))].mean())
 
 
-def source_windows(corpus: Corpus, seq_len: int, max_windows: int | None = None) -> dict[str, torch.Tensor]:
-    """Validation windows of each source separately (a window never spans two sources)."""
-    val = corpus.tokens("val")
-    docs = corpus.docs[corpus.docs.split == "val"]
-    out = {}
-    for src, g in docs.groupby("source", sort=True):
-        toks = np.concatenate([val[a:b] for a, b in zip(g.tok_start, g.tok_end, strict=True)])
-        out[str(src)] = eval_windows(toks, seq_len, max_windows)
-    return out
-
-
 def loss_by_source(model: RecurrentModel, corpus: Corpus, seq_len: int, loops: tuple[int, ...],
                    max_windows: int | None = None) -> pd.DataFrame:
-    """Per-source validation loss by depth, in nats/token and in bits/byte (tokenizer-independent).
-
-    Bits per byte use each source's validation bytes-per-token ratio, so corpora tokenized differently
-    (e.g. a Wikipedia-only tokenizer vs the mixed one) can be compared.
-    """
-    docs = corpus.docs[corpus.docs.split == "val"]
+    """Validation loss by source (windows never span two) and depth, in nats/token and in bits/byte (each source's
+    bytes per token: comparable across tokenizers)."""
+    val = corpus.tokens("val")
     rows = []
-    for src, windows in source_windows(corpus, seq_len, max_windows).items():
-        g = docs[docs.source == src]
+    for src, g in corpus.docs[corpus.docs.split == "val"].groupby("source", sort=True):
+        toks = np.concatenate([val[a:b] for a, b in zip(g.tok_start, g.tok_end, strict=True)])
+        windows = eval_windows(toks, seq_len, max_windows)
         tokens_per_byte = float((g.tok_end - g.tok_start).sum()) / float(g.n_bytes.sum())
         for n, ce in loss_by_depth(model, windows, loops).items():
-            rows.append({"source": src, "loops": n, "loss": ce,
+            rows.append({"source": str(src), "loops": n, "loss": ce,
                          "bits_per_byte": ce * tokens_per_byte / math.log(2), "windows": len(windows)})
     return pd.DataFrame(rows)
 
 
-# -------------------------------------------------------------------------------------------------- CLI
-
-
 def parse_loops(text: str) -> tuple[int, ...]:
-    """``"1,2,4"`` -> (1, 2, 4); anything else (a word, an empty list, a count outside 1..MAX_LOOPS) is a one-line
-    :class:`DrcError`."""
+    """``"1,2,4"`` -> (1, 2, 4), each count checked; anything else is a one-line :class:`DrcError`."""
     try:
         loops = tuple(int(p) for p in text.split(",") if p.strip())
     except ValueError:
@@ -155,15 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     print("successive KL(p_l || p_l-1): " + "  ".join(f"{n}:{kl[n]:.2e}" for n in (2, 4, 8, 16, 32) if n in kl))
     if args.json:
         write_owned_json(args.json, result, EVAL_WRITER, EVAL_KEYS)
-    print(json.dumps({"loss_all": result["loss_all"]}), file=sys.stdout)
+    print(json.dumps({"loss_all": result["loss_all"]}))
     return 0
 
 
-
 def depth_gain_by_step(metrics: pd.DataFrame, shallow: int = 1, deep: int = 8) -> pd.DataFrame:
-    """How much depth buys as training goes on: from the validation rows of ``metrics.jsonl`` (``kind="eval"``,
-    ``step``, ``loops``, ``loss``), per evaluated step the loss at ``shallow`` and ``deep`` loops and the gain
-    ``loss(shallow) - loss(deep)`` in nats. Steps that lack either depth are left out."""
+    """Per evaluated step of ``metrics.jsonl``'s validation rows, the loss at ``shallow`` and ``deep`` loops and the
+    gain ``loss(shallow) - loss(deep)`` in nats; steps that lack either depth are left out."""
     if "kind" not in metrics.columns or not {"step", "loops", "loss"} <= set(metrics.columns):
         raise DrcError("metrics needs kind/step/loops/loss columns: pass metrics.jsonl read with pandas.read_json")
     evals = metrics[metrics.kind == "eval"]

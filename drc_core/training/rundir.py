@@ -1,19 +1,14 @@
-"""The one reader of model and run directories: a training run, its ``final/``, and a shipped copy open the same way.
+"""The one owner of the run-directory format: a training run, its ``final/`` and a shipped copy open the same way.
 
-Three layouts exist, written by :func:`drc_core.training.train.train` and copied by hand or by the book:
-
-- a training run ``R/``: ``config.json`` (the :class:`~drc_core.training.config.TrainConfig`), ``metrics.jsonl``,
-  ``checkpoints/`` and, once finished, ``final/`` (the weights);
-- its ``R/final/``: ``model.safetensors`` + ``config.json`` (the :class:`~drc_core.model.lm.ModelConfig`), and
-  each ``R/checkpoints/step-N/`` likewise (plus the optimizer state);
-- a shipped copy (``data/reference``, ``data/experiments/<run>``, the book's ``work_dir/model``):
-  ``model.safetensors`` + ``config.json`` (the ModelConfig) beside ``train_config.json`` (the TrainConfig),
+- a training run ``R/``: ``config.json`` (the TrainConfig), ``corpus.json``, ``metrics.jsonl`` (kind=train and
+  kind=eval rows), ``checkpoints/step-N/`` (the last K: weights + :mod:`~drc_core.training.state`) and, once
+  finished, ``final/``; ``init.json`` for a run started from another's weights;
+- ``R/final/`` and each checkpoint: ``model.safetensors`` + ``config.json`` (the ModelConfig);
+- a shipped copy (``data/reference``, ...): ``model.safetensors`` + ``config.json`` beside ``train_config.json``,
   ``metrics.jsonl`` and optionally ``tokenizer.json`` / ``corpus_meta.json``.
 
-The model config is always ``config.json`` next to ``model.safetensors``; the training config is the run's
-``config.json`` (for ``R/``, ``R/final/`` and its checkpoints) or ``train_config.json`` (a shipped copy). A
-directory without weights (a run still training, or metrics kept without weights as under ``data/levers``) opens
-too; asking it for the model is then a one-line :class:`~drc_core.errors.DrcError`.
+The model config is always ``config.json`` beside the weights. A directory without weights opens too; asking it for
+the model is then a one-line :class:`~drc_core.errors.DrcError`.
 """
 
 from __future__ import annotations
@@ -21,9 +16,7 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,17 +26,18 @@ from safetensors import SafetensorError, safe_open
 
 from drc_core.data.sampler import Corpus
 from drc_core.errors import DrcError, first_line
-from drc_core.guard import read_json, read_regular
+from drc_core.guard import read_json, read_regular, write_dir
 from drc_core.model.config import ModelConfig
 from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE, DepthRecurrentLM
 from drc_core.training.config import TrainConfig
 
 __all__ = ["CHECKPOINTS_DIR", "CORPUS_RECORD", "FINAL_DIR", "METRICS_FILE", "SHIPPED_TRAIN_CONFIG", "RunDir",
-           "check_corpus_record", "check_safetensors", "check_weights", "corpus_record", "open_run"]
+           "check_safetensors", "check_weights", "corpus_record", "open_run"]
 
 FINAL_DIR = "final"
 CHECKPOINTS_DIR = "checkpoints"  # R/checkpoints/step-NNNNNNN/, written by drc_core.training.train
 METRICS_FILE = "metrics.jsonl"
+CORPUS_RECORD = "corpus.json"
 SHIPPED_TRAIN_CONFIG = "train_config.json"
 SHIPPED_CORPUS_META = "corpus_meta.json"
 SHIPPED_CORPUS_META_KEYS = ("source", "fingerprint", "documents", "characters", "tokens", "per_source", "seed",
@@ -52,9 +46,8 @@ SHIPPED_CORPUS_META_KEYS = ("source", "fingerprint", "documents", "characters", 
 
 @dataclass(frozen=True)
 class RunDir:
-    """Where a run's pieces are. ``path``: the directory opened; ``run``: the run it belongs to (``path``, or
-    its parent for a ``final/``); ``weights``: the directory holding ``model.safetensors`` and the model's
-    ``config.json`` (None without weights); ``train_config_path`` and ``metrics_path``: None where absent."""
+    """Where a run's pieces are: ``path`` the directory opened, ``run`` the run it belongs to, ``weights`` the
+    directory of ``model.safetensors`` and its ``config.json``; each None where absent."""
 
     path: Path
     run: Path
@@ -89,9 +82,8 @@ class RunDir:
         return _read_json(self.train_config_path)
 
     def load_model(self, map_location: str = "cpu") -> DepthRecurrentLM:
-        """The model in eval mode; a damaged or mismatching checkpoint is a one-line :class:`DrcError`. The
-        weights file's tensor names, shapes and dtypes are checked against its config before anything is
-        allocated (:func:`check_weights`)."""
+        """The model in eval mode, its weights' header checked against its config first (:func:`check_weights`); a
+        damaged or mismatching checkpoint is a one-line :class:`DrcError`."""
         weights = self.need_weights()
         try:
             check_weights(weights / WEIGHTS_FILE, self.model_config())
@@ -104,20 +96,23 @@ class RunDir:
             raise DrcError(f"cannot load the model in '{weights}': {first_line(exc)}") from exc
 
     def metrics(self) -> pd.DataFrame:
-        """``metrics.jsonl`` as a frame (one row per logged train or eval record). A last line torn by a killed
-        writer is left out; any other line that is not a JSON object is a one-line :class:`DrcError`."""
+        """``metrics.jsonl`` as a frame, one row per record (see :func:`metrics_rows`)."""
         if self.metrics_path is None:
             raise DrcError(f"'{self.path}' has no {METRICS_FILE}: pass a training run or a shipped copy with metrics")
         lines = metrics_rows(self.metrics_path)[1]
-        return pd.read_json(io.StringIO("".join(ln + "\n" for ln in lines)), lines=True) if lines else pd.DataFrame()
+        try:
+            return pd.read_json(io.StringIO("".join(ln + "\n" for ln in lines)), lines=True) if lines else \
+                pd.DataFrame()
+        except ValueError as exc:  # e.g. an integer beyond 64 bits
+            raise DrcError(f"'{self.metrics_path}' cannot be read as a table ({first_line(exc, 80)}): the file is "
+                           "damaged; restore it from the run") from None
 
     def ship(self, dest: str | Path, *, corpus: Corpus | None = None, side_files: tuple[str, ...] = (),
              info: dict | None = None, replace: bool = False) -> Path:
-        """Write this run as a shipped copy at ``dest`` (the layout of ``data/reference``): the weights and the
-        model's ``config.json``, ``train_config.json``, ``metrics.jsonl``; with ``corpus``, its ``tokenizer.json``
-        and ``corpus_meta.json`` (what :meth:`check_corpus` reads); each of ``side_files`` the run has (e.g.
-        ``eval.json``); ``info`` as ``source.json``. Written into a temporary sibling and renamed, so ``dest`` is
-        complete or untouched; an existing non-empty ``dest`` is an error unless ``replace``."""
+        """Write this run as a shipped copy at ``dest`` (complete or untouched; a non-empty ``dest`` only with
+        ``replace``): the weights, their ``config.json``, ``train_config.json``, ``metrics.jsonl``, each of
+        ``side_files`` the run has; with ``corpus``, its ``tokenizer.json`` and ``corpus_meta.json``; ``info`` as
+        ``source.json``."""
         dest = Path(dest)
         if dest.exists() and any(dest.iterdir()) and not replace:
             raise DrcError(f"'{dest}' exists and is not empty: choose another destination (nothing was written)")
@@ -133,9 +128,8 @@ class RunDir:
             files["tokenizer.json"] = corpus.path / "tokenizer.json"
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(dest.with_name(dest.name + ".tmp"), ignore_errors=True)  # what a killed ship left before
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        tmp.chmod(0o755)
-        try:
+
+        def fill(tmp: Path) -> None:
             for name, path in files.items():
                 shutil.copy2(path, tmp / name)
             if corpus is not None:
@@ -143,21 +137,13 @@ class RunDir:
                 (tmp / SHIPPED_CORPUS_META).write_text(json.dumps(meta, indent=2) + "\n")
             if info is not None:
                 (tmp / "source.json").write_text(json.dumps(info, indent=2) + "\n")
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if dest.is_symlink():  # replaced as a link, its target untouched
-            dest.unlink()
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.rename(dest)
-        return dest
+
+        return write_dir(dest, fill)
 
     def corpus_record(self) -> dict | None:
-        """What the run recorded of its corpus (``corpus.json`` of a run, ``corpus_meta.json`` of a shipped copy):
-        at least ``fingerprint`` and ``tokenizer_sha256``; None only where there is no record (a bare weights
-        copy, or a run made before runs recorded it). A record that is there but is not such an object (``null``,
-        a list, a missing or non-string hash) is a one-line :class:`DrcError`: a damaged record never skips the
-        check it is for."""
+        """What the run recorded of its corpus (``corpus.json``, or a shipped copy's ``corpus_meta.json``), with at
+        least ``fingerprint`` and ``tokenizer_sha256``; None where there is no record. A damaged record is a one-line
+        :class:`DrcError`, never a skipped check."""
         for name in (CORPUS_RECORD, SHIPPED_CORPUS_META):
             path = self.file(name)
             if path is not None:
@@ -171,27 +157,30 @@ class RunDir:
         return None
 
     def check_corpus(self, corpus: Corpus, required: bool = False) -> None:
-        """A one-line :class:`DrcError` unless ``corpus`` is the one the run recorded (tokenizer and inputs).
-        ``required``: a run without a record is an error too (a run of this trainer always writes one, so a
-        missing ``corpus.json`` means the check cannot be made, not that it passed)."""
+        """A one-line :class:`DrcError` unless ``corpus`` has the tokenizer and inputs the run recorded; ``required``:
+        a run without a record is an error too (the check cannot be made)."""
         record = self.corpus_record()
-        if record is None and required:
-            raise DrcError(f"'{self.run}' has no {CORPUS_RECORD} (the record of the corpus it was trained on), so "
-                           f"corpus '{corpus.path}' cannot be checked against it: restore the file, or train a new "
-                           "run")
-        if record is not None:
-            check_corpus_record(record, corpus, f"the model in '{self.path}'")
+        if record is None:
+            if required:
+                raise DrcError(f"'{self.run}' has no {CORPUS_RECORD} (the record of the corpus it was trained on), "
+                               f"so corpus '{corpus.path}' cannot be checked against it: restore the file, or train a "
+                               "new run")
+            return
+        where, fix = f"the model in '{self.path}'", f"pass the corpus it was trained on ({_trained_on(record)})"
+        if record.get("tokenizer_sha256") != corpus.tokenizer_hash:
+            raise DrcError(f"{where} was trained on a corpus with another tokenizer (sha256 "
+                           f"{str(record.get('tokenizer_sha256'))[:12]}..., corpus '{corpus.path}' has "
+                           f"{corpus.tokenizer_hash[:12]}...): {fix}")
+        if record.get("fingerprint") != corpus.fingerprint:
+            raise DrcError(f"{where} was trained on other documents than corpus '{corpus.path}' holds (input "
+                           f"fingerprints differ): {fix}")
 
     def file(self, name: str) -> Path | None:
-        """A side file of the run (``eval.json``, ``tokenizer.json``, ``corpus_meta.json``, ...), looked up in the
-        directory given and, for a ``final/``, in its run; None where absent."""
+        """A side file (``eval.json``, ``tokenizer.json``, ...) of the directory given or its run; None where absent."""
         for d in dict.fromkeys([self.path, self.run]):
             if (d / name).is_file():
                 return d / name
         return None
-
-
-CORPUS_RECORD = "corpus.json"
 
 
 def corpus_record(corpus: Corpus) -> dict:
@@ -201,8 +190,7 @@ def corpus_record(corpus: Corpus) -> dict:
 
 
 def _trained_on(record: dict) -> str:
-    """The corpus a record names, for a message: its path (a run's corpus.json), else what a shipped copy's
-    corpus_meta.json says of it (source, documents, vocabulary)."""
+    """The corpus a record names, for a message: its path, else a shipped copy's source, documents and vocabulary."""
     if record.get("path"):
         return str(record["path"])
     docs = record.get("documents")
@@ -211,17 +199,6 @@ def _trained_on(record: dict) -> str:
              f"{n} documents" if n is not None else "", f"vocab {record['vocab_size']}" if "vocab_size" in record
              else ""]
     return "prepared with " + ", ".join(p for p in parts if p) if any(parts) else "see its corpus record"
-
-
-def check_corpus_record(record: dict, corpus: Corpus, where: str) -> None:
-    """A one-line :class:`DrcError` unless ``corpus`` has the tokenizer (and inputs) ``record`` was made with."""
-    if record.get("tokenizer_sha256") != corpus.tokenizer_hash:
-        raise DrcError(f"{where} was trained on a corpus with another tokenizer (sha256 "
-                       f"{str(record.get('tokenizer_sha256'))[:12]}..., corpus '{corpus.path}' has "
-                       f"{corpus.tokenizer_hash[:12]}...): pass the corpus it was trained on ({_trained_on(record)})")
-    if record.get("fingerprint") != corpus.fingerprint:
-        raise DrcError(f"{where} was trained on other documents than corpus '{corpus.path}' holds (input "
-                       f"fingerprints differ): pass the corpus it was trained on ({_trained_on(record)})")
 
 
 def _read_value(path: Path) -> object:
@@ -239,12 +216,9 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-_STEP = re.compile(r"^-?\d+$")
-
-
 def metrics_rows(path: Path) -> tuple[list[dict], list[str]]:
-    """The rows of a ``metrics.jsonl`` and their lines: every line a JSON object with an integer ``step``; a last
-    line torn by a killed writer is left out, any other bad line is a one-line :class:`DrcError`."""
+    """The rows of a ``metrics.jsonl`` and their lines, each a JSON object with an integer ``step``; a last line torn by
+    a killed writer is left out, any other bad line is a one-line :class:`DrcError`."""
     try:
         text = read_regular(path, METRICS_FILE, 1 << 30).decode("utf-8", errors="strict")
     except UnicodeDecodeError as exc:
@@ -256,7 +230,7 @@ def metrics_rows(path: Path) -> tuple[list[dict], list[str]]:
             continue
         try:
             row = json.loads(ln)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # not JSON, or an integer of more than 4300 digits
             row = None
         good = isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
         if not good:
@@ -274,8 +248,7 @@ _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 def check_safetensors(path: Path, expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]], what: str) -> None:
     """A one-line :class:`DrcError` unless the safetensors file ``path`` holds exactly the tensors of ``expected``
-    (name -> shape and allowed dtypes, e.g. ``("F32",)``); only the header is read (the library checks it
-    against the file's size), so a file that would allocate more than its config allows is refused first."""
+    (name -> shape and allowed dtypes); only the header is read, so an oversized file is refused before allocating."""
     if not path.is_file():
         raise DrcError(f"{what} {path} not found: pass a directory written by this project")
     try:
@@ -299,8 +272,7 @@ def check_safetensors(path: Path, expected: dict[str, tuple[tuple[int, ...], tup
 
 
 def check_weights(path: Path, cfg: ModelConfig) -> None:
-    """:func:`check_safetensors` of a model's weights against ``cfg``: the tensor names and shapes of
-    :meth:`DepthRecurrentLM.checkpoint_state` (built on the ``meta`` device: no memory), each a float dtype."""
+    """:func:`check_safetensors` of a model's weights against ``cfg`` (its shapes from a model on the meta device)."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in DepthRecurrentLM(cfg).checkpoint_state().items()}
     check_safetensors(Path(path), {k: (v, _FLOAT_DTYPES) for k, v in shapes.items()}, "weights file")
@@ -311,8 +283,7 @@ def _is_train_config(path: Path) -> bool:
 
 
 def open_run(path: str | Path) -> RunDir:
-    """Open a training run, its ``final/`` or a shipped copy (see the module docstring); a missing directory
-    is a :class:`DrcError`."""
+    """Open a training run, its ``final/``, a checkpoint or a shipped copy (see the module docstring)."""
     if not isinstance(path, str | os.PathLike) or not str(path):
         raise DrcError(f"run path {path!r} is not a path: pass a training run, its final/ or a shipped copy like "
                        "data/reference")

@@ -1,19 +1,11 @@
-"""The training state of a checkpoint -- optimizer, scheduler, RNG, sampler, step -- as JSON + safetensors, never a
-pickle: reading a checkpoint runs no code from it.
+"""The training state of a checkpoint (optimizer, scheduler, RNG, sampler, step) as JSON + safetensors, never a
+pickle: ``train_state.json`` (step, scheduler, sampler, the optimizer's param groups, the TrainConfig) and
+``train_state.safetensors`` (``optimizer.<param>.<name>`` tensors, ``rng.torch``, ``rng.cuda.<device>``).
 
-Each ``checkpoints/step-N/`` of a run holds, beside the weights::
-
-    train_state.json          step, the scheduler's and the sampler's state, the optimizer's param groups and
-                              the TrainConfig (plain JSON)
-    train_state.safetensors   the optimizer's per-parameter tensors (``optimizer.<param>.<name>``) and the RNG
-                              states (``rng.torch``, ``rng.cuda.<device>``)
-
-:func:`read_state` checks every part against the optimizer and scheduler it is about to be loaded into (the keys and
-types of their own state, the parameters' shapes, the RNG state's size, the step) before anything is applied, so
-a damaged or crafted file is one :class:`~drc_core.errors.DrcError` line, never a traceback or a wrong run. A
-checkpoint written before this format (``train_state.pt``) is read with ``torch.load(weights_only=True)`` --
-tensors and plain containers only -- and checked the same way; one whose pickle asks for anything else is refused
-unread.
+:func:`read_state` checks every part against the optimizer and scheduler it is about to be loaded into before
+anything is applied, so a damaged or crafted file is one :class:`~drc_core.errors.DrcError` line. An older
+``train_state.pt`` is read with ``torch.load(weights_only=True)`` and checked the same way; a pickle that asks for
+anything but tensors and plain containers is refused unread.
 """
 
 from __future__ import annotations
@@ -83,9 +75,8 @@ def write_state(directory: Path, opt: torch.optim.Optimizer, sched: Any, sampler
 
 
 def read_state(ckpt: Path, opt: torch.optim.Optimizer, sched: Any) -> TrainState:
-    """The training state of checkpoint directory ``ckpt``, checked against ``opt`` and ``sched`` (built for the
-    same model and config, not yet stepped); any problem is a one-line :class:`DrcError` that says to delete the
-    checkpoint (the one before it is then resumed)."""
+    """The training state of checkpoint ``ckpt``, checked against a fresh ``opt`` and ``sched`` of the same model and
+    config; any problem is a one-line :class:`DrcError` that says to delete the checkpoint."""
     fix = "delete that checkpoint directory to resume from the one before it"
     name = STATE_JSON if (ckpt / STATE_JSON).exists() or not (ckpt / LEGACY_STATE).exists() else LEGACY_STATE
     try:
@@ -105,9 +96,6 @@ def apply_state(state: TrainState, opt: torch.optim.Optimizer, sched: Any, sampl
     if state.rng_cuda is not None and torch.cuda.is_available():
         for i, t in enumerate(state.rng_cuda[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(t, i)
-
-
-# ------------------------------------------------------------------------------------------------------ reading
 
 
 def _read_new(ckpt: Path, opt: torch.optim.Optimizer) -> TrainState:
@@ -156,9 +144,11 @@ def _read_new(ckpt: Path, opt: torch.optim.Optimizer) -> TrainState:
 
 def _read_tensors(path: Path, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The tensors of ``train_state.safetensors``, after checking from its header alone that each is one this
-    optimizer has (a parameter's moment of that parameter's shape, a step count, an RNG state)."""
+    optimizer has (a parameter's moment of its shape, a step count, an RNG state)."""
     shapes = _param_shapes(opt)
     rng_size = torch.get_rng_state().numel()
+    if path.exists() and not path.is_file():  # a FIFO would block the reader, a device never end
+        raise _Damaged(f"{STATE_TENSORS} is not a regular file")
     try:
         with safe_open(str(path), framework="pt") as f:
             header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
@@ -219,26 +209,18 @@ def _read_legacy(path: Path, fix: str) -> TrainState:
                       train_config=state["train_config"])
 
 
-# ----------------------------------------------------------------------------------------------------- checking
-
-
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _param_shapes(opt: torch.optim.Optimizer) -> dict[int, tuple[int, ...]]:
     """Parameter index (as in ``state_dict``) -> shape."""
-    out, i = {}, 0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            out[i] = tuple(p.shape)
-            i += 1
-    return out
+    return {i: tuple(p.shape) for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
 
 
 def _like(value: Any, fresh: Any, where: str) -> Any:
-    """``value`` with the structure of ``fresh`` (the same keys, lengths and scalar types; a JSON list stands for a
-    tuple), or :class:`_Damaged` naming ``where``."""
+    """``value`` with the structure of ``fresh`` (keys, lengths, scalar types; a list stands for a tuple), or
+    :class:`_Damaged` naming ``where``."""
     if isinstance(fresh, bool) or fresh is None:
         if value is not fresh and not (isinstance(fresh, bool) and isinstance(value, bool)):
             raise _Damaged(f"{where}={value!r} is not {'a bool' if fresh is not None else 'null'}")
@@ -289,6 +271,9 @@ def _check(state: TrainState, opt: torch.optim.Optimizer, sched: Any) -> None:
         if not isinstance(group, dict) or group.get("params") != fresh["params"]:
             raise _Damaged(f"optimizer group {i} holds other parameters than this model's")
         checked.append(_like(group, fresh, f"optimizer group {i}"))
+        for k in ("weight_decay", "betas", "eps"):  # the config's (which the resume checked), not the file's
+            if k in checked[-1] and checked[-1][k] != fresh.get(k):
+                raise _Damaged(f"optimizer group {i}.{k}={checked[-1][k]!r} is not the config's {fresh.get(k)!r}")
     state.optimizer["param_groups"] = checked
     shapes = _param_shapes(opt)
     per_param = state.optimizer["state"]

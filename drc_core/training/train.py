@@ -1,25 +1,11 @@
 """Train a depth-recurrent LM: ``python -m drc_core.training.train --preset NAME --data DIR --out DIR``.
 
-Each step draws its loop count r from the recursion sampler (the same r on every rank), runs r core loops
-with truncated backprop through the last k, and updates with AdamW under warmup + cosine decay. Every
-``eval_every`` steps the validation loss is measured at the fixed depths ``eval_loops`` (one pass).
-
-Everything random is a pure function of ``(seed, step)``: the data windows, the loop count and the initial
-latent state (drawn for the *global* batch, then sliced per rank). So a resumed run, or a run on two
-ranks, computes exactly the updates of one uninterrupted single-process run.
-
-Output directory::
-
-    config.json           the TrainConfig
-    metrics.jsonl         one JSON object per line: kind=train (step, loss, lr, loops, tokens, seconds)
-                          and kind=eval (step, loops, loss); ``pandas.read_json(path, lines=True)``
-    checkpoints/step-N/   model.safetensors + config.json + train_state.json / train_state.safetensors
-                          (optimizer, scheduler, RNG, sampler, step: :mod:`drc_core.training.state`, no pickle),
-                          written to a temporary directory and renamed; the last K kept
-    final/                model.safetensors + config.json of the finished run (written beside, then renamed)
-
-Nothing is written through a symbolic link: a run directory whose entries are links is refused before anything
-is written, files are replaced by renaming a new one over them, and the metrics file is opened ``O_NOFOLLOW``.
+Each step draws its loop count r (the same on every rank), runs r core loops with truncated backprop through the
+last k, and updates with AdamW under warmup + cosine decay; every ``eval_every`` steps the validation loss is
+measured at the depths ``eval_loops``. Everything random is a pure function of ``(seed, step)`` (the windows, r, the
+initial state drawn for the global batch), so a resumed or two-rank run computes exactly the updates of one
+uninterrupted process. The run directory's layout is :mod:`drc_core.training.rundir`'s; nothing is written through a
+symbolic link.
 """
 
 from __future__ import annotations
@@ -29,7 +15,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -46,7 +31,7 @@ from tqdm.auto import tqdm
 from drc_core.data.labels import read_labels
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
 from drc_core.errors import ArgumentParser, DrcError, Interrupted, first_line, need_disk, run_cli
-from drc_core.guard import exclusive, open_append, refuse_links, write_file
+from drc_core.guard import exclusive, open_append, refuse_links, write_dir, write_file
 from drc_core.model import precision
 from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM, load_state
 from drc_core.model.recurrence import RecurrenceSampler
@@ -118,9 +103,6 @@ def make_optimizer(model: DepthRecurrentLM, cfg: TrainConfig) -> torch.optim.Ada
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
 
 
-# ------------------------------------------------------------------------------------------ checkpoints
-
-
 def checkpoints(out: Path) -> list[Path]:
     """The checkpoint directories of run ``out``, oldest first (``step-N`` with a number; anything else there is
     not a checkpoint)."""
@@ -135,23 +117,20 @@ def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainCo
                     sampler: WindowSampler) -> Path:
     root = out / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:07d}"
-    need_disk(root, checkpoint_bytes(model), f"checkpoint step-{step:07d}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step-{step:07d}-", dir=root))  # new, never a planted path
-    tmp.chmod(0o755)
+    name = f"step-{step:07d}"
+    need_disk(root, checkpoint_bytes(model), f"checkpoint {name}")
+
+    def fill(tmp: Path) -> None:
+        model.save(tmp)
+        write_state(tmp, opt, sched, sampler.state_dict(), cfg.to_dict(), step)
+
     try:
-        _write_checkpoint(tmp, model, opt, sched, cfg, step, sampler)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, RuntimeError | OSError) and shutil.disk_usage(root).free < checkpoint_bytes(model):
-            raise DrcError(f"not enough disk space at {root} for checkpoint step-{step:07d} (the disk filled up "
-                           "while writing it): free some space, then continue with --resume") from None
+        final = write_dir(root / name, fill, prefix=f".tmp-{name}-")
+    except (RuntimeError, OSError):
+        if shutil.disk_usage(root).free < checkpoint_bytes(model):
+            raise DrcError(f"not enough disk space at {root} for checkpoint {name} (the disk filled up while "
+                           "writing it): free some space, then continue with --resume") from None
         raise
-    if final.is_symlink() or final.is_file():
-        final.unlink()
-    elif final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
     for old in checkpoints(out)[: -cfg.keep_last]:
         if old.is_symlink():
             old.unlink()
@@ -187,25 +166,14 @@ def checkpoint_bytes(model: DepthRecurrentLM, optimizer: bool = True) -> int:
     return n * 3 + (1 << 20) if optimizer else n + (1 << 16)
 
 
-def _write_checkpoint(tmp: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainConfig, step: int,
-                      sampler: WindowSampler) -> None:
-    model.save(tmp)
-    write_state(tmp, opt, sched, sampler.state_dict(), cfg.to_dict(), step)
-
-
 RUN_FILES = ("config.json", CORPUS_RECORD, "init.json", METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)  # what train writes
 
 
 def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> list[Path]:
-    """The checkpoints to resume from, after checking that training may write into ``out``.
-
-    Training writes only into a new or empty directory, or, with ``resume``, into a run of this trainer it can
-    verify: a readable ``config.json`` equal to ``cfg`` and the same corpus (tokenizer and inputs) as recorded in
-    ``corpus.json`` (which must be there). A finished run (``final/`` without checkpoints) is never rewritten. No
-    entry the run writes may be a symbolic link, and ``checkpoints`` / ``final`` must be directories: a resume
-    writes nothing through a link and never restarts from step 0 because its checkpoints are unreadable. What a
-    killed run was writing (``checkpoints/.tmp-step-*``, ``.<file>.tmp-*``) is removed.
-    """
+    """The checkpoints to resume from, after checking that training may write into ``out``: a new or empty
+    directory, or with ``resume`` a run of this trainer with the same config and corpus, no symbolic link among its
+    entries and not finished. What a killed run was writing (``checkpoints/.tmp-step-*``, ``.<file>.tmp-*``) is
+    removed."""
     if out.exists() and not out.is_dir():
         raise DrcError(f"--out '{out}' is a file: choose a directory path")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
@@ -254,8 +222,8 @@ def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> 
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric rows a killed run wrote after the checkpoint it is resumed from (and a last line torn by the
-    kill); the file is replaced by a new one, never written through a link."""
+    """Drop the metric rows a killed run wrote after the checkpoint it resumes from, and a last line torn by the
+    kill (the file is replaced, never written through a link)."""
     if not path.exists():
         return
     rows, lines = metrics_rows(path)
@@ -267,19 +235,11 @@ def _truncate_metrics(path: Path, step: int) -> None:
         write_file(path, "".join(ln + "\n" for ln in keep))
 
 
-# --------------------------------------------------------------------------------------------- training
-
-
 def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = False,
           progress: bool = True, init: str | Path | None = None) -> dict:
-    """Train (or resume) and return a summary: final step, last eval losses, tokens/s. One trainer at a time per
-    run directory: the main rank holds its lock (:func:`drc_core.guard.exclusive`) from the checks to the end.
-
-    ``init``: start a new run from the weights of another (a run, its ``final/`` or a shipped copy such as
-    ``data/depth-tasks``) instead of a random initialisation, with a fresh optimizer and schedule: a second
-    stage of training on another corpus. The model configs must agree, the corpus must use the tokenizer that
-    model was trained with (prepare it with ``--tokenizer``), and the run records where it started in
-    ``init.json``; a resumed run continues from its own checkpoints."""
+    """Train (or resume) and return a summary: final step, last eval losses, tokens/s; the main rank holds the run
+    directory's lock throughout. ``init``: start a new run from another run's weights (same model config, same
+    tokenizer) with a fresh optimizer and schedule, a second stage recorded in ``init.json``."""
     d, device = init_distributed()
     out = Path(out)
     with exclusive(out, "run directory") if d.main else nullcontext():
@@ -290,8 +250,7 @@ INIT_RECORD = "init.json"
 
 
 def _init_weights(model: DepthRecurrentLM, init: str | Path, corpus: Corpus, device: torch.device) -> dict:
-    """Load the weights of the run at ``init`` into ``model`` (see :func:`train`); returns what ``init.json``
-    records."""
+    """Load the weights of the run at ``init`` into ``model``; returns what ``init.json`` records."""
     run = open_run(init)
     record = run.corpus_record()
     if record is not None and record.get("tokenizer_sha256") != corpus.tokenizer_hash:
@@ -305,8 +264,7 @@ def _init_weights(model: DepthRecurrentLM, init: str | Path, corpus: Corpus, dev
 
 def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress: bool, d: Dist,
            device: torch.device, init: str | Path | None = None) -> dict:
-    """One function on purpose: the training loop reads top to bottom (resume, step, log, evaluate, checkpoint) as in
-    nanoGPT; its parts share the optimizer, the model and the step counter."""
+    """The training loop, top to bottom as in nanoGPT: resume, step, log, evaluate, checkpoint."""
     corpus = Corpus.open(data)
     if corpus.vocab_size != cfg.model.vocab_size:
         raise DrcError(
@@ -428,30 +386,15 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
     seconds = time.perf_counter() - t0
     if d.main:
         need_disk(out, checkpoint_bytes(model, optimizer=False), "the final weights")
-        final = out / FINAL_DIR
-        tmp = Path(tempfile.mkdtemp(prefix=f".{FINAL_DIR}.tmp-", dir=out))
-        try:
-            tmp.chmod(0o755)
-            model.save(tmp)
-            if final.is_symlink():  # refused before training; a link made since is replaced, its target untouched
-                final.unlink()
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        write_dir(out / FINAL_DIR, model.save)
     steps_run = cfg.max_steps - start
     return {"step": cfg.max_steps, "eval": last_eval, "seconds": seconds, "numeric_path": path.why,
             "tokens_per_second": steps_run * tokens_per_step / seconds if seconds > 0 else float("nan")}
 
 
-# -------------------------------------------------------------------------------------------------- CLI
-
-
 def preset_for(name: str, overrides: Sequence[str], corpus: Corpus) -> TrainConfig:
-    """The preset ``name`` with ``--set`` ``overrides``, its vocabulary taken from ``corpus``: the corpus knows its
-    vocabulary, so a preset never needs ``model.vocab_size`` set by hand. An explicit ``model.vocab_size`` override
-    still wins (and a mismatch with the corpus stays an error in :func:`train`)."""
+    """The preset ``name`` with ``--set`` ``overrides``, its vocabulary taken from ``corpus`` (an explicit
+    ``model.vocab_size`` override still wins, and a mismatch stays an error in :func:`train`)."""
     return apply_overrides(preset(name), [f"model.vocab_size={corpus.vocab_size}", *overrides])
 
 
@@ -477,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset_for(args.preset, args.overrides, Corpus.open(args.data))
     summary = train(cfg, args.data, args.out, resume=args.resume, progress=not args.quiet, init=args.init)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({k: v for k, v in summary.items()}, default=float))
+        print(json.dumps(summary, default=float))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
