@@ -53,10 +53,11 @@ PREPARE = [sys.executable, "-m", "drc_core.data", "prepare", "--source", "wikipe
            "--tokenizer", TOKENIZER]
 
 
-def links(k: int, docs: int, repeats: float, max_k: int | None = None) -> list[str]:
+def links(k: int, docs: int, repeats: float, max_k: int | None = None, family: str = "links") -> list[str]:
     """Prepare flags of a corpus whose ``links`` chains have exactly ``k`` hops (``k..max_k``, drawn per chain, when
-    ``max_k`` is given), every object asked."""
-    return ["--task-families", "links", "--task-ask-every", "--task-min-k", str(k), "--task-max-k",
+    ``max_k`` is given), every object asked; another ``family``'s problems with their k drawn the same way."""
+    ask = ["--task-ask-every"] if family == "links" else []
+    return ["--task-families", family, *ask, "--task-min-k", str(k), "--task-max-k",
             str(k if max_k is None else max_k), "--task-docs", str(docs), "--task-repeat-share", str(repeats)]
 
 
@@ -112,11 +113,16 @@ PLANS = {
     # (sigma 1.0 against 0.5), so that the model meets loop counts well past its mean; tested on chains up to 8
     "extrapolate": [Stage("k4mix", "links14m", links(1, 60000, 0.1, max_k=4), 1e-3, 5000, "1,2,3,4", 0.95, 500,
                           decay=True, sigma=1.0)],
+    # a second depth law: pointer jumping (``hops``, k = 1..4 jumps drawn per problem) from the shipped known-depth
+    # model (which copies and looks up), with the extrapolation plan's heavier-tailed loop count; tested on k up to 8
+    "hops": [Stage("hops14", "hops14", links(1, 40000, 0.1, max_k=4, family="hops"), 1e-3, 5000, "1,2,3,4", 0.90,
+                   500, decay=True, sigma=1.0)],
     # one-hop lookups from random weights, without the copying stage
     "links-first": [replace(K1, lr=2e-3, cap=2500, first_probe=500), replace(K2, cap=3000, target=0.92),
                     replace(K3, cap=4000)],
 }
-PLAN_INIT = {"extrapolate": Path("data/known-depth")}  # plans whose first stage starts from a shipped model
+# plans whose first stage starts from a shipped model
+PLAN_INIT = {"extrapolate": Path("data/known-depth"), "hops": Path("data/known-depth")}
 PROBE_DOCS = 60
 
 
