@@ -21,7 +21,7 @@
 # (the new output against the previous one), the KL to the deepest output `KL(p_L ‖ p_l)`, the relative state
 # change `‖s_l − s_{l−1}‖ / ‖s_l‖`, the entropy, and the cross-entropy of the next token. Every interval is a 95%
 # percentile bootstrap interval that resamples documents, since tokens of one document are not independent.
-# The frame is saved for notebook 3.
+# The measurement is saved for notebook 3.
 #
 # **Another model.** With `checkpoint` set (the `huginn` profile) the same measurements run on a depth-recurrent
 # checkpoint trained elsewhere, such as Huginn-0125: the corpus is then prepared with that checkpoint's own
@@ -71,12 +71,13 @@ if checkpoint:  # a model trained elsewhere reads text through its own tokenizer
                   progress=False)
 model, cfg, corpus, windows, docs, _ = open_study(work_dir, corpus_dir, n_windows, checkpoint)
 # dynamics=True: also the state norms and steps of each loop (the per-token dynamics below)
-frame = drc_core.measure_windows(model, windows, max_loops, doc_ids=docs, dynamics=True)
-drc_core.save_frame(frame, Path(work_dir) / "frame.parquet",
-           made_with={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
+meas = drc_core.measure_windows(model, windows, max_loops, doc_ids=docs, dynamics=True)
+meas.save(Path(work_dir) / "frame.parquet",
+          made_with={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
 train_mean = cfg.recurrence.mean
-print(f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len(frame):,} rows "
-      f"in {time.time() - t0:.0f} s; {frame['doc'].nunique()} documents")
+rows = len(meas) * max_loops
+print(f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {rows:,} rows "
+      f"in {time.time() - t0:.0f} s; {meas.meta['doc'].nunique()} documents")
 
 # %% [markdown]
 # ## Successive-output KL and state change per loop
@@ -86,7 +87,7 @@ print(f"{len(windows)} windows x {cfg.seq_len} tokens x {max_loops} loops = {len
 # still move along a direction the output does not see. This figure is also the README's.
 
 # %%
-summary = drc_core.per_loop_summary(frame, seed=seed)
+summary = drc_core.per_loop_summary(meas, seed=seed)
 fig = viz.per_loop_figure(summary)
 Path(results_dir).mkdir(parents=True, exist_ok=True)
 fig.write_json(Path(results_dir) / "02_convergence_per_loop.figure.json")  # the README figure
@@ -105,7 +106,7 @@ summary.set_index("loop")[columns].map(lambda v: f"{v:.3g}")
 
 # %%
 at_loops = sorted({lp for lp in (2, 4, 8, 12, 16, 24, max_loops) if 2 <= lp <= max_loops})
-concentration = drc_core.kl_concentration(frame, at_loops)
+concentration = drc_core.kl_concentration(meas, at_loops)
 concentration.set_index("loop").map(lambda v: f"{v:.3g}")
 
 # %% [markdown]
@@ -119,9 +120,9 @@ concentration.set_index("loop").map(lambda v: f"{v:.3g}")
 # %%
 R = round(train_mean)
 share_at = sorted({lp for lp in (2 * R, max_loops) if 2 <= lp <= max_loops})
-cycling, cycle_share = drc_core.oscillating_tokens(frame, share_at=share_at)
+cycling, cycle_share = drc_core.oscillating_tokens(meas, share_at=share_at)
 shares = ", ".join(f"{sh:.0%} of the mean KL at loop {lp}" for lp, sh in cycle_share.items())
-n_tokens = int((frame.loop == 1).sum())
+n_tokens = len(meas)
 print(f"{len(cycling)} of {n_tokens:,} tokens in a 2-cycle at loop {max_loops}; {shares}")
 tokenizer = corpus.tokenizer()
 text = [repr(tokenizer.decode([int(t)])) for t in cycling.token.head(12)]
@@ -146,7 +147,7 @@ viz.loss_vs_depth(ce_table[["loops", "loss", "lo", "hi"]])
 # and the share of tokens still updating at the training mean depth, each with its interval.
 
 # %%
-depths = drc_core.convergence_depth(frame, eps)
+depths = drc_core.convergence_depth(meas, eps)
 viz.depth_histogram(depths)
 
 # %%
@@ -160,7 +161,7 @@ headline
 # never goes below its own KL, whatever ε.
 
 # %%
-sens = drc_core.eps_sensitivity(frame, (1e-2, 1e-3, 1e-4, 1e-5), train_mean, seed=seed)
+sens = drc_core.eps_sensitivity(meas, (1e-2, 1e-3, 1e-4, 1e-5), train_mean, seed=seed)
 sens.pivot(index="stat", columns="eps", values="value").round(3)
 
 
@@ -175,7 +176,7 @@ sens.pivot(index="stat", columns="eps", values="value").round(3)
 # types).
 
 # %%
-dyn = drc_core.Dynamics.from_frame(frame)  # the measurement pass's states
+dyn = drc_core.Dynamics.of(meas)  # the measurement pass's states
 dyn_class = drc_core.classify(dyn).reshape(-1)
 doc_of = docs.numpy().reshape(-1)
 token_type = np.asarray(drc_core.classify_sequence(tokenizer, windows[:, :-1].numpy())).reshape(-1)

@@ -53,7 +53,7 @@ from drc_book import viz
 from drc_book.handoff import TokenTypes
 from drc_book.paths import at_root, results_for
 from drc_book.workspace import open_model
-from drc_core import Corpus, class_depth_summary, classify_sequence, convergence_depth, load_frame
+from drc_core import Corpus, Measurement, class_depth_summary, classify_sequence, convergence_depth
 
 work_dir, corpus_dir = at_root(work_dir, corpus_dir)
 results_dir = results_for(results_dir)  # interactive runs write under runs/lab/
@@ -67,12 +67,11 @@ checkpoint = at_root(checkpoint) if checkpoint else ""
 # %%
 t0 = time.time()
 corpus = Corpus.open(corpus_dir)
-frame = load_frame(Path(work_dir) / "frame.parquet",
-                   expect={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
+meas = Measurement.load(Path(work_dir) / "frame.parquet",
+                        expect={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
 tokenizer = corpus.tokenizer()
-depths = convergence_depth(frame, eps)  # one row per token, in (window, pos) order
-first = frame[frame.loop == 1].sort_values(["window", "pos"])
-ids = first.pivot(index="window", columns="pos", values="token").to_numpy()
+depths = convergence_depth(meas, eps)  # one row per token, in (window, pos) order
+ids = meas.meta.pivot(index="window", columns="pos", values="token").to_numpy()
 classes = np.asarray(classify_sequence(tokenizer, ids)).reshape(-1)
 depth, doc = depths.depth.to_numpy(float), depths["doc"].to_numpy()
 by_class = class_depth_summary(classes, depth, doc, seed=seed)
@@ -96,7 +95,7 @@ viz.class_depth_bars(by_class)
 # kernel (`drc_core.depth_slider_figure`).
 
 # %%
-drc_core.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tokens=explorer_tokens)
+drc_core.depth_slider_figure(meas, explorer_window, tokenizer, eps=eps, max_tokens=explorer_tokens)
 
 # %% [markdown]
 # The same passage at one loop as coloured text (converged tokens green, still updating red), at the
@@ -105,7 +104,7 @@ drc_core.depth_slider_figure(frame, explorer_window, tokenizer, eps=eps, max_tok
 # %%
 model, cfg, _ = open_model(work_dir, checkpoint)
 R = int(cfg.recurrence.mean)  # the training-mean depth
-HTML(drc_core.token_strip_html(frame, explorer_window, R, tokenizer, eps=eps, mode="converged",
+HTML(drc_core.token_strip_html(meas, explorer_window, R, tokenizer, eps=eps, mode="converged",
                                max_tokens=explorer_tokens))
 
 # %% [markdown]
@@ -119,10 +118,10 @@ HTML(drc_core.token_strip_html(frame, explorer_window, R, tokenizer, eps=eps, mo
 if live_explorer:  # live in JupyterLab; the static book has the slider figure above
 
     def trace_text(text: str):
-        """Any text through the studied model: its token x loop frame (drc_core.trace)."""
-        return drc_core.trace(model, text, int(frame.loop.max()), tokenizer=tokenizer).frame
+        """Any text through the studied model (drc_core.trace)."""
+        return drc_core.trace(model, text, meas.max_loops, tokenizer=tokenizer)
 
-    explorer = drc_core.DepthExplorer(frame, tokenizer, window=explorer_window, eps=eps,
+    explorer = drc_core.DepthExplorer(meas, tokenizer, window=explorer_window, eps=eps,
                                       tracer=trace_text)
     display(explorer.widget)  # explorer.show_text("Your sentence.") traces it from code
 else:

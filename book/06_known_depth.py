@@ -269,8 +269,8 @@ over.round(3)
 # over documents, and how much its state norm grows from loop 1 to loop `max_loops`, by `k`.
 
 # %%
-answer_dyn = Dynamics.from_frame(traj)  # one row per answer, in traj's (window, pos) order
-answers_once = traj.drop_duplicates(["window", "pos"])
+answer_dyn = Dynamics.of(traj)  # one row per answer, in traj's (window, pos) order
+answers_once = traj.meta
 answer_class = classify(answer_dyn)
 dyn_by_k = class_shares(
     answer_class, answers_once.k.to_numpy(), answers_once.doc.to_numpy(), seed=seed
@@ -481,8 +481,8 @@ cost.round(4)
 # `drc_core.load("data/known-depth").trace(text).explorer().widget` is the live version.
 
 # %%
-explorer_frame = measure_windows(model, tw.windows[:1], max_loops)
-drc_core.depth_slider_figure(explorer_frame, 0, tokenizer, eps=eps, max_tokens=cfg.seq_len)
+explorer_meas = measure_windows(model, tw.windows[:1], max_loops)
+drc_core.depth_slider_figure(explorer_meas, 0, tokenizer, eps=eps, max_tokens=cfg.seq_len)
 
 # %%
 ans0 = depths[depths.window == 0][["pos", "k", "family", "depth", "commit", "first_correct"]]

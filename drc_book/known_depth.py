@@ -25,6 +25,7 @@ from drc_core import (
     Corpus,
     DepthTaskConfig,
     DrcError,
+    Measurement,
     OfflinePass,
     RecurrentModel,
     RuleSpec,
@@ -155,20 +156,22 @@ def copy_accuracy(model: RecurrentModel, tokenizer, loops: Sequence[int], *, doc
 
 
 def answer_trajectories(model: RecurrentModel, tw: TaskWindows, max_loops: int, *, batch_size: int = 16,
-                        progress: bool = False) -> pd.DataFrame:
-    """Every answer at every loop 1..``max_loops``: the columns of
-    :func:`~drc_core.analysis.measure.measure_windows` (one pass, with the KL to the deepest loop) for the
-    answers' predicting positions, with the state norms and steps of ``dynamics=True`` (what
-    :meth:`~drc_core.analysis.dynamics.Dynamics.from_frame` reads), plus ``k``, ``family``, ``doc`` and
-    ``correct`` (argmax == answer). The statistics are computed at those positions only."""
+                        progress: bool = False) -> Measurement:
+    """Every answer at every loop 1..``max_loops``: the :func:`~drc_core.analysis.measure.measure_windows`
+    measurement (one pass, with the KL to the deepest loop) of the answers' predicting positions, with the state
+    norms and steps of ``dynamics=True`` (what :meth:`~drc_core.analysis.dynamics.Dynamics.of` reads), and ``k``,
+    ``family`` and ``doc`` per answer. The statistics are computed at those positions only."""
     mask = np.zeros((tw.windows.shape[0], tw.windows.shape[1] - 1), dtype=bool)
     mask[tw.answers["window"].to_numpy(), tw.answers["pos"].to_numpy()] = True
-    frame = measure_windows(model, tw.windows, max_loops, batch_size=batch_size, kl_to_final=True,
-                            positions=mask, dynamics=True, progress=progress)
-    keys = tw.answers[["window", "pos", "k", "family", "doc"]]
-    out = frame.merge(keys, on=["window", "pos"], how="inner")
-    out["correct"] = out["argmax"].to_numpy() == out["target"].to_numpy()
-    return out.sort_values(["window", "pos", "loop"]).reset_index(drop=True)
+    m = measure_windows(model, tw.windows, max_loops, batch_size=batch_size, kl_to_final=True,
+                        positions=mask, dynamics=True, progress=progress)
+    m.meta = m.meta.merge(tw.answers[["window", "pos", "k", "family", "doc"]], on=["window", "pos"], how="left")
+    return m
+
+
+def _correct(traj: Measurement) -> np.ndarray:
+    """(answers, loops): the argmax is the answer."""
+    return traj.stats["argmax"] == traj.meta["target"].to_numpy()[:, None]
 
 
 def _ci_rows(values: np.ndarray, clusters: np.ndarray, n_boot: int, seed: int) -> tuple[float, float, float]:
@@ -176,30 +179,31 @@ def _ci_rows(values: np.ndarray, clusters: np.ndarray, n_boot: int, seed: int) -
     return float(point[0]), float(lo[0]), float(hi[0])
 
 
-def accuracy_by_k(traj: pd.DataFrame, *, by: tuple[str, ...] = ("k",), n_boot: int = 1000,
+def accuracy_by_k(traj: Measurement, *, by: tuple[str, ...] = ("k",), n_boot: int = 1000,
                   seed: int = 0) -> pd.DataFrame:
     """Answer accuracy and CE per group (``by``, e.g. ``("k",)`` or ``("family", "k")``) and loop, with 95%
     intervals over documents: columns ``*by, loop, n, acc, acc_lo, acc_hi, ce, ce_lo, ce_hi``."""
     rows = []
-    for key, g in traj.groupby([*by, "loop"], sort=True):
-        docs = g["doc"].to_numpy()
-        vals = np.stack([g["correct"].to_numpy(float), g["ce"].to_numpy(float)], axis=1)
-        point, lo, hi = bootstrap_ci(vals, docs, n_boot=n_boot, seed=seed)
-        rows.append({**dict(zip([*by, "loop"], key, strict=True)), "n": len(g), "acc": point[0],
-                     "acc_lo": lo[0], "acc_hi": hi[0], "ce": point[1], "ce_lo": lo[1], "ce_hi": hi[1]})
+    correct, ce = _correct(traj).astype(float), traj.matrix("ce")
+    for key, g in traj.meta.groupby(list(by), sort=True):
+        docs, idx = g["doc"].to_numpy(), g.index.to_numpy()
+        for j in range(traj.max_loops):
+            vals = np.stack([correct[idx, j], ce[idx, j]], axis=1)
+            point, lo, hi = bootstrap_ci(vals, docs, n_boot=n_boot, seed=seed)
+            rows.append({**dict(zip([*by, "loop"], (*key, j + 1), strict=True)), "n": len(g), "acc": point[0],
+                         "acc_lo": lo[0], "acc_hi": hi[0], "ce": point[1], "ce_lo": lo[1], "ce_hi": hi[1]})
     return pd.DataFrame(rows)
 
 
-def answer_depths(traj: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFrame:
+def answer_depths(traj: Measurement, eps: float = DEFAULT_EPS) -> pd.DataFrame:
     """Per answer: ``depth`` and ``converged`` (:func:`convergence_depth` at ``eps``), ``commit`` (the first loop
     from which the argmax never changes again up to the deepest loop), ``first_correct`` (0 when never correct),
     ``correct_final``, and ``overthinks`` (correct at some loop, wrong at a later one)."""
     depth = convergence_depth(traj, eps)
-    n_loops = int(traj["loop"].max())
-    tok = traj.drop_duplicates(["window", "pos"])[["window", "pos", "k", "family", "doc"]]
-    arg = traj["argmax"].to_numpy().reshape(-1, n_loops)
-    cor = traj["correct"].to_numpy().reshape(-1, n_loops)
-    commit = commit_loop(arg)
+    n_loops = traj.max_loops
+    tok = traj.meta[["window", "pos", "k", "family", "doc"]]
+    cor = _correct(traj)
+    commit = commit_loop(traj.stats["argmax"])
     first_correct = np.where(cor.any(1), cor.argmax(1) + 1, 0)
     out = tok.reset_index(drop=True)
     out["depth"] = depth["depth"].to_numpy()

@@ -1,12 +1,6 @@
-"""The reproduction report: a model's headline numbers, their spread across seeds, where depth stops paying,
-and the claim-by-claim comparison with the paper.
-
-- :func:`headline_numbers`: every number the paper states, measured on one model (one measurement pass
-  plus a KL-rule sweep);
-- :func:`across_seeds`: mean and a t-interval across seeds (models trained with different seeds);
-- :func:`plateau_depth`: the depth after which a model's validation loss stops improving;
-- :data:`PAPER` and :func:`reproduction_table`: the paper's values beside ours, with an explicit, stated
-  criterion for "agree" per claim.
+"""The reproduction report: a model's headline numbers (:func:`headline_numbers`), their spread across seeds
+(:func:`across_seeds`), where depth stops paying (:func:`plateau_depth`), and the claim-by-claim comparison with the
+paper (:data:`PAPER`, :func:`reproduction_table`), each claim with its criterion for "agree" stated in advance.
 """
 
 from __future__ import annotations
@@ -47,26 +41,9 @@ from drc_core import (
     val_windows_with_docs,
 )
 
-__all__ = [
-    "PAPER",
-    "Claim",
-    "across_seeds",
-    "depth_curve",
-    "depth_gain_side_by_side",
-    "known_depth_targets",
-    "runs_table",
-    "headline_numbers",
-    "ours_from",
-    "plateau_depth",
-    "reference_targets",
-    "reproduction_table",
-    "lever_effects",
-    "lever_summary",
-    "plateau_curves",
-    "scale_table",
-    "side_run",
-    "two_scales",
-]
+__all__ = ["Claim", "PAPER", "across_seeds", "depth_curve", "depth_gain_side_by_side", "headline_numbers",
+           "known_depth_targets", "lever_effects", "lever_summary", "ours_from", "plateau_curves", "plateau_depth",
+           "reference_targets", "reproduction_table", "runs_table", "scale_table", "side_run", "two_scales"]
 
 KL_GRID = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
 
@@ -74,18 +51,15 @@ KL_GRID = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
 def headline_numbers(model: DepthRecurrentLM, windows, tokenizer, *, doc_ids=None, max_loops: int = 32,
                      reference_loops: int = 8, eps: float = 1e-3, ce_tolerance: float = 0.005,
                      rule_max_loops: int = 16, seed: int = 0, mode: str = "offline") -> dict[str, float | list[str]]:
-    """The paper's numbers for one model on ``windows`` (N, T+1): validation CE at 1, 8 and ``max_loops``
-    loops, mean successive KL at loops 2 and 16, median convergence depth and the fraction of tokens still
-    updating at ``reference_loops`` (ε = ``eps``), the token-class order (shallow to deep), and the lowest
-    average depth at which the KL rule (and uniform depth) matches CE(uniform ``reference_loops``) +
-    ``ce_tolerance`` (the KL rule swept in ``mode`` of :func:`drc_core.halting.sweep.sweep`: "offline" replays it on the
-    uniform trajectory, one pass for the whole grid; "online" runs it with true per-token halting)."""
-    frame = measure_windows(model, windows, max_loops, doc_ids=doc_ids, kl_to_final=False)
-    loops = per_loop_summary(frame, n_boot=1, seed=seed).set_index("loop")
-    depths = convergence_depth(frame, eps)
+    """The paper's numbers for one model on ``windows`` (N, T+1): CE at 1, ``reference_loops`` and ``max_loops``
+    loops, the successive KL at loops 2 and 16, the median convergence depth and the share still updating at
+    ``reference_loops`` (at ``eps``), the token-class order, and the average depth at which the KL rule (swept in
+    ``mode``, :func:`drc_core.sweep`) and uniform depth reach CE(uniform ``reference_loops``) + ``ce_tolerance``."""
+    meas = measure_windows(model, windows, max_loops, doc_ids=doc_ids, kl_to_final=False)
+    loops = per_loop_summary(meas, n_boot=1, seed=seed).set_index("loop")
+    depths = convergence_depth(meas, eps)
     ds = depth_summary(depths, reference_loops, n_boot=1, seed=seed).set_index("stat").value
-    first = frame[frame.loop == 1].sort_values(["window", "pos"])
-    ids = first.pivot(index="window", columns="pos", values="token").to_numpy()
+    ids = meas.meta.pivot(index="window", columns="pos", values="token").to_numpy()
     classes = np.asarray(classify_sequence(tokenizer, ids)).reshape(-1)
     order = class_depth_summary(classes, depths.depth.to_numpy(float), n_boot=1, seed=seed)["class"].tolist()
     specs = [RuleSpec("kl", t, KLThreshold(t, max_loops=rule_max_loops)) for t in KL_GRID]
@@ -105,10 +79,8 @@ def headline_numbers(model: DepthRecurrentLM, windows, tokenizer, *, doc_ids=Non
 
 
 def across_seeds(per_seed: Sequence[Mapping[str, object]], level: float = 0.95) -> pd.DataFrame:
-    """Mean, standard deviation and a Student-t interval across seeds of every numeric key.
-
-    One row per key: ``n``, ``mean``, ``std``, ``lo``, ``hi`` (``mean ± t_{n-1} * std / sqrt(n)``; NaN for
-    one seed) and ``values`` (the per-seed values, for the table)."""
+    """Per numeric key (the index): ``n``, ``mean``, ``std``, the Student-t interval ``lo``, ``hi`` at ``level`` (NaN
+    for one seed) and the per-seed ``values``."""
     if not per_seed:
         raise DrcError("per_seed is empty; pass one dict of headline numbers per seed")
     keys = [k for k, v in per_seed[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
@@ -124,23 +96,20 @@ def across_seeds(per_seed: Sequence[Mapping[str, object]], level: float = 0.95) 
 
 
 def plateau_depth(loss_by_loops: Mapping[int, float], tol: float = 0.005) -> int:
-    """The smallest depth whose loss is within ``tol`` nats of the best loss at that depth or any deeper one
-    measured: where more loops stop paying. ``loss_by_loops`` maps depth -> loss."""
+    """The smallest depth (of ``loss_by_loops``: depth -> loss) whose loss is within ``tol`` nats of the best at it
+    or any deeper one: where more loops stop paying."""
     if not loss_by_loops:
         raise DrcError("loss_by_loops is empty; pass {depth: validation loss}")
     depths = sorted(loss_by_loops)
-    for i, d in enumerate(depths):
-        if loss_by_loops[d] <= min(loss_by_loops[e] for e in depths[i:]) + tol:
-            return int(d)
-    return int(depths[-1])  # unreachable: the last depth always qualifies
+    best_from = {d: min(loss_by_loops[e] for e in depths[i:]) for i, d in enumerate(depths)}
+    return int(next(d for d in depths if loss_by_loops[d] <= best_from[d] + tol))
 
 
 def depth_curve(loss_by_loops: Mapping[int, float], train_mean_depth: float,
                 tol: float = 0.005) -> tuple[pd.DataFrame, dict[str, float]]:
-    """A run's validation loss against depth (``loss_by_loops``: depth -> loss, every depth 1..L) as a curve
-    (``loops``, ``loss``, ``series`` = "mean M") and its summary row: ``train_mean_depth``, ``plateau_depth``
-    (:func:`plateau_depth` at ``tol``), ``ce_1``, ``ce_at_mean`` (at the rounded training-mean depth), ``ce_max``
-    (at L), ``best_depth`` and ``best_ce``."""
+    """A run's loss against depth (``loss_by_loops``, every depth 1..L) as a curve (``loops``, ``loss``, ``series``
+    = "mean M") and its summary row: ``train_mean_depth``, ``plateau_depth``, ``ce_1``, ``ce_at_mean`` (at the
+    rounded training-mean depth), ``ce_max``, ``best_depth`` and ``best_ce``."""
     loops = sorted(loss_by_loops)
     curve = pd.DataFrame({"loops": loops, "loss": [loss_by_loops[lp] for lp in loops],
                           "series": f"mean {train_mean_depth:g}"})
@@ -153,8 +122,7 @@ def depth_curve(loss_by_loops: Mapping[int, float], train_mean_depth: float,
 
 @dataclass(frozen=True)
 class Claim:
-    """A claim of the paper: its ``key`` in our results, the paper's value, and the agreement criterion as a
-    sentence and as a test on our value (and, where needed, the other results)."""
+    """A claim of the paper: its ``key`` in our results, what it says, the paper's value and the criterion."""
 
     key: str
     claim: str
@@ -214,21 +182,19 @@ def _verdict(key: str, ours: Mapping[str, object]) -> tuple[str, bool]:
 def reproduction_table(ours: Mapping[str, object], seeds: pd.DataFrame | None = None,
                        notes: Mapping[str, str] | None = None,
                        intervals: Mapping[str, tuple[float, float]] | None = None) -> pd.DataFrame:
-    """One row per claim of :data:`PAPER`: the claim, the paper's value, ours (from the reference model),
-    the across-seed mean [t-interval] where ``seeds`` (:func:`across_seeds`) has the key, the criterion,
-    ``agree``/``differ``, and a note (``notes[key]``: why it agrees or differs). ``intervals[key]`` (lo, hi),
-    e.g. bootstrap CIs over documents of the reference model's value, is shown after our value."""
+    """One row per claim of :data:`PAPER`: the claim, the paper's value, ours (with ``intervals[key]``), the
+    across-seed mean and t-interval where ``seeds`` (:func:`across_seeds`) has the key, the criterion, the verdict
+    and why (``notes[key]``)."""
     rows = []
     for c in PAPER:
         text, ok = _verdict(c.key, ours)
+        fmt = ".1%" if c.key == "frac_updating" else ".3g"
         if intervals and c.key in intervals:
             lo, hi = intervals[c.key]
-            fmt = ".1%" if c.key == "frac_updating" else ".3g"
             text += f" [{lo:{fmt}}, {hi:{fmt}}]"
         seed_text = ""
         if seeds is not None and c.key in seeds.index:
             r = seeds.loc[c.key]
-            fmt = ".1%" if c.key == "frac_updating" else ".3g"
             seed_text = f"{r['mean']:{fmt}} [{r['lo']:{fmt}}, {r['hi']:{fmt}}] (n={int(r['n'])})"
         rows.append({"claim": c.claim, "paper": c.paper, "ours": text, "across seeds (small preset)": seed_text,
                      "criterion": c.criterion, "verdict": "agree" if ok else "differ",
@@ -237,10 +203,9 @@ def reproduction_table(ours: Mapping[str, object], seeds: pd.DataFrame | None = 
 
 
 def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
-    """A sentence per claim on why ours agrees or differs, from the numbers themselves (``ours`` as for
-    :func:`reproduction_table`, plus optional ``kl_end_same_parity``/``kl_end_other_parity``, KL to the deepest output
-    from loops L-2 and L-1, ``uniform_depth`` and
-    ``oracle_depth``); ``scale`` names our model and data (e.g. "6.5M parameters, 20M tokens")."""
+    """Per claim, a sentence on why ours agrees or differs, from the numbers (``ours`` as for
+    :func:`reproduction_table`, optionally with ``kl_end_same_parity`` / ``kl_end_other_parity``, ``uniform_depth``
+    and ``oracle_depth``); ``scale`` names our model and data."""
     g, notes = ours.get, {}
     paper_scale = "the paper's 135M-parameter model trained on FineWeb-Edu"
     kl2, kl16 = float(g("kl_2")), float(g("kl_16"))
@@ -274,11 +239,8 @@ def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
 
 
 def runs_table(root: str | Path) -> pd.DataFrame:
-    """One row per training run under ``root`` (each ``<run>/eval.json`` of ``python -m drc_core.training.evaluate``,
-    with the run's ``config.json`` and ``metrics.jsonl``): parameters, training tokens and minutes, validation loss at
-    1, 8 and 32 loops, the gain from depth CE(1) - CE(8), successive KL at loops 2, 8 and 16, bits per byte per
-    source at 8 loops. Used for the preset candidates (``scripts/cpu_candidates.sh``) and the depth levers
-    (``scripts/depth_levers.sh``)."""
+    """One row per training run under ``root`` with a ``<run>/eval.json``: parameters, training tokens and minutes,
+    CE at 1, 8 and 32 loops and CE(1) - CE(8), successive KL at loops 2, 8 and 16, bits per byte per source at 8."""
     root = Path(root)
     rows = []
     for f in sorted(root.glob("*/eval.json")):
@@ -306,13 +268,9 @@ def runs_table(root: str | Path) -> pd.DataFrame:
 
 def ours_from(training: Training, convergence: Convergence, token_types: TokenTypes, halting: Halting,
               max_loops: int) -> tuple[dict[str, object], dict[str, tuple[float, float]], str]:
-    """The reference model's numbers for :func:`reproduction_table` from what notebooks 01-04 established:
-    ``(ours, intervals, scale)``. ``ours``: successive KL at loops 2 and min(16, ``max_loops``), median
-    convergence depth, the share still updating at the training-mean depth, the token-class order, the matching
-    depths of the KL rule, the linear router, uniform depth and the oracle (NaN where absent), CE at 1 loop, at
-    the reference depth and at ``max_loops``, and KL(p_L || p_l) at l = L-2 (``kl_end_same_parity``, same
-    parity as L) and l = L-1 (``kl_end_other_parity``), which tell a 2-cycle from slow convergence; ``intervals``:
-    the bootstrap intervals of the first four; ``scale``: parameters and training tokens."""
+    """``(ours, intervals, scale)`` for :func:`reproduction_table` and :func:`explain` from notebooks 01-04: the
+    claims' values (matching depths NaN where absent), KL(p_L || p_l) at l = L-2 and L-1 (which tell a 2-cycle
+    from slow convergence), the bootstrap intervals of the first four, and the model's scale."""
     kl_by, ce = convergence.kl_by_loop, convergence.ce_by_loop
     kl16 = min(16, max_loops)
     last = max(convergence.kl_final_by_loop)
@@ -337,13 +295,9 @@ def ours_from(training: Training, convergence: Convergence, token_types: TokenTy
 
 def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce: float,
                       previous: str = "the previous reference") -> pd.DataFrame:
-    """The targets for a reference model (depth gain, a better deep model, uniform depth needs loops, a fixed
-    point), from what notebooks 02 and 04 measured: one row per target with the criterion, the measured value and
-    whether it is met (the last row, the KL rule against the uniform depth of equal quality, has no threshold: it
-    is the headline, whatever it is).
-
-    R is the reference depth of notebook 04 (the training-mean depth). ``previous_ce``: CE at depth 8 of
-    ``previous`` on the same windows, which the new model's CE(R) must beat by 0.1 nats."""
+    """The targets for a reference model, from notebooks 02 and 04 (R: the reference depth): depth gain, a deep CE
+    0.1 nats below ``previous_ce`` (``previous``'s CE at 8 on the same windows), uniform depth needing loops, a fixed
+    point; then the headline (the KL rule against the uniform depth of equal quality), without a threshold."""
     R = halting.reference_loops
     ce = convergence.ce_by_loop
     ce1, ceR = ce[1].value, ce[R].value
@@ -373,12 +327,9 @@ def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce
 
 
 def scale_table(root: str | Path) -> pd.DataFrame:
-    """One row per run of ``scripts/depth_scale.py`` (each ``<root>/<run>/summary.json``), by run name: width,
-    reference depth R, backprop depth k, tokens and passes over the training split, training minutes, validation
-    CE at 1, 4, 8, R and 32 loops, the gain CE(1) − CE(R), the smallest uniform depth within 0.005 nats of CE(R)
-    (absolute and as a fraction of R), successive KL at 2, 16 and 2R, train CE at R, validation − train, and the
-    gain on the training windows (``train CE(1)-CE(R)``: larger than the validation gain where depth serves
-    memorisation)."""
+    """One row per run of ``scripts/depth_scale.py`` under ``root``, by name: its setting (width, R, backprop depth,
+    tokens, passes, minutes), validation CE at 1, 4, 8, R and 32 loops, the gain CE(1) - CE(R), the matching uniform
+    depth (also / R), successive KL at 2, 16 and 2R, train CE at R, validation - train, and the training gain."""
     rows = []
     for f in sorted(Path(root).glob("*/summary.json")):
         r = json.loads(f.read_text())
@@ -413,14 +364,10 @@ SCALE_LEVERS: tuple[tuple[str, str, str], ...] = (
 
 
 def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = SCALE_LEVERS) -> pd.DataFrame:
-    """What each lever of the depth-scale grid (:func:`scale_table`) changes, for every (lever, baseline, changed)
-    whose two runs are both in ``grid``: the change in validation CE at one loop and at the reference depth R
-    (negative: better), in the depth gain CE(1) - CE(R), in the matching uniform depth as a fraction of R, in
-    validation - train CE, and the changed run's gain on its training windows beside its validation gain.
-    The depth-gain target asks for a gain that comes from a better deep model, not a worse shallow one: since
-    ``d gain`` = ``d CE@1`` - ``d CE@R``, ``deep share`` = -``d CE@R`` / ``d gain`` is the part of a gain increase
-    that the deep model's improvement accounts for (> 1: the shallow model improved too; < 0.5: mostly a worse one-loop
-    model; NaN where the gain did not grow)."""
+    """What each (lever, baseline, changed) of the depth-scale grid whose runs are both in ``grid`` changes: CE at 1
+    loop and at R, the gain CE(1) - CE(R), the matching depth / R, validation - train, and the changed run's
+    training gain. ``deep share`` = -``d CE@R`` / ``d gain``: the part of a grown gain due to a better deep model (>
+    1: the shallow model improved too; < 0.5: mostly a worse shallow one; NaN where the gain did not grow)."""
     rows = []
     for lever, base, changed in levers:
         if base not in grid.index or changed not in grid.index:
@@ -450,10 +397,8 @@ def _saved_text(iv) -> str:
 
 def depth_gain_side_by_side(halting: Halting, known: KnownDepth | None,
                             families: Sequence[str] = GAIN_FAMILIES) -> pd.DataFrame:
-    """Loops saved against the uniform depth of equal quality (CE within the tolerance of uniform depth R), per
-    family, on natural text (notebook 04's held-out windows) beside the model with known-depth tasks (its mixed
-    validation windows and its task documents; notebook 06). One row per family, plus the uniform depth of
-    equal quality itself in the first row; each cell ``saved [95% CI]`` or the depth in loops."""
+    """Loops saved per family against the uniform depth of equal quality, on natural text (notebook 04) beside the
+    known-depth model's window sets (notebook 06): the first row that uniform depth, then ``saved [95% CI]``."""
     sets = {"natural text": halting.gap_intervals}
     if known is not None:
         sets.update({f"controlled depth: {name}": g for name, g in known.gaps.items()})
@@ -472,9 +417,9 @@ def depth_gain_side_by_side(halting: Halting, known: KnownDepth | None,
 
 
 def known_depth_targets(known: KnownDepth) -> pd.DataFrame:
-    """The controlled-depth targets, measured (not guaranteed): Spearman(k, convergence depth) ≥ 0.6; the oracle
-    saves ≥ 40% of the matched-uniform loops on the mixed validation windows; the KL rule saves ≥ 25% there with
-    its interval excluding 0; answer accuracy ≥ 90% at R loops for every trained k."""
+    """The controlled-depth targets, measured: Spearman(k, convergence depth) >= 0.6; on the mixed validation
+    windows the oracle saves >= 40% of the matched-uniform loops and the KL rule >= 25% (interval above 0); answer
+    accuracy >= 90% at R loops for every k."""
     mixed = known.gaps.get("mixed validation", {})
     nan = Interval(math.nan, math.nan, math.nan)
     orc = mixed.get("oracle", {}).get("saved_frac", nan)
@@ -501,8 +446,8 @@ def known_depth_targets(known: KnownDepth) -> pd.DataFrame:
 
 def side_run(runs_dir: str | Path, corpus_dir: str | Path, *, prefix: str, preset_name: str,
              overrides: Sequence[str], mean: float, seed: int) -> tuple[str, Any, Any]:
-    """The side experiment ``<runs_dir>/<prefix>-mean<mean>-seed<seed>`` (shipped, or trained there): its name,
-    model and training config."""
+    """``(name, model, config)`` of the side run ``<runs_dir>/<prefix>-mean<mean>-seed<seed>``, shipped or trained
+    there."""
     name = f"{prefix}-mean{mean:g}-seed{seed}"
     weights, cfg = provide_run(Path(runs_dir) / name, corpus_dir, preset_name=preset_name,
                                overrides=[*overrides, f"seed={seed}", f"recurrence.mean={mean:g}"])
@@ -511,8 +456,8 @@ def side_run(runs_dir: str | Path, corpus_dir: str | Path, *, prefix: str, prese
 
 def plateau_curves(models: Sequence[tuple[float, Any, Any]], corpus: Corpus, n_windows: int, max_loops: int,
                    tol: float) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Validation loss at every loop 1..``max_loops`` of each ``(training-mean depth, model, config)`` on the
-    same windows, and where each curve flattens (:func:`depth_curve`): the curves (one frame) and the plateaus."""
+    """Loss at every loop 1..``max_loops`` of each ``(training-mean depth, model, config)`` on the same windows, and
+    where each curve flattens: the curves (one frame) and the :func:`depth_curve` rows."""
     curves, rows = [], []
     loops = list(range(1, max_loops + 1))
     for mean, model, cfg in models:
@@ -525,8 +470,8 @@ def plateau_curves(models: Sequence[tuple[float, Any, Any]], corpus: Corpus, n_w
 
 def two_scales(previous: str | Path, model: Any, convergence: Convergence, halting: Halting, windows: Any,
                max_loops: int, tol: float) -> tuple[list[tuple[pd.DataFrame, dict]], pd.DataFrame]:
-    """The first round's reference (``previous``) beside this one, read at every loop on ``windows`` (notebook
-    02's, whose CE by loop is reused when it covers them), and the reference targets (:func:`reference_targets`)."""
+    """The previous reference (``previous``) beside this one at every loop on ``windows`` (notebook 02's CE by loop
+    reused when it covers them), and :func:`reference_targets`."""
     loops = list(range(1, max_loops + 1))
     prev_curve = loss_by_depth(open_run(previous).load_model(), windows, loops)
     same = convergence.n_tokens == windows[:, 1:].numel()
@@ -544,8 +489,8 @@ def two_scales(previous: str | Path, model: Any, convergence: Convergence, halti
 
 
 def lever_summary(effects: pd.DataFrame, grid: pd.DataFrame) -> str:
-    """Which levers of the depth-scale grid raise the gain from depth beyond seed noise, mostly through a better
-    deep model, and the grid's largest gain and matching depth against their targets."""
+    """Which levers raise the gain from depth beyond seed noise mostly through a better deep model, and the grid's
+    largest gain and matching depth against their targets."""
     both = effects[(effects["d gain"] > 0.03) & (effects["deep share"] > 0.5)]
     named = [f"{k} ({r['d CE@R']:+.3f} nats at R, gain {r.gain:.3f})" for k, r in both.iterrows()]
     top = grid["CE(1)-CE(R)"].idxmax()

@@ -73,6 +73,11 @@ _EXPORTS = {
     "prepare": "drc_core.data.prepare",
     # training runs and their evaluation
     "open_run": "drc_core.training.rundir",
+    "WEIGHTS_FILE": "drc_core.model.lm",  # a run directory's layout: the file and folder names open_run reads
+    "METRICS_FILE": "drc_core.training.rundir",
+    "SHIPPED_TRAIN_CONFIG": "drc_core.training.rundir",
+    "FINAL_DIR": "drc_core.training.rundir",
+    "CHECKPOINTS_DIR": "drc_core.training.rundir",
     "TrainConfig": "drc_core.training.config",
     "train": "drc_core.training.train",
     "preset_for": "drc_core.training.train",
@@ -82,6 +87,7 @@ _EXPORTS = {
     "depth_gain_by_step": "drc_core.training.evaluate",
     # per-token x loop measurement and its summaries
     "DEFAULT_EPS": "drc_core.analysis.measure",
+    "Measurement": "drc_core.analysis.measure",
     "measure_windows": "drc_core.analysis.measure",
     "convergence_depth": "drc_core.analysis.measure",
     "per_loop_summary": "drc_core.analysis.measure",
@@ -89,8 +95,6 @@ _EXPORTS = {
     "eps_sensitivity": "drc_core.analysis.measure",
     "kl_concentration": "drc_core.analysis.measure",
     "oscillating_tokens": "drc_core.analysis.measure",
-    "save_frame": "drc_core.analysis.measure",
-    "load_frame": "drc_core.analysis.measure",
     "classify_sequence": "drc_core.analysis.tokens",
     "class_depth_summary": "drc_core.analysis.tokens",
     "iterate_stats": "drc_core.analysis.loops",
@@ -150,12 +154,22 @@ _EXPORTS = {
     "KEEP_FREED_BYTES": "drc_core.heap",
     "keep_freed_memory": "drc_core.heap",
     "bound_freed_memory": "drc_core.heap",
-    # errors: one-line messages, the validators and the CLI wrapper every command uses; and the depth explorer
+    # errors: one-line messages, the validators, the CLI wrapper and parser every command uses
     "DrcError": "drc_core.errors",
     "Interrupted": "drc_core.errors",
     "need_int": "drc_core.errors",
     "need_float": "drc_core.errors",
     "run_cli": "drc_core.errors",
+    "ArgumentParser": "drc_core.errors",
+    "first_line": "drc_core.errors",
+    # files: atomic writes, size-bounded reads, no writing through links, one writer at a time
+    "write_file": "drc_core.guard",
+    "read_regular": "drc_core.guard",
+    "read_json": "drc_core.guard",
+    "parse_json": "drc_core.guard",
+    "refuse_links": "drc_core.guard",
+    "exclusive": "drc_core.guard",
+    # the depth explorer
     "DepthExplorer": "drc_core.explorer",
     "depth_slider_figure": "drc_core.explorer",
     "token_strip_html": "drc_core.explorer",

@@ -5,7 +5,7 @@ generate with per-token halting.
     lm = drc_core.load("data/reference")               # model + tokenizer + training config
     tr = lm.trace("The president spoke to Congress.", max_loops=16)
     tr.convergence_depth(eps=1e-3)                      # per token: text, depth, converged
-    tr.to_frame()                                       # token x loop: kl, kl_final, state_delta, entropy, ce
+    tr.stats["kl"]                                      # (tokens, loops) arrays by name; tr.to_frame() long
     lm.generate("The president", max_new_tokens=8, rule=drc_core.make_rule("kl", 1e-3)).text
     drc_core.calibrate(lm, documents, "kl", alpha=0.1, delta=0.1).certificate  # a threshold with a guarantee
 
@@ -28,12 +28,12 @@ import torch
 from tokenizers import Tokenizer
 
 from drc_core.analysis.dynamics import Dynamics, classify, commit_loop
-from drc_core.analysis.loops import frame_statistics
-from drc_core.analysis.measure import DEFAULT_EPS, DYNAMICS_COLUMNS, convergence_depth, measure_windows
+from drc_core.analysis.measure import DEFAULT_EPS, DYNAMICS_COLUMNS, Measurement, convergence_depth, measure_windows
 from drc_core.analysis.tokens import token_texts
 from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.data.tokenizer import encode_checked, load_tokenizer
-from drc_core.errors import MAX_DOCUMENT_TOKENS, DrcError, need_int
+from drc_core.errors import MAX_DOCUMENT_TOKENS, MAX_SEED, MAX_TEXT_FILE_BYTES, DrcError, need_int
+from drc_core.guard import read_regular
 from drc_core.halting.calibrate import CalibratedRule, check_calibration
 from drc_core.halting.calibrate import calibrate as calibrate_windows
 from drc_core.halting.generate import generate as generate_ids
@@ -52,39 +52,30 @@ if TYPE_CHECKING:  # the explorer needs the book extras (plotly, ipywidgets): im
 __all__ = ["Generation", "Model", "Trace", "calibrate", "generate", "load", "trace"]
 
 TOKENIZER_FILE = "tokenizer.json"
-MATRIX_COLUMNS = ("kl", "kl_final", "state_delta", "entropy", "ce", "norm", "contraction")  # + registered statistics
 
 
-@dataclass
-class Trace:
-    """Per token and loop statistics of one sequence (T tokens, loops 1..L), from :func:`trace`.
+@dataclass(kw_only=True)
+class Trace(Measurement):
+    """Per token and loop statistics of one sequence (T tokens, loops 1..L), from :func:`trace`: a
+    :class:`~drc_core.analysis.measure.Measurement` (``window`` 0) with the input ``ids``, each token's string
+    (``tokens``; also ``meta["text"]``) and the ``tokenizer``.
 
-    ``frame``: the tidy :func:`~drc_core.analysis.measure.measure_windows` frame (one row per (pos, loop);
-    ``window`` is 0) plus ``text``, the token's string. Its columns: ``kl`` = KL(p_l || p_{l-1}) (NaN at
-    loop 1), ``kl_final`` = KL(p_L || p_l) (0 at loop L), ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l||,
-    ``entropy`` (nats), ``ce`` = -log p_l(next token) -- NaN at the last position, whose next token is
-    unknown, and everywhere when ``targets=False``. :meth:`matrix` gives one column as a (T, L) array.
+    Statistics (``stats``, :meth:`matrix`): ``kl`` = KL(p_l || p_{l-1}) (NaN at loop 1), ``kl_final`` = KL(p_L ||
+    p_l) (0 at loop L), ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l||, ``entropy`` (nats), ``argmax``, ``ce`` =
+    -log p_l(next token) -- NaN at the last position, whose next token is unknown, and everywhere when
+    ``targets=False``.
 
     The per-token dynamics (:mod:`drc_core.analysis.dynamics`, from a pass with the same initial state): per loop
     ``norm`` = ||s_l|| and ``contraction`` = ||s_l - s_{l-1}|| / ||s_{l-1} - s_{l-2}|| (the factor rho_{l-1} by which
-    the step into loop l shrank; NaN at loops 1-2); per token (the same on every loop's row) ``dyn_class``, one of
-    settled / oscillating / contracting / drifting (:func:`~drc_core.analysis.dynamics.classify` over the last
-    ``min(8, L - 2)`` factors), and ``commit_loop``, the loop from which its argmax no longer changes up to L.
-    :meth:`dynamics` gives them one row per token.
+    the step into loop l shrank; NaN at loops 1-2); per token (``meta``) ``dyn_class``, one of settled / oscillating
+    / contracting / drifting (:func:`~drc_core.analysis.dynamics.classify` over the last ``min(8, L - 2)``
+    factors), and ``commit_loop``, the loop from which its argmax no longer changes up to L. :meth:`dynamics`
+    gives them one row per token.
     """
 
     ids: np.ndarray
     tokens: list[str]
-    frame: pd.DataFrame
     tokenizer: Tokenizer | None
-    max_loops: int
-
-    def matrix(self, column: str) -> np.ndarray:
-        """``column`` of :attr:`frame` as a (T, L) float array (row = position, column = loop - 1)."""
-        known = (*MATRIX_COLUMNS, *(c for c in frame_statistics() if c not in MATRIX_COLUMNS and c != "argmax"))
-        if column not in known or column not in self.frame.columns:
-            raise DrcError(f"column={column!r} is not a statistic of this trace; use {', '.join(known)}")
-        return self.frame[column].to_numpy(np.float64).reshape(len(self.ids), self.max_loops)
 
     def dynamics(self) -> pd.DataFrame:
         """Per token: ``pos``, ``text``, ``dyn_class``, ``commit_loop``, ``contraction`` (the geometric mean of the
@@ -97,23 +88,19 @@ class Trace:
                 log_rho = np.log(self.matrix("contraction")[:, -tail:])
             ok = np.isfinite(log_rho).any(axis=1)  # a token whose steps vanished has no factor
             gm[ok] = np.exp(np.nanmean(log_rho[ok], axis=1))
-        first = self.frame[self.frame["loop"] == 1].sort_values("pos")
         norm = self.matrix("norm")
         return pd.DataFrame({"pos": np.arange(len(self.ids)), "text": self.tokens,
-                             "dyn_class": first["dyn_class"].to_numpy(), "commit_loop": first["commit_loop"].to_numpy(),
-                             "contraction": gm, "norm_first": norm[:, 0], "norm_last": norm[:, -1]})
+                             "dyn_class": self.meta["dyn_class"].to_numpy(),
+                             "commit_loop": self.meta["commit_loop"].to_numpy(), "contraction": gm,
+                             "norm_first": norm[:, 0], "norm_last": norm[:, -1]})
 
     def convergence_depth(self, eps: float = DEFAULT_EPS) -> pd.DataFrame:
         """Per token: ``pos``, ``text``, ``depth`` (the first loop after which KL(p_l || p_{l-1}) stays below
         ``eps``; see :func:`drc_core.analysis.measure.convergence_depth`) and ``converged`` (False when it was
         still >= eps at loop L; its depth is then L)."""
-        depth = convergence_depth(self.frame, eps)
+        depth = convergence_depth(self, eps)
         depth.insert(2, "text", [self.tokens[int(p)] for p in depth["pos"]])
         return depth.drop(columns="window")
-
-    def to_frame(self) -> pd.DataFrame:
-        """A copy of :attr:`frame` (token x loop rows), for pandas."""
-        return self.frame.copy()
 
     def explorer(self, eps: float = DEFAULT_EPS) -> DepthExplorer:
         """The live per-token depth explorer (JupyterLab widgets; display ``.widget``). Needs the book extras
@@ -122,7 +109,7 @@ class Trace:
             from drc_core.explorer import DepthExplorer
         except ImportError as exc:
             raise DrcError(f"Trace.explorer needs the book extras ({exc}): pip install 'drc-book[book]'") from None
-        return DepthExplorer(self.frame, self.tokenizer, window=0, eps=eps, max_tokens=max(len(self.ids), 1))
+        return DepthExplorer(self, self.tokenizer, window=0, eps=eps, max_tokens=max(len(self.ids), 1))
 
 
 @dataclass
@@ -156,34 +143,6 @@ def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torc
     return ids
 
 
-def _drop_state_columns(frame: pd.DataFrame) -> None:
-    for name in DYNAMICS_COLUMNS:
-        del frame[name]
-
-
-def _add_dynamics(frame: pd.DataFrame, max_loops: int) -> None:
-    """The :class:`Trace` dynamics columns, in place, from the measurement frame's own state columns
-    (``measure_windows(dynamics=True)``, dropped after use; frame rows are ordered by pos, then loop)."""
-    if max_loops < 3:  # no contraction factor yet: nothing to classify
-        _drop_state_columns(frame)
-        frame["norm"], frame["contraction"] = np.float32(math.nan), np.float32(math.nan)
-        frame["dyn_class"], frame["commit_loop"] = None, -1
-        return
-    order = np.lexsort((frame["loop"].to_numpy(), frame["pos"].to_numpy()))
-    if not (order == np.arange(len(frame))).all():
-        raise DrcError("the trace frame is not ordered by position and loop")  # measure_windows' order
-    dyn = Dynamics.from_frame(frame)  # (T, L): one row per position
-    _drop_state_columns(frame)
-    contraction = np.full(dyn.norm.shape, np.nan, np.float32)
-    contraction[:, 2:] = dyn.contraction()  # rho_{l-1} = step_l / step_{l-1} at loop l
-    cls = classify(dyn, tail=min(8, max_loops - 2))
-    commit = commit_loop(dyn.argmax)
-    frame["norm"] = dyn.norm.reshape(-1)
-    frame["contraction"] = contraction.reshape(-1)
-    frame["dyn_class"] = np.repeat(cls, max_loops)
-    frame["commit_loop"] = np.repeat(commit, max_loops)
-
-
 def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, *,
           tokenizer: Tokenizer | None = None, targets: bool = True, seed: int = EVAL_STATE_SEED) -> Trace:
     """Run a text (with ``tokenizer``) or token ids through ``max_loops`` loops of ``model`` and keep, per
@@ -195,18 +154,27 @@ def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor
         bound_freed_memory()
     ids = _encode(tokenizer, text_or_ids, model.max_seq_len)
     window = torch.from_numpy(np.append(ids, ids[-1]))[None]  # the last target is a placeholder, blanked below
-    frame = measure_windows(model, window, max_loops, seed=seed, kl_to_final=True, dynamics=True)
-    last = frame["pos"].to_numpy() == len(ids) - 1
-    if targets:
-        frame.loc[last, "ce"] = math.nan
-        frame.loc[last, "target"] = -1
-    else:
-        frame["ce"] = np.float32(math.nan)
-        frame["target"] = -1
+    m = measure_windows(model, window, max_loops, seed=seed, kl_to_final=True, dynamics=True)
+    stats, meta = m.stats, m.meta
+    blank = slice(None) if not targets else len(ids) - 1  # the tokens without a known next token
+    stats["ce"][blank] = math.nan
+    meta.loc[meta.index[blank], "target"] = -1
     texts = token_texts(tokenizer, ids.tolist())
-    frame["text"] = [texts[int(p)] for p in frame["pos"]]
-    _add_dynamics(frame, max_loops)
-    return Trace(ids=ids, tokens=texts, frame=frame, tokenizer=tokenizer, max_loops=max_loops)
+    meta["text"] = texts
+    if max_loops < 3:  # no contraction factor yet: nothing to classify
+        nan = np.full(stats["kl"].shape, np.nan, np.float32)
+        stats["norm"], stats["contraction"] = nan, nan.copy()
+        meta["dyn_class"], meta["commit_loop"] = None, -1
+    else:
+        dyn = Dynamics.of(m)  # (T, L): one row per position
+        stats["norm"] = dyn.norm
+        stats["contraction"] = np.full(dyn.norm.shape, np.nan, np.float32)
+        stats["contraction"][:, 2:] = dyn.contraction()  # rho_{l-1} = step_l / step_{l-1} at loop l
+        meta["dyn_class"] = classify(dyn, tail=min(8, max_loops - 2))
+        meta["commit_loop"] = commit_loop(dyn.argmax)
+    for name in DYNAMICS_COLUMNS:
+        del stats[name]
+    return Trace(stats=stats, meta=meta, attrs=m.attrs, ids=ids, tokens=texts, tokenizer=tokenizer)
 
 
 def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 32, *,
@@ -222,7 +190,7 @@ def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new
             raise DrcError(f"rule={rule!r} has no default threshold here: pass make_rule({rule!r}, <threshold>)")
         rule = make_rule(rule, *defaults[rule])
     ids = torch.from_numpy(_encode(tokenizer, prompt, model.max_seq_len, "the prompt"))[None]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(need_int("seed", seed, 0, maximum=MAX_SEED))
     was_training = model.training
     model.eval()
     try:
@@ -249,7 +217,7 @@ def document_windows(tokenizer: Tokenizer | None, documents: Sequence[str | Path
     for i, doc in enumerate(documents):
         if isinstance(doc, Path):
             try:
-                doc = doc.read_text(encoding="utf-8")
+                doc = read_regular(doc, f"document {i}", MAX_TEXT_FILE_BYTES).decode("utf-8")  # no FIFO, no /dev/zero
             except (OSError, UnicodeDecodeError) as exc:
                 raise DrcError(f"document {i} ('{doc}') cannot be read as UTF-8 text ({exc.__class__.__name__}): "
                                "pass an existing text file") from exc

@@ -1,8 +1,8 @@
-"""The per-token depth explorer, for one validation window of a :func:`drc_core.analysis.measure.measure_windows`
-frame (or a :class:`~drc_core.api.Trace`'s): :func:`depth_slider_figure` (static-safe: plotly frames + slider + play
-button, works in exported HTML without a kernel), :func:`token_strip_html` (the passage as coloured ``<span>`` s at
-one loop) and :class:`DepthExplorer` (the live ipywidgets version: loop slider, metric toggle, coloured text, token
-selector and that token's trajectory).
+"""The per-token depth explorer, for one window of a :class:`~drc_core.analysis.measure.Measurement` (from
+:func:`~drc_core.analysis.measure.measure_windows`, or a :class:`~drc_core.api.Trace`): :func:`depth_slider_figure`
+(static-safe: plotly frames + slider + play button, works in exported HTML without a kernel),
+:func:`token_strip_html` (the passage as coloured ``<span>`` s at one loop) and :class:`DepthExplorer` (the live
+ipywidgets version: loop slider, metric toggle, coloured text, token selector and that token's trajectory).
 
 Shared pieces: token text (:func:`drc_core.analysis.tokens.token_texts`, each id decoded on its own with
 ``tokenizer.decode([id])``; a partial UTF-8 byte shows as U+FFFD), and private helpers below: the wrapped passage
@@ -10,11 +10,11 @@ layout (:func:`_wrap`), the per-window matrices (:class:`_Passage`) and the colo
 :func:`_css_colors`). Colours are fixed across loops for a passage, so moving the slider compares like with like.
 The successive KL is coloured by ``log10`` on a diverging scale whose middle (yellow) is ``eps``: green tokens are
 below the convergence threshold at that loop, red ones above. At loop 1 the successive KL and the state change are
-undefined (NaN in the frame: there is no previous loop); those tokens are drawn grey
+undefined (NaN: there is no previous loop); those tokens are drawn grey
 (:data:`~drc_core.plotting.NAN_COLOR`). Values below :data:`~drc_core.plotting.LOG_FLOOR` (and exact zeros) are
 drawn at the floor. "Converged at loop l" means the token's convergence depth
 (:func:`drc_core.analysis.measure.convergence_depth`, the loop after which its successive KL stays below ``eps``) is
-<= l and the token did settle within the frame's loops. The live explorer renders its trajectory figure into an
+<= l and the token did settle within the measured loops. The live explorer renders its trajectory figure into an
 ``ipywidgets.Output``.
 """
 
@@ -27,18 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import plotly.colors as pcolors
 import plotly.graph_objects as go
 
-from drc_core.analysis.measure import DEFAULT_EPS, convergence_depth
+from drc_core.analysis.measure import DEFAULT_EPS, Measurement, convergence_depth
 from drc_core.analysis.tokens import token_texts
 from drc_core.errors import DrcError, need_eps, need_int
 from drc_core.plotting import CONVERGED_COLOR, LOG_FLOOR, NAN_COLOR, UPDATING_COLOR
 from drc_core.plotting import KL_SCALE as _KL_SCALE
 from drc_core.plotting import PALETTE as _PALETTE
 from drc_core.plotting import SEQ_SCALE as _SEQ_SCALE
-from drc_core.plotting import need_columns as _need_columns
 from drc_core.plotting import style as _style
 
 _LINE_CHARS = 72  # characters per row of the passage layout
@@ -54,7 +52,7 @@ __all__ = ["CLASS_COLORS", "DepthExplorer", "depth_slider_figure", "token_strip_
 @dataclass(frozen=True)
 class _Mode:
     key: str
-    column: str | None  # frame column coloured (None: converged / still updating)
+    column: str | None  # statistic coloured (None: converged / still updating)
     label: str
     unit: str
     log: bool
@@ -72,7 +70,7 @@ _MODES = {
 }
 _ALIASES = {"kl_prev": "kl", "state_delta": "state", "commit_loop": "commit", "dyn_class": "class"}
 _CATEGORICAL = ("class", "converged")  # colours by category, not on a scale
-# the dynamics columns of a drc_core.trace frame (analysis.dynamics); a frame without them has no such modes
+# the dynamics of a drc_core.trace (analysis.dynamics); a measurement without them has no such modes
 _DYNAMICS_MODES = {"contraction": "contraction", "commit": "commit_loop", "class": "dyn_class"}
 CLASS_COLORS = {"settled": "#1a9850", "contracting": "#a6d96a", "oscillating": "#8073ac", "drifting": "#d73027"}
 
@@ -88,7 +86,7 @@ def _mode(mode: str, allow_converged: bool = True) -> _Mode:
 def _need_mode(p: _Passage, mode: _Mode) -> None:
     column = _DYNAMICS_MODES.get(mode.key)
     if column is not None and column not in p.values and not (mode.key == "class" and p.classes is not None):
-        raise DrcError(f"colour by {mode.key!r} needs the frame's {column!r} column: trace with drc_core.trace "
+        raise DrcError(f"colour by {mode.key!r} needs {column!r}: trace with drc_core.trace "
                        "(it keeps the per-token dynamics)")
 
 
@@ -127,8 +125,8 @@ class _Passage:
     loops: np.ndarray  # (L,) sorted
     values: dict[str, np.ndarray]  # column -> (n, L)
     depth: np.ndarray  # (n,) convergence depth
-    settled: np.ndarray  # (n,) converged within the frame's loops
-    classes: np.ndarray | None = None  # (n,) dynamics class, where the frame has ``dyn_class``
+    settled: np.ndarray  # (n,) converged within the measured loops
+    classes: np.ndarray | None = None  # (n,) dynamics class, where measured (``dyn_class``)
 
     def loop_index(self, loop: object) -> int:
         if isinstance(loop, bool) or not isinstance(loop, int | np.integer) or int(loop) not in self.loops:
@@ -140,41 +138,27 @@ class _Passage:
         return self.settled & (self.depth <= loop)
 
 
-_PASSAGE_COLUMNS = ("window", "pos", "loop", "token", "kl", "state_delta", "entropy")
-
-
-def _passage(frame: pd.DataFrame, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
-    _need_columns(frame, _PASSAGE_COLUMNS, "a frame from drc_core.analysis.measure.measure_windows")
+def _passage(m: Measurement, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
+    if not isinstance(m, Measurement) or not {"kl", "state_delta", "entropy"} <= set(m.stats):
+        raise DrcError("expected a Measurement from drc_core.measure_windows or drc_core.trace")
     need_int("max_tokens", max_tokens, 1)
     need_eps(eps)
-    windows = frame["window"].to_numpy()
+    windows = m.meta["window"].to_numpy()
     if isinstance(window, bool) or not isinstance(window, int | np.integer) or not (windows == window).any():
-        raise DrcError(f"window={window!r} is not in the frame; it has windows {int(windows.min())}.."
+        raise DrcError(f"window={window!r} is not measured; the measurement has windows {int(windows.min())}.."
                        f"{int(windows.max())}")
-    sub = frame.loc[windows == window]
-    pos = np.sort(sub["pos"].unique())[: int(max_tokens)]
-    sub = sub[sub["pos"].isin(pos)]
-    loops = np.sort(sub["loop"].unique()).astype(np.int64)
-    pi = np.searchsorted(pos, sub["pos"].to_numpy())
-    li = np.searchsorted(loops, sub["loop"].to_numpy())
-    if len(sub) != len(pos) * len(loops) or len(np.unique(pi * len(loops) + li)) != len(sub):
-        raise DrcError(f"window {window} does not have exactly one row per (pos, loop); pass a measure_windows frame")
-    optional = ("kl_final", "ce", "norm", "contraction", "commit_loop")
-    columns = ["kl", "state_delta", "entropy", *(c for c in optional if c in sub.columns)]
-    values = {}
-    for c in columns:
-        m = np.full((len(pos), len(loops)), math.nan)
-        m[pi, li] = sub[c].to_numpy(float)
-        values[c] = m
-    ids = np.zeros(len(pos), np.int64)
-    ids[pi] = sub["token"].to_numpy(np.int64)
-    classes = None
-    if "dyn_class" in sub.columns:
-        classes = np.full(len(pos), None, dtype=object)
-        classes[pi] = sub["dyn_class"].to_numpy(object)
-    depths = convergence_depth(sub, float(eps))  # sorted by window, pos like ``pos``
-    return _Passage(int(window), float(eps), pos, ids, token_texts(tokenizer, ids), loops, values,
-                    depths["depth"].to_numpy(np.int64), depths["converged"].to_numpy(bool), classes)
+    sub = m.select(np.flatnonzero(windows == window)[: int(max_tokens)])  # tokens in pos order
+    n_loops = sub.max_loops
+    values = {c: sub.matrix(c) for c in ("kl", "state_delta", "entropy", "kl_final", "ce", "norm", "contraction")
+              if c in sub.stats}
+    if "commit_loop" in sub.meta.columns:  # per token: the same at every loop
+        values["commit_loop"] = np.repeat(sub.meta["commit_loop"].to_numpy(float)[:, None], n_loops, axis=1)
+    classes = sub.meta["dyn_class"].to_numpy(object) if "dyn_class" in sub.meta.columns else None
+    ids = sub.meta["token"].to_numpy(np.int64)
+    depths = convergence_depth(sub, float(eps))
+    return _Passage(int(window), float(eps), sub.meta["pos"].to_numpy(), ids, token_texts(tokenizer, ids),
+                    np.arange(1, n_loops + 1), values, depths["depth"].to_numpy(np.int64),
+                    depths["converged"].to_numpy(bool), classes)
 
 
 def _color_range(p: _Passage, mode: _Mode) -> tuple[np.ndarray, float, float, list[list]]:
@@ -274,23 +258,23 @@ def _strip_html(p: _Passage, loop: int, mode: _Mode) -> str:
 # The per-token depth explorer: public API
 
 
-def token_strip_html(frame: pd.DataFrame, window: int, loop: int, tokenizer, eps: float = DEFAULT_EPS,
+def token_strip_html(m: Measurement, window: int, loop: int, tokenizer, eps: float = DEFAULT_EPS,
                      mode: str = "kl", max_tokens: int = 96) -> str:
     """The first ``max_tokens`` tokens of ``window`` as HTML, one ``<span>`` per token coloured at ``loop``.
 
     ``mode``: ``"kl"`` (successive KL, log scale, yellow at ``eps``), ``"state"`` (state change, log scale),
     ``"entropy"`` or ``"converged"`` (green: converged by ``loop``, red: still updating); for a
-    :func:`drc_core.trace` frame also the per-token dynamics: ``"contraction"`` (the factor by which the step
+    :func:`drc_core.trace` also the per-token dynamics: ``"contraction"`` (the factor by which the step
     into loop l shrank, log scale, yellow at 1), ``"commit"`` (the commit loop) and ``"class"``
     (:data:`CLASS_COLORS`). Colour ranges are
     fixed over the passage's loops. Each span's ``title`` gives the token's values; text is HTML-escaped and
     newlines show as ↵ plus a line break.
     """
-    p = _passage(frame, window, tokenizer, eps, max_tokens)
+    p = _passage(m, window, tokenizer, eps, max_tokens)
     return _strip_html(p, loop, _mode(mode))
 
 
-def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float = DEFAULT_EPS, max_tokens: int = 96,
+def depth_slider_figure(m: Measurement, window: int, tokenizer, eps: float = DEFAULT_EPS, max_tokens: int = 96,
                         metric: str = "kl", line_chars: int = _LINE_CHARS) -> go.Figure:
     """The first ``max_tokens`` tokens of ``window`` laid out as wrapped text, each a box coloured by ``metric``
     at loop l, with a slider over loops and a play button (plotly frames: interactive in static HTML).
@@ -304,7 +288,7 @@ def depth_slider_figure(frame: pd.DataFrame, window: int, tokenizer, eps: float 
     """
     mode = _mode(metric, allow_converged=False)
     need_int("line_chars", line_chars, 8)
-    p = _passage(frame, window, tokenizer, eps, max_tokens)
+    p = _passage(m, window, tokenizer, eps, max_tokens)
     _need_mode(p, mode)
     v, lo, hi, scale = _color_range(p, mode)
     rows, starts, widths = _wrap(p.texts, line_chars)
@@ -361,10 +345,10 @@ class DepthExplorer:
 
     - ``input`` (a ``Text`` box) and ``trace_button``, present when a ``tracer`` is given: any text typed there
       (Enter or the button) is traced through the model by ``tracer(text)`` (a function returning that text's
-      token x loop frame, window 0, e.g. ``lambda s: drc_core.trace(model, s, 32, tokenizer=tok).frame``) and
+      :class:`~drc_core.api.Trace`, e.g. ``lambda s: drc_core.trace(model, s, 32, tokenizer=tok)``) and
       shown in this same explorer; :meth:`show_text` does the same from code, and ``text=`` does it at once;
     - ``slider`` (``IntSlider`` over the passage's loops, the full width of the output, one step per loop) and
-      ``metric`` (``ToggleButtons``, colour by: ``"kl"``, ``"state"``, ``"entropy"``, and where the frame comes
+      ``metric`` (``ToggleButtons``, colour by: ``"kl"``, ``"state"``, ``"entropy"``, and where the measurement comes
       from :func:`drc_core.trace` the per-token dynamics ``"contraction"``, ``"commit"`` (commit loop) and
       ``"class"`` (settled / oscillating / contracting / drifting), then ``"converged"``), which redraw
       ``text`` (an ``HTML`` header: window, loop and colour legend) and recolour ``token_buttons``;
@@ -379,19 +363,19 @@ class DepthExplorer:
     ``metric.value`` / ``token.value``) from code updates the passage and ``trajectory`` at once.
     """
 
-    def __init__(self, frame: pd.DataFrame, tokenizer, window: int = 0, eps: float = DEFAULT_EPS,
+    def __init__(self, m: Measurement, tokenizer, window: int = 0, eps: float = DEFAULT_EPS,
                  max_tokens: int = 96, *, tracer=None, text: str | None = None) -> None:
         import ipywidgets as widgets
 
         self._widgets = widgets
         self.tokenizer, self.eps, self.max_tokens, self.tracer = tokenizer, eps, max_tokens, tracer
         if text is not None and tracer is None:
-            raise DrcError("text= needs tracer=: a function from a text to its token x loop frame")
+            raise DrcError("text= needs tracer=: a function from a text to its Trace (drc_core.trace)")
         # "auto" in the explorer's column stretches a row to the output's width (100% plus margins overflowed)
         def full() -> object:
             return widgets.Layout(width="auto")
 
-        self.passage = _passage(frame, window, tokenizer, eps, max_tokens)
+        self.passage = _passage(m, window, tokenizer, eps, max_tokens)
         self.slider = widgets.IntSlider(value=1, min=1, max=2, step=1, description="loop", continuous_update=True,
                                         layout=full(), style={"description_width": "initial"})
         self.metric = widgets.ToggleButtons(options=self._metric_options(self.passage), value="kl",
@@ -440,14 +424,13 @@ class DepthExplorer:
         place of the current passage. An empty text or a failing trace leaves the passage and says why in
         ``status``."""
         if self.tracer is None:
-            raise DrcError("this explorer has no tracer: pass tracer= (a function from a text to its frame)")
+            raise DrcError("this explorer has no tracer: pass tracer= (a function from a text to its Trace)")
         if not str(text).strip():
             self.status.value = "<span style='color:#b00'>type a text first</span>"
             return
         self.status.value = "tracing …"
         try:
-            frame = self.tracer(str(text))
-            passage = _passage(frame, 0, self.tokenizer, self.eps, self.max_tokens)
+            passage = _passage(self.tracer(str(text)), 0, self.tokenizer, self.eps, self.max_tokens)
         except DrcError as exc:
             self.status.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
             return
@@ -462,7 +445,7 @@ class DepthExplorer:
 
     @staticmethod
     def _metric_options(p: _Passage) -> list[tuple[str, str]]:
-        """The colour-by choices: the statistics, then the per-token dynamics where the frame has them."""
+        """The colour-by choices: the statistics, then the per-token dynamics where measured."""
         options = [("KL", "kl"), ("state change", "state"), ("entropy", "entropy")]
         dynamics = [("contraction", "contraction"), ("commit loop", "commit"), ("class", "class")]
         present = {"contraction": "contraction" in p.values, "commit": "commit_loop" in p.values,

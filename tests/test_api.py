@@ -134,15 +134,15 @@ def test_trace_equals_measure_windows_and_keeps_every_token(lm):
     ids = lm.tokenizer.encode(TEXT).ids
     tr = lm.trace(TEXT, max_loops=8)
     assert tr.ids.tolist() == ids and len(tr.tokens) == len(ids)
-    assert len(tr.frame) == len(ids) * 8
+    assert len(tr) == len(ids) and tr.max_loops == 8 and len(tr.to_frame()) == len(ids) * 8
+    assert tr.meta["text"].tolist() == tr.tokens and tr.meta["target"].iloc[-1] == -1
     # the reference: the text followed by an extra next token, so every position has a target
     extra = lm.tokenizer.encode(TEXT + " The").ids
     assert extra[: len(ids)] == ids
     ref = measure_windows(lm.model, torch.tensor([extra[: len(ids) + 1]]), 8)
     for col in ("kl", "kl_final", "state_delta", "entropy"):
-        np.testing.assert_allclose(tr.matrix(col), ref[col].to_numpy(float).reshape(len(ids), 8), rtol=1e-5,
-                                   atol=1e-7, equal_nan=True)
-    ce, ce_ref = tr.matrix("ce"), ref["ce"].to_numpy(float).reshape(len(ids), 8)
+        np.testing.assert_allclose(tr.matrix(col), ref.matrix(col), rtol=1e-5, atol=1e-7, equal_nan=True)
+    ce, ce_ref = tr.matrix("ce"), ref.matrix("ce")
     np.testing.assert_allclose(ce[:-1], ce_ref[:-1], rtol=1e-5)
     assert np.isnan(ce[-1]).all()
     assert (tr.matrix("kl_final")[:, -1] == 0).all()
@@ -155,7 +155,7 @@ def test_trace_convergence_depth_at_any_eps(lm):
     tr = lm.trace(TEXT, max_loops=12)
     for eps in (1e-2, 1e-4):
         depth = tr.convergence_depth(eps)
-        ref = convergence_depth(tr.frame, eps)
+        ref = convergence_depth(tr, eps)
         assert depth["depth"].tolist() == ref["depth"].tolist()
         assert depth["text"].tolist() == tr.tokens
     assert (tr.convergence_depth(1e-4)["depth"] >= tr.convergence_depth(1e-2)["depth"]).all()

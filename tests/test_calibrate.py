@@ -129,7 +129,7 @@ def test_validity_splits_and_a_given_split(tiny_model_factory, one_thread):
         validity(table, "kl", [0.6], delta=0.4, among=np.array([1, 8]))
 
 
-def test_the_loss_pass_agrees_with_the_measurement_frame(tiny_model_factory, one_thread):
+def test_the_loss_pass_agrees_with_the_measurement(tiny_model_factory, one_thread):
     """The offline pass the loss tables read (argmax and CE per loop) sees the trajectories every evaluation pass
     sees."""
     from drc_core.analysis.measure import measure_windows
@@ -139,10 +139,10 @@ def test_the_loss_pass_agrees_with_the_measurement_frame(tiny_model_factory, one
     model = tiny_model_factory(64, core_scale=3.0)
     windows = torch.randint(0, 64, (5, 9))
     passed = offline_pass(model, windows, [], reference_loops=3, loops=6, batch_size=2, seed=7)
-    frame = measure_windows(model, windows, 6, batch_size=2, seed=7, kl_to_final=False)
+    meas = measure_windows(model, windows, 6, batch_size=2, seed=7, kl_to_final=False)
     argmax, ce = passed.argmax.permute(1, 2, 0).numpy(), passed.ce.permute(1, 2, 0).numpy()
-    assert (argmax == frame.argmax.to_numpy().reshape(5, 8, 6)).all()
-    np.testing.assert_allclose(ce, frame.ce.to_numpy().reshape(5, 8, 6), rtol=1e-5, atol=1e-6)
+    assert (argmax == meas.stats["argmax"].reshape(5, 8, 6)).all()
+    np.testing.assert_allclose(ce, meas.stats["ce"].reshape(5, 8, 6), rtol=1e-5, atol=1e-6)
 
 
 def test_loss_tables_from_a_sweeps_pass_equal_their_own_pass(tiny_model_factory, one_thread):

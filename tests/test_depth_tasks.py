@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from drc_book import known_depth as dt
+from drc_core.analysis.measure import Measurement
 from drc_core.data.depth_tasks import (
     FAMILIES,
     DepthTaskConfig,
@@ -196,13 +197,13 @@ def test_answer_measurements_read_the_answer_rows(mixed_corpus, one_thread):
     model = DepthRecurrentLM(ModelConfig(vocab_size=mixed_corpus.vocab_size, d_model=32, n_heads=2, n_prelude=1,
                                          n_core=1, n_coda=1, max_seq_len=64)).eval()
     traj = dt.answer_trajectories(model, tw, 6)
-    assert len(traj) == len(rows) * 6
+    assert len(traj) == len(rows) and traj.max_loops == 6
     acc = dt.accuracy_by_k(traj, n_boot=50)
     assert ((acc.acc >= 0) & (acc.acc <= 1)).all() and set(acc.loop) == set(range(1, 7))
     depths = dt.answer_depths(traj)
     assert ((depths.commit >= 1) & (depths.commit <= 6)).all()
     # commit: the argmax from that loop on equals the final one, and the loop before differs (when > 1)
-    arg = traj.argmax.to_numpy().reshape(-1, 6)
+    arg = traj.stats["argmax"]
     for i, c in enumerate(depths.commit):
         assert (arg[i, c - 1 :] == arg[i, -1]).all()
         if c > 1:
@@ -225,8 +226,7 @@ def test_overthinking_and_commit_on_a_made_up_trajectory():
     # one answer, 4 loops: wrong, right, wrong, right -> overthinks; commits at loop 4
     frame = pd.DataFrame({"window": 0, "pos": 0, "loop": [1, 2, 3, 4], "k": 2, "family": "swaps", "doc": "d",
                           "argmax": [5, 7, 5, 7], "target": 7, "kl": [np.nan, 1.0, 1.0, 1.0]})
-    frame["correct"] = frame.argmax == frame.target
-    d = dt.answer_depths(frame)
+    d = dt.answer_depths(Measurement.from_frame(frame, stats=["argmax", "kl"]))
     assert d.overthinks.item() and d.commit.item() == 4 and d.first_correct.item() == 2
     assert d.correct_final.item()
 

@@ -1,5 +1,5 @@
 """Per-token dynamics: the class rule on made-up trajectories, commit loop and overthinking, and the pass against
-the measurement frame's relative state change."""
+the measurement's relative state change."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_commit_loop_and_overthinking():
 
 def test_the_pass_keeps_norms_and_steps_of_the_states(tiny_model_factory, one_thread):
     """The dynamics columns against the states of a plain iterate pass (NumPy norms), the same initial states;
-    positions give those tokens' rows of the full pass; a frame without the columns is refused."""
+    positions give those tokens' rows of the full pass; a measurement without them is refused."""
     from drc_core.model.lm import iterate
     from drc_core.model.passes import EVAL_STATE_SEED
 
@@ -64,8 +64,8 @@ def test_the_pass_keeps_norms_and_steps_of_the_states(tiny_model_factory, one_th
     np.testing.assert_allclose(dyn.norm, np.linalg.norm(s, axis=-1), rtol=1e-5)
     np.testing.assert_allclose(dyn.step[..., 1:], np.linalg.norm(s[:, :, 1:] - s[:, :, :-1], axis=-1), rtol=1e-4)
     np.testing.assert_allclose(dyn.step2[..., 2:], np.linalg.norm(s[:, :, 2:] - s[:, :, :-2], axis=-1), rtol=1e-4)
-    frame = measure_windows(model, windows, 6, batch_size=2, kl_to_final=False)
-    assert (dyn.argmax == frame.argmax.to_numpy().reshape(3, 8, 6)).all()
+    meas = measure_windows(model, windows, 6, batch_size=2, kl_to_final=False)
+    assert (dyn.argmax == meas.stats["argmax"].reshape(3, 8, 6)).all()
     assert np.isnan(dyn.step[..., 0]).all() and np.isnan(dyn.step2[..., :2]).all()
     assert dyn.contraction().shape == (3, 8, 4)
     mask = np.zeros((3, 8), dtype=bool)
@@ -74,7 +74,7 @@ def test_the_pass_keeps_norms_and_steps_of_the_states(tiny_model_factory, one_th
     np.testing.assert_allclose(part.norm, dyn.norm[mask], rtol=1e-6)
     np.testing.assert_allclose(part.step2, dyn.step2[mask], rtol=1e-6)
     with pytest.raises(DrcError, match="dynamics=True"):
-        Dynamics.from_frame(frame)
+        Dynamics.of(meas)
 
 
 def test_trace_keeps_the_per_token_dynamics(tiny_model_factory, one_thread):
@@ -100,8 +100,8 @@ def test_trace_keeps_the_per_token_dynamics(tiny_model_factory, one_thread):
     assert per_token["text"].tolist() == tr.tokens and len(per_token) == 10
     np.testing.assert_allclose(per_token["contraction"],
                                np.exp(np.nanmean(np.log(dyn.contraction()[0, :, -8:]), axis=1)), rtol=1e-5)
-    # every loop's row of a token carries its class and commit loop
-    assert (tr.frame.groupby("pos")["dyn_class"].nunique() == 1).all()
+    # every loop's row of a token's long frame carries its class and commit loop
+    assert (tr.to_frame().groupby("pos")[["dyn_class", "commit_loop"]].nunique() == 1).all().all()
     short = drc_core.trace(model, ids, 4)  # tail shrinks to the loops there are
     assert short.dynamics()["dyn_class"].isin(["settled", "oscillating", "contracting", "drifting"]).all()
     two = drc_core.trace(model, ids, 2)  # no contraction factor: nothing to classify

@@ -195,7 +195,7 @@ def test_trace_and_generate_with_a_kl_rule(tmp_path, one_thread):
     lm = drc_core.load(_copy(tmp_path, tokenizer=_byte_tokenizer()))
     tr = lm.trace("Huginn thinks in loops.")
     assert tr.max_loops == 4 and len(tr.tokens) == len("Huginn thinks in loops.")
-    assert tr.frame["kl"].notna().any() and tr.convergence_depth()["depth"].between(1, 4).all()
+    assert tr.to_frame()["kl"].notna().any() and tr.convergence_depth()["depth"].between(1, 4).all()
     rule = make_rule("kl", 1e-2, max_loops=8)
     gen = lm.generate("Huginn", max_new_tokens=6, rule=rule)
     assert len(gen.ids) == 6 and all(0 <= i < 256 for i in gen.ids) and gen.exit_loops.max() <= 8

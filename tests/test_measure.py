@@ -8,14 +8,13 @@ import torch
 from drc_core.analysis.intervals import bootstrap_ci
 from drc_core.analysis.measure import (
     FRAME_COLUMNS,
+    Measurement,
     convergence_depth,
     depth_summary,
     eps_sensitivity,
-    load_frame,
     measure_windows,
     oscillating_tokens,
     per_loop_summary,
-    save_frame,
     val_windows_with_docs,
 )
 from drc_core.data.sampler import Corpus
@@ -38,9 +37,14 @@ def windows() -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def frame(model, windows) -> pd.DataFrame:
+def meas(model, windows) -> Measurement:
     docs = torch.tensor([0, 0, 1, 2, 2])
     return measure_windows(model, windows, L, doc_ids=docs, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def frame(meas) -> pd.DataFrame:
+    return meas.to_frame()
 
 
 def reference(model, windows, batch_size=2):
@@ -61,7 +65,11 @@ def column(df: pd.DataFrame, name: str) -> np.ndarray:
     return df[name].to_numpy().reshape(N, T, L)
 
 
-def test_frame_layout(frame, windows):
+def test_frame_layout(meas, frame, windows):
+    assert list(meas.stats) == list(FRAME_COLUMNS[5:]) and list(meas.meta.columns) == [*FRAME_COLUMNS[:2],
+                                                                                      *FRAME_COLUMNS[3:5], "doc"]
+    assert all(a.shape == (N * T, L) for a in meas.stats.values()) and len(meas) == N * T and meas.max_loops == L
+    assert meas.stats["kl"].dtype == np.float32 and meas.stats["argmax"].dtype == np.int8
     assert list(frame.columns) == [*FRAME_COLUMNS, "doc"]
     assert len(frame) == N * T * L
     assert frame.loop.dtype == np.int8 and frame.pos.dtype == np.int8 and frame.kl.dtype == np.float32
@@ -100,9 +108,9 @@ def test_matches_naive_reference(model, windows, frame):
     assert float(kl_prev.mean()) > 1e-3  # the test model's outputs actually move
 
 
-def test_ce_equals_loss_by_depth_and_mean_kl(model, windows, frame):
+def test_ce_equals_loss_by_depth_and_mean_kl(model, windows, meas):
     losses = loss_by_depth(model, windows, list(range(1, L + 1)), batch_size=2)
-    summary = per_loop_summary(frame, n_boot=50)
+    summary = per_loop_summary(meas, n_boot=50)
     np.testing.assert_allclose(summary.ce.to_numpy(), [losses[n] for n in range(1, L + 1)], rtol=1e-5)
     kl = mean_successive_kl(model, windows, L, batch_size=2)
     np.testing.assert_allclose(summary.kl.to_numpy()[1:], [kl[n] for n in range(2, L + 1)], rtol=1e-4)
@@ -111,14 +119,14 @@ def test_ce_equals_loss_by_depth_and_mean_kl(model, windows, frame):
 
 def test_no_final_pass_and_mode_restored(model, windows, frame):
     model.train()
-    df = measure_windows(model, windows, L, batch_size=2, kl_to_final=False)
+    df = measure_windows(model, windows, L, batch_size=2, kl_to_final=False).to_frame()
     assert model.training
     model.eval()
     assert df.kl_final.isna().all() and "doc" not in df.columns
     np.testing.assert_array_equal(df.kl.to_numpy(), frame.kl.to_numpy())
 
 
-def test_positions_give_the_full_frames_rows_of_those_tokens(model, windows, frame):
+def test_positions_give_the_full_frames_rows_of_those_tokens(model, windows, meas, frame):
     """A mask of tokens (a window with none of them, a batch with none, a window with all) gives exactly the
     full frame's rows of those tokens, with every column, the doc ids included."""
     mask = torch.rand(N, T, generator=torch.Generator().manual_seed(3)) < 0.3
@@ -126,11 +134,13 @@ def test_positions_give_the_full_frames_rows_of_those_tokens(model, windows, fra
     mask[4] = False  # the last batch (batch_size 2) is window 4 alone
     mask[3] = True
     docs = torch.tensor([0, 0, 1, 2, 2])
-    part = measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=mask)
+    part = measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=mask).to_frame()
     w, p = np.nonzero(mask.numpy())
     full = frame.set_index(["window", "pos"]).loc[list(zip(w, p, strict=True))].reset_index()
     assert len(part) == int(mask.sum()) * L
     pd.testing.assert_frame_equal(part[full.columns].reset_index(drop=True), full, check_dtype=False, atol=2e-5)
+    chosen = meas.select(mask.numpy().reshape(-1)).to_frame()  # the same tokens chosen from the full measurement
+    pd.testing.assert_frame_equal(part, chosen, atol=2e-5)
     with pytest.raises(DrcError, match="positions must be a bool mask"):
         measure_windows(model, windows, L, positions=mask[:, :-1])
 
@@ -145,32 +155,50 @@ def test_one_pass_and_two_passes_give_the_same_frame(model, windows, frame, monk
     monkeypatch.setattr(m, "logits_at", lambda *a, **k: calls.append(1) or real(*a, **k))
     docs = torch.tensor([0, 0, 1, 2, 2])
     mask = torch.rand(N, T, generator=torch.Generator().manual_seed(5)) < 0.3
-    one = [measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=pos) for pos in (None, mask)]
+    one = [measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=pos).to_frame()
+           for pos in (None, mask)]
     assert not calls  # these batches fit ONE_PASS_BYTES
     monkeypatch.setattr(m, "ONE_PASS_BYTES", 0)
-    two = [measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=pos) for pos in (None, mask)]
+    two = [measure_windows(model, windows, L, doc_ids=docs, batch_size=2, positions=pos).to_frame()
+           for pos in (None, mask)]
     assert len(calls) == 2 * 3  # a first pass per batch of 2 of the 5 windows, twice
     for a, b in zip(one, two, strict=True):
         pd.testing.assert_frame_equal(a, b)
     pd.testing.assert_frame_equal(one[0], frame)
 
 
-def test_per_loop_summary_cis(frame):
-    s = per_loop_summary(frame, n_boot=200, seed=3)
+def test_the_arrays_and_the_long_frame_say_the_same(meas, frame):
+    """The long frame goes back to the same arrays, and the summaries that read the arrays give what the long frame
+    gives (the way they were computed from it: one group per loop, one per token)."""
+    back = Measurement.from_frame(frame)
+    assert list(back.stats) == list(meas.stats) and back.attrs == meas.attrs
+    for k, v in meas.stats.items():
+        assert back.stats[k].dtype == v.dtype
+        np.testing.assert_array_equal(back.stats[k], v)
+    pd.testing.assert_frame_equal(back.meta, meas.meta)
+    metrics = ["kl", "state_delta", "entropy", "ce", "kl_final"]
+    by_loop = frame.astype({m: float for m in metrics}).groupby("loop")[metrics].mean()
+    summary = per_loop_summary(meas, n_boot=10).set_index("loop")
+    np.testing.assert_allclose(summary[metrics].to_numpy(), by_loop.to_numpy(), rtol=1e-9)
+    for eps in (1e-1, 1e-3):
+        last = frame[(frame.loop >= 2) & ~(frame.kl.astype(float) < eps)].groupby(["window", "pos"]).loop.max()
+        keys = zip(meas.meta.window, meas.meta.pos, strict=True)
+        assert convergence_depth(meas, eps).depth.tolist() == [int(last.get(k, 1)) for k in keys]
+
+
+def test_per_loop_summary_cis(meas):
+    s = per_loop_summary(meas, n_boot=200, seed=3)
     for m in ("kl", "state_delta", "ce", "kl_final", "entropy"):
         ok = s[m].notna()
         assert (s.loc[ok, f"{m}_ci_low"] <= s.loc[ok, m] + 1e-12).all()
         assert (s.loc[ok, m] <= s.loc[ok, f"{m}_ci_high"] + 1e-12).all()
-    pd.testing.assert_frame_equal(s, per_loop_summary(frame, n_boot=200, seed=3))
+    pd.testing.assert_frame_equal(s, per_loop_summary(meas, n_boot=200, seed=3))
 
 
-def trajectories(rows: dict[int, list[float]]) -> pd.DataFrame:
-    """A hand-made frame: token pos=k has kl = rows[k] at loops 2..L (NaN at loop 1)."""
-    recs = []
-    for pos, kls in rows.items():
-        for loop, kl in enumerate([math.nan, *kls], start=1):
-            recs.append({"window": 0, "pos": pos, "loop": loop, "kl": kl, "doc": pos % 2})
-    return pd.DataFrame(recs)
+def trajectories(rows: dict[int, list[float]]) -> Measurement:
+    """A hand-made measurement: token pos=k has kl = rows[k] at loops 2..L (NaN at loop 1)."""
+    kl = np.array([[math.nan, *kls] for kls in rows.values()], dtype=np.float32)
+    return Measurement({"kl": kl}, pd.DataFrame({"window": 0, "pos": list(rows), "doc": [p % 2 for p in rows]}))
 
 
 def test_convergence_depth_definition():
@@ -188,11 +216,12 @@ def test_convergence_depth_definition():
     assert d.converged.tolist() == [True, True, True, False, True, True]
     assert d.doc.tolist() == [0, 1, 0, 1, 0, 1]
     assert convergence_depth(df, 1.0).depth.tolist() == [1] * 6
-    assert convergence_depth(df.sample(frac=1, random_state=0), eps).depth.tolist() == [3, 1, 4, 6, 5, 3]
+    shuffled = Measurement.from_frame(df.to_frame().sample(frac=1, random_state=0))  # a long frame in any order
+    assert convergence_depth(shuffled, eps).depth.tolist() == [3, 1, 4, 6, 5, 3]
 
 
-def test_depth_summary_and_eps_sensitivity(frame):
-    d = convergence_depth(frame, 1e-3)
+def test_depth_summary_and_eps_sensitivity(meas):
+    d = convergence_depth(meas, 1e-3)
     s = depth_summary(d, train_mean_depth=3, n_boot=300, seed=1).set_index("stat")
     depth = d.depth.to_numpy()
     assert s.loc["median_depth", "value"] == np.sort(depth)[(len(depth) + 1) // 2 - 1]
@@ -201,7 +230,7 @@ def test_depth_summary_and_eps_sensitivity(frame):
     assert s.loc["frac_unconverged", "value"] == pytest.approx((~d.converged).mean())
     assert (s.ci_low <= s.value).all() and (s.value <= s.ci_high).all()
     assert (s.n_clusters == 3).all() and (s.n_tokens == N * T).all()
-    sens = eps_sensitivity(frame, (1e-1, 1e-3, 1e-5), train_mean_depth=3, n_boot=50)
+    sens = eps_sensitivity(meas, (1e-1, 1e-3, 1e-5), train_mean_depth=3, n_boot=50)
     assert sens.eps.unique().tolist() == [1e-1, 1e-3, 1e-5]
     mean = sens[sens.stat == "mean_depth"].value.to_numpy()
     assert (np.diff(mean) >= 0).all()  # a smaller eps never gives an earlier depth
@@ -225,23 +254,26 @@ def test_bootstrap_helper():
     assert p[0] == lo[0] == hi[0] == 2.5
 
 
-def test_parquet_round_trip(frame, tmp_path):
-    path = save_frame(frame, tmp_path / "sub" / "measure.parquet")
-    back = load_frame(path)
-    pd.testing.assert_frame_equal(back, frame)
+def test_parquet_round_trip(meas, frame, tmp_path):
+    path = meas.save(tmp_path / "sub" / "measure.parquet")
+    back = Measurement.load(path)
+    pd.testing.assert_frame_equal(back.to_frame(), frame, check_exact=True)
     assert back.attrs["max_loops"] == L and back.attrs["kl_final"] == "KL(p_L || p_l)"
+    assert list(back.stats) == list(meas.stats) and back.meta.dtypes.equals(meas.meta.dtypes)
+    frame.to_parquet(tmp_path / "old.parquet", index=False)  # a long frame written before the stats were recorded
+    pd.testing.assert_frame_equal(Measurement.load(tmp_path / "old.parquet").to_frame(), frame, check_exact=True)
     with pytest.raises(ValueError, match="not found"):
-        load_frame(tmp_path / "missing.parquet")
+        Measurement.load(tmp_path / "missing.parquet")
 
 
-def test_a_frame_made_from_something_else_is_refused(frame, tmp_path):
-    path = save_frame(frame, tmp_path / "f.parquet", made_with={"corpus": "abc", "windows": 8})
-    assert load_frame(path, expect={"corpus": "abc", "windows": 8}).attrs["made_with"]["windows"] == 8
+def test_a_frame_made_from_something_else_is_refused(meas, tmp_path):
+    path = meas.save(tmp_path / "f.parquet", made_with={"corpus": "abc", "windows": 8})
+    assert Measurement.load(path, expect={"corpus": "abc", "windows": 8}).attrs["made_with"]["windows"] == 8
     with pytest.raises(DrcError, match="was made with corpus='abc', not 'xyz'"):
-        load_frame(path, expect={"corpus": "xyz"})
+        Measurement.load(path, expect={"corpus": "xyz"})
     with pytest.raises(DrcError, match="does not record its tokenizer"):
-        load_frame(path, expect={"tokenizer": "t"})
-    assert "made_with" not in frame.attrs  # saving records it in the file, not in the caller's frame
+        Measurement.load(path, expect={"tokenizer": "t"})
+    assert "made_with" not in meas.attrs  # saving records it in the file, not in the caller's measurement
 
 
 def test_val_windows_with_docs(tmp_path):
@@ -268,11 +300,11 @@ def test_val_windows_with_docs(tmp_path):
     assert val_windows_with_docs(corpus, 8)[0].shape == (4, 9)  # all slots: spread or not, the same
 
 
-def test_bad_inputs(model, windows, frame):
+def test_bad_inputs(model, windows, meas, frame):
     cases = [
-        (lambda: convergence_depth(frame, 0.0), "eps"),
-        (lambda: convergence_depth(frame, -1e-3), "eps"),
-        (lambda: eps_sensitivity(frame, (1e-3, 0)), "eps"),
+        (lambda: convergence_depth(meas, 0.0), "eps"),
+        (lambda: convergence_depth(meas, -1e-3), "eps"),
+        (lambda: eps_sensitivity(meas, (1e-3, 0)), "eps"),
         (lambda: measure_windows(model, windows, 1), "max_loops"),
         (lambda: measure_windows(model, windows[0], 4), "windows must be"),
         (lambda: measure_windows(model, windows[:, :1], 4), "windows must be"),
@@ -280,11 +312,15 @@ def test_bad_inputs(model, windows, frame):
         (lambda: measure_windows(model, windows + V, 4), "vocabulary"),
         (lambda: measure_windows(model, windows, 4, doc_ids=torch.zeros(2)), "doc_ids"),
         (lambda: measure_windows(model, windows, 4, batch_size=0), "batch_size"),
-        (lambda: convergence_depth(frame[frame.loop != 3], 1e-3), "lacks loops"),
-        (lambda: convergence_depth(pd.concat([frame, frame.iloc[:1]]), 1e-3), "repeated"),
+        (lambda: Measurement.from_frame(frame[frame.loop != 3]), "lacks loops"),
+        (lambda: Measurement.from_frame(pd.concat([frame, frame.iloc[:1]])), "repeated"),
+        (lambda: convergence_depth(frame, 1e-3), "expected a non-empty Measurement"),
+        (lambda: convergence_depth(meas.select([]), 1e-3), "expected a non-empty Measurement"),
+        (lambda: Measurement({"kl": np.zeros((3, 2))}, pd.DataFrame({"pos": [0, 1]})), "one meta row per token"),
         (lambda: bootstrap_ci(np.zeros(3), n_boot=0), "n_boot"),
         (lambda: bootstrap_ci(np.zeros(3), stat="mode"), "stat"),
-        (lambda: depth_summary(convergence_depth(frame), train_mean_depth=0), "train_mean_depth"),
+        (lambda: depth_summary(convergence_depth(meas), train_mean_depth=0), "train_mean_depth"),
+        (lambda: meas.matrix("nothing"), "not a statistic"),
     ]
     for fn, match in cases:
         with pytest.raises(ValueError, match=match) as err:
@@ -297,7 +333,9 @@ def test_kl_concentration_on_a_hand_made_frame():
 
     kl = np.full(1000, 1e-8)
     kl[:2] = 1e-2  # two tokens in a cycle carry the mean
-    df = pd.DataFrame({"loop": 16, "kl": kl})
+    all_loops = np.full((1000, 16), np.nan, np.float32)
+    all_loops[:, 15] = kl
+    df = Measurement({"kl": all_loops}, pd.DataFrame({"window": 0, "pos": np.arange(1000)}))
     row = kl_concentration(df, [16]).iloc[0]
     assert row["mean"] == pytest.approx(kl.mean()) and row["median"] == pytest.approx(1e-8)
     assert row["top_0.1%"] == pytest.approx(1e-2 / kl.sum())  # the single largest token
@@ -307,7 +345,7 @@ def test_kl_concentration_on_a_hand_made_frame():
         kl_concentration(df, [3])
 
 
-def _tokens_frame(kl_final: dict[int, list[float]]) -> pd.DataFrame:
+def _tokens_frame(kl_final: dict[int, list[float]]) -> Measurement:
     """A frame of 4 loops for tokens 0..n-1 of window 0: ``kl_final[pos]`` = KL(p_4 || p_l) at l = 1..4, the
     successive KL at loop 4 equal to KL(p_4 || p_3) as it is in a measured frame."""
     rows = []
@@ -315,7 +353,7 @@ def _tokens_frame(kl_final: dict[int, list[float]]) -> pd.DataFrame:
         for loop in range(1, 5):
             rows.append({"window": 0, "pos": pos, "loop": loop, "token": 100 + pos, "doc": 7,
                          "kl_final": kf[loop - 1], "kl": kf[2] if loop == 4 else 1e-2 / loop})
-    return pd.DataFrame(rows)
+    return Measurement.from_frame(pd.DataFrame(rows))
 
 
 def test_oscillating_tokens_are_the_2_cycles_not_the_slow_or_the_settled():
@@ -332,8 +370,8 @@ def test_oscillating_tokens_are_the_2_cycles_not_the_slow_or_the_settled():
 def test_oscillating_tokens_name_what_is_missing():
     frame = _tokens_frame({0: [1.0, 1e-6, 1e-3, 0.0]})
     with pytest.raises(DrcError, match="no kl_final values; measure with kl_to_final=True"):
-        oscillating_tokens(frame.assign(kl_final=np.nan))
+        oscillating_tokens(Measurement({**frame.stats, "kl_final": frame.stats["kl_final"] * np.nan}, frame.meta))
     with pytest.raises(DrcError, match="share_at loop 9 is outside 2..4"):
         oscillating_tokens(frame, share_at=[9])
     with pytest.raises(DrcError, match="2 loops; a 2-cycle needs at least 3"):
-        oscillating_tokens(frame[frame.loop <= 2])
+        oscillating_tokens(Measurement({k: v[:, :2] for k, v in frame.stats.items()}, frame.meta))

@@ -133,7 +133,8 @@ def test_iterate_runs_the_loop_of_the_protocol(model, windows):
 
 
 def test_measurements_mean_the_same_on_another_model(model, windows):
-    frame = measure_windows(model, windows, L)
+    meas = measure_windows(model, windows, L)
+    frame = meas.to_frame()
     assert len(frame) == len(windows) * T * L
     logits = _by_hand(model, windows[:, :-1], L)
     logp = [F.log_softmax(z.float(), -1) for z in logits]
@@ -145,7 +146,7 @@ def test_measurements_mean_the_same_on_another_model(model, windows):
         assert math.isclose(frame[frame.loop == n].ce.mean(), ce[n], rel_tol=1e-5)
     succ = mean_successive_kl(model, windows, L)
     assert math.isclose(frame[frame.loop == L].kl.mean(), succ[L], rel_tol=1e-4)
-    depth = convergence_depth(frame, 1e-3)
+    depth = convergence_depth(meas, 1e-3)
     assert len(depth) == len(windows) * T and depth.depth.between(1, L).all()
     tr = drc_core.trace(model, windows[0].tolist(), max_loops=L)
     assert tr.tokens[0].startswith("#") and tr.matrix("kl_final").shape == (T + 1, L)

@@ -24,7 +24,7 @@ from drc_core.analysis.loops import (
     unregister_statistic,
     with_needs,
 )
-from drc_core.analysis.measure import FRAME_COLUMNS, load_frame, measure_windows, save_frame
+from drc_core.analysis.measure import FRAME_COLUMNS, Measurement, measure_windows
 from drc_core.errors import DrcError
 from drc_core.halting.continuous import generate_continuous
 from drc_core.halting.generate import generate
@@ -144,10 +144,11 @@ def test_a_registered_statistic_is_in_loopstats_and_the_frame(moving_model, regi
     torch.testing.assert_close(stats[2].p0_change,
                                (stats[2].log_probs[..., 0] - stats[1].log_probs[..., 0]).abs())
     window = torch.cat([idx, idx[:, :1]], dim=1)
-    frame = measure_windows(moving_model, window, L, batch_size=B)
-    assert {"state_mean", "p0_change"} <= set(frame.columns) and "decaying" not in frame.columns
-    assert frame.loc[frame.loop == 1, "p0_change"].isna().all()  # compares with the previous loop: NaN at loop 1
-    assert frame.loc[frame.loop > 1, "p0_change"].notna().all()
+    meas = measure_windows(moving_model, window, L, batch_size=B)
+    assert {"state_mean", "p0_change"} <= set(meas.stats) and "decaying" not in meas.stats
+    assert list(meas.to_frame().columns)[len(FRAME_COLUMNS):] == ["state_mean", "p0_change"]  # after the built-ins
+    assert np.isnan(meas.stats["p0_change"][:, 0]).all()  # compares with the previous loop: NaN at loop 1
+    assert not np.isnan(meas.stats["p0_change"][:, 1:]).any()
     tr = drc_core.trace(moving_model, idx[0], L)
     assert tr.matrix("state_mean").shape == (T, L)
 
@@ -188,8 +189,8 @@ def test_register_rejects_a_taken_name_and_a_missing_compute(registered):
 
 def test_a_frame_saved_under_the_old_column_name_loads(tmp_path):
     old = pd.DataFrame({"window": [0], "pos": [0], "loop": [1], "kl_prev": [np.nan]})
-    path = save_frame(old, tmp_path / "f.parquet")
-    assert "kl" in load_frame(path).columns
+    old.to_parquet(tmp_path / "f.parquet", index=False)
+    assert "kl" in Measurement.load(tmp_path / "f.parquet").stats
 
 
 def test_needs_log_probs_is_derived_from_what_a_rule_reads(registered):

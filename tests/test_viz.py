@@ -1,4 +1,4 @@
-"""Figures and the per-token depth explorer (drc_book.viz), on a real frame of the tiny model and a tiny BPE."""
+"""Figures and the per-token depth explorer (drc_book.viz), on a real measurement of the tiny model and a tiny BPE."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import drc_core
 from drc_book import viz
 from drc_core import explorer
-from drc_core.analysis.measure import convergence_depth, measure_windows, per_loop_summary
+from drc_core.analysis.measure import Measurement, convergence_depth, measure_windows, per_loop_summary
 from drc_core.analysis.tokens import class_depth_summary, token_texts
 from drc_core.data.tokenizer import train_bpe
 from drc_core.errors import DrcError
@@ -36,20 +36,20 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def frame(tok, tiny_model_factory) -> pd.DataFrame:
+def frame(tok, tiny_model_factory) -> Measurement:
     ids = tok.encode(TEXT * 3).ids
     windows = torch.tensor([ids[i * T : i * T + T + 1] for i in range(3)])
     model = tiny_model_factory(tok.get_vocab_size(), core_scale=1.0)  # depths 3..5 at eps 1e-3: some converge, some not
     return measure_windows(model, windows, L, doc_ids=torch.tensor([0, 0, 1]), batch_size=4)
 
 
-def token_rows(frame: pd.DataFrame, window: int, col: str) -> np.ndarray:
-    """(n_pos, L) matrix of ``col`` for one window (the frame is sorted by window, pos, loop)."""
-    return frame[frame.window == window][col].to_numpy(float).reshape(-1, L)
+def token_rows(m: Measurement, window: int, col: str) -> np.ndarray:
+    """(n_pos, L) matrix of ``col`` for one window (tokens in window, pos order)."""
+    return m.matrix(col)[m.meta.window.to_numpy() == window]
 
 
-def synthetic_frame(n_pos: int, n_loops: int, vocab: int, seed: int = 0) -> pd.DataFrame:
-    """A frame with measure_windows' columns: KL falling geometrically per token at its own rate."""
+def synthetic_frame(n_pos: int, n_loops: int, vocab: int, seed: int = 0) -> Measurement:
+    """A measurement with measure_windows' statistics: KL falling geometrically per token at its own rate."""
     rng = np.random.default_rng(seed)
     pos, loop = np.meshgrid(np.arange(n_pos), np.arange(1, n_loops + 1), indexing="ij")
     rate = rng.uniform(0.5, 3.0, size=(n_pos, 1))
@@ -61,7 +61,8 @@ def synthetic_frame(n_pos: int, n_loops: int, vocab: int, seed: int = 0) -> pd.D
         "kl": kl.ravel(), "kl_final": kl.ravel() / 2, "state_delta": np.sqrt(kl).ravel(),
         "entropy": rng.uniform(1, 5, loop.size), "argmax": 0, "ce": rng.uniform(1, 5, loop.size),
     })
-    return df.astype({c: np.float32 for c in ("kl", "kl_final", "state_delta", "entropy", "ce")})
+    return Measurement.from_frame(df.astype({c: np.float32 for c in ("kl", "kl_final", "state_delta", "entropy",
+                                                                     "ce")}))
 
 
 def lines(fig: go.Figure) -> list:
@@ -204,7 +205,7 @@ def test_slider_figure_one_frame_per_loop_coloured_by_log_kl(frame, tok):
     np.testing.assert_allclose(fig.data[0].marker.color, fig.frames[1].data[0].marker.color)
     bar = fig.data[0]
     assert len(bar.x) == 20 and bar.marker.cmin < math.log10(EPS) < bar.marker.cmax
-    ids = frame[(frame.window == 1) & (frame.loop == 1)].token.to_numpy()[:20]
+    ids = frame.meta[frame.meta.window == 1].token.to_numpy()[:20]
     assert list(bar.text) == [tok.decode([int(i)]).replace("\n", "↵") for i in ids]
     # the layout reads like wrapped text: within a row tokens follow each other without overlap
     rows, starts, widths = np.asarray(bar.y), np.asarray(bar.base), np.asarray(bar.x)
@@ -275,7 +276,7 @@ def test_depth_explorer_headless(frame, tok):
     ex.metric.value = "converged"
     assert shown_colors() == span_colors(drc_core.token_strip_html(frame, 2, 5, tok, eps=EPS, mode="converged",
                                                               max_tokens=16))
-    texts = token_texts(tok, frame[(frame.window == 2) & (frame.loop == 1)].token.to_numpy()[:16])
+    texts = token_texts(tok, frame.meta[frame.meta.window == 2].token.to_numpy()[:16])
     assert [b.description for b in ex.token_buttons] == [t.replace("\n", "↵").replace(" ", "\u00a0") or "\u00a0"
                                                          for t in texts]
     assert "depth" in ex.token_buttons[3].tooltip and "KL" in ex.token_buttons[3].tooltip
@@ -300,10 +301,9 @@ def test_depth_explorer_headless(frame, tok):
 def test_explorer_kl_floor_on_log_axes(frame, tok):
     """Slightly negative KL (float noise) and zeros are drawn at the stated floor, the figure shows the floor,
     and hover keeps the measured value."""
-    noisy = frame.copy()
-    sel = (noisy.window == 0) & (noisy.pos == 0)
-    noisy.loc[sel & (noisy.loop == 3), "kl"] = -1.5e-7
-    noisy.loc[sel & (noisy.loop == 4), "kl"] = 0.0
+    noisy = Measurement({**frame.stats, "kl": frame.stats["kl"].copy()}, frame.meta)
+    noisy.stats["kl"][0, 2] = -1.5e-7  # window 0, pos 0 at loop 3
+    noisy.stats["kl"][0, 3] = 0.0
     ex = drc_core.DepthExplorer(noisy, tok, window=0, eps=EPS, max_tokens=4)
     kl = ex.trajectory.data[0]
     assert kl.y[2] == viz.LOG_FLOOR and kl.y[3] == viz.LOG_FLOOR and math.isnan(kl.y[0])
@@ -321,9 +321,9 @@ def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
     model = tiny_model_factory(tok.get_vocab_size(), core_scale=1.0)
     calls = []
 
-    def tracer(text: str) -> pd.DataFrame:
+    def tracer(text: str) -> drc_core.Trace:
         calls.append(text)
-        return drc_core.trace(model, text, 8, tokenizer=tok).frame
+        return drc_core.trace(model, text, 8, tokenizer=tok)
 
     with pytest.raises(DrcError, match="needs tracer"):
         drc_core.DepthExplorer(frame, tok, text="x")
@@ -352,12 +352,14 @@ def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
 
 
 @pytest.mark.parametrize(("call", "message"), [
-    (lambda f, t: drc_core.token_strip_html(f, 99, 2, t), "window=99 is not in the frame"),
+    (lambda f, t: drc_core.token_strip_html(f, 99, 2, t), "window=99 is not measured"),
     (lambda f, t: drc_core.token_strip_html(f, 0, L + 1, t), f"loop={L + 1} is out of range"),
     (lambda f, t: drc_core.token_strip_html(f, 0, 2, t, mode="rainbow"), "unknown metric/mode 'rainbow'"),
     (lambda f, t: drc_core.depth_slider_figure(f, 0, t, metric="converged"), "unknown metric/mode 'converged'"),
     (lambda f, t: drc_core.depth_slider_figure(f, 0, t, max_tokens=0), "max_tokens=0 is invalid"),
-    (lambda f, t: drc_core.DepthExplorer(f.drop(columns="kl"), t), "lacks column 'kl'"),
+    (lambda f, t: drc_core.DepthExplorer(Measurement({"entropy": f.stats["entropy"]}, f.meta), t),
+     "expected a Measurement from drc_core.measure_windows or drc_core.trace"),
+    (lambda f, t: drc_core.DepthExplorer(f.to_frame(), t), "expected a Measurement"),
     (lambda f, t: drc_core.DepthExplorer(f, t, eps=0), "eps=0 is invalid"),
 ])
 def test_bad_input_is_one_clear_line(frame, tok, call, message):
@@ -374,41 +376,41 @@ def test_number_table_keeps_small_kl_values_readable():
 
 
 def test_explorer_colours_by_the_per_token_dynamics(tok, tiny_model_factory, frame):
-    """A drc_core.trace frame carries contraction, commit loop and class: the explorer offers them as colour-by
-    options, colours as token_strip_html does, and names them in each token's tooltip; a measure_windows frame
-    has no such options, and asking for one is a one-line error."""
+    """A drc_core.trace carries contraction, commit loop and class: the explorer offers them as colour-by
+    options, colours as token_strip_html does, and names them in each token's tooltip; a measure_windows
+    measurement has no such options, and asking for one is a one-line error."""
     import drc_core
 
     model = tiny_model_factory(tok.get_vocab_size(), core_scale=3.0)
     tr = drc_core.trace(model, "The dog ran after the cat, and the cat ran up the tree.", 12, tokenizer=tok)
-    ex = drc_core.DepthExplorer(tr.frame, tok, eps=EPS)
+    ex = drc_core.DepthExplorer(tr, tok, eps=EPS)
     values = [v for _, v in ex.metric.options]
     assert values == ["kl", "state", "entropy", "contraction", "commit", "class", "converged"]
     per_token = tr.dynamics()
     ex.metric.value = "class"
     colours = [b.style.button_color for b in ex.token_buttons]
     assert colours == [explorer.CLASS_COLORS[c] for c in per_token["dyn_class"]]
-    assert colours == span_colors(drc_core.token_strip_html(tr.frame, 0, 2, tok, eps=EPS, mode="class"))
+    assert colours == span_colors(drc_core.token_strip_html(tr, 0, 2, tok, eps=EPS, mode="class"))
     assert "oscillating" in ex.text.value and per_token["dyn_class"][0] in ex.token_buttons[0].tooltip
     for mode in ("commit", "contraction"):
         ex.metric.value = mode
         ex.slider.value = 6
         assert [b.style.button_color for b in ex.token_buttons] == span_colors(
-            drc_core.token_strip_html(tr.frame, 0, 6, tok, eps=EPS, mode=mode))
+            drc_core.token_strip_html(tr, 0, 6, tok, eps=EPS, mode=mode))
     commit = per_token["commit_loop"].to_numpy()
     ex.metric.value = "commit"
     first = [b.style.button_color for b, c in zip(ex.token_buttons, commit, strict=True) if c == commit.min()]
     assert len(set(first)) == 1  # one commit loop, one colour
     assert f"commits at loop {commit[0]}" in ex.token_buttons[0].tooltip
-    fig = drc_core.depth_slider_figure(tr.frame, 0, tok, eps=EPS, metric="contraction")
+    fig = drc_core.depth_slider_figure(tr, 0, tok, eps=EPS, metric="contraction")
     assert len(fig.frames) == 12
-    # the measured frame has none of these: the options stay the statistics, a request is refused
+    # the measurement has none of these: the options stay the statistics, a request is refused
     plain = drc_core.DepthExplorer(frame, tok, window=0, eps=EPS, max_tokens=8)
     assert [v for _, v in plain.metric.options] == ["kl", "state", "entropy", "converged"]
-    with pytest.raises(DrcError, match="needs the frame's 'dyn_class' column"):
+    with pytest.raises(DrcError, match="needs 'dyn_class': trace with drc_core.trace"):
         drc_core.token_strip_html(frame, 0, 2, tok, mode="class")
     with pytest.raises(DrcError, match="unknown metric/mode 'class'"):
-        drc_core.depth_slider_figure(tr.frame, 0, tok, metric="class")
+        drc_core.depth_slider_figure(tr, 0, tok, metric="class")
 
 
 def test_commit_vs_convergence_and_norm_figures():

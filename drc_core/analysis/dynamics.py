@@ -1,7 +1,7 @@
 """What each token's latent state does on its way to the fixed point: contraction, 2-cycles, drift, norm growth,
 the loop where the prediction commits, and overthinking.
 
-One uniform-depth pass (:func:`token_dynamics`, or a measurement frame: :meth:`Dynamics.from_frame`) keeps, per
+One uniform-depth pass (:func:`token_dynamics`, or a measurement: :meth:`Dynamics.of`) keeps, per
 token and loop, the state norm ``||s_l||``, the step ``||s_l - s_{l-1}||``, the two-loop step ``||s_l - s_{l-2}||``
 and the argmax. From them:
 
@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from drc_core.analysis.intervals import bootstrap_ci
-from drc_core.analysis.measure import DYNAMICS_COLUMNS, measure_windows
+from drc_core.analysis.measure import DYNAMICS_COLUMNS, Measurement, measure_windows
 from drc_core.errors import DrcError, need_int
 from drc_core.model.lm import RecurrentModel
 from drc_core.model.passes import EVAL_STATE_SEED
@@ -69,25 +69,17 @@ class Dynamics:
     argmax: np.ndarray
 
     @classmethod
-    def from_frame(cls, frame: pd.DataFrame) -> Dynamics:
-        """The dynamics of a measurement frame's tokens, arrays (n, L) in the frame's (window, pos) order, from its
-        ``state_norm``, ``state_delta``, ``state_step2`` and ``argmax`` columns
-        (:func:`~drc_core.analysis.measure.measure_windows` with ``dynamics=True``)."""
-        missing = [c for c in (*DYNAMICS_COLUMNS, "state_delta", "argmax", "loop") if c not in frame.columns]
+    def of(cls, m: Measurement) -> Dynamics:
+        """The dynamics of a measurement's tokens, arrays (n, L) in its token order, from its ``state_norm``,
+        ``state_delta``, ``state_step2`` and ``argmax`` (:func:`~drc_core.analysis.measure.measure_windows` with
+        ``dynamics=True``)."""
+        missing = [c for c in (*DYNAMICS_COLUMNS, "state_delta", "argmax") if c not in m.stats]
         if missing:
-            raise DrcError(f"the frame has no {', '.join(missing)} column: measure it with "
+            raise DrcError(f"the measurement has no {', '.join(missing)}: measure it with "
                            "measure_windows(..., dynamics=True)")
-        n_loops = int(frame["loop"].max())
-        if len(frame) % n_loops or (frame["loop"].to_numpy().reshape(-1, n_loops) != np.arange(1, n_loops + 1)).any():
-            raise DrcError("the frame's rows are not loops 1..L of each token in order: pass measure_windows' frame "
-                           "(sorted by window, pos, loop)")
-
-        def col(name: str) -> np.ndarray:
-            return frame[name].to_numpy().reshape(-1, n_loops)
-
-        norm = col("state_norm").astype(np.float32)
-        return cls(norm=norm, step=(col("state_delta") * norm).astype(np.float32),
-                   step2=col("state_step2").astype(np.float32), argmax=col("argmax").astype(np.int64))
+        norm = m.stats["state_norm"].astype(np.float32)
+        return cls(norm=norm, step=(m.stats["state_delta"] * norm).astype(np.float32),
+                   step2=m.stats["state_step2"].astype(np.float32), argmax=m.stats["argmax"].astype(np.int64))
 
     @property
     def max_loops(self) -> int:
@@ -108,11 +100,10 @@ def token_dynamics(model: RecurrentModel, windows: torch.Tensor, max_loops: int 
     """One uniform pass of ``max_loops`` loops over ``windows`` (N, T+1; inputs ``[:, :-1]``): the measurement pass
     (:func:`~drc_core.analysis.measure.measure_windows` with ``dynamics=True``; same ``seed`` and ``batch_size``
     give the same trajectories), arrays (N, T, L); with ``positions`` ((N, T) bool) those tokens only, (n, L). A
-    notebook that measures anyway reads :meth:`Dynamics.from_frame` of its frame instead."""
+    notebook that measures anyway reads :meth:`Dynamics.of` its measurement instead."""
     max_loops = need_int("max_loops", max_loops, 3)
-    frame = measure_windows(model, windows, max_loops, batch_size=batch_size, seed=seed, kl_to_final=False,
-                            positions=positions, dynamics=True)
-    dyn = Dynamics.from_frame(frame)
+    dyn = Dynamics.of(measure_windows(model, windows, max_loops, batch_size=batch_size, seed=seed,
+                                      kl_to_final=False, positions=positions, dynamics=True))
     if positions is None:
         n, t_len = windows.shape[0], windows.shape[1] - 1
         dyn = Dynamics(*(a.reshape(n, t_len, max_loops) for a in (dyn.norm, dyn.step, dyn.step2, dyn.argmax)))

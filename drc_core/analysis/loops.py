@@ -5,7 +5,7 @@ Direction convention: the successive KL at loop l is ``KL(p_l || p_{l-1})`` (the
 previous one); the relative state change is ``||s_l - s_{l-1}|| / ||s_l||``. See :class:`LoopStats`.
 
 :data:`STATISTICS` is the one list of these statistics: each :class:`Statistic` names a quantity once (the
-:class:`LoopStats` attribute, the measurement frame's column, :meth:`~drc_core.api.Trace.matrix`'s name and a
+:class:`LoopStats` attribute, the key of a measurement's ``stats`` and a
 rule's ``reads`` entry are that name), says what it reads (the loop's readout or only its state), what it needs of
 the previous loop and its value at the first loop. The built-in statistics are computed together, sharing one
 softmax, by :func:`loop_stats` here and by the skipping paths' compact layout
@@ -43,7 +43,7 @@ class Statistic:
     ``needs``: the statistics of the *previous* loop it is computed from (what a compact layout must keep per
     token); ``first``: its value at loop 1 where it compares with the previous loop (+inf or -inf: a value that
     never halts), None when it is defined at loop 1; ``kind``: ``"float"`` (B, T), ``"long"`` (B, T),
-    ``"vector"`` (B, T, d) or ``"distribution"`` (B, T, V); ``frame``: a column of the measurement frame (NaN
+    ``"vector"`` (B, T, d) or ``"distribution"`` (B, T, V); ``frame``: a statistic of every measurement (NaN
     where ``first`` is not None, at loop 1). ``compute(log_probs, state, prev)`` -> (B, T) (or (1, N) on a
     compact layout: it works on the last dimension only) is given for a registered statistic; ``log_probs`` is
     None when ``reads`` is "state", ``prev`` maps the previous loop's ``log_probs``/``state`` and every statistic
@@ -111,7 +111,7 @@ def unregister_statistic(name: str) -> None:
 
 
 def frame_statistics() -> tuple[str, ...]:
-    """The statistics that are columns of the measurement frame, in registry order."""
+    """The statistics every :func:`~drc_core.analysis.measure.measure_windows` keeps, in registry order."""
     return tuple(s.name for s in STATISTICS.values() if s.frame)
 
 

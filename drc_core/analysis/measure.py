@@ -3,7 +3,7 @@
 Direction conventions, used everywhere in this project:
 
 - the *successive-output KL* at loop l is ``KL(p_l || p_{l-1}) = sum_v p_l(v) (log p_l(v) - log p_{l-1}(v))``,
-  the new output measured against the previous one; it is defined for l >= 2 (NaN at loop 1 in the frames);
+  the new output measured against the previous one; it is defined for l >= 2 (NaN at loop 1);
 - the *KL to the deepest output* at loop l is ``KL(p_L || p_l)``, the deepest output p_L (L = ``max_loops``)
   measured against loop l's output -- the same direction as the oracle of :func:`drc_core.halting.reference.oracle_exit`
   (reference first); it is 0 at loop L.
@@ -13,26 +13,19 @@ the entropy ``H(p_l)`` in nats, ``ce`` the next-token cross-entropy ``-log p_l(t
 loop l is the validation loss at uniform depth l). All per-loop statistics come from
 :func:`drc_core.analysis.loops.loop_stats`, the same code the halting rules see.
 
-Measurement (:func:`measure_windows`). For each batch of windows the main pass is ONE ``iterate`` pass of
-``max_loops`` loops (prelude once, core L times, coda + head + log-softmax at every loop). Per batch it keeps
-the (B, T) statistics of every loop (O(L*T) floats per window) and at most two loops' (B, T, V) log-probs
-(the current and the previous loop); the L x T x V log-probs are never stored. ``kl_to_final=True`` needs
-p_L before loop 1's statistics can be compared with it. Where a batch's L loops of log-probs at the measured
-positions fit in :data:`ONE_PASS_BYTES` (a few positions per window, e.g. a task's answers: ``positions``), they
-are kept and compared with the last loop's after the one pass. Otherwise (every position of a batch of windows)
-a first, cheaper pass per batch (prelude + L core loops + one readout, i.e. about one depth-L ``forward``) gives
-p_L, kept during the main pass: the core-loop compute doubles (the main pass, which reads out every loop, grows
-less: +7% wall time on one CPU thread for d=256, V=8192, T=128, L=32), and three (B, T, V) tensors are held
-(previous, current, deepest). Both passes start from the same initial state s_0 (the generator's state is
-replayed), so the deepest output is exactly loop L's output of the main pass, and both ways give the same numbers.
-With ``kl_to_final=False`` the column is NaN and the cost is one pass.
+Measurement (:func:`measure_windows`, a :class:`Measurement` of (tokens, loops) arrays by statistic). Per batch
+of windows the main pass is ONE ``iterate`` pass of ``max_loops`` loops (readout at every loop), keeping the
+(B, T) statistics of every loop and at most two loops' (B, T, V) log-probs; the L x T x V log-probs are never
+stored. ``kl_to_final=True`` needs p_L first: where a batch's L loops of log-probs fit in :data:`ONE_PASS_BYTES`
+(a few ``positions`` per window, e.g. a task's answers) they are kept and compared with the last one after the
+pass; otherwise a first, cheaper pass per batch (about one depth-L ``forward``, +7% wall time on one CPU thread
+for d=256, V=8192, T=128, L=32) gives p_L from the same replayed initial state, so both ways give the same
+numbers. With ``kl_to_final=False`` the statistic is NaN and the cost is one pass.
 
-Summaries (:func:`per_loop_summary`, :func:`convergence_depth`, :func:`depth_summary`,
-:func:`eps_sensitivity`) carry percentile bootstrap CIs from one helper,
-:func:`drc_core.analysis.intervals.bootstrap_ci`, which resamples
-*clusters* with replacement: documents when the frame has a ``doc`` column, else windows. Every replicate of a
-pooled mean is the ratio of the drawn clusters' sums; all summaries are deterministic for a given ``seed``
-and, for the same clusters and seed, use the same resamples.
+Summaries (:func:`per_loop_summary`, :func:`convergence_depth`, :func:`depth_summary`, :func:`eps_sensitivity`)
+read the arrays and carry percentile bootstrap CIs from :func:`drc_core.analysis.intervals.bootstrap_ci`, which
+resamples *clusters* with replacement: documents where measured (``doc``), else windows; deterministic for a
+given ``seed``.
 """
 
 from __future__ import annotations
@@ -40,6 +33,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,23 +48,9 @@ from drc_core.model.checks import check_token_ids
 from drc_core.model.lm import RecurrentModel, logits_at
 from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
 
-__all__ = [
-    "DEFAULT_EPS",
-    "ONE_PASS_BYTES",
-    "DYNAMICS_COLUMNS",
-    "FRAME_COLUMNS",
-    "convergence_depth",
-    "depth_from_successive_kl",
-    "depth_summary",
-    "eps_sensitivity",
-    "kl_concentration",
-    "load_frame",
-    "oscillating_tokens",
-    "measure_windows",
-    "per_loop_summary",
-    "save_frame",
-    "val_windows_with_docs",
-]
+__all__ = ["DEFAULT_EPS", "DYNAMICS_COLUMNS", "FRAME_COLUMNS", "ONE_PASS_BYTES", "Measurement", "convergence_depth",
+           "depth_from_successive_kl", "depth_summary", "eps_sensitivity", "kl_concentration", "measure_windows",
+           "oscillating_tokens", "per_loop_summary", "val_windows_with_docs"]
 
 ONE_PASS_BYTES = 512 * 2**20  # a batch's log-probs over every loop kept (one pass) up to this size, else two passes
 
@@ -81,10 +61,7 @@ FRAME_COLUMNS = (
 _METRICS = ("kl", "state_delta", "entropy", "ce", "kl_final")
 DYNAMICS_COLUMNS = ("state_norm", "state_step2")  # measure_windows(dynamics=True), after the statistics
 LEGACY_COLUMNS = {"kl_prev": "kl"}  # frames saved before the statistics had one name each
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Validation helpers
+_TOKEN_COLUMNS = ("window", "pos", "token", "target", "doc")  # per token in a saved frame without a "stats" record
 
 
 def _int_dtype(max_value: int) -> np.dtype:
@@ -93,6 +70,111 @@ def _int_dtype(max_value: int) -> np.dtype:
         if max_value <= np.iinfo(dt).max:
             return np.dtype(dt)
     return np.dtype(np.int64)
+
+
+@dataclass
+class Measurement:
+    """Per-token, per-loop statistics: ``stats`` maps a statistic's name to an (n, L) array (row = token, column =
+    loop - 1; float32, ``argmax`` a small integer), in :data:`FRAME_COLUMNS` order; ``meta`` has one row per token,
+    in the same order (``window``, ``pos``, ``token``, ``target``, ``doc`` where measured, and what a caller adds:
+    ``text``, a class, ...); ``attrs`` what it was measured with (``max_loops``, ``seed``, ``kl_to_final``, ...).
+
+    The long table (one row per token and loop) is made only at the edge: :meth:`to_frame`, :meth:`save`."""
+
+    stats: dict[str, np.ndarray]
+    meta: pd.DataFrame
+    attrs: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        shapes = {a.shape for a in self.stats.values()}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[0] != len(self.meta):
+            raise DrcError(f"a Measurement needs (tokens, loops) statistics of one shape with one meta row per "
+                           f"token; got {sorted(shapes)} and {len(self.meta)} meta rows")
+        self.meta = self.meta.reset_index(drop=True)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    @property
+    def max_loops(self) -> int:
+        return next(iter(self.stats.values())).shape[1]
+
+    def clusters(self) -> np.ndarray:
+        """The bootstrap clusters of the tokens: documents where measured, else windows."""
+        return self.meta["doc" if "doc" in self.meta.columns else "window"].to_numpy()
+
+    def matrix(self, name: str) -> np.ndarray:
+        """Statistic ``name`` as a (tokens, L) float64 array."""
+        if name not in self.stats:
+            raise DrcError(f"column={name!r} is not a statistic of this measurement; use {', '.join(self.stats)}")
+        return self.stats[name].astype(np.float64)
+
+    def select(self, rows: np.ndarray | Sequence[int]) -> Measurement:
+        """The tokens ``rows`` (a bool mask or indices), statistics and meta alike."""
+        rows = np.asarray(rows)
+        rows = np.flatnonzero(rows) if rows.dtype == bool else rows.astype(np.int64)
+        return Measurement({k: v[rows] for k, v in self.stats.items()}, self.meta.iloc[rows], dict(self.attrs))
+
+    def to_frame(self) -> pd.DataFrame:
+        """The long table, one row per (token, loop) in (window, pos, loop) order: ``window``, ``pos``, ``loop``,
+        ``token``, ``target``, the statistics, then the rest of ``meta`` (``doc``, ...); ``attrs`` as ``.attrs``."""
+        n_loops, meta = self.max_loops, self.meta
+        first = [c for c in ("window", "pos") if c in meta.columns]
+        cols = {c: np.repeat(meta[c].to_numpy(), n_loops) for c in first}
+        cols["loop"] = np.tile(np.arange(1, n_loops + 1), len(meta)).astype(_int_dtype(n_loops))
+        cols |= {c: np.repeat(meta[c].to_numpy(), n_loops) for c in ("token", "target") if c in meta.columns}
+        cols |= {k: v.reshape(-1) for k, v in self.stats.items()}
+        cols |= {c: np.repeat(meta[c].to_numpy(), n_loops) for c in meta.columns if c not in cols}
+        df = pd.DataFrame(cols)
+        df.attrs.update(self.attrs)
+        return df
+
+    @classmethod
+    def from_frame(cls, df: pd.DataFrame, stats: Sequence[str] | None = None) -> Measurement:
+        """A long table back to arrays (the inverse of :meth:`to_frame`; rows in any order, every token with loops
+        1..L once). ``stats``: the per-loop columns (default: the frame's ``stats`` record, else every column but
+        ``loop`` and the per-token ``window``, ``pos``, ``token``, ``target``, ``doc``)."""
+        if not isinstance(df, pd.DataFrame) or len(df) == 0 or "loop" not in df.columns:
+            raise DrcError("expected a non-empty long frame with a loop column (Measurement.to_frame)")
+        keys = [c for c in ("window", "pos") if c in df.columns]
+        df = df.sort_values([*keys, "loop"], kind="stable")
+        loops = df["loop"].to_numpy(np.int64)
+        n_loops = int(loops.max())
+        if len(df) % n_loops or (loops.reshape(-1, n_loops) != np.arange(1, n_loops + 1)).any():
+            raise DrcError(f"the frame lacks loops or has repeated rows; every token needs loops 1..{n_loops} once")
+        names = list(stats or df.attrs.get("stats") or [c for c in df.columns if c not in (*_TOKEN_COLUMNS, "loop")])
+        attrs = {k: v for k, v in df.attrs.items() if k != "stats"}
+        meta = df.iloc[::n_loops][[c for c in df.columns if c not in (*names, "loop")]]
+        return cls({k: df[k].to_numpy().reshape(-1, n_loops) for k in names}, meta, attrs)
+
+    def save(self, path: str | Path, made_with: Mapping[str, object] | None = None) -> Path:
+        """Write :meth:`to_frame` to parquet (parent directories created); returns the path. ``made_with``: what it
+        was computed from (e.g. the corpus's fingerprint), kept in the file, so that :meth:`load` can refuse a
+        measurement made from something else (``expect``)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        df = self.to_frame()
+        df.attrs.update({"stats": list(self.stats), "made_with": dict(made_with or {})})
+        df.to_parquet(p, index=False)
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path, expect: Mapping[str, object] | None = None) -> Measurement:
+        """Read a file of :meth:`save` (or of ``save_frame`` before it). Each key of ``expect`` must be in its
+        ``made_with`` record with that value, else a one-line :class:`DrcError` (re-run what writes it)."""
+        p = Path(path)
+        if not p.is_file():
+            raise DrcError(f"{p} not found; pass a parquet file written by Measurement.save")
+        df = pd.read_parquet(p).rename(columns=LEGACY_COLUMNS)
+        made = df.attrs.get("made_with", {})
+        for key, want in (expect or {}).items():
+            if key not in made:
+                raise DrcError(f"{p} does not record its {key} (written before frames recorded what they were made "
+                               "from): re-run the notebook that writes it")
+            if made[key] != want:
+                raise DrcError(f"{p} was made with {key}={str(made[key])[:16]!r}, not {str(want)[:16]!r}: re-run the "
+                               "notebook that writes it with the same parameters")
+        return cls.from_frame(df)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -112,32 +194,29 @@ def measure_windows(
     positions: torch.Tensor | np.ndarray | None = None,
     dynamics: bool = False,
     progress: bool = False,
-) -> pd.DataFrame:
-    """Per-token, per-loop statistics of ``model`` on ``windows`` (N, T+1): a tidy frame, one row per
-    (window, pos, loop), sorted by window, pos, loop.
+) -> Measurement:
+    """Per-token, per-loop statistics of ``model`` on ``windows`` (N, T+1): a :class:`Measurement`, tokens in
+    (window, pos) order.
 
-    Inputs are ``windows[:, :-1]`` and targets ``windows[:, 1:]``. Columns: ``window``, ``pos`` (0..T-1),
-    ``loop`` (1..max_loops), ``token`` (input id at pos), ``target`` (next id), ``kl`` = KL(p_l || p_{l-1})
-    (NaN at loop 1), ``kl_final`` = KL(p_L || p_l) (NaN when ``kl_to_final=False``), ``state_delta`` =
-    ||s_l - s_{l-1}|| / ||s_l|| (NaN at loop 1), ``entropy`` (nats), ``argmax``, ``ce`` = -log p_l(target);
-    plus ``doc`` when ``doc_ids`` is given, either one id per window (N,) or one per input position (N, T)
-    (as :func:`val_windows_with_docs` returns); plus one column per statistic registered with ``frame=True``
+    Inputs are ``windows[:, :-1]`` and targets ``windows[:, 1:]``. Meta: ``window``, ``pos`` (0..T-1), ``token``
+    (input id at pos), ``target`` (next id), plus ``doc`` when ``doc_ids`` is given, either one id per window (N,)
+    or one per input position (N, T) (as :func:`val_windows_with_docs` returns). Statistics, (tokens, loops):
+    ``kl`` = KL(p_l || p_{l-1}) (NaN at loop 1), ``kl_final`` = KL(p_L || p_l) (NaN when ``kl_to_final=False``),
+    ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l|| (NaN at loop 1), ``entropy`` (nats), ``argmax``, ``ce`` =
+    -log p_l(target); plus one per statistic registered with ``frame=True``
     (:func:`~drc_core.analysis.loops.register_statistic`; NaN at loop 1 where it compares with the previous
-    loop). The columns are the statistics' names in :data:`~drc_core.analysis.loops.STATISTICS`. Floats are
-    float32, ids small signed integers.
+    loop). The names are the statistics' in :data:`~drc_core.analysis.loops.STATISTICS`. Floats are float32, ids
+    small signed integers.
 
     ``dynamics=True`` adds ``state_norm`` = ||s_l|| and ``state_step2`` = ||s_l - s_{l-2}|| (NaN at loops 1-2),
-    what :meth:`drc_core.analysis.dynamics.Dynamics.from_frame` reads with ``state_delta`` and ``argmax``.
-    ``positions``: an (N, T) bool mask; the frame then has the rows of those tokens only (the same values as
-    the full frame's rows: every token still runs through core and coda, only the head and the statistics are
-    limited to them), e.g. the answers of a task.
+    what :meth:`drc_core.analysis.dynamics.Dynamics.of` reads with ``state_delta`` and ``argmax``.
+    ``positions``: an (N, T) bool mask; the measurement then has those tokens only (the same values as the
+    full one's: every token still runs through core and coda, only the head and the statistics are limited to
+    them), e.g. the answers of a task.
 
-    The initial latent state of batch k is the k-th draw of a generator seeded with ``seed``, as in
-    :func:`drc_core.training.evaluate.loss_by_depth` (same ``batch_size`` -> same states, so the mean ``ce`` at loop l
-    equals its loss at depth l). Runs under ``torch.no_grad()`` in eval mode and restores the model's mode.
-    Memory and cost: see the module docstring (one pass, or about two with ``kl_to_final``).
-
-    Long because the frame's columns are gathered in one pass per batch of windows.
+    Batch k starts from the k-th draw of a generator seeded with ``seed``, as in
+    :func:`drc_core.training.evaluate.loss_by_depth` (same ``batch_size``: the mean ``ce`` at loop l is its loss at
+    depth l). Runs in eval mode under ``torch.no_grad()``; memory and cost: see the module docstring.
     """
     windows = check_token_ids(model, windows)
     max_loops = need_int("max_loops", max_loops, 2)
@@ -159,12 +238,11 @@ def measure_windows(
                            f"{tuple(keep.shape)}")
 
     extras = [STATISTICS[name] for name in frame_statistics() if name not in BUILTIN_STATISTICS]
-    stat_names = ("kl", "kl_final", "state_delta", "entropy", "ce", *(x.name for x in extras),
-                  *(DYNAMICS_COLUMNS if dynamics else ()))
-    floats: dict[str, list[np.ndarray]] = {k: [] for k in stat_names}
+    names = ("kl", "kl_final", "state_delta", "entropy", "argmax", "ce", *(x.name for x in extras),
+             *(DYNAMICS_COLUMNS if dynamics else ()))
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
     reads = {"kl", "state_delta", "entropy", "argmax", *(x.name for x in extras),
-             *(("state_step",) if dynamics else ())}  # what the frame's columns are made of
-    argmaxes: list[np.ndarray] = []
+             *(("state_step",) if dynamics else ())}  # what the statistics are made of
     for b, batch in enumerate(eval_batches(model, windows, batch_size, seed)):
         x, y, gen = batch.x, batch.y, batch.generator
         where = None if keep is None else keep[batch.start : batch.start + len(x)].to(x.device)
@@ -179,7 +257,7 @@ def measure_windows(
             final = torch.log_softmax(logits.float() if where is None else logits.float()[None], dim=-1)
             p_final = final.exp()  # once per batch, not once per loop
             gen.set_state(replay)
-        per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in (*stat_names, "argmax")}
+        per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in names}
         prev_step = None
         for st in iterate_stats(model, x, max_loops, generator=gen, where=where, only=reads):
             nan = torch.full_like(st.entropy, math.nan)
@@ -205,40 +283,26 @@ def measure_windows(
             p_final = final.exp()
             per_loop["kl_final"] = [kl_successive(final, lp, p_final) for lp in kept]
         del final, p_final, st, kept  # free this batch's (B, T, V) tensors before the next one
-        for k in stat_names:  # (L, B, T) -> (B, T, L) -> flat in (window, pos, loop) order
-            floats[k].append(torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1).float().cpu().numpy())
-        argmaxes.append(torch.stack(per_loop["argmax"]).permute(1, 2, 0).reshape(-1).cpu().numpy())
+        for k in names:  # (L, B, T) -> (B, T, L) -> (tokens, L) in (window, pos) order
+            v = torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1, max_loops)
+            parts[k].append((v if k == "argmax" else v.float()).cpu().numpy())
         if progress:
             print(f"measure: batch {b + 1}/{math.ceil(n / batch_size)} ({min(batch.start + batch_size, n)}/{n} "
                   "windows)", file=sys.stderr, flush=True)
 
     id_dtype = _int_dtype(max(vocab - 1, 1))
+    stats = {k: np.concatenate(parts[k]).astype(id_dtype if k == "argmax" else np.float32) for k in names}
     mask = np.ones((n, t_len), dtype=bool) if keep is None else keep.cpu().numpy()
     w_idx, p_idx = np.nonzero(mask)  # row-major: the statistics' (window, pos) order
-
-    def per_row(values: np.ndarray) -> np.ndarray:  # (N, T) -> one value per frame row
-        return np.repeat(values[w_idx, p_idx], max_loops)
-
-    frame = {
-        "window": np.repeat(w_idx, max_loops).astype(_int_dtype(n)),
-        "pos": np.repeat(p_idx, max_loops).astype(_int_dtype(t_len)),
-        "loop": np.tile(np.arange(1, max_loops + 1), len(w_idx)).astype(_int_dtype(max_loops)),
-        "token": per_row(windows[:, :-1].cpu().numpy()).astype(id_dtype),
-        "target": per_row(windows[:, 1:].cpu().numpy()).astype(id_dtype),
-    }
-    for k in ("kl", "kl_final", "state_delta", "entropy"):
-        frame[k] = np.concatenate(floats[k]).astype(np.float32)
-    frame["argmax"] = np.concatenate(argmaxes).astype(id_dtype)
-    frame["ce"] = np.concatenate(floats["ce"]).astype(np.float32)
-    for name in (*(x.name for x in extras), *(DYNAMICS_COLUMNS if dynamics else ())):
-        frame[name] = np.concatenate(floats[name]).astype(np.float32)
+    meta = {"window": w_idx.astype(_int_dtype(n)), "pos": p_idx.astype(_int_dtype(t_len)),
+            "token": windows[:, :-1].cpu().numpy()[w_idx, p_idx].astype(id_dtype),
+            "target": windows[:, 1:].cpu().numpy()[w_idx, p_idx].astype(id_dtype)}
     if docs is not None:
         d = docs.cpu().numpy()
-        frame["doc"] = per_row(d).astype(_int_dtype(max(int(d.max()), 0)))
-    df = pd.DataFrame(frame)
-    df.attrs.update({"max_loops": max_loops, "seed": int(seed), "kl_to_final": bool(kl_to_final),
-                     "kl": "KL(p_l || p_{l-1})", "kl_final": "KL(p_L || p_l)"})
-    return df
+        meta["doc"] = d[w_idx, p_idx].astype(_int_dtype(max(int(d.max()), 0)))
+    return Measurement(stats, pd.DataFrame(meta), {"max_loops": max_loops, "seed": int(seed),
+                                                   "kl_to_final": bool(kl_to_final), "kl": "KL(p_l || p_{l-1})",
+                                                   "kl_final": "KL(p_L || p_l)"})
 
 
 def val_windows_with_docs(corpus: Corpus, seq_len: int, max_windows: int | None = None,
@@ -267,103 +331,41 @@ def val_windows_with_docs(corpus: Corpus, seq_len: int, max_windows: int | None 
     return windows, torch.from_numpy(doc)
 
 
-def save_frame(df: pd.DataFrame, path: str | Path, made_with: Mapping[str, object] | None = None) -> Path:
-    """Write a measurement frame to parquet (parent directories created); returns the path. ``made_with``: what
-    the frame was computed from (e.g. the corpus's fingerprint, the number of windows), kept in the file, so that
-    a reader can refuse a frame made from something else (:func:`load_frame`'s ``expect``)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    out = df.copy(deep=False)
-    out.attrs = {**df.attrs, "made_with": dict(made_with or {})}
-    out.to_parquet(p, index=False)
-    return p
-
-
-def load_frame(path: str | Path, expect: Mapping[str, object] | None = None) -> pd.DataFrame:
-    """Read a frame written by :func:`save_frame` (a column of an older frame gets its current name). Each key of
-    ``expect`` must be in the frame's ``made_with`` record with that value; else a one-line :class:`DrcError`
-    (the frame was made from something else: re-run what writes it)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DrcError(f"{p} not found; pass a parquet file written by save_frame")
-    df = pd.read_parquet(p).rename(columns=LEGACY_COLUMNS)
-    made = df.attrs.get("made_with", {})
-    for key, want in (expect or {}).items():
-        if key not in made:
-            raise DrcError(f"{p} does not record its {key} (written before frames recorded what they were made "
-                           "from): re-run the notebook that writes it")
-        if made[key] != want:
-            raise DrcError(f"{p} was made with {key}={str(made[key])[:16]!r}, not {str(want)[:16]!r}: re-run the "
-                           "notebook that writes it with the same parameters")
-    return df
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Summaries
 
 
-def _check_frame(df: pd.DataFrame, needed: Sequence[str]) -> None:
-    if not isinstance(df, pd.DataFrame) or len(df) == 0:
-        raise DrcError("expected a non-empty measurement frame from measure_windows")
-    missing = [c for c in needed if c not in df.columns]
+def _need(m: Measurement, needed: Sequence[str] = ()) -> Measurement:
+    if not isinstance(m, Measurement) or len(m) == 0:
+        raise DrcError("expected a non-empty Measurement from measure_windows (Measurement.from_frame for a frame)")
+    missing = [c for c in needed if c not in m.stats]
     if missing:
-        raise DrcError(f"the frame lacks column {missing[0]!r}; pass a frame from measure_windows")
+        raise DrcError(f"the measurement lacks statistic {missing[0]!r}; pass one from measure_windows")
+    return m
 
 
-def _cluster_column(df: pd.DataFrame) -> str:
-    """Bootstrap clusters: documents when the frame has them, else windows."""
-    return "doc" if "doc" in df.columns else "window"
+def _tokens(m: Measurement) -> pd.DataFrame:
+    """Each token's ``window``, ``pos`` and cluster (``doc`` where measured), one row per token."""
+    return m.meta[[c for c in ("window", "pos", "doc") if c in m.meta.columns]].copy()
 
 
-def _token_matrix(df: pd.DataFrame, columns: Sequence[str]) -> tuple[pd.DataFrame, dict[str, np.ndarray], int]:
-    """Pivot a tidy frame to one (n_tokens, L) float matrix per column (NaN where a loop is missing).
-
-    Returns the tokens (window, pos and the cluster column, one row each, in matrix order), the matrices
-    (plus ``_present``, a bool matrix of the (token, loop) rows that exist) and L.
-    """
-    _check_frame(df, ("window", "pos", "loop", *columns))
-    loops = df["loop"].to_numpy(np.int64)
-    if loops.min() < 1:
-        raise DrcError(f"the frame has loop {int(loops.min())}; loops are 1-based")
-    n_loops = int(loops.max())
-    key = df["window"].to_numpy(np.int64) * (int(df["pos"].max()) + 1) + df["pos"].to_numpy(np.int64)
-    uniq, first, tok = np.unique(key, return_index=True, return_inverse=True)
-    cell = tok * n_loops + loops - 1
-    if len(np.unique(cell)) != len(df):
-        raise DrcError("the frame has repeated (window, pos, loop) rows; pass one row per token and loop")
-    cluster = _cluster_column(df)
-    tokens = df.iloc[first][list(dict.fromkeys(["window", "pos", cluster]))].reset_index(drop=True)
-    mats = {}
-    for c in columns:
-        m = np.full((len(uniq), n_loops), math.nan)
-        m[tok, loops - 1] = df[c].to_numpy(float)
-        mats[c] = m
-    present = np.zeros((len(uniq), n_loops), dtype=bool)
-    present[tok, loops - 1] = True
-    mats["_present"] = present
-    return tokens, mats, n_loops
-
-
-def per_loop_summary(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+def per_loop_summary(m: Measurement, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
     """Per loop: the mean over tokens of ``kl`` (KL(p_l || p_{l-1})), ``state_delta``, ``entropy``,
     ``ce`` (= the validation loss at uniform depth l) and ``kl_final`` (KL(p_L || p_l)), each with a
-    bootstrap CI over documents (windows without a ``doc`` column): columns ``loop``, ``n_tokens``, and for
-    each metric m ``m``, ``m_ci_low``, ``m_ci_high``. Metrics absent from the frame, or all NaN, are NaN.
+    bootstrap CI over documents (windows without a ``doc``): columns ``loop``, ``n_tokens``, and for
+    each metric m ``m``, ``m_ci_low``, ``m_ci_high``. Metrics not measured, or all NaN, are NaN.
     """
-    metrics = [m for m in _METRICS if m in df.columns]
-    tokens, mats, n_loops = _token_matrix(df, metrics)
-    stacked = np.concatenate([mats[m] for m in metrics], axis=1)
-    point, lo, hi = bootstrap_ci(stacked, tokens[_cluster_column(df)].to_numpy(), n_boot=n_boot, seed=seed,
-                                 level=level)
-    out = pd.DataFrame({"loop": np.arange(1, n_loops + 1),
-                        "n_tokens": mats["_present"].sum(axis=0)})
-    for m in _METRICS:
-        if m in metrics:
-            j = metrics.index(m)
-            sl = slice(j * n_loops, (j + 1) * n_loops)
-            out[m], out[f"{m}_ci_low"], out[f"{m}_ci_high"] = point[sl], lo[sl], hi[sl]
+    metrics = [k for k in _METRICS if k in _need(m).stats]
+    n_loops = m.max_loops
+    stacked = np.concatenate([m.matrix(k) for k in metrics], axis=1)
+    point, lo, hi = bootstrap_ci(stacked, m.clusters(), n_boot=n_boot, seed=seed, level=level)
+    out = pd.DataFrame({"loop": np.arange(1, n_loops + 1), "n_tokens": np.full(n_loops, len(m))})
+    for k in _METRICS:
+        if k in metrics:
+            sl = slice(metrics.index(k) * n_loops, (metrics.index(k) + 1) * n_loops)
+            out[k], out[f"{k}_ci_low"], out[f"{k}_ci_high"] = point[sl], lo[sl], hi[sl]
         else:
-            out[m] = out[f"{m}_ci_low"] = out[f"{m}_ci_high"] = math.nan
+            out[k] = out[f"{k}_ci_low"] = out[f"{k}_ci_high"] = math.nan
     return out
 
 
@@ -377,30 +379,28 @@ def depth_from_successive_kl(kl: np.ndarray, eps: float) -> np.ndarray:
     return np.where(above.any(axis=-1), last + 2, 1)
 
 
-def convergence_depth(df: pd.DataFrame, eps: float = DEFAULT_EPS) -> pd.DataFrame:
+def convergence_depth(m: Measurement, eps: float = DEFAULT_EPS) -> pd.DataFrame:
     """Per token, the first loop after which the successive KL stays below ``eps``.
 
-    Definition: with L the deepest loop in the frame, a token's depth is the smallest l >= 1 such that
+    Definition: with L the deepest loop measured, a token's depth is the smallest l >= 1 such that
     ``KL(p_{l'} || p_{l'-1}) < eps`` (strict, as :class:`drc_core.halting.rules.KLThreshold`) for every l' in
     l+1..L. Equivalently it is the last loop l' >= 2 whose KL is >= eps (NaN counts as >= eps), or 1 if there
     is none: a KL that dips below ``eps`` and rises again does not count, only the last rise does. A token
     whose KL at loop L is still >= eps never settled; it gets depth L and ``converged=False`` (every
-    converged token has depth <= L-1). Every token needs all loops 2..L.
+    converged token has depth <= L-1).
 
-    Returns one row per token: ``window``, ``pos`` (and ``doc`` when the frame has it), ``depth`` (int16)
+    Returns one row per token: ``window``, ``pos`` (and ``doc`` where measured), ``depth`` (int16)
     and ``converged`` (bool), sorted by window and pos.
     """
     eps = need_eps(eps)
-    tokens, mats, n_loops = _token_matrix(df, ("kl",))
+    n_loops = _need(m, ("kl",)).max_loops
     if n_loops < 2:
-        raise DrcError("the frame has only loop 1; convergence depth needs loops 1..L with L >= 2")
-    if not mats["_present"][:, 1:].all():
-        raise DrcError(f"the frame lacks loops for some tokens; every token needs loops 2..{n_loops}")
-    depth = depth_from_successive_kl(mats["kl"][:, 1:], eps)  # loops 2..L
-    out = tokens.copy()
+        raise DrcError("the measurement has only loop 1; convergence depth needs loops 1..L with L >= 2")
+    depth = depth_from_successive_kl(m.stats["kl"][:, 1:], eps)  # loops 2..L
+    out = _tokens(m)
     out["depth"] = depth.astype(np.int16)
     out["converged"] = depth < n_loops
-    out.attrs.update({"eps": eps, "max_loops": n_loops})
+    out.attrs.update({**m.attrs, "eps": eps, "max_loops": n_loops})
     return out
 
 
@@ -412,7 +412,8 @@ def depth_summary(depths: pd.DataFrame, train_mean_depth: float = 8, *, n_boot: 
     ``frac_unconverged`` (never settled within L). Returns rows ``stat``, ``value``, ``ci_low``, ``ci_high``,
     plus ``n_tokens`` and ``n_clusters``.
     """
-    _check_frame(depths, ("depth", "converged"))
+    if not isinstance(depths, pd.DataFrame) or len(depths) == 0 or not {"depth", "converged"} <= set(depths.columns):
+        raise DrcError("expected a non-empty convergence_depth table (columns depth, converged)")
     need_float("train_mean_depth", train_mean_depth, 1.0)
     cluster = depths["doc"] if "doc" in depths.columns else depths.get("window")
     clusters = None if cluster is None else cluster.to_numpy()
@@ -431,17 +432,18 @@ def depth_summary(depths: pd.DataFrame, train_mean_depth: float = 8, *, n_boot: 
     return out
 
 
-def kl_concentration(df: pd.DataFrame, loops: Sequence[int], shares: Sequence[float] = (0.01, 0.001)) -> pd.DataFrame:
+def kl_concentration(m: Measurement, loops: Sequence[int], shares: Sequence[float] = (0.01, 0.001)) -> pd.DataFrame:
     """How the mean successive KL at each of ``loops`` is made up: its mean and median over tokens, the 99th
     percentile, the share of the mean carried by the top ``shares`` fraction of tokens (``top_1%``, ...), and
     the mean without the top 1%. A mean far above the median, carried by a handful of tokens, is a few tokens
     that never settle (e.g. a 2-cycle), not a slow common decay."""
-    _check_frame(df, ("loop", "kl"))
+    all_kl = _need(m, ("kl",)).matrix("kl")
     rows = []
     for loop in loops:
-        kl = np.sort(df.loc[df.loop == loop, "kl"].dropna().to_numpy(float))[::-1]
+        kl = all_kl[:, loop - 1] if 1 <= loop <= m.max_loops else np.empty(0)
+        kl = np.sort(kl[~np.isnan(kl)])[::-1]
         if kl.size == 0:
-            raise DrcError(f"no successive KL at loop {loop}: the frame has loops 2..{int(df.loop.max())}")
+            raise DrcError(f"no successive KL at loop {loop}: the measurement has loops 2..{m.max_loops}")
         total = kl.sum()
         row = {"loop": int(loop), "n_tokens": kl.size, "mean": kl.mean(), "median": float(np.median(kl)),
                "p99": float(np.quantile(kl, 0.99))}
@@ -453,34 +455,36 @@ def kl_concentration(df: pd.DataFrame, loops: Sequence[int], shares: Sequence[fl
     return pd.DataFrame(rows)
 
 
-def oscillating_tokens(df: pd.DataFrame, *, min_kl: float = 1e-6, ratio: float = 10.0,
+def oscillating_tokens(m: Measurement, *, min_kl: float = 1e-6, ratio: float = 10.0,
                        share_at: Sequence[int] = ()) -> tuple[pd.DataFrame, dict[int, float]]:
     """The tokens caught in a 2-cycle at the deepest loop L instead of at a fixed point: their output at L is far
     from the one a loop earlier but close to the one two loops earlier -- ``KL(p_L || p_{L-1}) >= min_kl`` and
-    ``>= ratio * KL(p_L || p_{L-2})`` (the frame's ``kl_final``; needs L >= 3 and ``kl_to_final=True``).
+    ``>= ratio * KL(p_L || p_{L-2})`` (``kl_final``; needs L >= 3 and ``kl_to_final=True``).
 
-    Returns the tokens (``window``, ``pos``, the cluster column, ``token``, ``kl_other`` = KL(p_L || p_{L-1}),
+    Returns the tokens (``window``, ``pos``, ``doc`` where measured, ``token``, ``kl_other`` = KL(p_L || p_{L-1}),
     ``kl_same`` = KL(p_L || p_{L-2}); largest ``kl_other`` first) and, for each loop l of ``share_at``, the share
     of the mean successive KL at l that these tokens carry (how much of a KL floor the cycle explains)."""
-    tokens, mats, n_loops = _token_matrix(df, ("kl_final", "kl", "token"))
+    n_loops = _need(m, ("kl_final", "kl")).max_loops
     if n_loops < 3:
-        raise DrcError(f"the frame has {n_loops} loops; a 2-cycle needs at least 3 (measure to max_loops >= 3)")
-    other, same = mats["kl_final"][:, n_loops - 2], mats["kl_final"][:, n_loops - 3]
+        raise DrcError(f"the measurement has {n_loops} loops; a 2-cycle needs at least 3 (measure to max_loops >= 3)")
+    kl_final = m.matrix("kl_final")
+    other, same = kl_final[:, n_loops - 2], kl_final[:, n_loops - 3]
     if np.isnan(other).all():
-        raise DrcError("the frame has no kl_final values; measure with kl_to_final=True")
+        raise DrcError("the measurement has no kl_final values; measure with kl_to_final=True")
     hit = (other >= need_float("min_kl", min_kl, 0.0)) & (other >= need_float("ratio", ratio, 1.0) * same)
-    out = tokens[hit].assign(token=mats["token"][hit, 0].astype(np.int64), kl_other=other[hit], kl_same=same[hit])
+    out = _tokens(m)[hit].assign(token=m.meta["token"].to_numpy(np.int64)[hit], kl_other=other[hit],
+                                 kl_same=same[hit])
     shares = {}
     for loop in share_at:
         if not 2 <= loop <= n_loops:
             raise DrcError(f"share_at loop {loop} is outside 2..{n_loops}, the loops with a successive KL")
-        kl = mats["kl"][:, loop - 1]
+        kl = m.matrix("kl")[:, loop - 1]
         total = float(np.nansum(kl))
         shares[int(loop)] = float(np.nansum(kl[hit]) / total) if total > 0 else math.nan
     return out.sort_values("kl_other", ascending=False).reset_index(drop=True), shares
 
 
-def eps_sensitivity(df: pd.DataFrame, eps_grid: Sequence[float] = (1e-2, 1e-3, 1e-4, 1e-5),
+def eps_sensitivity(m: Measurement, eps_grid: Sequence[float] = (1e-2, 1e-3, 1e-4, 1e-5),
                     train_mean_depth: float = 8, *, n_boot: int = 1000, seed: int = 0,
                     level: float = 0.95) -> pd.DataFrame:
     """:func:`depth_summary` of :func:`convergence_depth` for every ``eps`` in ``eps_grid``, stacked: the
@@ -490,7 +494,7 @@ def eps_sensitivity(df: pd.DataFrame, eps_grid: Sequence[float] = (1e-2, 1e-3, 1
         raise DrcError("eps_grid is empty; pass at least one eps > 0")
     parts = []
     for eps in grid:
-        part = depth_summary(convergence_depth(df, eps), train_mean_depth, n_boot=n_boot, seed=seed, level=level)
+        part = depth_summary(convergence_depth(m, eps), train_mean_depth, n_boot=n_boot, seed=seed, level=level)
         part.insert(0, "eps", eps)
         parts.append(part)
     return pd.concat(parts, ignore_index=True)

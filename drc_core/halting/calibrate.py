@@ -176,7 +176,7 @@ def family_specs(family: str, max_loops: int, reference_loops: int) -> list[Rule
     if family == "uniform":
         return [RuleSpec("uniform", float(u), Uniform(u)) for u in range(reference_loops, 0, -1)]
     classes = RULE_FAMILIES
-    if family not in classes or not classes[family].grid:
+    if not isinstance(family, str) or family not in classes or not classes[family].grid:
         raise DrcError(f"family {family!r} has no threshold grid; calibrate one of "
                        f"{', '.join(f for f, c in classes.items() if c.grid)} or 'uniform'")
     cls = classes[family]
@@ -297,6 +297,8 @@ def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, f
     its ``risk`` is at most ``alpha`` with probability ``1 - delta`` (Learn then Test over documents); the rule
     and its printable :class:`Certificate`."""
     check_calibration(family, alpha, delta, risk)
+    need_float("tolerance", tolerance, 0.0)
+    need_int("max_loops", max_loops, 1)  # a smaller value would be silently raised to reference_loops
     table = loss_table(model, windows, units, [family], risk=risk, tolerance=tolerance,
                        reference_loops=reference_loops, max_loops=max_loops, seed=seed)
     cert = table.certify(family, alpha, delta)

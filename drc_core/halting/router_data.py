@@ -184,7 +184,7 @@ def harvest(
 
     One uniform-depth ``iterate`` pass of ``max_loops`` loops per batch; the initial state of batch k is the
     k-th draw of a generator seeded with ``seed`` (as :func:`drc_core.analysis.measure.measure_windows`, so with the
-    same ``batch_size`` the labels equal :func:`drc_core.analysis.measure.convergence_depth` of its frame). Labels:
+    same ``batch_size`` the labels equal :func:`drc_core.analysis.measure.convergence_depth` of its result). Labels:
     see the module docstring. ``loops``: the loops to keep (default 1..max_loops-1); ``positions``: keep this
     many positions per window, drawn without replacement from a generator seeded with
     ``(subsample_seed, window)`` (independent of ``batch_size``; None keeps all). The number of rows is
