@@ -4,7 +4,7 @@
     .venv/bin/python bench/adaptive_speed.py --run data/reference --windows 64 --rounds 5 --json runs/bench/speed.json
     .venv/bin/python bench/adaptive_speed.py --run runs/cpu/final --families kl,state_delta,cosine --threads 2
 
-In one process (``drc_book.speed_report.run_speed``): each rule family's threshold is matched to
+In one process (``drc_book.speed_checks.run_speed``): each rule family's threshold is matched to
 uniform depth r's validation cross-entropy (within ``--ce-tolerance`` nats, on the same windows:
 lowest-average-depth grid point, offline sweep checked online); then, interleaved over ``--rounds`` rounds with medians,
 
@@ -37,22 +37,26 @@ from pathlib import Path
 import torch
 
 import drc_core
-from drc_book.continuous_speed import decoder_targets, serving_latency, time_decoders
-from drc_book.decode_speed import decode_loop_cost, decode_prediction
 from drc_book.speed import (
     TARGET_MEASURE,
     TARGET_RATIO,
     SpeedConfig,
+    decode_loop_cost,
+    decode_prediction,
+    decoder_targets,
     matched_rules,
+    serving_latency,
     skip_overhead,
+    time_decoders,
 )
 from drc_book.speed_checks import (
+    SpeedReport,
     anderson_configs,
     anderson_table,
     bf16_check,
     measurement_pass,
+    run_speed,
 )
-from drc_book.speed_report import SpeedReport, run_speed
 from drc_book.workspace import save_results
 from drc_core.analysis.measure import val_windows_with_docs
 from drc_core.data.sampler import Corpus

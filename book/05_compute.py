@@ -88,11 +88,10 @@ from IPython.display import Markdown, display
 
 import drc_core
 from drc_book import speed, speed_checks, viz
-from drc_book.continuous_speed import decoder_targets, serving_latency
 from drc_book.cost import flop_summary, keep_freed_memory, speedup_model
-from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_decoder_sets
 from drc_book.handoff import Compute
 from drc_book.paths import at_root, results_for
+from drc_book.speed import decode_loop_cost, decode_prediction, time_decoder_sets
 from drc_book.workspace import open_study
 from drc_core import bf16_support, default_families, val_windows_with_docs
 
@@ -212,7 +211,8 @@ display(prediction.round(3))
 decoders = decoding.decoders
 display(decoders[["batch", "rule", "path", "avg_loops", "ms_per_step", "tokens_per_s", "x_dense", "flop_speedup",
                   "realization", "same_as_generate"]].round(3))
-decoder_checks = decoder_targets(decoders, batches=[b for b in decoder_batches if 1 < b <= len(prompts)])
+checked = [b for b in decoder_batches if 1 < b <= len(prompts)]
+decoder_checks = speed.decoder_targets(decoders, batches=checked)
 display(decoder_checks.round(3))
 viz.decoder_bars(decoders)
 
@@ -227,8 +227,9 @@ viz.decoder_bars(decoders)
 state_rule = [sp.rule for sp in decoder_rules if sp.family == "state_delta"]
 serving = None
 if serving_slots and state_rule and len(prompts) > serving_slots:
-    serving = serving_latency(model, prompts, state_rule[0], slots=serving_slots,
-                              new_tokens=(max(1, new_tokens // 4), new_tokens, new_tokens, new_tokens), cfg=timing)
+    asks = (max(1, new_tokens // 4), new_tokens, new_tokens, new_tokens)
+    serving = speed.serving_latency(model, prompts, state_rule[0], slots=serving_slots,
+                                    new_tokens=asks, cfg=timing)
     display(serving.round(3))
 
 # %% [markdown]

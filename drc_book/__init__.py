@@ -1,10 +1,7 @@
-"""drc_book: the study's machinery beside the notebooks in ``book/`` (not the library; that is :mod:`drc_core`).
+"""drc_book: the study's machinery beside the notebooks in ``book/`` (the library is :mod:`drc_core`).
 
-- running the book: ``runner`` (papermill + Jupyter Book; ``python -m drc_book``), ``rollback`` (undoing a failed
-  notebook's outputs), ``workspace`` (where a profile's corpus, model and results live), ``paths`` (notebook path
-  parameters from any working directory);
-- figures: ``viz`` (on :mod:`drc_core.plotting`'s look);
-- measurements of the study: ``cost`` (FLOP model), ``speed`` / ``decode_speed`` / ``continuous_speed`` /
-  ``speed_checks`` / ``speed_report`` (timing harnesses and tables), ``fixed_point``, ``known_depth`` (the
-  controlled-depth experiment), ``handoff`` (records the notebooks pass on) and ``report`` (the reproduction report).
+- running the book: ``runner`` (``python -m drc_book``), ``rollback``, ``workspace``, ``paths``;
+- figures: ``viz``; records the notebooks pass on: ``handoff``; the reproduction report: ``report``;
+- measurements: ``cost`` (FLOP model, timer), ``speed`` (timing harness), ``speed_checks``, ``fixed_point``,
+  ``guarantee``, ``convergence``, ``known_depth`` (the controlled-depth experiment).
 """

@@ -1,8 +1,6 @@
-"""What a forward costs: the matmul-FLOP model of each path (split from
-:meth:`drc_core.DepthRecurrentLM.flops_per_token`), and the interleaved timer the speed measurements and ``bench/``
-share: each round starts one variant later, and medians over rounds keep load on a shared machine from favouring
-one variant. :func:`keep_freed_memory` keeps glibc from returning freed buffers to the system, so that no variant
-pays page faults on fresh buffers by the luck of its allocation order (:func:`page_faults` counts them).
+"""What a forward costs (the matmul-FLOP model of each path, from :meth:`drc_core.DepthRecurrentLM.flops_per_token`)
+and the interleaved timer the speed measurements and ``bench/`` share: each round starts one variant later, and
+medians over rounds keep load on a shared machine from favouring one variant.
 """
 
 from __future__ import annotations
@@ -26,14 +24,9 @@ T = TypeVar("T")
 
 
 def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, path: str) -> float:
-    """Matmul FLOPs per token of one of three paths at (average) depth ``loops`` (see the module docstring).
-
-    ``path``: "forward" (uniform depth, one readout), "skip_log_probs" (:func:`~drc_core.halting.skipping.skip_forward`
-    with a rule that reads log-probs: coda + head at every loop of every active token) or "skip_states" (a
-    rule on the states only: one readout per token; the coda context's k/v projections are ignored). Built
-    from :meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`; log-softmax, statistics and the
-    gather/scatter of the skipping path are not matmuls and not counted.
-    """
+    """Matmul FLOPs per token at (average) depth ``loops`` of ``path``: "forward" (uniform depth, one readout),
+    "skip_log_probs" (``skip_forward`` with a rule on log-probs: coda + head at every active loop) or "skip_states"
+    (a rule on the states: one readout; the coda context's k/v projections ignored)."""
     parts = flop_parts(model, seq_len)
     prelude, core, coda, head = parts["prelude"], parts["core"], parts["coda"], parts["head"]
     base = prelude + coda + head
@@ -47,11 +40,9 @@ def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, 
 
 
 def flop_parts(model: DepthRecurrentLM, seq_len: int) -> dict[str, float]:
-    """Matmul FLOPs per token of each part of a forward, from
-    :meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`: ``prelude`` and ``coda`` (their blocks, run once),
-    ``core`` (one loop: R blocks + adapter), ``head`` (2 d V); plus ``vocab_stats`` (the elementwise work of one
-    per-loop readout statistic, ``VOCAB_STAT_FLOPS * V``) and ``readout`` = coda + head + vocab_stats, what a rule
-    that reads the output distribution pays per active token and loop, beside one core loop."""
+    """Matmul FLOPs per token of each part of a forward: ``prelude``, ``core`` (one loop), ``coda``, ``head`` (2 d
+    V); ``vocab_stats`` (one per-loop readout statistic, ``VOCAB_STAT_FLOPS * V``) and ``readout`` = coda + head +
+    vocab_stats, what a rule on the output distribution pays per active token and loop."""
     c = model.cfg
     base = model.flops_per_token(0, seq_len)  # (P + C) * block + head
     core = model.flops_per_token(1, seq_len) - base
@@ -87,12 +78,10 @@ VOCAB_STAT_FLOPS = 8  # per vocabulary entry and token-loop of a per-loop readou
 
 
 def honest_flops(model: DepthRecurrentLM, work: object, seq_len: int) -> float:
-    """Total FLOPs of the work a skipping run really did (``work``: a :class:`drc_core.halting.work.Work`):
-    ``core`` token-loops at ``R * block + adapter``, full ``blocks`` (prelude, coda) at ``block``, ``qkv``-only
-    coda context projections at ``6 d^2``, ``head`` readouts at ``2 d V`` and ``vocab_stats`` token-loops of
-    vocabulary-sized statistics at ``VOCAB_STAT_FLOPS * V``; ``block`` as in
-    :meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token` (attention over ``seq_len`` keys). Divide by
-    ``work.tokens`` for FLOPs per token; for ``Uniform(r)`` that is exactly ``flops_per_token(r, seq_len)``."""
+    """Total FLOPs of the work a skipping run really did (a :class:`drc_core.halting.work.Work`): core token-loops,
+    full blocks, ``qkv``-only coda context projections (``6 d^2``), head readouts (``2 d V``) and vocabulary-sized
+    statistics (``VOCAB_STAT_FLOPS * V``), blocks attending over ``seq_len`` keys. For ``Uniform(r)``, divided by
+    ``work.tokens``, exactly ``flops_per_token(r, seq_len)``."""
     c = model.cfg
     d = c.d_model
     block = 2 * (4 * d * d + 3 * d * c.hidden_dim) + 4 * seq_len * d
@@ -103,10 +92,9 @@ def honest_flops(model: DepthRecurrentLM, work: object, seq_len: int) -> float:
 
 
 def train_flops_per_token(model: DepthRecurrentLM, n: int, k: int | None, seq_len: int) -> int:
-    """Matmul FLOPs per token of one training step at ``n`` loops with backprop through the last ``k``: the
-    forward at all n loops plus a backward (~2x forward) only where a graph is built. With truncated backprop the
-    graph covers the prelude, the last k loops, the coda and the head, which is what ``flops_per_token(k, T)``
-    counts; full backprop (``k`` None, or k >= n) is 3 x F(n)."""
+    """Matmul FLOPs per token of a training step at ``n`` loops with backprop through the last ``k`` (None: all): the
+    forward plus a backward of twice the forward's cost where the graph is built (prelude, last k loops, coda,
+    head)."""
     k_eff = n if k is None else min(k, n)
     return model.flops_per_token(n, seq_len) + 2 * model.flops_per_token(k_eff, seq_len)
 
@@ -124,15 +112,10 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str,
                 clock: str = "wall", *, keep: Callable[[str, object], None] | None = None) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one call per round, the order rotating from round to round.
-
-    ``keep(name, output)``: called with what each variant returned in the first round, after its clock stopped
-    (so a caller reads its results from a timed call instead of an extra untimed one; keep what you need, as the
-    output is dropped at once).
-
-    ``clock``: "wall" (``time.perf_counter``, the default) or "cpu" (``time.process_time``: this process's CPU
-    seconds, all threads summed; with one torch thread on a machine shared with other jobs it is the wall-clock
-    time the work would take alone, without the time spent waiting for a core)."""
+    """Seconds per call of each variant, one call per round, the order rotating from round to round. ``keep(name,
+    output)`` gets each variant's first-round output after its clock stopped; ``clock`` is "wall"
+    (``perf_counter``) or "cpu" (``process_time``: with one torch thread on a shared machine, the time the work
+    would take alone)."""
     if clock not in CLOCKS:
         raise DrcError(f"clock={clock!r} is not supported; use one of {', '.join(CLOCKS)}")
     tick = CLOCKS[clock]
@@ -168,11 +151,6 @@ def median(xs: Sequence[float]) -> float:
 def spread(xs: Sequence[float]) -> float:
     """(max - min) / median over rounds; 0 for a single round."""
     return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Memory: page faults on fresh buffers
-
 
 
 def page_faults() -> int:

@@ -1,18 +1,6 @@
-"""Does Anderson acceleration reach the fixed point in fewer core evaluations than plain iteration?
-
-:func:`fixed_point_costs` runs every :class:`~drc_core.model.anderson.AndersonConfig` (plain iteration among
-them) from the same initial states over the same windows and measures, per core evaluation k = 1..K:
-
-* ``ce``: mean next-token cross-entropy of the readout after k evaluations;
-* ``kl_ref``: mean KL(p_ref || p_k) to the reference output ``p_ref``, plain iteration's readout at ``ref_loops``
-  loops (the model's fixed-point output as trained);
-* ``kl_prev``: mean successive KL(p_k || p_{k-1});
-* ``residual``: median relative residual ||f(x) - x|| / ||f(x)|| per token;
-
-and, per token, the number of evaluations after which its successive KL stays below each ``eps`` (the definition
-of :func:`drc_core.analysis.measure.convergence_depth`, counted within the K evaluations). Wall-clock per
-evaluation is timed separately (no readout) by :func:`seconds_per_eval`.
-"""
+"""Does Anderson acceleration reach the fixed point in fewer core evaluations than plain iteration? Every
+:class:`~drc_core.AndersonConfig` (plain iteration among them) run from the same initial states on the same windows,
+measured per core evaluation; wall-clock per evaluation is timed apart, without a readout."""
 
 from __future__ import annotations
 
@@ -50,7 +38,10 @@ class FixedPointCosts:
 def fixed_point_costs(model: RecurrentModel, windows: torch.Tensor, configs: dict[str, AndersonConfig],
                       max_evals: int = 32, ref_loops: int = 64, eps: tuple[float, ...] = (1e-3, 1e-5),
                       batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> FixedPointCosts:
-    """Measure every config in ``configs`` (name -> config) on ``windows`` (N, T+1); see the module docstring."""
+    """Every config of ``configs`` (by name) on ``windows`` (N, T+1), per core evaluation k = 1..``max_evals``:
+    ``ce`` of the readout, ``kl_ref`` KL(p_ref || p_k) to plain iteration's readout at ``ref_loops``, successive
+    ``kl_prev`` KL(p_k || p_{k-1}) and the median relative ``residual`` ||f(x) - x|| / ||f(x)||; and per ``eps`` the
+    evaluations after which a token's successive KL stays below it (as :func:`drc_core.convergence_depth`)."""
     curves = {name: np.zeros((max_evals, 4)) for name in configs}
     depths: dict[str, list[torch.Tensor]] = {name: [] for name in configs}
     n_tokens = 0

@@ -1,17 +1,18 @@
 """Each notebook's results as a typed record, written once as JSON and read back the same way by notebook 07, the
 README and the docs tables. A :class:`Record` (01-05, 07) is the whole file: the notebook builds it, writes it with
-one call (:meth:`Record.save`) and says what it found from it (:meth:`Record.findings`); a :class:`Handoff`
-(06) parses the fields a later reader takes. A missing field is a one-line :class:`~drc_core.DrcError` naming the
-notebook to re-run; ``tests/test_handoff.py`` checks that the reference results parse and write back identically.
+:meth:`Record.save` and states its findings with :meth:`Record.findings`; a :class:`Handoff` (06) holds the fields a
+later reader takes. Both are parsed from the JSON by their fields' types; a missing field is a one-line
+:class:`~drc_core.DrcError` naming the notebook to re-run.
 """
 
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
 import pandas as pd
 
@@ -27,20 +28,28 @@ def _num(x: Any) -> float:
     return math.nan if x is None else float(x)
 
 
-def _by_int(d: Mapping[str, Any]) -> dict[int, float]:
-    """A JSON object keyed by integers written as strings (loops, steps), back to int -> float."""
-    return {int(k): _num(v) for k, v in d.items()}
-
-
-def _floats(d: Mapping[str, Any]) -> dict[str, float]:
-    return {str(k): _num(v) for k, v in d.items()}
-
-
-def _need(results: Mapping[str, Any], cls: type) -> None:
-    missing = [f.name for f in fields(cls) if f.name not in results]
-    if missing:
-        raise DrcError(f"the results of {cls.NOTEBOOK} lack {', '.join(missing)}: re-run notebook {cls.NOTEBOOK} "
-                       "of this profile")
+def _parse(tp: Any, value: Any) -> Any:
+    """``value`` read from JSON as the type ``tp``: a float's null is NaN, an optional's null None; a dataclass from
+    an object of its fields (or a list of them in order); dict keys and values, list items by their own types."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is types.UnionType:  # X | None
+        return None if value is None else _parse(args[0], value)
+    if tp is float:
+        return _num(value)
+    if tp in (int, str, bool):
+        return tp(value)
+    if is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        hints = get_type_hints(tp)
+        if isinstance(value, list):
+            return tp(*(_parse(hints[f.name], v) for f, v in zip(fields(tp), value, strict=True)))
+        return tp(**{f.name: _parse(hints[f.name], value[f.name]) for f in fields(tp)})
+    if origin is dict:
+        return {_parse(args[0], k): _parse(args[1], v) for k, v in value.items()}
+    if origin is list:
+        return [_parse(args[0], v) for v in value]
+    return value  # Any
 
 
 class Handoff:
@@ -49,8 +58,13 @@ class Handoff:
     NOTEBOOK: ClassVar[str]
 
     @classmethod
-    def from_results(cls, r: Mapping[str, Any]) -> Handoff:
-        raise NotImplementedError
+    def from_results(cls, r: Mapping[str, Any]) -> Any:
+        """The record from a results file's content, each field parsed by its type."""
+        missing = [f.name for f in fields(cls) if f.name not in r]  # type: ignore[arg-type]
+        if missing:
+            raise DrcError(f"the results of {cls.NOTEBOOK} lack {', '.join(missing)}: re-run notebook {cls.NOTEBOOK} "
+                           "of this profile")
+        return _parse(cls, r)
 
     @classmethod
     def load(cls, results_dir: str | Path) -> Any:
@@ -77,10 +91,6 @@ class Interval:
     value: float
     lo: float
     hi: float
-
-    @classmethod
-    def of(cls, d: Mapping[str, Any]) -> Interval:
-        return cls(value=_num(d["value"]), lo=_num(d["lo"]), hi=_num(d["hi"]))
 
 
 @dataclass(frozen=True)
@@ -112,17 +122,6 @@ class Training(Record):
     ce_gain_1_to_8: float
     gain_by_step: dict[int, float]
     notebook_seconds: float
-
-    @classmethod
-    def from_results(cls, r: Mapping[str, Any]) -> Training:
-        _need(r, cls)
-        return cls(profile=str(r["profile"]), model_source={str(k): str(v) for k, v in r["model_source"].items()},
-                   n_params=int(r["n_params"]), train_minutes=_num(r["train_minutes"]),
-                   train_tokens=int(r["train_tokens"]), ce_by_loops=_by_int(r["ce_by_loops"]),
-                   unigram=_num(r["unigram"]), n_windows=int(r["n_windows"]),
-                   ce_by_source={str(s): _by_int(v) for s, v in r["ce_by_source"].items()},
-                   ce_gain_1_to_8=_num(r["ce_gain_1_to_8"]), gain_by_step=_by_int(r["gain_by_step"]),
-                   notebook_seconds=_num(r["notebook_seconds"]))
 
     @classmethod
     def build(cls, *, profile: str, model_source: dict[str, str], n_params: int, cfg: Any, metrics: pd.DataFrame,
@@ -220,25 +219,6 @@ class Convergence(Record):
             eps_sensitivity={f"{e:g}": dict(zip(g.stat, g.value, strict=True)) for e, g in sensitivity.groupby("eps")},
             dynamics=dynamics, notebook_seconds=seconds)
 
-    @classmethod
-    def from_results(cls, r: Mapping[str, Any]) -> Convergence:
-        _need(r, cls)
-        osc = r["oscillating"]
-        return cls(
-            profile=str(r["profile"]), eps=_num(r["eps"]), train_mean_depth=_num(r["train_mean_depth"]),
-            n_tokens=int(r["n_tokens"]), n_docs=int(r["n_docs"]),
-            kl_by_loop={int(k): Interval.of(v) for k, v in r["kl_by_loop"].items()},
-            state_delta_by_loop=_by_int(r["state_delta_by_loop"]),
-            kl_final_by_loop=_by_int(r["kl_final_by_loop"]),
-            ce_by_loop={int(k): Interval.of(v) for k, v in r["ce_by_loop"].items()},
-            median_depth=Interval.of(r["median_depth"]), mean_depth=Interval.of(r["mean_depth"]),
-            frac_updating=Interval.of(r["frac_updating"]), frac_unconverged=Interval.of(r["frac_unconverged"]),
-            kl_concentration={int(k): _floats(v) for k, v in r["kl_concentration"].items()},
-            oscillating=Cycles(count=int(osc["count"]), share_of_mean_kl=_by_int(osc["share_of_mean_kl"]),
-                               tokens=list(osc["tokens"])),
-            eps_sensitivity={str(e): _floats(v) for e, v in r["eps_sensitivity"].items()},
-            dynamics=dict(r["dynamics"]), notebook_seconds=_num(r["notebook_seconds"]))
-
     def findings(self) -> str:
         kl, R = self.kl_by_loop, round(self.train_mean_depth)
         first, deep = min(kl), max(kl)
@@ -289,15 +269,6 @@ class TokenTypes(Record):
                              for r in by_class.to_dict("records")},
                    notebook_seconds=seconds)
 
-    @classmethod
-    def from_results(cls, r: Mapping[str, Any]) -> TokenTypes:
-        _need(r, cls)
-        return cls(profile=str(r["profile"]), eps=_num(r["eps"]),
-                   order_shallow_to_deep=[str(c) for c in r["order_shallow_to_deep"]],
-                   by_class={str(c): ClassDepth(*(_num(v[k]) for k in ("mean_depth", "lo", "hi", "share")))
-                             for c, v in r["by_class"].items()},
-                   notebook_seconds=_num(r["notebook_seconds"]))
-
     def findings(self) -> str:
         first, last = self.order_shallow_to_deep[0], self.order_shallow_to_deep[-1]
 
@@ -344,11 +315,6 @@ class Halting(Record):
     online_check: list[dict[str, Any]]
     risk_control: dict[str, Any]
     notebook_seconds: float
-
-    @classmethod
-    def from_results(cls, r: Mapping[str, Any]) -> Halting:
-        _need(r, cls)
-        return cls(**{f.name: r[f.name] for f in fields(cls)})
 
     def depth(self, family: str) -> float:
         """The family's matching depth (CE within the tolerance of uniform depth R), NaN when it is not in the
@@ -419,11 +385,6 @@ class Compute(Record):
     notebook_seconds: float
 
     @classmethod
-    def from_results(cls, r: Mapping[str, Any]) -> Compute:
-        _need(r, cls)
-        return cls(**{f.name: r[f.name] for f in fields(cls)})
-
-    @classmethod
     def build(cls, **values: Any) -> Compute:
         """The record from the notebook's values, its frames (and None for a skipped section) as lists of rows."""
         return cls(**{k: v.to_dict("records") if isinstance(v, pd.DataFrame) else v for k, v in values.items()})
@@ -474,12 +435,10 @@ class KnownDepth(Handoff):
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> KnownDepth:
-        _need(r, cls)
-        p, lo, hi = (_num(x) for x in r["spearman_depth"])
-        return cls(reference_loops=int(r["reference_loops"]), task_share=_num(r["task_share"]),
-                   k_range=[int(k) for k in r["k_range"]], min_accuracy_at_R=_num(r["min_accuracy_at_R"]),
-                   spearman_depth=Interval(p, lo, hi),
-                   gaps={name: gap_intervals(rows) for name, rows in r["gaps"].items()})
+        """As :meth:`Handoff.from_results`, with ``gaps`` given as :func:`drc_core.gap_table` rows per window set."""
+        if "gaps" in r:
+            r = {**r, "gaps": {name: gap_intervals(rows) for name, rows in r["gaps"].items()}}
+        return super().from_results(r)
 
 
 @dataclass(frozen=True)
@@ -508,11 +467,6 @@ class Reproduction(Record):
     agree: int
     claims: int
     notebook_seconds: float
-
-    @classmethod
-    def from_results(cls, r: Mapping[str, Any]) -> Reproduction:
-        _need(r, cls)
-        return cls(**{f.name: r[f.name] for f in fields(cls)})
 
     def findings(self) -> str:
         met = [t["target"] for t in self.targets if t.get("met") == "yes"]

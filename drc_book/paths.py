@@ -1,20 +1,10 @@
 """Where a notebook's path parameters point, from any working directory, and where its results may go.
 
-The notebooks' path parameters (``work_dir``, ``corpus_dir``, ``results_dir``, ``checkpoint``, ...) are relative
-to the repository root. papermill starts the kernel at the root, JupyterLab in ``book/``; every notebook's first
-code cell after its parameters therefore passes them through :func:`at_root`, which resolves them against the
-root and returns them relative to the working directory (so a papermill run prints and records the very same
-strings as before, and ``book/`` in JupyterLab gets ``../data/...``).
-
-The root is ``$DRC_BOOK_ROOT`` when set (tests point it at a repository-shaped tmp dir), else the nearest directory
-at or above the working directory that holds ``_config.yml`` and ``book/``. It is never derived from where the
-``drc_core`` package is installed: an editable install would otherwise tie every copy of the book to one tree.
-
-Results: the committed ``papermill_runs/<profile>/results/`` is written only when the book runner executes a
-profile (it sets ``$DRC_BOOK_RUN`` to the profile's name for the kernels). In an interactive run
-:func:`results_for` sends a results directory inside the repository to the same path under ``runs/lab/``
-(untracked), and :func:`committed_counterpart` maps it back, so that reading a result that this interactive
-session has not written yet falls back to the committed one (:func:`drc_book.workspace.load_results`).
+The parameters are relative to the repository root (``$DRC_BOOK_ROOT``, else the nearest directory at or above the
+working directory holding ``_config.yml`` and ``book/``; never where ``drc_core`` is installed): :func:`at_root` gives
+them relative to the working directory, so papermill (at the root) and JupyterLab (in ``book/``) read the same files.
+Only the book runner (which sets ``$DRC_BOOK_RUN``) writes the committed results; an interactive run writes under
+``runs/lab/`` (:func:`results_for`) and reads the committed results it has not written yet.
 """
 
 from __future__ import annotations
@@ -37,8 +27,7 @@ def _is_root(path: Path) -> bool:
 
 
 def repo_root(start: str | Path | None = None) -> Path:
-    """The repository root: ``$DRC_BOOK_ROOT`` if set, else the nearest directory at or above ``start`` (default:
-    the working directory) holding ``_config.yml`` and ``book/``. Absolute; a one-line error when none is found."""
+    """The repository root (absolute), searched from ``start`` (default: the working directory)."""
     env = os.environ.get(ROOT_ENV)
     if env:
         root = Path(env).expanduser().resolve()
@@ -62,9 +51,8 @@ def _relative(path: Path) -> str:
 
 
 def at_root(*paths: str | Path) -> str | tuple[str, ...]:
-    """Each relative path resolved against :func:`repo_root` and given back relative to the working directory;
-    absolute paths are returned as they are, and an empty string stays empty (it means "none" in the
-    parameters). One argument gives one string, several a tuple in the same order."""
+    """Each relative path resolved against :func:`repo_root`, relative to the working directory; absolute and empty
+    ("none") paths as they are. One argument gives one string, several a tuple."""
     root = None
     out = []
     for p in paths:
@@ -85,10 +73,8 @@ def book_run() -> str | None:
 
 
 def results_for(results_dir: str | Path) -> str:
-    """Where this run writes its results: ``results_dir`` (resolved as by :func:`at_root`) when the book runner
-    executes a profile; in an interactive run the same path under ``runs/lab/`` when it lies inside the
-    repository and outside ``runs/``, so that tracked files are never touched. A directory outside the
-    repository is used as given either way."""
+    """Where this run writes its results: ``results_dir`` (as :func:`at_root` resolves it), moved under
+    ``runs/lab/`` in an interactive run when it lies in the repository outside ``runs/``."""
     resolved = at_root(results_dir)
     if book_run() is not None or not resolved:
         return resolved
@@ -100,8 +86,7 @@ def results_for(results_dir: str | Path) -> str:
 
 
 def committed_counterpart(results_dir: str | Path) -> Path | None:
-    """For an interactive results directory (under ``runs/lab/`` of the root), the committed one it stands for;
-    None for any other directory."""
+    """The committed results directory an interactive one (under ``runs/lab/``) stands for, else None."""
     try:
         lab = repo_root() / LAB_RESULTS
     except DrcError:

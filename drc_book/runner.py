@@ -1,28 +1,13 @@
 """Run the book at a profile's scale, and render it.
 
-``python -m drc_book run --profile smoke|reference|paper`` takes each notebook source listed in the
-profiles file (``book/profiles.toml``: jupytext ``py:percent`` text files under ``book/``), converts it with
-jupytext, executes it with papermill (kernel ``python3``, a progress bar per notebook) with the profile's
-parameters injected after its ``parameters`` cell, and writes the executed notebook to
-``papermill_runs/<profile>/<name>.ipynb``. A notebook receives only the parameters it declares, so one
-profile table serves every notebook.
-
-A failing cell stops the run: the command prints one ``error:`` line naming the notebook, the cell and the
-exception, exits 1, and keeps the partial output at ``papermill_runs/<profile>/failed/<name>.ipynb``; the
-executed notebook of an earlier successful run stays untouched (a notebook is moved into place only once it
-has run to the end), and so do the outputs the failed notebook had rewritten: every file under its
-``results_dir`` and directly in its ``work_dir`` is put back as it was and the files it added there are removed.
-Ctrl-C does the same and prints one line (exit 1). One runner at a time per profile (a lock beside
-``OUT/<profile>``, :func:`drc_core.guard.exclusive`); ``--out`` also moves a parameter that points under
-``papermill_runs/`` (the profile's ``results_dir``) under ``OUT``. The kernel's own stderr goes to a log (kept
-beside a failed notebook's partial output), not into the error line.
-
-``python -m drc_book build --profile reference`` renders the executed notebooks with Jupyter Book v1
-(never re-executing them) into ``_build/html`` (the ``reference`` profile, whose table of contents is the
-top-level ``_toc.yml``) or ``_build/<profile>/_build/html`` (any other profile, with a generated table of
-contents). The page loads a local copy of plotly.js (the one of the installed ``plotly`` package), so the
-figures draw without a network; the notebooks' figures carry an HTML bundle for that (the profile's
-``plotly_renderer``, set as ``PLOTLY_RENDERER`` for the kernel).
+``python -m drc_book run --profile P`` converts each notebook source the profiles file (``book/profiles.toml``) lists
+with jupytext, executes it with papermill, the profile's parameters injected (each notebook gets those it declares),
+and moves it to ``OUT/<profile>/<name>.ipynb`` once it has run to the end. A failing cell stops the run with one
+``error:`` line and exit 1, the partial notebook and its kernel's log kept in ``OUT/<profile>/failed/``; after a
+failure, Ctrl-C or SIGTERM what the notebook wrote under its ``results_dir`` and directly in its ``work_dir`` is put
+back (:class:`~drc_book.rollback.Rollback`). One runner per profile (a lock beside ``OUT/<profile>``). ``python -m
+drc_book build --profile P`` renders the executed notebooks with Jupyter Book v1 without re-executing them, with a
+local copy of plotly.js.
 """
 
 from __future__ import annotations
@@ -507,25 +492,19 @@ def toc_for(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root_di
     return "\n".join(lines) + "\n"
 
 
-def _copy_plotly(root_dir: Path) -> None:
+def _copy_static(spec: BookSpec, root_dir: Path) -> None:
+    """The installed plotly's ``plotly.min.js`` and the book's stylesheet (beside the sources) into ``_static/``,
+    where ``_config.yml`` loads them."""
     import plotly
 
-    src = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
-    dst = root_dir / PLOTLY_STATIC
+    css = spec.source_dir / BOOK_CSS
+    if not css.is_file():
+        raise DrcError(f"{css} not found: the book's stylesheet belongs beside the notebook sources")
+    js, dst = Path(plotly.__file__).parent / "package_data" / "plotly.min.js", root_dir / PLOTLY_STATIC
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if not dst.is_file() or dst.stat().st_size != src.stat().st_size:
-        shutil.copy2(src, dst)
-
-
-def _copy_css(spec: BookSpec, root_dir: Path) -> None:
-    """The book's stylesheet (tracked beside the sources) into _static/, where _config.yml's html_css_files
-    looks for it."""
-    src = spec.source_dir / BOOK_CSS
-    if not src.is_file():
-        raise DrcError(f"{src} not found: the book's stylesheet belongs beside the notebook sources")
-    dst = root_dir / "_static" / BOOK_CSS
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+    if not dst.is_file() or dst.stat().st_size != js.stat().st_size:
+        shutil.copy2(js, dst)
+    shutil.copyfile(css, root_dir / "_static" / BOOK_CSS)
 
 
 def _md_cell(value: object) -> str:
@@ -601,8 +580,7 @@ def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root
         toc = build_root / "_toc.yml"
         Path(toc).write_text(toc_for(spec, profile, out, root_dir))
     _present_executed(spec, profile, out)
-    _copy_plotly(root_dir)
-    _copy_css(spec, root_dir)
+    _copy_static(spec, root_dir)
     _write_landing(spec, profile, root_dir, out)
     exe = Path(sys.executable).with_name("jupyter-book")
     cmd = [str(exe) if exe.is_file() else "jupyter-book", "build", str(root_dir), "--toc", str(toc),

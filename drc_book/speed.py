@@ -1,27 +1,30 @@
-"""Realized speed-up of per-token halting: the FLOP proxy ``r / a`` (uniform depth r against a rule's average exit
-loop a) beside the clock, in batched evaluation.
+"""Realized speed-up of per-token halting at matched quality: the FLOP proxy ``r / a`` (uniform depth r against a
+rule's average exit loop a) and the honest FLOPs (the work a run really did) beside the clock, in batched evaluation
+and in generation (the dense decoder, step-synchronous ``generate``, continuous depth batching, serving).
 
-:func:`matched_rules` picks each family's cheapest threshold whose CE is within ``ce_tolerance`` of uniform depth r
-(swept offline, checked online with ``skip_forward``); :func:`time_batched` times ``model(x, r)`` against
-``skip_forward`` with ``Uniform(r)`` and each rule; :func:`speed_targets` checks the targets. Generation is in
-:mod:`drc_book.decode_speed`, the other checks in :mod:`drc_book.speed_checks`, the cost model in
-:mod:`drc_book.cost`. Every comparison runs its variants once untimed (warm-up and quality), then ``rounds``
-interleaved rounds (:func:`drc_book.cost.interleaved`), reported as medians, under ``torch.inference_mode()``.
+Every comparison runs each variant once untimed (warm-up, and the quality of exactly what is timed), then ``rounds``
+interleaved rounds (:func:`drc_book.cost.interleaved`) reported as medians, under ``torch.inference_mode()``. A
+decoder's time per step is (time of n new tokens - time of 1) / (n - 1), so the prompt pass drops out. The other
+checks of notebook 05 are in :mod:`drc_book.speed_checks`, the cost model in :mod:`drc_book.cost`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import drc_core
 from drc_book.cost import (
     CLOCKS,
     Log,
@@ -35,8 +38,10 @@ from drc_book.cost import (
 )
 from drc_core import (
     EVAL_STATE_SEED,
+    ContinuousResult,
     DepthRecurrentLM,
     DrcError,
+    GenerationResult,
     HaltingRule,
     KLThreshold,
     RuleSpec,
@@ -46,6 +51,8 @@ from drc_core import (
     default_families,
     default_rules,
     eval_batches,
+    generate_continuous,
+    generate_fixed,
     huginn_presets,
     matching_depth,
     need_float,
@@ -54,38 +61,31 @@ from drc_core import (
     summarize,
     sweep,
 )
+from drc_core import generate_ids as generate
 
-__all__ = [
-    "TARGET_MEASURE",
-    "TARGET_HONEST",
-    "TARGET_KL_BATCHED",
-    "TARGET_OVERHEAD",
-    "TARGET_RATIO",
-    "Matched",
-    "SpeedConfig",
-    "matched_rules",
-    "preset_specs",
-    "skip_overhead",
-    "speed_summary",
-    "speed_targets",
-    "speedup_table",
-    "targets_met",
-    "time_batched",
-]
+__all__ = ["TARGET_HONEST", "TARGET_KL_BATCHED", "TARGET_MEASURE", "TARGET_OVERHEAD", "TARGET_RATIO",
+           "TARGET_REALIZATION", "DecodeTimes", "Matched", "SpeedConfig", "batched_variants", "decode_loop_cost",
+           "decode_prediction", "decode_setup", "decoder_calls", "decoder_targets", "matched_rules", "preset_specs",
+           "serving_latency", "skip_overhead", "speed_summary", "speed_targets", "speedup_table", "targets_met",
+           "time_batched", "time_decoder_sets", "time_decoders", "time_decoding", "time_generation"]
 
 TARGET_RATIO = 0.9  # wall-clock speedup >= 0.9 x the FLOP proxy at matched quality
 TARGET_MEASURE = 1.2  # the measurement pass <= 1.2 x one depth-32 forward (the target as worded)
+TARGET_OVERHEAD = 1.05  # the skipping path / continuous batching at equal depth <= 1.05 x the dense forward / decoder
+TARGET_HONEST = 0.9  # wall-clock speedup >= 0.9 x the honest-FLOP speedup, every rule
+TARGET_KL_BATCHED = 1.5  # the KL rule >= 1.5 x faster than uniform depth r in batched evaluation
+TARGET_REALIZATION = 0.9  # the state rules realize >= 0.9 of their honest-FLOP speed-up at batch 8 and 32
+
+Batch = tuple[Tensor, Tensor, Tensor]  # inputs, targets, initial state
 
 
 @dataclass(frozen=True)
 class SpeedConfig:
-    """What to measure and how (validated: a bad value is a one-line :class:`DrcError`). ``reference_loops``
-    r is the uniform depth to match and beat; "matched quality" is CE <= CE(uniform r) + ``ce_tolerance``;
-    ``new_tokens`` greedy tokens after ``prompt_len`` prompt tokens of ``gen_rows`` windows (and ``more_gen_rows``);
-    the measurement pass at ``measure_loops`` on ``measure_windows`` windows; ``max_online_tries`` stricter grid
-    points when the offline match misses online; ``fused`` readout statistics through the compiled kernel; ``clock``
-    "wall" or "cpu"; ``presets``/``profile`` also time Huginn's presets / profile one batch; ``keep_freed``:
-    :func:`drc_book.cost.keep_freed_memory` before timing."""
+    """What to measure and how (a bad value is a one-line :class:`DrcError`): ``reference_loops`` r is the uniform
+    depth to match (CE within ``ce_tolerance``) and beat; generation decodes ``new_tokens`` after ``prompt_len``
+    tokens of ``gen_rows`` (and each of ``more_gen_rows``) windows; the measurement pass runs ``measure_loops`` on
+    ``measure_windows`` windows; ``clock`` is "wall" or "cpu"; ``presets`` / ``profile`` add Huginn's presets / a
+    profile to :func:`~drc_book.speed_checks.run_speed`."""
 
     reference_loops: int = 8
     rule_max_loops: int = 16
@@ -121,34 +121,76 @@ class SpeedConfig:
         if not self.families or any(f not in known for f in self.families):
             raise DrcError(f"families={list(self.families)!r} is invalid: choose from {', '.join(known)}")
 
+    def start(self) -> None:
+        """Before timing: the allocator setting ``keep_freed`` asks for."""
+        if self.keep_freed:
+            keep_freed_memory()
+
 
 # ----------------------------------------------------------------------------------------------------------
-# Cost model and timing helpers
+# Shared pieces
 
 
-def prepare_memory(cfg: SpeedConfig) -> None:
-    """Before timing: the allocator setting ``cfg.keep_freed`` asks for."""
-    if cfg.keep_freed:
-        keep_freed_memory()
+def on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targets: bool = True) -> Tensor:
+    """Token ids checked by :func:`drc_core.check_token_ids`, on the model's device."""
+    return check_token_ids(model, ids, what, targets=targets).to(next(model.parameters()).device)
+
+
+def timing_batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[Batch]:
+    """(inputs, targets, s_0) per batch, s_0 drawn as :func:`drc_core.sweep` and :func:`drc_core.loss_by_depth`
+    draw it for the same ``seed`` and ``batch_size``."""
+    return [(b.x, b.y, b.initial_state(model)) for b in eval_batches(model, windows, cfg.batch_size, cfg.seed)]
+
+
+def ce_sum(logits: Tensor, y: Tensor) -> float:
+    return float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
 
 
 def skip_path(rule: HaltingRule) -> str:
     return "skip_log_probs" if rule.needs_log_probs else "skip_states"
 
 
-def on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targets: bool = True) -> Tensor:
-    """:func:`drc_core.model.lm.check_token_ids`, then moved to the model's device."""
-    return check_token_ids(model, ids, what, targets=targets).to(next(model.parameters()).device)
+def rule_specs(rules: Sequence[RuleSpec | HaltingRule], r: int) -> list[RuleSpec]:
+    """Rules as :class:`RuleSpec` (a bare rule: family = its class name, param NaN), distinct by name and from the
+    baseline."""
+    specs = [s if isinstance(s, RuleSpec) else RuleSpec(type(s).__name__, math.nan, s) for s in rules]
+    for spec in specs:
+        if not isinstance(spec.rule, HaltingRule):
+            raise DrcError(f"rules must be HaltingRule or RuleSpec instances; got {spec.rule!r}")
+    names = [str(spec.rule) for spec in specs]
+    if len(set(names)) != len(names) or f"uniform={r}" in names:
+        raise DrcError(f"rules {names} repeat a rule or the baseline uniform={r}: pass each rule once")
+    return specs
 
 
-def timing_batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """(inputs, targets, s_0) per batch; s_0 drawn exactly as :func:`drc_core.halting.sweep.sweep` and
-    :func:`drc_core.training.evaluate.loss_by_depth` draw it for the same ``seed`` and ``batch_size``."""
-    return [(b.x, b.y, b.initial_state(model)) for b in eval_batches(model, windows, cfg.batch_size, cfg.seed)]
+def batched_variants(model: DepthRecurrentLM, rules: Sequence[RuleSpec | HaltingRule], cfg: SpeedConfig, *,
+                     skip_uniform: bool = True) -> list[tuple[dict, Callable[[Tensor, Tensor], Any]]]:
+    """``(info, fn(x, s0))`` per variant of batched evaluation: the dense forward at depth r (the baseline),
+    ``skip_forward`` with ``Uniform(r)`` (unless not ``skip_uniform``) and with each rule; ``info`` names it
+    (``family``, ``param``, ``rule``, ``path``, ``baseline``, ``needs_log_probs``)."""
+    r = cfg.reference_loops
+    uniform = RuleSpec("uniform", float(r), Uniform(r))
+    out: list[tuple[dict, Callable[[Tensor, Tensor], Any]]] = [
+        ({"family": "uniform", "param": float(r), "rule": f"uniform={r}", "path": "forward", "baseline": True,
+          "needs_log_probs": False}, lambda x, s: model(x, r, state=s))]
+    specs = rule_specs(rules, r)
+    for spec in [uniform, *specs] if skip_uniform else specs:
+        out.append(({"family": spec.family, "param": float(spec.param),
+                     "rule": f"{spec.rule} via skip_forward" if spec is uniform else str(spec.rule),
+                     "path": skip_path(spec.rule), "baseline": False, "needs_log_probs": spec.rule.needs_log_probs},
+                    lambda x, s, rule=spec.rule: skip_forward(model, x, rule, state=s, fused=cfg.fused)))
+    return out
 
 
-def ce_sum(logits: Tensor, y: Tensor) -> float:
-    return float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
+def speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flops: float) -> dict:
+    row["proxy_speedup"] = r / row["avg_loops"]
+    row["flop_speedup"] = base_flops / flops
+    row["wallclock_speedup"] = base_seconds / row["seconds"]
+    row["wall_over_proxy"] = row["wallclock_speedup"] / row["proxy_speedup"]
+    if "honest_flops" in row:
+        row["honest_speedup"] = base_flops / row["honest_flops"]
+        row["wall_over_honest"] = row["wallclock_speedup"] / row["honest_speedup"]
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,17 +199,16 @@ def ce_sum(logits: Tensor, y: Tensor) -> float:
 
 @dataclass
 class Matched:
-    """What :func:`matched_rules` returns: ``specs`` (the chosen :class:`~drc_core.halting.sweep.RuleSpec` per matched
-    family), ``table`` (one row per family: the chosen point offline and online, or why none) and ``grid``
-    (the offline summary of every grid point, ``chosen`` marks the picks)."""
+    """What :func:`matched_rules` returns: ``specs`` (the chosen :class:`RuleSpec` per family), ``table`` (one row
+    per family: the chosen point offline and online, or why none) and ``grid`` (the offline summary of every grid
+    point; ``chosen`` marks the picks)."""
 
     specs: list[RuleSpec]
     table: pd.DataFrame
     grid: pd.DataFrame
 
 
-def _online(model: DepthRecurrentLM, batches: list[tuple[Tensor, Tensor, Tensor]], rule: HaltingRule,
-            fused: bool = False) -> tuple[float, float]:
+def _online(model: DepthRecurrentLM, batches: list[Batch], rule: HaltingRule, fused: bool) -> tuple[float, float]:
     """(average exit loop, mean CE) of ``skip_forward`` with ``rule`` over the batches."""
     loops = ce = 0.0
     n = 0
@@ -181,10 +222,9 @@ def _online(model: DepthRecurrentLM, batches: list[tuple[Tensor, Tensor, Tensor]
 
 def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
                   log: Log = None) -> Matched:
-    """Each family's lowest-average-depth grid point with CE <= CE(uniform r) + ``ce_tolerance``: swept
-    offline, then checked online with ``skip_forward`` (up to ``max_online_tries`` stricter points if it misses). A
-    family with no point within the target offline falls back to its lowest-CE point; ``within_tolerance`` and
-    ``note`` say whether and why not."""
+    """Each family's lowest-average-depth grid point with CE <= CE(uniform r) + ``ce_tolerance``, swept offline and
+    checked online with ``skip_forward`` (up to ``max_online_tries`` stricter points if it misses). A family with no
+    point within the target offline falls back to its lowest-CE point; ``within_tolerance`` and ``note`` say so."""
     cfg = cfg or SpeedConfig()
     windows = on_device(model, windows)
     r = cfg.reference_loops
@@ -234,61 +274,31 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
     return Matched(specs=chosen, table=pd.DataFrame(rows), grid=grid)
 
 
+def preset_specs(cfg: SpeedConfig, taken: Sequence[RuleSpec] = ()) -> list[RuleSpec]:
+    """Huginn's exit criteria at its default thresholds and ``rule_max_loops`` (family "huginn", param NaN), less
+    any already among ``taken`` (by rule name)."""
+    names = {str(t.rule) for t in taken}
+    return [RuleSpec("huginn", math.nan, rule) for rule in huginn_presets(cfg.rule_max_loops).values()
+            if str(rule) not in names]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Batched evaluation
 
 
-def rule_specs(rules: Sequence[RuleSpec | HaltingRule], r: int) -> list[RuleSpec]:
-    """Rules as :class:`RuleSpec` (a bare rule: family = its class name, param NaN), distinct by name and
-    distinct from the baselines."""
-    specs = [s if isinstance(s, RuleSpec) else RuleSpec(type(s).__name__, math.nan, s) for s in rules]
-    for spec in specs:
-        if not isinstance(spec.rule, HaltingRule):
-            raise DrcError(f"rules must be HaltingRule or RuleSpec instances; got {spec.rule!r}")
-    names = [str(spec.rule) for spec in specs]
-    if len(set(names)) != len(names) or f"uniform={r}" in names:
-        raise DrcError(f"rules {names} repeat a rule or the baseline uniform={r}: pass each rule once")
-    return specs
-
-
-def speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flops: float) -> dict:
-    row["proxy_speedup"] = r / row["avg_loops"]
-    row["flop_speedup"] = base_flops / flops
-    row["wallclock_speedup"] = base_seconds / row["seconds"]
-    row["wall_over_proxy"] = row["wallclock_speedup"] / row["proxy_speedup"]
-    if "honest_flops" in row:
-        row["honest_speedup"] = base_flops / row["honest_flops"]
-        row["wall_over_honest"] = row["wallclock_speedup"] / row["honest_speedup"]
-    return row
-
-
 def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                  cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
-    """Wall-clock of uniform depth r (``model(x, r)``, the baseline) against ``skip_forward`` with
-    ``Uniform(r)`` (the skipping machinery at equal depth) and with each rule, same windows and initial states.
-    One row per variant: what it is (``setting``, ``family``, ``param``, ``rule``, ``path``, ``baseline``), its
-    quality (``avg_loops``, ``ce`` of exactly the timed outputs, ``ce_gap``, ``within_tolerance``), its time
-    (``seconds`` median over rounds, ``spread``, ``page_faults_per_batch``, ``tokens_per_s``) and its speed-ups:
-    ``proxy_speedup`` r / avg_loops, ``flop_speedup`` (matmul model), ``honest_flops`` (the work it really did),
-    ``honest_speedup``, ``wallclock_speedup``, ``wall_over_proxy`` and ``wall_over_honest``."""
+    """The variants of :func:`batched_variants` on the same windows and initial states, one row each: ``setting``
+    and the variant's ``info``; ``avg_loops``, ``ce`` (of exactly the timed outputs), ``ce_gap``,
+    ``within_tolerance``; ``seconds``, ``spread``, ``page_faults_per_batch``, ``tokens_per_s``; and the speed-ups over
+    the baseline: ``proxy_speedup`` (r / avg_loops), ``flop_speedup`` (matmul model), ``honest_flops`` and
+    ``honest_speedup`` (the work it really did), ``wallclock_speedup``, ``wall_over_proxy``, ``wall_over_honest``."""
     cfg = cfg or SpeedConfig()
-    prepare_memory(cfg)
+    cfg.start()
     windows = on_device(model, windows)
     r = cfg.reference_loops
-    specs = rule_specs(rules, r)
+    variants = batched_variants(model, rules, cfg)
     t_len = windows.shape[1] - 1
-    variants: list[tuple[dict, Callable[[Tensor, Tensor], Tensor]]] = [
-        ({"family": "uniform", "param": float(r), "rule": f"uniform={r}", "path": "forward", "baseline": True,
-          "needs_log_probs": False}, lambda x, s: model(x, r, state=s)),
-        ({"family": "uniform", "param": float(r), "rule": f"uniform={r} via skip_forward", "path": "skip_states",
-          "baseline": False, "needs_log_probs": False},
-         lambda x, s: skip_forward(model, x, Uniform(r), state=s, fused=cfg.fused)),
-    ]
-    for spec in specs:
-        variants.append(({"family": spec.family, "param": float(spec.param), "rule": str(spec.rule),
-                          "path": skip_path(spec.rule), "baseline": False,
-                          "needs_log_probs": spec.rule.needs_log_probs},
-                         lambda x, s, rule=spec.rule: skip_forward(model, x, rule, state=s, fused=cfg.fused)))
     with torch.inference_mode():
         model.eval()
         batches = timing_batches(model, windows, cfg)
@@ -309,7 +319,7 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
 
         faults: dict[str, list[int]] = {info["rule"]: [] for info, _ in variants}
 
-        def run(name: str, fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[], None]:
+        def run(name: str, fn: Callable[[Tensor, Tensor], Any]) -> Callable[[], None]:
             def go() -> None:
                 before = page_faults()
                 for x, _, s0 in batches:
@@ -334,9 +344,342 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     return pd.DataFrame(rows)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Generation
+
+
+def decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
+    """The prompt (B, T0) on the model's device, checked against ``max_seq_len`` with ``new_tokens`` more, and the
+    initial states (B, T0 + n, d) every generation comparison starts from (seeded by ``cfg.seed``)."""
+    prompt = on_device(model, prompt, "prompt", targets=False)
+    B, t0 = prompt.shape
+    n = cfg.new_tokens
+    if t0 + n > model.cfg.max_seq_len:
+        raise DrcError(f"prompt length {t0} + new_tokens {n} exceeds max_seq_len={model.cfg.max_seq_len}: "
+                       "shorten the prompt or generate fewer tokens")
+    with torch.inference_mode():
+        gen = torch.Generator(device=prompt.device).manual_seed(cfg.seed)
+        s0 = model.initial_state(torch.zeros(B, t0 + n, model.cfg.d_model, device=prompt.device), gen)
+    return prompt, s0
+
+
+def decoder_calls(model: DepthRecurrentLM, prompt: Tensor, s0: Tensor, specs: Sequence[RuleSpec], cfg: SpeedConfig,
+                  continuous: Callable[[RuleSpec], bool]) -> dict[str, Callable[[int], Any]]:
+    """``call(new)`` decoding ``new`` greedy tokens after ``prompt`` from the first T0 + new initial states of
+    ``s0``, by name: the dense decoder at depth r (``"uniform=r dense decode"``), ``generate`` with each spec (its
+    rule's name), then ``generate_continuous`` with the specs ``continuous`` selects (``"continuous <rule>"``)."""
+    r, t0 = cfg.reference_loops, prompt.shape[1]
+    calls: dict[str, Callable[[int], Any]] = {
+        f"uniform={r} dense decode": lambda new: generate_fixed(model, prompt, new, r, state=s0[:, : t0 + new])}
+    for spec in specs:
+        calls[str(spec.rule)] = lambda new, rule=spec.rule: generate(model, prompt, new, rule,
+                                                                     state=s0[:, : t0 + new], fused=cfg.fused)
+    for spec in filter(continuous, specs):
+        calls[f"continuous {spec.rule}"] = lambda new, rule=spec.rule: generate_continuous(
+            model, prompt, new, rule, states=s0[:, : t0 + new], fused=cfg.fused, keep_logits=False)
+    return calls
+
+
+def _first_divergence(tokens: Tensor, reference: Tensor) -> float:
+    """Mean over rows of the index of the first new token that differs from ``reference`` (n if none does)."""
+    differ = tokens != reference
+    first = torch.where(differ.any(dim=1), differ.int().argmax(dim=1), tokens.shape[1])
+    return float(first.double().mean())
+
+
+def _step_seconds(full: Sequence[float], first: Sequence[float], n: int) -> float:
+    """Seconds per decode step: (median(full) - median(first)) / (n - 1), or median(full) / n (amortized) should
+    timer noise make that <= 0."""
+    decode = (median(full) - median(first)) / (n - 1)
+    return decode if decode > 0 else median(full) / n
+
+
+def _summary(out: object) -> dict[str, Any]:
+    """What the tables read of a decoder's output: tokens and exit loops (one tensor, or one per request of the
+    continuous decoder), the work done, the mean exit loop of the new tokens and the core steps."""
+    if isinstance(out, ContinuousResult):
+        return {"tokens": [c.tokens for c in out.completions], "exit_loop": [c.exit_loop for c in out.completions],
+                "work": out.work, "avg_loops": out.new_avg_depth, "steps": out.steps}
+    if isinstance(out, GenerationResult):
+        return {"tokens": out.tokens, "exit_loop": out.exit_loop, "work": out.work, "avg_loops": out.new_avg_depth}
+    return {"tokens": out}  # generate_fixed: the tokens
+
+
+@dataclass
+class DecodeTimes:
+    """One interleaved timing of the decoders (:func:`time_decoding`): ``generation`` (the :func:`time_generation`
+    table of every batch size, column ``rows``) and ``decoders`` (the :func:`time_decoders` table)."""
+
+    generation: pd.DataFrame
+    decoders: pd.DataFrame
+
+
+@dataclass
+class _Timed:
+    """The timing of one batch size ``b``: what each call kept of its output, its round times; ``n`` new tokens after
+    a prompt, ``seq_len`` tokens in all."""
+
+    model: DepthRecurrentLM
+    kept: dict[str, dict[str, Any]]
+    times: dict[str, list[float]]
+    n: int
+    b: int
+    seq_len: int
+
+    def step(self, key: str) -> float:
+        return _step_seconds(self.times[f"{key} [n]"], self.times[f"{key} [1]"], self.n)
+
+    def work_per_token(self, key: str) -> float:
+        """Honest FLOPs per new token: the work of n new tokens minus that of 1, over b (n - 1)."""
+        work = [honest_flops(self.model, self.kept[f"{key} [{tag}]"]["work"], self.seq_len) for tag in ("n", "1")]
+        return (work[0] - work[1]) / (self.b * (self.n - 1))
+
+
+def _generation_rows(t: _Timed, specs: list[RuleSpec], r: int, t0: int) -> list[dict]:
+    """The :func:`time_generation` rows of one batch size."""
+    dense = f"uniform={r} dense decode"
+    dense_tokens = t.kept[f"{dense} [n]"]["tokens"][:, t0:]
+    rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": dense, "path": "dense decode",
+             "baseline": True, "needs_log_probs": False, "avg_loops": float(r), "same_tokens": 1.0,
+             "first_divergence": float(t.n), "loops_run": float(r),
+             "honest_flops": float(t.model.flops_per_token(r, t.seq_len))}]
+    for spec in specs:
+        out = t.kept[f"{spec.rule} [n]"]
+        new_tokens = out["tokens"][:, t0:]
+        rows.append({"setting": "generation", "family": spec.family, "param": float(spec.param),
+                     "rule": str(spec.rule), "path": "generate", "baseline": False,
+                     "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": out["avg_loops"],
+                     "same_tokens": float((new_tokens == dense_tokens).double().mean()),
+                     "first_divergence": _first_divergence(new_tokens, dense_tokens),
+                     # the loops a step runs while any row is active: the deepest exit among the rows
+                     "loops_run": float(out["exit_loop"][:, t0 - 1 :].max(dim=0).values.double().mean()),
+                     "honest_flops": t.work_per_token(str(spec.rule))})
+    base_flops = matmul_flops_per_token(t.model, r, t.seq_len, "forward")
+    for row, spec in zip(rows, [None, *specs], strict=True):
+        row["seconds"] = t.step(row["rule"])
+        row["ms_per_token"] = 1e3 * row["seconds"]
+        row["tokens_per_s"] = t.b / row["seconds"]
+        row["rows"] = t.b
+        row["prompt_ms"] = 1e3 * median(t.times[f"{row['rule']} [1]"])
+        row["spread"] = spread(t.times[f"{row['rule']} [n]"])
+        path = "forward" if spec is None else skip_path(spec.rule)
+        speed_columns(row, t.step(dense), r, base_flops,
+                      matmul_flops_per_token(t.model, row["avg_loops"], t.seq_len, path))
+    return rows
+
+
+def _decoder_rows(t: _Timed, specs: list[RuleSpec], r: int) -> list[dict]:
+    """The :func:`time_decoders` rows of one batch size (none without a continuous decoder)."""
+    if not specs:
+        return []
+    dense = f"uniform={r} dense decode"
+    dense_flops = float(t.model.flops_per_token(r, t.seq_len))
+    rows = [{"batch": t.b, "rule": f"uniform={r}", "family": "uniform", "path": "dense decode", "avg_loops": float(r),
+             "honest_flops": dense_flops, "key": dense}]
+    for spec in specs:
+        name = str(spec.rule)
+        full, cont = t.kept[f"{name} [n]"], t.kept[f"continuous {name} [n]"]
+        same = all(torch.equal(tok, full["tokens"][i]) and torch.equal(ex, full["exit_loop"][i])
+                   for i, (tok, ex) in enumerate(zip(cont["tokens"], cont["exit_loop"], strict=True)))
+        for path, key in (("generate", name), ("continuous", f"continuous {name}")):
+            extra = {"same_as_generate": same, "steps": cont["steps"]} if path == "continuous" else {}
+            rows.append({"batch": t.b, "rule": name, "family": spec.family, "path": path,
+                         "avg_loops": full["avg_loops"], "honest_flops": t.work_per_token(key), "key": key, **extra})
+    for row in rows:
+        key = row.pop("key")
+        sec = t.step(key)
+        row.update(ms_per_step=1e3 * sec, tokens_per_s=t.b / sec, x_dense=t.step(dense) / sec,
+                   flop_speedup=dense_flops / row["honest_flops"], spread=spread(t.times[f"{key} [n]"]))
+        row["realization"] = row["x_dense"] / row["flop_speedup"]
+    return rows
+
+
+def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                  cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (1, 8, 32),
+                  continuous: Sequence[str] | None = None, log: Log = None) -> DecodeTimes:
+    """One interleaved timing per batch size B of ``batches`` (the first B prompts) of greedy decoding by
+    :func:`decoder_calls` with ``Uniform(r)`` and each rule, continuous decoding for the families of ``continuous``
+    (None: all; empty: none): both tables at once (:class:`DecodeTimes`), so that each decoder is timed once. Tokens,
+    exit loops and work come from the first timed round."""
+    cfg = cfg or SpeedConfig()
+    cfg.start()
+    prompt, s0 = decode_setup(model, prompt, cfg)
+    if not batches or min(batches) < 1 or max(batches) > prompt.shape[0]:
+        raise DrcError(f"batches {list(batches)} must lie in 1..{prompt.shape[0]} (the prompts given); pass more "
+                       "prompts or smaller batches")
+    n, r = cfg.new_tokens, cfg.reference_loops
+    t0 = prompt.shape[1]
+    uniform = RuleSpec("uniform", float(r), Uniform(r))
+    specs = [uniform, *rule_specs(rules, r)]
+
+    def timed_continuously(sp: RuleSpec) -> bool:  # (not `sp in both`: that compares rules by value)
+        return continuous is None or sp.family in continuous or (sp is uniform and len(continuous) > 0)
+
+    both = [sp for sp in specs if timed_continuously(sp)]
+    generation, decoders = [], []
+    with torch.inference_mode():
+        model.eval()
+        for b in batches:
+            calls = decoder_calls(model, prompt[:b], s0[:b], specs, cfg, timed_continuously)
+            for call in calls.values():  # warm-up: the prompt pass and one decode step
+                call(min(n, 2))
+            variants = {f"{key} [{tag}]": (lambda call=call, new=new: call(new))
+                        for key, call in calls.items() for tag, new in (("n", n), ("1", 1))}
+            kept: dict[str, dict[str, Any]] = {}
+            times = interleaved(variants, cfg.rounds, log, f"decoders, batch {b}", cfg.clock,
+                                keep=lambda name, out, kept=kept: kept.update({name: _summary(out)}))
+            timed = _Timed(model, kept, times, n, b, t0 + n)
+            generation += _generation_rows(timed, specs, r, t0)
+            decoders += _decoder_rows(timed, both, r)
+    return DecodeTimes(pd.DataFrame(generation), pd.DataFrame(decoders))
+
+
+def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                    cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
+    """Greedy ``generate`` with each rule against the dense decoder at depth r (``path`` "dense decode", the
+    baseline) and ``generate`` with ``Uniform(r)``, after the whole ``prompt`` (B, T0): the columns of
+    :func:`time_batched` (no CE) plus ``rows``, ``ms_per_token``, ``prompt_ms``, ``same_tokens`` and
+    ``first_divergence`` (against the dense decoder's tokens) and ``loops_run`` (mean deepest exit per step)."""
+    prompt = on_device(model, prompt, "prompt", targets=False)
+    return time_decoding(model, prompt, rules, cfg, batches=[prompt.shape[0]], continuous=(), log=log).generation
+
+
+def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                  cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (1, 8, 32), log: Log = None
+                  ) -> pd.DataFrame:
+    """One row per (batch, rule, path) of the dense decoder, ``generate`` and ``generate_continuous`` with
+    ``Uniform(r)`` and each rule (:func:`time_decoding`): ``avg_loops``, ``ms_per_step``, ``tokens_per_s``,
+    ``x_dense`` (speed-up over the dense decoder), ``honest_flops``, ``flop_speedup``, ``realization`` (x_dense /
+    flop_speedup), ``same_as_generate``, ``spread`` and ``steps``."""
+    return time_decoding(model, prompt, rules, cfg, batches=batches, log=log).decoders
+
+
+def time_decoder_sets(model: DepthRecurrentLM, prompts: Tensor, rules: Sequence[RuleSpec], cfg: SpeedConfig, *,
+                      gen_batches: Sequence[int], decoder_batches: Sequence[int],
+                      continuous: Sequence[str]) -> DecodeTimes:
+    """Notebook 05's decoder timings, each decoder timed once: every rule on ``generate`` and the ``continuous``
+    families on both decoders at ``gen_batches``, those families only at the other ``decoder_batches``; batch sizes
+    beyond the prompts left out. The generation table of ``gen_batches``, the decoder table of ``decoder_batches``
+    by batch."""
+    gen = [b for b in gen_batches if b <= len(prompts)]
+    dec = [b for b in decoder_batches if b <= len(prompts)]
+    decoding = [time_decoding(model, prompts, rules, cfg, batches=gen, continuous=continuous)]
+    more = [b for b in dec if b not in gen]
+    if more:
+        decoding.append(time_decoding(model, prompts, [sp for sp in rules if sp.family in continuous], cfg,
+                                      batches=more))
+    decoders = pd.concat([d.decoders for d in decoding], ignore_index=True)
+    decoders = decoders[decoders.batch.isin(dec)].sort_values("batch", kind="stable").reset_index(drop=True)
+    return DecodeTimes(decoding[0].generation, decoders)
+
+
+def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig | None = None, *,
+                     rows: Sequence[int] = (1, 2, 4, 8, 16), log: Log = None) -> pd.DataFrame:
+    """What one core loop of a decode step costs with B rows active, per B of ``rows``: the ``generate_fixed`` step
+    at depth r and at depth 1, ``loop_ms`` = their difference / (r - 1), and the least-squares line loop_ms =
+    ``fixed_ms`` + ``per_row_ms`` x B with ``fixed_share`` (the part that does not shrink when rows exit)."""
+    cfg = cfg or SpeedConfig()
+    cfg.start()
+    n, r = cfg.new_tokens, cfg.reference_loops
+    if r < 2 or n < 2:
+        raise DrcError(f"decode_loop_cost needs reference_loops >= 2 and new_tokens >= 2 (got {r}, {n}): raise them")
+    if max(rows) > len(prompt) or min(rows) < 1:
+        raise DrcError(f"rows {list(rows)} must lie in 1..{len(prompt)} (the prompts given): pass more prompts")
+    prompt, s0 = decode_setup(model, prompt[: max(rows)], cfg)
+    variants: dict[str, Callable[[], object]] = {}
+    with torch.inference_mode():
+        model.eval()
+        for b, depth, new in itertools.product(rows, (1, r), (1, n)):
+            def call(b: int = b, depth: int = depth, new: int = new) -> Tensor:
+                return generate_fixed(model, prompt[:b], new, depth, state=s0[:b, : prompt.shape[1] + new])
+            if new == 1:  # warm-up: the prompt pass and one decode step
+                call(new=min(n, 2))
+            variants[f"B={b} r={depth} n={new}"] = call
+        times = interleaved(variants, cfg.rounds, log, "decode loop cost", cfg.clock)
+
+    def step(b: int, depth: int) -> float:
+        return _step_seconds(times[f"B={b} r={depth} n={n}"], times[f"B={b} r={depth} n=1"], n)
+
+    out = pd.DataFrame([{"rows": b, "step_ms": 1e3 * step(b, r), "loop_ms": 1e3 * (step(b, r) - step(b, 1)) / (r - 1)}
+                        for b in rows])
+    out["loop_ms_per_row"] = out.loop_ms / out.rows
+    if len(out) > 1:
+        per_row, fixed = (float(v) for v in np.polyfit(out.rows.to_numpy(float), out.loop_ms.to_numpy(float), 1))
+    else:
+        per_row, fixed = 0.0, float(out.loop_ms.iloc[0])
+    out["fixed_ms"], out["per_row_ms"] = fixed, per_row
+    out["fixed_share"] = fixed / out.loop_ms
+    return out
+
+
+def decode_prediction(generation: pd.DataFrame, cost: pd.DataFrame) -> pd.DataFrame:
+    """The core-loop speed-up each rule of a generation frame can expect at the decode loop cost (loop = f + p x
+    active rows; a step costs f x its deepest exit + p x the sum of its rows' exits): ``loop_cost_speedup`` = r (f +
+    p B) / (f loops_run + p B avg_loops), an upper bound for rules that also read out every loop. One row per (rows,
+    rule), baselines and ``Uniform(r)`` left out."""
+    fixed, per_row = float(cost.fixed_ms.iloc[0]), float(cost.per_row_ms.iloc[0])
+    rows = []
+    for g in generation[generation.family != "uniform"].itertuples():
+        base = generation[generation.baseline & (generation.rows == g.rows)].iloc[0]
+        r, b = base.avg_loops, g.rows
+        rows.append({"rows": int(b), "rule": g.rule, "avg_loops": g.avg_loops, "loops_run": g.loops_run,
+                     "proxy_speedup": g.proxy_speedup, "honest_speedup": g.honest_speedup,
+                     "loop_cost_speedup": r * (fixed + per_row * b) / (fixed * g.loops_run + per_row * b * g.avg_loops),
+                     "wallclock_speedup": g.wallclock_speedup})
+    return pd.DataFrame(rows)
+
+
+def serving_latency(model: DepthRecurrentLM, prompt: Tensor, rule: HaltingRule, *, slots: int,
+                    new_tokens: Sequence[int], cfg: SpeedConfig | None = None, log: Log = None) -> pd.DataFrame:
+    """Requests (the prompts; request i asks for ``new_tokens[i % len(new_tokens)]`` tokens) arriving at once and
+    served ``slots`` at a time: by continuous depth batching (a freed slot takes the next request) and by
+    ``generate`` (batches of ``slots`` requests, each as long as its longest). One row per path with per-request
+    latency percentiles ``p50``, ``p90``, ``p99`` (seconds to the last token), ``seconds`` (all requests) and
+    ``tokens_per_s`` (new tokens asked for); medians over ``rounds`` interleaved rounds."""
+    cfg = cfg or SpeedConfig()
+    n_max = max(new_tokens)
+    prompt, s0 = decode_setup(model, prompt, replace(cfg, new_tokens=n_max))
+    n_req, t0 = prompt.shape
+    asks = [new_tokens[i % len(new_tokens)] for i in range(n_req)]
+    states = [s0[i, : t0 + asks[i]] for i in range(n_req)]
+    latencies: dict[str, list[list[float]]] = {"continuous": [], "generate": []}
+
+    def continuous() -> None:
+        res = generate_continuous(model, list(prompt), asks, rule, slots=slots, states=states, keep_logits=False)
+        latencies["continuous"].append([c.finished for c in res.completions])
+
+    def batched() -> None:
+        done: list[float] = []
+        t_start = time.perf_counter()
+        for i in range(0, n_req, slots):
+            n = max(asks[i : i + slots])
+            generate(model, prompt[i : i + slots], n, rule, state=s0[i : i + slots, : t0 + n], fused=cfg.fused)
+            done += [time.perf_counter() - t_start] * len(asks[i : i + slots])
+        latencies["generate"].append(done)
+
+    with torch.inference_mode():
+        model.eval()
+        continuous()
+        batched()  # warm-up
+        for v in latencies.values():
+            v.clear()
+        times = interleaved({"continuous": continuous, "generate": batched}, cfg.rounds, log, "serving", cfg.clock)
+    rows = []
+    for path, lat in latencies.items():
+        arr = np.median(np.array(lat), axis=0)  # per request, median over rounds
+        sec = median(times[path])
+        rows.append({"path": path, "rule": str(rule), "slots": slots, "requests": n_req, "seconds": sec,
+                     "tokens_per_s": sum(asks) / sec, **{f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}})
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Targets and tables
+
+
 def skip_overhead(batched: pd.DataFrame) -> float:
-    """The wall-clock speedup of ``skip_forward`` with ``Uniform(r)`` over the dense forward (:func:`time_batched`):
-    the fixed cost of the skipping machinery at equal depth (< 1 is a slowdown)."""
+    """The wall-clock speed-up of ``skip_forward`` with ``Uniform(r)`` over the dense forward in a
+    :func:`time_batched` frame: the skipping machinery's cost at equal depth (< 1 is a slowdown)."""
     row = batched[(batched.family == "uniform") & ~batched.baseline]
     if row.empty:
         raise DrcError("the batched frame has no skip_forward Uniform(r) row: pass the frame of time_batched")
@@ -344,37 +687,32 @@ def skip_overhead(batched: pd.DataFrame) -> float:
 
 
 def targets_met(*frames: pd.DataFrame) -> dict[str, bool]:
-    """Per matched rule of :func:`time_batched` / :func:`time_generation` frames (``"<setting>: <rule>"``):
-    whether its wall-clock speedup reaches ``TARGET_RATIO`` x its FLOP proxy."""
+    """``"<setting>: <rule>"`` -> whether that matched rule's wall-clock speed-up reaches ``TARGET_RATIO`` x its FLOP
+    proxy, over :func:`time_batched` / :func:`time_generation` frames."""
     rules = pd.concat(frames)
     rules = rules[rules.family != "uniform"]
     return {f"{r.setting}: {r.rule}": bool(r.wall_over_proxy >= TARGET_RATIO) for r in rules.itertuples()}
 
 
 def speed_summary(batched: pd.DataFrame, generation: pd.DataFrame) -> dict[str, Any]:
-    """The skipping path's speed-up at equal depth (:func:`skip_overhead`), whether each matched rule reaches
-    ``TARGET_RATIO`` x its proxy (:func:`targets_met`, Huginn's presets left out) and that target."""
+    """:func:`skip_overhead`, :func:`targets_met` (Huginn's presets left out) and ``TARGET_RATIO``, as the
+    :class:`~drc_book.handoff.Compute` record names them."""
     return {"skip_overhead_at_equal_depth": skip_overhead(batched),
             "target_met": targets_met(batched[batched.family != "huginn"], generation),
             "target_wall_over_proxy": TARGET_RATIO}
 
 
-TARGET_OVERHEAD = 1.05  # the skipping path at equal depth <= 1.05 x the dense forward / decoder
-TARGET_HONEST = 0.9  # wall-clock speedup >= 0.9 x the honest-FLOP speedup, every rule
-TARGET_KL_BATCHED = 1.5  # the KL rule >= 1.5 x faster than uniform depth r in batched evaluation
-
-
 def speed_targets(*frames: pd.DataFrame) -> pd.DataFrame:
-    """The speed targets at matched quality, one row per (frame, rule, target) of :func:`time_batched` /
-    generation frames: the skipping path at equal depth takes <= 1.05 x the dense time; every rule beats uniform depth
-    r and reaches >= 0.9 x its honest-FLOP speed-up; the state-change rule >= 0.9 x its proxy; the KL rule >= 1.5 x in
-    batched evaluation. ``ceiling`` is the value if the clock followed the honest FLOPs exactly; ``reachable`` whether
-    that meets the threshold (a missed, reachable target is bound by the implementation, else by the work)."""
+    """The speed targets at matched quality, one row per (setting, rule, target) of :func:`time_batched` /
+    :func:`time_generation` frames: the skipping path at equal depth takes <= 1.05 x the dense time; every rule
+    beats uniform depth r and reaches >= 0.9 x its honest-FLOP speed-up; the state-change rule >= 0.9 x its proxy;
+    the KL rule >= 1.5 x in batched evaluation. ``ceiling`` is the value were the clock to follow the honest FLOPs,
+    ``reachable`` whether that meets the threshold (a missed target that is reachable is bound by the
+    implementation, else by the work)."""
     rows = []
 
     def add(setting: str, rule: str, target: str, value: float, threshold: float,
             ok: Callable[[float, float], bool], ceiling: float = 1.0) -> None:
-        """``ok(x, threshold)`` is the target's comparison, applied to the measured value and to the ceiling."""
         rows.append({"setting": setting, "rule": rule, "target": target, "value": float(value),
                      "threshold": threshold, "met": bool(ok(value, threshold)), "ceiling": float(ceiling),
                      "reachable": bool(ok(ceiling, threshold))})
@@ -398,23 +736,34 @@ def speed_targets(*frames: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def preset_specs(cfg: SpeedConfig, taken: Sequence[RuleSpec] = ()) -> list[RuleSpec]:
-    """Huginn's exit criteria at its default thresholds (:func:`drc_core.halting.rules.huginn_presets`, at
-    ``rule_max_loops``) as :class:`RuleSpec` (family "huginn", param NaN), leaving out any that is already one of
-    ``taken`` (same rule name)."""
-    names = {str(t.rule) for t in taken}
-    return [RuleSpec("huginn", math.nan, rule) for rule in huginn_presets(cfg.rule_max_loops).values()
-            if str(rule) not in names]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Everything, and the table for the figure
+def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] | None = None,
+                    batches: Sequence[int] = (8, 32)) -> pd.DataFrame:
+    """The targets on a :func:`time_decoders` table at each batch of ``batches``: every state rule's continuous
+    decoder beats the dense decoder (``x_dense`` > 1) and realizes >= 0.9 of its honest-FLOP speed-up, and
+    continuous batching at equal depth costs <= 1.05 x the dense decoder. One row per check: ``value``, ``target``,
+    ``met``. ``state_families``: default :func:`drc_core.state_families`."""
+    families = drc_core.state_families() if state_families is None else state_families
+    out = []
+    cont = table[table.path == "continuous"]
+    for b in batches:
+        at = cont[cont.batch == b]
+        for fam in families:
+            for _, row in at[at.family == fam].iterrows():
+                out.append({"batch": b, "check": f"{row.rule}: faster than the dense decoder", "value": row.x_dense,
+                            "target": "> 1", "met": bool(row.x_dense > 1)})
+                out.append({"batch": b, "check": f"{row.rule}: realization", "value": row.realization,
+                            "target": f">= {TARGET_REALIZATION}", "met": bool(row.realization >= TARGET_REALIZATION)})
+        for _, row in at[at.family == "uniform"].iterrows():
+            cost = 1 / row.x_dense
+            out.append({"batch": b, "check": "continuous at equal depth: time / dense decoder", "value": cost,
+                        "target": f"<= {TARGET_OVERHEAD}", "met": bool(cost <= TARGET_OVERHEAD)})
+    return pd.DataFrame(out)
 
 
 def speedup_table(*frames: pd.DataFrame) -> pd.DataFrame:
     """The non-baseline rows of :func:`time_batched` / :func:`time_generation` frames: ``setting``, ``rule``,
     ``avg_loops``, ``proxy_speedup``, ``flop_speedup``, ``wallclock_speedup``, ``wall_over_proxy`` (what
-    ``drc_book.viz.speedup_bars`` draws)."""
+    :func:`drc_book.viz.speedup_bars` draws)."""
     cols = ["setting", "rule", "avg_loops", "proxy_speedup", "flop_speedup", "wallclock_speedup", "wall_over_proxy"]
     rows = pd.concat([f[~f.baseline] for f in frames], ignore_index=True)
     return rows[cols].assign(rule=rows.rule.astype(str)).reset_index(drop=True)

@@ -1,6 +1,6 @@
-"""What else notebook 05 and ``bench/adaptive_speed.py`` measure beside :mod:`drc_book.speed`: the cost of
-the 32-loop measurement pass, where the time goes (``torch.profiler``), bf16 autocast against fp32, and Anderson
-acceleration of the core iteration.
+"""What notebook 05 and ``bench/adaptive_speed.py`` measure beside the timings of :mod:`drc_book.speed`: the cost of
+the measurement pass, where the time goes (``torch.profiler``), bf16 autocast against fp32, Anderson acceleration of
+the core iteration, and everything of the benchmark in one call (:func:`run_speed`).
 """
 
 from __future__ import annotations
@@ -9,21 +9,30 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 
 import pandas as pd
 import torch
 from torch import Tensor
 
 from drc_book.cost import Log, interleaved, median, spread
-from drc_book.decode_speed import decode_setup
 from drc_book.fixed_point import fixed_point_costs, seconds_per_eval
 from drc_book.speed import (
     TARGET_MEASURE,
+    Matched,
     SpeedConfig,
+    batched_variants,
     ce_sum,
+    decode_setup,
+    decoder_calls,
+    matched_rules,
     on_device,
-    prepare_memory,
+    preset_specs,
     rule_specs,
+    speed_targets,
+    speedup_table,
+    time_batched,
+    time_generation,
     timing_batches,
 )
 from drc_core import PLAIN_ITERATION as PLAIN
@@ -34,41 +43,43 @@ from drc_core import (
     HaltingRule,
     RuleSpec,
     Uniform,
-    generate_continuous,
-    generate_fixed,
     iterate,
     iterate_stats,
     measure_windows,
-    skip_forward,
 )
-from drc_core import generate_ids as generate
 
-__all__ = ["anderson_configs", "anderson_summary", "anderson_table", "bf16_check", "by_kind", "measurement_cost",
-           "measurement_pass", "measurement_summary", "profile_batched", "profile_generation"]
+__all__ = ["SpeedReport", "anderson_configs", "anderson_summary", "anderson_table", "aten_calls", "bf16_check",
+           "by_kind", "decode_op_calls", "measurement_cost", "measurement_pass", "measurement_summary",
+           "profile_batched", "profile_generation", "run_speed", "self_cpu_ms"]
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The measurement pass
 
 
+def _pass_names(loops: int) -> dict[str, str]:
+    """The ``pass`` labels of :func:`measurement_cost`'s rows at ``loops`` loops, by kind."""
+    return {"forward": f"forward, depth {loops}", "readout": f"readout every loop, {loops} loops",
+            "measure": "measure_windows (kl_to_final=False)", "measure_kl_final": "measure_windows (kl_to_final=True)"}
+
+
 def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
                      log: Log = None) -> pd.DataFrame:
-    """Wall-clock of the per-token, per-loop measurement pass (``measure_windows`` without and with
-    ``kl_to_final``) against one forward at the same depth and a bare every-loop readout pass (the floor of any
-    per-loop statistic), on the first ``measure_windows`` windows: ``seconds``, ``spread``, ``x_forward``,
-    ``x_readout_pass`` and ``target_as_worded`` (<= 1.2 x the forward)."""
+    """The per-token, per-loop measurement pass (``measure_windows`` without and with ``kl_to_final``) against one
+    forward at the same depth and a bare every-loop readout pass (the floor of any per-loop statistic), on the first
+    ``measure_windows`` windows: ``seconds``, ``spread``, ``x_forward``, ``x_readout_pass`` and
+    ``target_as_worded`` (<= 1.2 x the forward)."""
     cfg = cfg or SpeedConfig()
-    prepare_memory(cfg)
+    cfg.start()
     windows = on_device(model, windows)[: cfg.measure_windows]
     L, bs = cfg.measure_loops, cfg.batch_size
-
     batches, one = timing_batches(model, windows, cfg), timing_batches(model, windows[:1], cfg)
 
-    def forward(w: Tensor, b: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+    def forward(w: Tensor, b: list) -> None:
         for x, _, s0 in b:
             model(x, L, state=s0)
 
-    def readout(w: Tensor, b: list[tuple[Tensor, Tensor, Tensor]]) -> None:
+    def readout(w: Tensor, b: list) -> None:
         for x, _, s0 in b:
             for _ in iterate(model, x, L, state=s0, readout="log_probs"):
                 pass
@@ -78,35 +89,24 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
 
     names = _pass_names(L)
     passes: dict[str, Callable[[Tensor, list], object]] = {
-        names["forward"]: forward,
-        names["readout"]: readout,
-        names["measure"]: measure(False),
-        names["measure_kl_final"]: measure(True),
-    }
+        names["forward"]: forward, names["readout"]: readout, names["measure"]: measure(False),
+        names["measure_kl_final"]: measure(True)}
     with torch.inference_mode():
         model.eval()
         for fn in passes.values():  # warm-up on one window
             fn(windows[:1], one)
         times = interleaved({k: (lambda fn=fn: fn(windows, batches)) for k, fn in passes.items()}, cfg.rounds,
-                             log, "measurement")
+                            log, "measurement")
     med = {k: median(v) for k, v in times.items()}
     fwd, ro = med[names["forward"]], med[names["readout"]]
-    rows = [{"pass": k, "loops": L, "windows": len(windows), "seconds": med[k], "spread": spread(times[k]),
-             "x_forward": med[k] / fwd, "x_readout_pass": med[k] / ro,
-             "target_as_worded": med[k] / fwd <= TARGET_MEASURE} for k in passes]
-    return pd.DataFrame(rows)
-
-
-def _pass_names(loops: int) -> dict[str, str]:
-    """The ``pass`` labels of :func:`measurement_cost`'s rows at ``loops`` loops."""
-    return {"forward": f"forward, depth {loops}", "readout": f"readout every loop, {loops} loops",
-            "measure": "measure_windows (kl_to_final=False)", "measure_kl_final": "measure_windows (kl_to_final=True)"}
+    return pd.DataFrame([{"pass": k, "loops": L, "windows": len(windows), "seconds": med[k], "spread": spread(times[k]),
+                          "x_forward": med[k] / fwd, "x_readout_pass": med[k] / ro,
+                          "target_as_worded": med[k] / fwd <= TARGET_MEASURE} for k in passes])
 
 
 def measurement_pass(measurement: pd.DataFrame, kind: str) -> pd.Series:
-    """The row of one pass of a :func:`measurement_cost` frame: ``kind`` is "forward", "readout" (every loop),
-    "measure" or "measure_kl_final" (:func:`~drc_core.analysis.measure.measure_windows` without / with the
-    deepest-output KL, what notebook 2 runs)."""
+    """The row of one pass of a :func:`measurement_cost` frame: ``kind`` "forward", "readout" (every loop),
+    "measure" or "measure_kl_final" (``measure_windows`` without / with the deepest-output KL, as notebook 02)."""
     names = _pass_names(int(measurement.loops.iloc[0]))
     if kind not in names:
         raise DrcError(f"kind={kind!r} is not a measurement pass; use one of {', '.join(names)}")
@@ -114,11 +114,15 @@ def measurement_pass(measurement: pd.DataFrame, kind: str) -> pd.Series:
 
 
 def measurement_summary(measurement: pd.DataFrame) -> dict[str, float]:
-    """The measurement pass (with the deepest-output KL) against one forward and against the bare every-loop
-    readout pass, and that readout pass against one forward."""
+    """The measurement pass (with the deepest-output KL) against one forward and the bare every-loop readout pass,
+    and that readout pass against one forward."""
     full, floor = measurement_pass(measurement, "measure_kl_final"), measurement_pass(measurement, "readout")
     return {"measurement_x_forward": float(full.x_forward), "measurement_x_readout_pass": float(full.x_readout_pass),
             "readout_pass_x_forward": float(floor.x_forward)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Where the time goes
 
 
 _OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
@@ -139,7 +143,7 @@ def _op_kind(name: str) -> str:
 @contextmanager
 def _quiet_fd2() -> Iterator[None]:
     """File descriptor 2 to /dev/null for the block: torch's C++ profiler writes a ``USDT: ... profiler_start`` /
-    ``profiler_stop`` line there around every profile, which would land in a notebook's output."""
+    ``profiler_stop`` line there, which would land in a notebook's output."""
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -153,10 +157,9 @@ def _quiet_fd2() -> Iterator[None]:
 
 
 def self_cpu_ms(prof: object) -> dict[str, tuple[float, int]]:
-    """``{op name: (self CPU ms, calls)}`` of a finished ``torch.profiler.profile`` over the CPU, read from its raw
-    events: an op's self time is its duration minus that of the ops nested directly in it on the same thread, the
-    ``self_cpu_time_total`` of ``prof.key_averages()``, without building its Python event tree (several seconds
-    for the ~150 k events of a generation; this takes a fraction of that)."""
+    """``{op name: (self CPU ms, calls)}`` of a finished CPU ``torch.profiler.profile``: what
+    ``prof.key_averages()`` gives as ``self_cpu_time_total`` and ``count`` (an op's duration less that of the ops
+    nested directly in it on its thread), read from the raw events without building the Python event tree."""
     from torch.autograd import DeviceType
 
     threads: dict[int, list[tuple[int, int, str]]] = {}
@@ -188,8 +191,8 @@ def self_cpu_ms(prof: object) -> dict[str, tuple[float, int]]:
 
 
 def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``torch.profiler`` over one call of each variant (after an untimed warm-up call): ``(kinds, ops)`` as
-    described in :func:`profile_batched`."""
+    """``torch.profiler`` over one call of each variant after an untimed one: ``(kinds, ops)`` of
+    :func:`profile_batched`."""
     from torch.profiler import ProfilerActivity, profile
 
     kinds, ops = [], []
@@ -199,12 +202,12 @@ def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.Da
             fn()
         events = {op: v for op, v in self_cpu_ms(prof).items() if v[0] > 0}
         total = sum(ms for ms, _ in events.values())
-        by_kind: dict[str, list[float]] = {}
+        by_op_kind: dict[str, list[float]] = {}
         for op, (ms, calls) in events.items():
-            acc = by_kind.setdefault(_op_kind(op), [0.0, 0.0])
+            acc = by_op_kind.setdefault(_op_kind(op), [0.0, 0.0])
             acc[0] += ms
             acc[1] += calls
-        for kind, (ms, calls) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        for kind, (ms, calls) in sorted(by_op_kind.items(), key=lambda kv: -kv[1][0]):
             kinds.append({"variant": name, "kind": kind, "ms": ms, "calls": int(calls), "share": ms / total})
         kinds.append({"variant": name, "kind": "total", "ms": total,
                       "calls": int(sum(calls for _, calls in events.values())), "share": 1.0})
@@ -215,73 +218,105 @@ def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.Da
 
 def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, top: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Where the time goes: ``torch.profiler`` over one batch (the first ``batch_size`` windows) of the dense
-    forward at depth r, ``skip_forward`` with ``Uniform(r)`` and with each rule (one untimed warm-up call each).
-
-    Returns ``(kinds, ops)``: ``kinds`` one row per (variant, kind of op: matmul, attention, readout statistics,
-    gather/scatter, other) with ``ms`` (self CPU time), ``calls`` and ``share``, plus a ``total`` row; ``ops`` the
+    """``torch.profiler`` over one batch (the first ``batch_size`` windows) of each variant of
+    :func:`drc_book.speed.batched_variants`. ``(kinds, ops)``: per variant and kind of op (matmul, attention, readout
+    statistics, gather / scatter, other, and a ``total`` row) ``ms`` (self CPU time), ``calls`` and ``share``; and the
     ``top`` ops of each variant by self CPU time (``op``, ``ms``, ``calls``, ``share``)."""
     cfg = cfg or SpeedConfig()
-    prepare_memory(cfg)
+    cfg.start()
     windows = on_device(model, windows)
-    r = cfg.reference_loops
     x, _, s0 = timing_batches(model, windows[: cfg.batch_size], cfg)[0]
-    variants: dict[str, Callable[[], object]] = {
-        f"uniform={r}": lambda: model(x, r, state=s0),
-        f"uniform={r} via skip_forward": lambda: skip_forward(model, x, Uniform(r), state=s0, fused=cfg.fused)}
-    for spec in rule_specs(rules, r):
-        variants[str(spec.rule)] = lambda rule=spec.rule: skip_forward(model, x, rule, state=s0, fused=cfg.fused)
     with torch.inference_mode():
         model.eval()
-        return _profile(variants, top)
+        return _profile({info["rule"]: (lambda fn=fn: fn(x, s0)) for info, fn in batched_variants(model, rules, cfg)},
+                        top)
 
 
 def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                        cfg: SpeedConfig | None = None, *, top: int = 8,
                        continuous: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Where the time of generation goes: ``torch.profiler`` over ``new_tokens`` greedy tokens after ``prompt``
-    (B, T0) with :func:`~drc_core.halting.generate.generate_fixed` at depth r (variant "uniform=r dense
-    decode"), ``generate`` with ``Uniform(r)`` and with each rule, and with ``continuous`` also
-    :func:`~drc_core.halting.continuous.generate_continuous` with each rule (variants "continuous <rule>"); same
-    initial states as :func:`time_generation`. Returns ``(kinds, ops)`` as :func:`profile_batched` does."""
+    """As :func:`profile_batched`, over ``new_tokens`` greedy tokens after ``prompt`` (B, T0) by the decoders of
+    :func:`drc_book.speed.decoder_calls`: the dense decoder at depth r, ``generate`` with ``Uniform(r)`` and each
+    rule, and with ``continuous`` also ``generate_continuous`` with each rule."""
     cfg = cfg or SpeedConfig()
-    prepare_memory(cfg)
+    cfg.start()
     prompt, s0 = decode_setup(model, prompt, cfg)
-    n, r = cfg.new_tokens, cfg.reference_loops
+    r = cfg.reference_loops
+    specs = [RuleSpec("uniform", float(r), Uniform(r)), *rule_specs(rules, r)]
     with torch.inference_mode():
         model.eval()
-        variants: dict[str, Callable[[], object]] = {
-            f"uniform={r} dense decode": lambda: generate_fixed(model, prompt, n, r, state=s0)}
-        specs = rule_specs(rules, r)
-        for spec in [RuleSpec("uniform", float(r), Uniform(r)), *specs]:
-            variants[str(spec.rule)] = lambda rule=spec.rule: generate(model, prompt, n, rule, state=s0,
-                                                                       fused=cfg.fused)
-        for spec in specs if continuous else []:
-            variants[f"continuous {spec.rule}"] = lambda rule=spec.rule: generate_continuous(
-                model, prompt, n, rule, states=s0, fused=cfg.fused, keep_logits=False)
-        return _profile(variants, top)
+        calls = decoder_calls(model, prompt, s0, specs, cfg, lambda sp: continuous and sp is not specs[0])
+        return _profile({name: (lambda call=call: call(cfg.new_tokens)) for name, call in calls.items()}, top)
 
 
 def by_kind(kinds: pd.DataFrame) -> pd.DataFrame:
-    """A profile's ``kinds`` (:func:`profile_batched`) as one row per variant: self CPU ms by kind of op, the
-    number of matmul calls (``matmul_calls``) and of all ops (``ops``)."""
+    """A profile's ``kinds`` as one row per variant: self CPU ms by kind of op, ``matmul_calls`` and ``ops`` (all
+    calls)."""
     ms = kinds.pivot_table(index="variant", columns="kind", values="ms", sort=False)
     calls = kinds.pivot_table(index="variant", columns="kind", values="calls", sort=False)
     return ms.round(0).assign(matmul_calls=calls["matmul"], ops=calls["total"])
 
 
+def aten_calls(fn: Callable[[], object]) -> int:
+    """The aten operator calls of one call of ``fn`` under ``torch.profiler`` (CPU), counted as :func:`self_cpu_ms`
+    counts them (a redispatch to an op of its own name is one call), whatever their time: a count, not a timing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(calls for op, (_, calls) in self_cpu_ms(prof).items() if op.startswith("aten::"))
+
+
+def decode_op_calls(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
+                    cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (8, 32)) -> pd.DataFrame:
+    """Aten operator calls per generated token of the step-synchronous decoder (``generate``) and the continuous one
+    (``generate_continuous``) with each rule, per batch size B of ``batches`` (the first B prompts; the decoders,
+    initial states and ``cfg.fused`` of :func:`drc_book.speed.decoder_calls`): the calls of a generation of
+    ``cfg.new_tokens`` n tokens minus those of one, over B (n - 1), so that the prompt pass drops out, each counted
+    after an uncounted warm-up call (:func:`aten_calls`). A count, not a time: the per-step overhead that bounds the
+    decoders at small batches, whatever the machine's load. One row per (batch, rule): ``generate``, ``continuous``
+    and ``ratio`` (continuous / generate)."""
+    cfg = cfg or SpeedConfig()
+    prompt, s0 = decode_setup(model, prompt, cfg)
+    n, r = cfg.new_tokens, cfg.reference_loops
+    if n < 2:
+        raise DrcError(f"decode_op_calls needs new_tokens >= 2 (got {n}): the prompt pass drops out as the calls of "
+                       "n tokens minus those of 1")
+    if not batches or min(batches) < 1 or max(batches) > len(prompt):
+        raise DrcError(f"batches {list(batches)} must lie in 1..{len(prompt)} (the prompts given); pass more "
+                       "prompts or smaller batches")
+    rows = []
+    with torch.inference_mode():
+        model.eval()
+        for b in batches:
+            for spec in rule_specs(rules, r):
+                calls = decoder_calls(model, prompt[:b], s0[:b], [spec], cfg, lambda _: True)
+                row = {"batch": b, "rule": str(spec.rule), "family": spec.family}
+                for path, name in (("generate", str(spec.rule)), ("continuous", f"continuous {spec.rule}")):
+                    call = calls[name]
+                    call(n)  # warm-up (compiles the fused kernels, if any, outside the count)
+                    full, one = aten_calls(lambda call=call: call(n)), aten_calls(lambda call=call: call(1))
+                    row[path] = (full - one) / (b * (n - 1))
+                row["ratio"] = row["continuous"] / row["generate"]
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bf16 and Anderson acceleration
+
+
 def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                cfg: SpeedConfig | None = None, *, log: Log = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The dense forward and ``skip_forward`` with each rule in fp32 and under bf16 autocast, same windows and
-    states. Returns ``(variants, kl)``: per (rule, precision) ``avg_loops``, ``ce``, ``same_exit`` (share of exits
-    equal to fp32's), ``seconds`` and ``x_fp32_time``; per loop 2..r the relative error of the successive KL under
-    bf16 (median, 90th percentile) beside the fp32 median KL."""
+    states. ``(variants, kl)``: per (rule, precision) ``avg_loops``, ``ce``, ``same_exit`` (share of exits equal to
+    fp32's), ``seconds`` and ``x_fp32_time``; per loop 2..r the relative error of the successive KL under bf16
+    (median, 90th percentile) beside the fp32 median KL."""
     cfg = cfg or SpeedConfig()
-    prepare_memory(cfg)
+    cfg.start()
     windows = on_device(model, windows)
     r = cfg.reference_loops
     device = windows.device
-    specs = rule_specs(rules, r)
 
     def under(bf16: bool, fn: Callable[[], object]) -> Callable[[], object]:
         def go() -> object:
@@ -295,12 +330,11 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
         batches = timing_batches(model, windows, cfg)
         n_tok = sum(x.numel() for x, _, _ in batches)
         base_exits: dict[str, list[Tensor]] = {}
-        for name, make in [(f"uniform={r}", None), *((str(sp.rule), sp.rule) for sp in specs)]:
+        for info, fn in batched_variants(model, rules, cfg, skip_uniform=False):
+            name = info["rule"]
             for bf16 in (False, True):
-                def run(rule: HaltingRule | None = make) -> list:
-                    return [model(x, r, state=s0) if rule is None else skip_forward(model, x, rule, state=s0,
-                                                                                       fused=cfg.fused)
-                            for x, _, s0 in batches]
+                def run(fn: Callable[[Tensor, Tensor], object] = fn) -> list:
+                    return [fn(x, s0) for x, _, s0 in batches]
                 outs = under(bf16, run)()
                 ce = sum(ce_sum(o if isinstance(o, Tensor) else o.logits, y)
                          for o, (_, y, _) in zip(outs, batches, strict=True)) / n_tok
@@ -334,9 +368,9 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
 
 def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: str = "sequence",
                      damped: Sequence[float] = (0.85,)) -> dict[str, AndersonConfig]:
-    """Plain iteration, damped plain iteration ``x' = b f(x) + (1 - b) x`` for each ``b`` in ``damped`` (same
-    fixed points as f, one evaluation per step and no mixing; it turns a period-2 oscillation into a contraction)
-    and Anderson acceleration with each window ``m`` (damping ``beta``, ``scope``), by label; plain first."""
+    """By label, plain first: plain iteration, damped plain iteration ``x' = b f(x) + (1 - b) x`` for each ``b`` of
+    ``damped`` (same fixed points, no mixing; it turns a period-2 oscillation into a contraction) and Anderson
+    acceleration with each window ``m`` of ``ms`` (damping ``beta``, ``scope``)."""
     configs = [PLAIN, *(AndersonConfig(m=0, beta=b) for b in damped),
                *(AndersonConfig(m=m, beta=beta, scope=scope) for m in ms)]
     return {c.label: c for c in configs}
@@ -346,12 +380,10 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
                    max_evals: int = 16, ref_loops: int = 32, at_evals: int = 8, batch_size: int = 16,
                    time_rounds: int = 3) -> pd.DataFrame:
     """One row per config: mean core evaluations per token until the successive KL stays below 1e-3 and 1e-5
-    (:func:`drc_book.fixed_point.fixed_point_costs`, ``max_evals`` evaluations, reference: plain
-    iteration at ``ref_loops``), CE and KL to the reference after ``at_evals`` evaluations, the mean successive KL
-    at the last evaluation (``kl_prev_at_<max_evals>``: the KL floor, e.g. for the reference model's fixed-point
-    target at 2R), and seconds per core evaluation on the first batch
-    (:func:`~drc_book.fixed_point.seconds_per_eval`, no readout).
-    ``at_evals`` must not exceed ``max_evals``."""
+    within ``max_evals`` (:func:`drc_book.fixed_point.fixed_point_costs`, reference: plain iteration at
+    ``ref_loops``), CE and KL to the reference after ``at_evals`` <= ``max_evals`` evaluations, the mean successive KL
+    at the last evaluation (``kl_prev_at_<max_evals>``, the KL floor) and seconds per core evaluation on the first
+    batch (no readout)."""
     if not 1 <= at_evals <= max_evals:
         raise DrcError(f"at_evals={at_evals} must lie in 1..max_evals={max_evals}: compare the methods at an "
                        "evaluation count the pass reaches")
@@ -380,8 +412,8 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
 
 def anderson_summary(anderson: pd.DataFrame) -> str:
     """What an :func:`anderson_table` says, in lines: each damped plain iteration against plain iteration, then the
-    range over the Anderson windows and the time to 1e-5 of the best of them (evaluations x time per evaluation)
-    against plain iteration's."""
+    Anderson windows' range and the time to 1e-5 of the best of them (evaluations x time per evaluation) against
+    plain iteration's."""
     plain = anderson.iloc[0]
     acc = anderson[anderson.method.str.startswith("anderson")]
     lines = [f"{row.method}: evaluations to 1e-5 {row['evals_kl_1e-5']:.2f} (plain {plain['evals_kl_1e-5']:.2f}), "
@@ -396,3 +428,62 @@ def anderson_summary(anderson: pd.DataFrame) -> str:
                  f"each evaluation costs {cost.min():.2f}-{cost.max():.2f}x a plain one; "
                  f"time to 1e-5, best ({best.method}): {ratio:.2f}x plain")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Everything in one call
+
+
+@dataclass
+class SpeedReport:
+    """What :func:`run_speed` returns: the config, the matching, the batched frame (matched rules, then Huginn's
+    presets if asked), the generation frame (one block of rows per batch size), the measurement pass, the speed
+    targets and, if asked, the profile of one batch (``profile_kinds``, ``profile_ops``)."""
+
+    config: SpeedConfig
+    matched: Matched
+    batched: pd.DataFrame
+    generation: pd.DataFrame
+    measurement: pd.DataFrame
+    targets: pd.DataFrame | None = None
+    profile_kinds: pd.DataFrame | None = None
+    profile_ops: pd.DataFrame | None = None
+
+    def table(self) -> pd.DataFrame:
+        """:func:`drc_book.speed.speedup_table` of the batched and generation frames."""
+        return speedup_table(self.batched, self.generation)
+
+    def to_dict(self) -> dict:
+        """JSON-ready content, frames as lists of records."""
+        out = {"config": asdict(self.config), "matched": self.matched.table.to_dict("records"),
+               "table": self.table().to_dict("records")}
+        for f in fields(self)[2:]:
+            frame = getattr(self, f.name)
+            if frame is not None:
+                out[f.name] = frame.to_dict("records")
+        return out
+
+
+def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
+              log: Log = None) -> SpeedReport:
+    """:func:`~drc_book.speed.matched_rules`, then :func:`~drc_book.speed.time_batched` with the matched rules (and
+    Huginn's presets with ``presets``), :func:`~drc_book.speed.time_generation` with them for ``gen_rows`` and each
+    of ``more_gen_rows`` prompts (the first ``prompt_len`` tokens of the first windows), :func:`measurement_cost`,
+    :func:`~drc_book.speed.speed_targets` and, with ``profile``, :func:`profile_batched`."""
+    cfg = cfg or SpeedConfig()
+    windows = on_device(model, windows)
+    most = max((cfg.gen_rows, *cfg.more_gen_rows))
+    if cfg.prompt_len > windows.shape[1] or most > len(windows):
+        raise DrcError(f"prompt_len={cfg.prompt_len} / gen_rows={most} exceed the windows "
+                       f"({len(windows)} of {windows.shape[1]} tokens): lower them")
+    matched = matched_rules(model, windows, cfg, log=log)
+    extra = preset_specs(cfg, matched.specs) if cfg.presets else []
+    batched = time_batched(model, windows, [*matched.specs, *extra], cfg, log=log)
+    generation = pd.concat([time_generation(model, windows[:rows, : cfg.prompt_len], matched.specs, cfg, log=log)
+                            for rows in dict.fromkeys((cfg.gen_rows, *cfg.more_gen_rows))], ignore_index=True)
+    measurement = measurement_cost(model, windows, cfg, log=log)
+    targets = speed_targets(batched[batched.family != "huginn"], generation)
+    kinds = ops = None
+    if cfg.profile:
+        kinds, ops = profile_batched(model, windows, matched.specs, cfg)
+    return SpeedReport(cfg, matched, batched, generation, measurement, targets, kinds, ops)

@@ -1,19 +1,5 @@
-"""Figures used by the book (plotly ``graph_objects`` and ipywidgets).
-
-What is where:
-
-- training and depth curves: :func:`loss_curves` (``metrics.jsonl`` as a frame), :func:`loss_vs_depth`
-  (loss at uniform depths, one line per series, optional interval band and reference line);
-- convergence: :func:`per_loop_figure` (successive KL and state change per loop, log scale, bootstrap bands;
-  the output of :func:`drc_core.analysis.measure.per_loop_summary`), :func:`depth_histogram` (convergence depths of
-  :func:`drc_core.analysis.measure.convergence_depth` and the cumulative share converged), :func:`class_depth_bars`
-  (:func:`drc_core.analysis.tokens.class_depth_summary`);
-- halting and compute: :func:`quality_vs_depth` (quality against average exit loop per rule family, as
-  :func:`drc_core.halting.sweep.summarize` gives it), :func:`speedup_bars` (FLOP-proxy vs wall-clock speed-ups);
-- the per-token depth explorer: :mod:`drc_core.explorer`.
-
-Every figure uses the ``plotly_white`` template; none is a ``FigureWidget`` (executed notebooks stay small).
-"""
+"""The book's figures: plotly ``graph_objects`` in :mod:`drc_core.plotting`'s look (``plotly_white``), none a
+``FigureWidget`` so that executed notebooks stay small. Each takes the table of the function its docstring names."""
 
 from __future__ import annotations
 
@@ -28,21 +14,9 @@ from plotly.subplots import make_subplots
 
 from drc_core import DrcError, need_int, plotting
 
-__all__ = [
-    "class_depth_bars",
-    "depth_histogram",
-    "loss_curves",
-    "loss_vs_depth",
-    "per_loop_figure",
-    "quality_vs_depth",
-    "risk_validity",
-    "speedup_bars",
-    "commit_vs_convergence",
-    "norm_by_loop",
-    "accuracy_heatmap",
-    "depth_by_k_figure",
-    "decoder_bars",
-]
+__all__ = ["accuracy_heatmap", "class_depth_bars", "commit_vs_convergence", "decoder_bars", "depth_by_k_figure",
+           "depth_histogram", "loss_curves", "loss_vs_depth", "norm_by_loop", "per_loop_figure", "quality_vs_depth",
+           "risk_validity", "speedup_bars"]
 
 _PALETTE, _style, _need_columns = plotting.PALETTE, plotting.style, plotting.need_columns
 HEIGHT, LOG_FLOOR, NAN_COLOR = plotting.HEIGHT, plotting.LOG_FLOOR, plotting.NAN_COLOR
@@ -56,6 +30,15 @@ def _rgba(color: str, alpha: float) -> str:
 
 def _floats(values) -> np.ndarray:
     return np.asarray(values, dtype=float)
+
+
+def _color(i: int) -> str:
+    return _PALETTE[i % len(_PALETTE)]
+
+
+def _error(value: np.ndarray, lo, hi, **style) -> dict:
+    """Asymmetric error bars from ``value`` to ``lo`` and ``hi``."""
+    return {"type": "data", "array": _floats(hi) - value, "arrayminus": value - _floats(lo), **style}
 
 
 def _band(fig: go.Figure, x, lo, hi, color: str, name: str, *, log: bool = False, **where) -> None:
@@ -148,7 +131,7 @@ def loss_vs_depth(table: pd.DataFrame, reference: float | None = None, reference
     fig = go.Figure()
     for i, name in enumerate(dict.fromkeys(series)):
         g = df[series == name].sort_values("loops")
-        color = _PALETTE[i % len(_PALETTE)]
+        color = _color(i)
         if {"lo", "hi"} <= set(g.columns):
             _band(fig, g["loops"], g["lo"], g["hi"], color, name)
         fig.add_trace(go.Scatter(x=g["loops"], y=g["loss"], mode="lines+markers", name=name, legendgroup=name,
@@ -243,7 +226,7 @@ def class_depth_bars(by_class: pd.DataFrame) -> go.Figure:
     mean = _floats(df["mean_depth"])
     error = None
     if {"ci_low", "ci_high"} <= set(df.columns):
-        error = {"type": "data", "array": _floats(df["ci_high"]) - mean, "arrayminus": mean - _floats(df["ci_low"])}
+        error = _error(mean, df["ci_low"], df["ci_high"])
     share = _floats(df["share"]) if "share" in df.columns else np.full(len(df), math.nan)
     count = df["count"].to_numpy() if "count" in df.columns else np.full(len(df), math.nan)
     fig = go.Figure(go.Bar(
@@ -291,12 +274,11 @@ def quality_vs_depth(df: pd.DataFrame, reference: float | None = None, quality_l
         elif name == "oracle":
             line, marker = {"color": "grey", "dash": "dash"}, {"size": 6, "symbol": "diamond"}
         else:
-            line, marker = {"color": _PALETTE[color_i % len(_PALETTE)]}, {"size": 6}
+            line, marker = {"color": _color(color_i)}, {"size": 6}
             color_i += 1
         error = None
         if {"quality_lo", "quality_hi"} <= set(g.columns):
-            error = {"type": "data", "array": _floats(g["quality_hi"]) - q, "arrayminus": q - _floats(g["quality_lo"]),
-                     "thickness": 1, "width": 0}
+            error = _error(q, g["quality_lo"], g["quality_hi"], thickness=1, width=0)
         params = [f"{p:g}" if isinstance(p, int | float | np.number) else str(p) for p in g["param"]]
         fig.add_trace(go.Scatter(
             x=g["avg_depth"], y=q, mode="lines+markers", name=name, line=line, marker=marker, error_y=error,
@@ -370,7 +352,7 @@ def norm_by_loop(percentiles: pd.DataFrame) -> go.Figure:
     _need_columns(percentiles, ("loop",), "norm_percentiles(...)")
     cols = [c for c in percentiles.columns if c.startswith("p") and c[1:].replace(".", "").isdigit()]
     fig = go.Figure([go.Scatter(x=percentiles["loop"], y=percentiles[c], mode="lines+markers", name=c,
-                                line={"color": _PALETTE[i % len(_PALETTE)]}) for i, c in enumerate(cols)])
+                                line={"color": _color(i)}) for i, c in enumerate(cols)])
     fig.update_xaxes(title_text="loop l")
     fig.update_yaxes(title_text="‖s_l‖", type="log")
     return _style(fig, "State norm per loop: percentiles over tokens")
@@ -387,11 +369,10 @@ def risk_validity(summary: pd.DataFrame) -> go.Figure:
                         subplot_titles=("splits whose test risk exceeds alpha", "loops saved vs certified uniform"))
     alphas = sorted(summary["alpha"].unique())
     for i, (fam, g) in enumerate(summary.groupby("family", sort=False)):
-        color = _PALETTE[i % len(_PALETTE)]
+        color = _color(i)
         x = [f"{a:g}" for a in g["alpha"]]
         v = _floats(g["violation"])
-        err = {"type": "data", "symmetric": False, "array": _floats(g["violation_hi"]) - v,
-               "arrayminus": v - _floats(g["violation_lo"])}
+        err = _error(v, g["violation_lo"], g["violation_hi"], symmetric=False)
         hover = "alpha %{x}<br>%{y:.3f}<br>certified in %{customdata:.0%} of splits<extra>" + html.escape(fam) + \
             "</extra>"
         fig.add_trace(go.Scatter(x=x, y=v, error_y=err, mode="markers+lines", name=fam, legendgroup=fam,
@@ -445,7 +426,7 @@ def depth_by_k_figure(table: pd.DataFrame, title: str = "") -> go.Figure:
     fig.add_trace(go.Scatter(x=ks, y=ks, mode="lines", name="loops = k", line={"color": "grey", "dash": "dot"}))
     for i, (name, g) in enumerate(table.groupby("series", sort=False)):
         g = g.sort_values("k")
-        color = _PALETTE[i % len(_PALETTE)]
+        color = _color(i)
         _band(fig, g["k"], g["lo"], g["hi"], color, str(name))
         fig.add_trace(go.Scatter(x=g["k"], y=g["value"], mode="lines+markers", name=str(name),
                                  line={"color": color}, legendgroup=str(name)))
@@ -455,17 +436,17 @@ def depth_by_k_figure(table: pd.DataFrame, title: str = "") -> go.Figure:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The decoder comparison (drc_book.continuous_speed): tokens per second per batch size and rule
+# The decoder comparison (drc_book.speed.time_decoders): tokens per second per batch size and rule
 
 _PATH_ORDER = ("dense decode", "generate", "continuous")
 
 
 def decoder_bars(table: pd.DataFrame) -> go.Figure:
     """Wall-clock speed-up over the dense decoder (bars, one colour per path) for each (batch, rule) of a
-    :func:`~drc_book.continuous_speed.time_decoders` table; a marker at the honest-FLOP speed-up
+    :func:`~drc_book.speed.time_decoders` table; a marker at the honest-FLOP speed-up
     (what the clock would give if it followed the work) and a dotted line at 1."""
     _need_columns(table, ("batch", "rule", "path", "x_dense", "flop_speedup", "avg_loops", "tokens_per_s"),
-                  "the output of drc_book.continuous_speed.time_decoders")
+                  "the output of drc_book.speed.time_decoders")
     rows = table[table.path != "dense decode"]
     fig = go.Figure()
     for i, path in enumerate(p for p in _PATH_ORDER if p in set(rows.path)):

@@ -1,15 +1,7 @@
-"""The book's artifacts: a prepared corpus, the model it studies, and the numbers each notebook establishes.
-
-Every notebook takes the same few paths from its profile (``book/profiles.toml``): ``corpus_dir``,
-``work_dir`` (intermediate artifacts, not committed: the model, measurement frames) and ``results_dir``
-(small JSON files of headline numbers, committed with the executed notebooks). This module is the only
-place that knows their layout:
-
-- ``work_dir/model/``: the studied model -- ``model.safetensors``, ``config.json``, ``train_config.json``,
-  ``metrics.jsonl`` and ``source.json`` (where it came from: a shipped checkpoint or a training run);
-- ``work_dir/train/``: a training run made by the book (resumable, :func:`drc_core.training.train.train`);
-- ``results_dir/<notebook>.json``: what :func:`save_results` wrote (the committed ``papermill_runs/<profile>/results``
-  only in a book-runner run; interactive runs write under ``runs/lab/``, see :mod:`drc_book.paths`).
+"""The book's artifacts, the one place that knows their layout: the prepared corpus (``corpus_dir``), the studied
+model in ``work_dir/model/`` (with ``source.json``: a shipped checkpoint or a training run in ``work_dir/train/``),
+and each notebook's numbers in ``results_dir/<notebook>.json`` (committed only from a book-runner run,
+:mod:`drc_book.paths`).
 """
 
 from __future__ import annotations
@@ -50,25 +42,16 @@ from drc_core import (
     write_file,
 )
 
-__all__ = [
-    "ensure_corpus",
-    "load_results",
-    "Study",
-    "open_model",
-    "open_study",
-    "provide_model",
-    "provide_run",
-    "save_results",
-    "train_or_reuse",
-]
+__all__ = ["Study", "ensure_corpus", "load_results", "open_model", "open_study", "provide_model", "provide_run",
+           "save_results", "train_or_reuse"]
+
 
 def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_docs: int | None = None,
                   seq_len: int = 256, data_files: Sequence[str | Path] = (), tasks: DepthTaskConfig | None = None,
                   tokenizer: str | Path = "", progress: bool = True) -> Corpus:
-    """Prepare ``corpus_dir`` from ``source`` if it is missing or out of date (a cached no-op otherwise).
-    ``data_files``: local parquet shards that stand in for FineWeb-Edu's Hub stream (the same streaming reader;
-    :mod:`drc_core.data.sources`); ``tasks``: what the ``depth-tasks`` source generates; ``tokenizer``: reuse the
-    tokenizer of a run, a shipped copy or a corpus (``prepare --tokenizer``) instead of training one."""
+    """``corpus_dir`` prepared from ``source`` unless it is up to date. ``data_files``: local parquet shards in place of
+    FineWeb-Edu's Hub stream; ``tasks``: what the ``depth-tasks`` source generates; ``tokenizer``: reuse that of a
+    run, a shipped copy or a corpus instead of training one."""
     spec = SourceSpec(name=source, max_docs=max_docs, data_files=tuple(str(f) for f in data_files),
                       tasks=tasks or DepthTaskConfig())
     prepare(PrepareConfig(source=spec, out=str(corpus_dir), vocab_size=vocab_size, seq_len=seq_len,
@@ -78,10 +61,8 @@ def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_d
 
 def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *, progress: bool = True,
                    init: str | Path | None = None) -> Path:
-    """Train ``cfg`` into ``out`` (resuming a partial run; a finished run with the same config is reused) and
-    return ``out``. A finished run made with another config or on another corpus is an error: nothing is
-    overwritten. ``init``: start from another run's weights (:func:`drc_core.training.train.train`'s second
-    stage)."""
+    """``out`` holding ``cfg`` trained (a partial run resumed, a finished one with this config and corpus reused,
+    another an error). ``init``: start from another run's weights (a second training stage)."""
     out = Path(out)
     run = open_run(out) if out.is_dir() else None
     if run is not None and run.weights == out / FINAL_DIR:
@@ -99,10 +80,9 @@ def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *,
 
 def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, overrides: list[str],
                   checkpoint: str = "", retrain: bool = False, init: str = "", progress: bool = True) -> dict[str, Any]:
-    """Put the studied model in ``work_dir/model``: a copy of ``checkpoint`` (a directory like
-    ``data/reference``) unless it is empty or ``retrain`` is set, else a run trained here with
-    ``preset_name`` + ``overrides`` (from the weights of ``init`` where given: a second training stage).
-    Returns ``source.json``'s content."""
+    """Put the studied model in ``work_dir/model``, a copy of ``checkpoint`` (e.g. ``data/reference``) or, when that
+    is empty or ``retrain`` is set, a run of ``preset_name`` + ``overrides`` trained here (from ``init``'s weights
+    where given); returns ``source.json``'s content."""
     work = Path(work_dir)
     model_dir = work / "model"
     if checkpoint and not retrain:
@@ -129,10 +109,8 @@ def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, ove
 
 def provide_run(run_dir: str | Path, corpus_dir: str | Path, *, preset_name: str, overrides: list[str],
                 progress: bool = False) -> tuple[Path, TrainConfig]:
-    """The directory holding a side experiment's weights (e.g. one seed of the small preset): ``run_dir``
-    itself when it is a shipped copy (``model.safetensors`` + ``config.json``, as under ``data/experiments``),
-    else ``run_dir/final`` of a run of ``preset_name`` + ``overrides`` trained (or resumed, or reused) there.
-    Returns that directory and the run's training config; its ``metrics.jsonl`` is in ``run_dir`` either way."""
+    """A side experiment's weights directory and training config: ``run_dir`` when it is a shipped copy (as under
+    ``data/experiments``), else ``run_dir/final`` of a run of ``preset_name`` + ``overrides`` trained there."""
     run = open_run(run_dir) if Path(run_dir).is_dir() else None
     if run is not None and run.weights == run.path and run.train_config_path is not None:
         return run.path, run.train_config()
@@ -153,17 +131,15 @@ class Study(NamedTuple):
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """What the notebooks read of a training config, for a checkpoint trained elsewhere (a Huginn checkpoint):
-    its window length and its trained mean depth."""
+    """What the notebooks read of a training config, for a checkpoint trained elsewhere (Huginn)."""
 
     seq_len: int
     recurrence: RecurrenceConfig
 
 
 def open_study(work_dir: str | Path, corpus_dir: str | Path, n_windows: int, checkpoint: str | Path = "") -> Study:
-    """The studied model (``checkpoint``, a checkpoint trained elsewhere, else ``work_dir``'s), its corpus and
-    ``n_windows`` validation windows with their documents (:func:`drc_core.val_windows_with_docs`): the shared
-    opening of the notebooks."""
+    """The notebooks' shared opening: the studied model (:func:`open_model`), its corpus and ``n_windows``
+    validation windows with their documents."""
     model, cfg, _ = open_model(work_dir, checkpoint)
     corpus = Corpus.open(corpus_dir)
     windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
@@ -171,9 +147,8 @@ def open_study(work_dir: str | Path, corpus_dir: str | Path, n_windows: int, che
 
 
 def open_model(work_dir: str | Path, checkpoint: str | Path = "") -> tuple[Any, Any, pd.DataFrame]:
-    """The studied model (eval mode), its training config and its metrics (``metrics.jsonl`` as a frame). With
-    ``checkpoint`` (a directory :func:`drc_core.load` reads, e.g. a Huginn checkpoint), that model, a
-    :class:`CheckpointConfig` (its window length and trained mean depth) and no metrics."""
+    """The studied model (eval mode), its training config and ``metrics.jsonl`` as a frame; with ``checkpoint`` (any
+    directory :func:`drc_core.load` reads) that model, its config or a :class:`CheckpointConfig`, and no metrics."""
     if checkpoint:
         m = load(checkpoint)
         if m.config is not None:  # one of this project's runs, given by path
@@ -211,9 +186,8 @@ def save_results(results_dir: str | Path, name: str, results: dict[str, Any]) ->
 
 
 def load_results(results_dir: str | Path, name: str) -> dict[str, Any]:
-    """Read ``results_dir/<name>.json``; a missing file names the notebook to run. For an interactive run's
-    results directory (under ``runs/lab/``, :func:`drc_book.paths.results_for`) a notebook this session has
-    not run yet is read from the committed results it stands for."""
+    """Read ``results_dir/<name>.json`` (for an interactive run, the committed one until this session writes it); a
+    missing file names the notebook to run."""
     path = Path(results_dir) / f"{name}.json"
     committed = committed_counterpart(results_dir)
     if not path.is_file() and committed is not None and (committed / f"{name}.json").is_file():

@@ -199,8 +199,7 @@ def test_bad_arguments_are_one_line_errors(model, kwargs, match):
 
 
 def test_decoder_timing_table(model, rules):
-    from drc_book.continuous_speed import decoder_targets, serving_latency, time_decoders
-    from drc_book.speed import SpeedConfig
+    from drc_book.speed import SpeedConfig, decoder_targets, serving_latency, time_decoders
 
     cfg = SpeedConfig(reference_loops=4, new_tokens=4, rounds=1, keep_freed=False)
     prompt = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(9))
@@ -223,8 +222,7 @@ def test_decoder_timing_table(model, rules):
 
 
 def test_one_timing_gives_both_decoder_tables(model, rules):
-    from drc_book.decode_speed import time_decoding, time_generation
-    from drc_book.speed import SpeedConfig
+    from drc_book.speed import SpeedConfig, time_decoding, time_generation
 
     cfg = SpeedConfig(reference_loops=4, new_tokens=4, rounds=1, keep_freed=False)
     prompt = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(9))

@@ -17,17 +17,20 @@ import pytest
 import torch
 
 from drc_book.cost import VOCAB_STAT_FLOPS, flop_parts, matmul_flops_per_token
-from drc_book.decode_speed import decode_loop_cost, decode_prediction, time_decoder_sets, time_generation
 from drc_book.fixed_point import fixed_point_costs
 from drc_book.speed import (
     TARGET_RATIO,
     SpeedConfig,
+    decode_loop_cost,
+    decode_prediction,
     matched_rules,
     skip_overhead,
     speed_summary,
     speedup_table,
     targets_met,
     time_batched,
+    time_decoder_sets,
+    time_generation,
 )
 from drc_book.speed_checks import (
     anderson_configs,
@@ -38,8 +41,8 @@ from drc_book.speed_checks import (
     measurement_pass,
     measurement_summary,
     profile_generation,
+    run_speed,
 )
-from drc_book.speed_report import run_speed
 from drc_core import RuleSpec
 from drc_core.data import PrepareConfig, SourceSpec, prepare
 from drc_core.errors import DrcError, run_cli
