@@ -106,13 +106,15 @@ if threads:
     torch.set_num_threads(threads)
 model, cfg, corpus, windows, _, reference = open_study(work_dir, corpus_dir, n_windows)
 prompt_len = min(prompt_len, cfg.seq_len, model.cfg.max_seq_len - new_tokens)
-timing = speed.SpeedConfig(reference_loops=reference, rule_max_loops=rule_max_loops,
-                           families=tuple(families or default_families()), ce_tolerance=ce_tolerance, rounds=rounds,
-                           new_tokens=new_tokens, prompt_len=prompt_len, measure_loops=max_loops,
-                           measure_windows=measure_windows, fused=fused, clock=clock, keep_freed=keep_freed)
+timing = speed.SpeedConfig(
+    reference_loops=reference, rule_max_loops=rule_max_loops, ce_tolerance=ce_tolerance,
+    families=tuple(families or default_families()), rounds=rounds, new_tokens=new_tokens,
+    prompt_len=prompt_len, measure_loops=max_loops, measure_windows=measure_windows, fused=fused,
+    clock=clock, keep_freed=keep_freed)
 c = model.cfg
-print(f"{len(windows)} windows x {cfg.seq_len} tokens; uniform depth r = {reference}; d={c.d_model}, "
-      f"P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; {torch.get_num_threads()} torch threads")
+print(f"{len(windows)} windows x {cfg.seq_len} tokens; uniform depth r = {reference}; "
+      f"d={c.d_model}, P/R/C={c.n_prelude}/{c.n_core}/{c.n_coda}, V={c.vocab_size}; "
+      f"{torch.get_num_threads()} torch threads")
 
 # %% [markdown]
 # ### The cost model on this model
@@ -209,8 +211,8 @@ display(prediction.round(3))
 
 # %%
 decoders = decoding.decoders
-display(decoders[["batch", "rule", "path", "avg_loops", "ms_per_step", "tokens_per_s", "x_dense", "flop_speedup",
-                  "realization", "same_as_generate"]].round(3))
+display(decoders[["batch", "rule", "path", "avg_loops", "ms_per_step", "tokens_per_s", "x_dense",
+                  "flop_speedup", "realization", "same_as_generate"]].round(3))
 checked = [b for b in decoder_batches if 1 < b <= len(prompts)]
 decoder_checks = speed.decoder_targets(decoders, batches=checked)
 display(decoder_checks.round(3))
@@ -238,7 +240,8 @@ if serving_slots and state_rule and len(prompts) > serving_slots:
 # 0.9 × the proxy (the target), the dotted line no speed-up.
 
 # %%
-table = speed.speedup_table(batched[batched.family != "huginn"], generation[generation.rows == gen_batches[0]])
+table = speed.speedup_table(batched[batched.family != "huginn"],
+                            generation[generation.rows == gen_batches[0]])
 viz.speedup_bars(table)
 
 # %%
@@ -257,9 +260,9 @@ table.round(3)
 targets = speed.speed_targets(batched[batched.family != "huginn"], generation)
 display(targets.round(3))
 missed = targets[~targets.met]
-print(f"{targets.met.sum()} of {len(targets)} met; of the {len(missed)} missed, {(~missed.reachable).sum()} are out "
-      f"of reach at any implementation (ceiling short of the threshold), {missed.reachable.sum()} are bound by the "
-      "implementation")
+print(f"{targets.met.sum()} of {len(targets)} met; of the {len(missed)} missed, "
+      f"{(~missed.reachable).sum()} are out of reach at any implementation (ceiling short of the "
+      f"threshold), {missed.reachable.sum()} are bound by the implementation")
 
 # %% [markdown]
 # ## Where the time goes
@@ -308,8 +311,8 @@ if not profile.startswith("smoke"):
     display(speed_checks.by_kind(kinds))
     display(ops.round(3))
     for rows in gen_batches:
-        gen_kinds, _ = speed_checks.profile_generation(model, windows[:rows, :prompt_len], named, timing,
-                                                       continuous=rows > 1)
+        gen_kinds, _ = speed_checks.profile_generation(
+            model, windows[:rows, :prompt_len], named, timing, continuous=rows > 1)
         print(f"generation, {rows} row(s), {new_tokens} new tokens:")
         display(speed_checks.by_kind(gen_kinds))
 
@@ -341,8 +344,9 @@ if bf16_compare and fast_bf16:
 
 # %%
 if anderson_windows:
-    anderson = speed_checks.anderson_table(model, windows[:anderson_windows], speed_checks.anderson_configs(),
-                                           max_evals=anderson_evals, time_rounds=rounds)
+    anderson = speed_checks.anderson_table(
+        model, windows[:anderson_windows], speed_checks.anderson_configs(),
+        max_evals=anderson_evals, time_rounds=rounds)
     display(anderson.round(6))
 
 # %% [markdown]
@@ -378,13 +382,14 @@ measurement[["pass", "seconds", "spread", "x_forward", "x_readout_pass"]].round(
 
 # %%
 record = Compute.build(
-    profile=profile, reference_loops=reference, rule_max_loops=rule_max_loops, ce_tolerance=ce_tolerance,
-    n_windows=len(windows), seq_len=cfg.seq_len, rounds=rounds, threads=torch.get_num_threads(),
-    matched=matched.table, batched=batched, generation=generation, measurement=measurement, table=table,
-    **speed.speed_summary(batched, generation), speed_targets=targets,
-    anderson=anderson if anderson_windows else None, decode_loop_cost=decode_cost, decode_prediction=prediction,
-    decoders=decoders, decoder_targets=decoder_checks, serving=serving,
-    bf16=bf16_frame if bf16_compare and fast_bf16 else None, **speed_checks.measurement_summary(measurement),
-    notebook_seconds=time.time() - t0)
+    profile=profile, reference_loops=reference, rule_max_loops=rule_max_loops,
+    ce_tolerance=ce_tolerance, n_windows=len(windows), seq_len=cfg.seq_len, rounds=rounds,
+    threads=torch.get_num_threads(), matched=matched.table, batched=batched, generation=generation,
+    measurement=measurement, table=table, **speed.speed_summary(batched, generation),
+    speed_targets=targets, anderson=anderson if anderson_windows else None,
+    decode_loop_cost=decode_cost, decode_prediction=prediction, decoders=decoders,
+    decoder_targets=decoder_checks, serving=serving,
+    bf16=bf16_frame if bf16_compare and fast_bf16 else None,
+    **speed_checks.measurement_summary(measurement), notebook_seconds=time.time() - t0)
 record.save(results_dir)
 display(Markdown(record.findings()))

@@ -77,6 +77,12 @@ eps = 1e-3
 ce_tolerance = 0.005
 accuracy_level = 0.9
 extrapolation_docs = 150
+lever_checkpoint = (
+    "data/known-depth-k4"  # a model trained on chains of 1..lever_trained_k links; empty: skip
+)
+lever_trained_k = 4
+lever_docs = 200  # fresh documents with chains of 1..2 * lever_trained_k links
+overthinking_alpha = 0.1  # the calibrated rule's level on those documents (delta: risk_delta)
 router_positions = 64
 risk_alphas = [0.01, 0.02, 0.05, 0.1]  # share of a document's tokens off depth R's argmax
 risk_delta = 0.1
@@ -129,6 +135,7 @@ from drc_core import (
 work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_init = at_root(
     work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_init
 )
+lever_checkpoint = lever_checkpoint and at_root(lever_checkpoint)
 task_work = str(Path(work_dir) / "depth_tasks")
 task_corpus = task_corpus_dir or str(Path(task_work) / "corpus")
 data_files = [at_root(f) for f in data_files]
@@ -279,8 +286,7 @@ norm_growth = answer_dyn.norm[:, -1] / answer_dyn.norm[:, 0]
 growth_by_k = pd.Series(norm_growth).groupby(answers_once.k.to_numpy()).median()
 print(
     "median norm growth (loop 1 -> loop "
-    f"{max_loops}) by k: "
-    + ", ".join(f"k={k}: {g:.2f}x" for k, g in growth_by_k.items())
+    f"{max_loops}) by k: " + ", ".join(f"k={k}: {g:.2f}x" for k, g in growth_by_k.items())
 )
 dyn_by_k.pivot(index="group", columns="class", values="share").round(3)
 
@@ -381,11 +387,29 @@ print(
     + ", ".join(f"alpha={a:g} needs >= {min_units(a, risk_delta)}" for a in risk_alphas)
     + f"; testable on a half: {testable}"
 )
-risk_valid, said = guarantee.held_over_splits(top1, default_families(), risk_alphas, risk_delta,
-                                             n_splits=risk_splits, seed=seed, among=task_units)
+risk_valid, said = guarantee.held_over_splits(
+    top1,
+    default_families(),
+    risk_alphas,
+    risk_delta,
+    n_splits=risk_splits,
+    seed=seed,
+    among=task_units,
+)
 print(said)
-risk_valid[["family", "alpha", "certified", "violation", "violation_hi", "test_risk", "loops",
-            "uniform_depth", "saved_frac"]].round(3)
+risk_valid[
+    [
+        "family",
+        "alpha",
+        "certified",
+        "violation",
+        "violation_hi",
+        "test_risk",
+        "loops",
+        "uniform_depth",
+        "saved_frac",
+    ]
+].round(3)
 
 # %%
 viz.risk_validity(risk_valid)
@@ -429,6 +453,89 @@ if len(tw_extra.answers):
     display(viz.accuracy_heatmap(acc_extra, title="Answer accuracy beyond the trained k"))
 else:  # the longer chains' questions start beyond the model's window
     print(f"no answer fits in {cfg.seq_len} tokens: nothing to measure at this scale")
+
+# %% [markdown]
+# ## Deeper than trained: a model that saw chains of 1..K links
+# The shipped model saw chains of exactly 3, always asked deepest first. `lever_checkpoint` is that model trained
+# further on chains of 1..`lever_trained_k` links drawn per chain, every object asked in shuffled order, with a
+# heavier-tailed loop count in training (`scripts/known_depth_recipe.py --plan extrapolate`; its record is in the
+# model's README). Here it reads fresh documents whose chains have 1..2K links, at up to `max_loops` loops: does
+# accuracy beyond K rise with loops, does the convergence depth keep following `k`, and which law does it follow?
+
+# %%
+lever = None
+if lever_checkpoint:
+    lever_model = drc_core.load(lever_checkpoint)
+    lever_R = int(round(lever_model.config.recurrence.mean))  # its training-mean depth
+    lever_tasks = DepthTaskConfig(
+        docs=lever_docs,
+        min_k=1,
+        max_k=2 * lever_trained_k,
+        families=("links",),
+        ask_every=True,
+        ask_order="shuffled",
+        seed=seed + 2000,
+        repeat_share=0.0,
+    )
+    lever_tw = dt.generated_task_windows(
+        lever_model.tokenizer,
+        lever_tasks,
+        lever_model.model.max_seq_len,
+        pad_id=drc_core.eot_id(lever_model.tokenizer),
+    )
+    lever_traj = dt.answer_trajectories(lever_model.model, lever_tw, max_loops)
+    lever = dt.extrapolation_summary(
+        lever_traj, trained_k=lever_trained_k, eps=eps, train_depth=lever_R, seed=seed
+    )
+    print(f"{len(lever_tw.answers):,} answers in {len(lever_tw.windows)} documents")
+    display(
+        viz.accuracy_heatmap(
+            lever.accuracy, title=f"Accuracy by k, trained on k <= {lever_trained_k}"
+        )
+    )
+else:
+    print("no lever_checkpoint: section skipped")
+
+# %% [markdown]
+# Per `k`, the best loop and its accuracy beside accuracy at the training-mean depth and at `max_loops`; then
+# Spearman(k, convergence depth) over all `k` with its interval over documents, and how the mean convergence depth
+# grows with `k`: a line in `k` and a line in `log2 k`, each with r² and intervals over documents.
+
+# %%
+if lever is not None:
+    print(
+        f"Spearman(k, convergence depth) over k = 1..{2 * lever_trained_k}: "
+        f"{lever.spearman[0]:.3f} "
+        f"[{lever.spearman[1]:.3f}, {lever.spearman[2]:.3f}]"
+    )
+    display(lever.best.round(3))
+    display(lever.law.round(3))
+
+# %% [markdown]
+# ## Halting against overthinking
+# On the same documents: accuracy when every answer runs `max_loops` loops, against stopping each answer by the KL
+# rule at ε, by the KL threshold certified by Learn then Test at level `overthinking_alpha` (on a random half of
+# the documents, measured on the other half), and by the oracle that stops at the first loop whose prediction is
+# the answer. `recovered` is the share of the answers that are right at some loop and wrong at `max_loops` which
+# the way of stopping gets right.
+
+# %%
+if lever is not None:
+    halting_over = dt.halting_against_overthinking(
+        lever_traj,
+        reference_loops=lever_R,
+        eps=eps,
+        alpha=overthinking_alpha,
+        delta=risk_delta,
+        trained_k=lever_trained_k,
+        seed=seed,
+    )
+    print(
+        f"calibration / test documents: {halting_over.attrs['calibration_documents']} / "
+        f"{halting_over.attrs['test_documents']}; "
+        f"a threshold certified: {halting_over.attrs['certified']}"
+    )
+    display(halting_over.round(3))
 
 # %% [markdown]
 # ## In-context copying
@@ -518,6 +625,20 @@ results = {
     "exits_by_k": exits.to_dict("records"),
     "routers": router_info,
     "extrapolation": acc_extra.to_dict("records"),
+    "lever": None
+    if lever is None
+    else {
+        "checkpoint": lever_checkpoint,
+        "trained_k": lever_trained_k,
+        "n_answers": len(lever_tw.answers),
+        "n_documents": len(lever_tw.windows),
+        "accuracy": lever.accuracy.to_dict("records"),
+        "best": lever.best.to_dict("records"),
+        "spearman_depth": list(lever.spearman),
+        "depth_law": lever.law.to_dict("records"),
+        "halting_against_overthinking": halting_over.to_dict("records"),
+        "overthinking_certificate": dict(halting_over.attrs),
+    },
     "natural_cost_bpb": cost.reset_index().to_dict("records"),
     "copying": copying.to_dict("records"),
     "notebook_seconds": time.time() - t0,

@@ -33,12 +33,16 @@ from drc_core import (
     cluster_draws,
     commit_loop,
     convergence_depth,
+    default_rules,
     generate_document,
+    learn_then_test,
     logits_at,
     measure_windows,
+    measured_exits,
     need_int,
     overthinks,
     read_labels,
+    split_windows,
     token_labels,
 )
 
@@ -50,7 +54,10 @@ __all__ = [
     "copy_accuracy",
     "corpus_task_windows",
     "depth_growth",
+    "depth_law",
+    "halting_against_overthinking",
     "exits_by_k",
+    "extrapolation_summary",
     "generated_task_windows",
     "mean_by_k",
     "overthinking_by_k",
@@ -299,3 +306,129 @@ def exits_by_k(passed: OfflinePass, tw: TaskWindows, specs: list[RuleSpec], *, o
             rows.append({"rule": name, "k": int(k), "exit": p, "lo": lo, "hi": hi})
         rows.append({"rule": name, "k": "all tokens", "exit": float(ex.mean()), "lo": np.nan, "hi": np.nan})
     return pd.DataFrame(rows)
+
+
+def depth_law(depths: pd.DataFrame, column: str = "depth", *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Which law the mean of ``column`` (:func:`answer_depths`: ``depth``, ``commit``, ...) follows in ``k``: a line
+    in ``k`` and a line in ``log2 k`` fitted to the per-``k`` means, each with its slope and r² and 95% intervals
+    from resampling documents (a draw that loses a ``k`` is dropped). Rows ``law, slope, slope_lo, slope_hi, r2,
+    r2_lo, r2_hi, n_k``."""
+    k, y, doc = depths["k"].to_numpy(float), depths[column].to_numpy(float), depths["doc"].to_numpy()
+    ks = np.unique(k)
+    if len(ks) < 3:
+        raise DrcError(f"a depth law needs answers of at least 3 values of k; these have {len(ks)}")
+    laws = {"linear": lambda x: x, "log": np.log2}
+
+    def fits(weights: np.ndarray) -> dict[str, tuple[float, float]] | None:
+        means = [np.average(y[k == v], weights=weights[k == v]) if weights[k == v].sum() else np.nan for v in ks]
+        if np.isnan(means).any():
+            return None
+        out = {}
+        for name, f in laws.items():
+            fit = sps.linregress(f(ks), means)
+            out[name] = (float(fit.slope), float(fit.rvalue**2))
+        return out
+
+    point = fits(np.ones_like(y))
+    codes = np.unique(doc, return_inverse=True)[1]
+    boot = [b for block in cluster_draws(codes.max() + 1, n_boot, seed, chunk=64) for w in block
+            if (b := fits(w[codes].astype(float))) is not None]
+    rows = []
+    for name in laws:
+        slopes, r2s = np.array([b[name][0] for b in boot]), np.array([b[name][1] for b in boot])
+        rows.append({"law": name, "slope": point[name][0], "slope_lo": np.percentile(slopes, 2.5),
+                     "slope_hi": np.percentile(slopes, 97.5), "r2": point[name][1], "r2_lo": np.percentile(r2s, 2.5),
+                     "r2_hi": np.percentile(r2s, 97.5), "n_k": len(ks)})
+    return pd.DataFrame(rows)
+
+
+def halting_against_overthinking(traj: Measurement, *, reference_loops: int, eps: float, alpha: float,
+                                 delta: float, trained_k: int, family: str = "kl", seed: int = 0,
+                                 n_boot: int = 1000) -> pd.DataFrame:
+    """What stopping each answer early recovers of what more loops destroy, read from the answers' measurement
+    ``traj`` (:func:`answer_trajectories`, loops 1..L): every threshold of ``family`` replayed on it
+    (:func:`~drc_core.measured_exits`); the documents halved at random (``seed``); on one half the threshold is
+    certified by Learn then Test (:func:`~drc_core.learn_then_test`: a document's share of answers whose prediction
+    at the exit differs from depth ``reference_loops``'s is at most ``alpha``, with probability >= 1 - ``delta``);
+    on the other half each answer is read at the exit of each way to stop:
+
+    - ``fixed L`` and ``fixed reference_loops``: every answer at that loop;
+    - ``family(eps)``: the rule at ``eps``; ``calibrated``: the certified threshold (absent when none is);
+    - ``oracle``: the first loop whose prediction is the answer (it knows the answer: the most any rule recovers).
+
+    Rows per way and answer group (``k <= trained_k``, ``k > trained_k``, ``all``): ``mean_exit``, accuracy ``acc``
+    with a 95% interval over documents, ``overthought`` (the share right at some loop and wrong at L),
+    ``recovered`` (the share of those right at the exit), ``threshold``, ``n``. ``attrs``: the certificate."""
+    loops = traj.max_loops
+    specs = [s for s in default_rules(loops) if s.family == family]
+    by_param = {float(s.param): i for i, s in enumerate(specs)}
+    if eps not in by_param:
+        raise DrcError(f"eps={eps:g} is not a threshold of {family!r}'s grid "
+                       f"({', '.join(f'{p:g}' for p in by_param) or 'none'})")
+    exits = np.stack(measured_exits(traj, [s.rule for s in specs]))  # (thresholds, answers)
+    argmax, right = traj.stats["argmax"], _correct(traj)
+    rows_ = np.arange(len(traj))
+    docs = np.unique(traj.meta["doc"].to_numpy(), return_inverse=True)[1]
+    ks = traj.meta["k"].to_numpy()
+    calib, test = (np.isin(docs, half) for half in split_windows(docs.max() + 1, 0.5, seed))
+    order = sorted(by_param)  # conservative (the smallest threshold: the latest exits) first
+    off = np.stack([argmax[rows_, exits[by_param[t]] - 1] != argmax[:, reference_loops - 1] for t in order])
+    n_docs = docs.max() + 1
+    share = np.stack([np.bincount(docs[calib], weights=o[calib].astype(float), minlength=n_docs) for o in off])
+    share /= np.maximum(np.bincount(docs[calib], minlength=n_docs), 1)  # per document, the share of answers off
+    certified, _ = learn_then_test(share[:, np.unique(docs[calib])], alpha, delta)
+    ways = {f"fixed {loops}": (np.full(len(traj), loops), np.nan),
+            f"fixed {reference_loops}": (np.full(len(traj), reference_loops), np.nan),
+            f"{family}({eps:g})": (exits[by_param[eps]], eps)}
+    if certified:
+        t = order[certified - 1]
+        ways[f"calibrated {family} (alpha {alpha:g}, delta {delta:g})"] = (exits[by_param[t]], t)
+    ways["oracle (first right loop)"] = (np.where(right.any(1), right.argmax(1) + 1, loops), np.nan)
+    over = right.any(1) & ~right[:, -1]
+    groups = {f"k <= {trained_k}": ks <= trained_k, f"k > {trained_k}": ks > trained_k, "all": np.ones(len(ks), bool)}
+    rows = []
+    for way, (exit_loop, threshold) in ways.items():
+        ok = right[rows_, np.asarray(exit_loop, int) - 1]
+        for group, member in groups.items():
+            m = test & member
+            if not m.any():
+                continue
+            p, lo, hi = _ci_rows(ok[m].astype(float), docs[m], n_boot, seed)
+            rows.append({"way": way, "group": group, "mean_exit": float(np.mean(exit_loop[m])), "acc": p,
+                         "acc_lo": lo, "acc_hi": hi, "overthought": float(over[m].mean()),
+                         "recovered": float(ok[m & over].mean()) if (m & over).any() else np.nan,
+                         "threshold": threshold, "n": int(m.sum())})
+    out = pd.DataFrame(rows)
+    out.attrs.update({"certified": bool(certified), "calibration_documents": int(len(np.unique(docs[calib]))),
+                      "test_documents": int(len(np.unique(docs[test]))), "alpha": alpha, "delta": delta})
+    return out
+
+
+@dataclass
+class Extrapolation:
+    """:func:`extrapolation_summary`: ``accuracy`` (:func:`accuracy_by_k`), ``best`` (per ``k``: the best loop, its
+    accuracy, accuracy at the training-mean depth and at the deepest loop; ``beyond`` marks k > trained_k),
+    ``spearman`` (Spearman(k, convergence depth) with its interval), ``law`` (:func:`depth_law` of the convergence
+    depth) and ``depths`` (:func:`answer_depths`)."""
+
+    accuracy: pd.DataFrame
+    best: pd.DataFrame
+    spearman: tuple[float, float, float]
+    law: pd.DataFrame
+    depths: pd.DataFrame
+
+
+def extrapolation_summary(traj: Measurement, *, trained_k: int, eps: float, train_depth: int = 8,
+                          seed: int = 0) -> Extrapolation:
+    """Accuracy, the best loop per ``k``, Spearman(k, convergence depth) and the depth law of the answers ``traj``
+    (:func:`answer_trajectories`) of a model trained on ``k <= trained_k`` at training-mean depth ``train_depth``."""
+    acc = accuracy_by_k(traj, seed=seed)
+    best = []
+    for k, g in acc.groupby("k"):
+        top = g.loc[g.acc.idxmax()]
+        at = g.set_index("loop").acc
+        best.append({"k": int(k), "beyond": bool(k > trained_k), "best_loop": int(top.loop), "best_acc": top.acc,
+                     f"acc_at_{train_depth}": at.get(train_depth, np.nan), "acc_at_last": at.iloc[-1]})
+    depths = answer_depths(traj, eps)
+    rho = spearman_ci(depths.k, depths.depth, depths.doc, seed=seed)
+    return Extrapolation(acc, pd.DataFrame(best), rho, depth_law(depths, seed=seed), depths)

@@ -62,6 +62,7 @@ _EXPORTS = {
     "evals_to_converge": "drc_core.model.anderson",
     # data: prepared corpora, their validation windows, the generated known-depth documents
     "Corpus": "drc_core.data.sampler",
+    "eot_id": "drc_core.data.tokenizer",
     "val_windows_with_docs": "drc_core.analysis.measure",
     "DepthTaskConfig": "drc_core.data.depth_tasks",
     "generate_document": "drc_core.data.depth_tasks",
@@ -113,6 +114,7 @@ _EXPORTS = {
     "RULE_FAMILIES": "drc_core.halting.rules",
     "HaltingRule": "drc_core.halting.rules",
     "masked_forward": "drc_core.halting.reference",
+    "measured_exits": "drc_core.halting.reference",
     "skip_forward": "drc_core.halting.skipping",
     "generate_continuous": "drc_core.halting.continuous",
     "ContinuousResult": "drc_core.halting.continuous",
@@ -146,6 +148,7 @@ _EXPORTS = {
     "CalibratedRule": "drc_core.halting.calibrate",
     "Certificate": "drc_core.halting.calibrate",
     "min_units": "drc_core.halting.calibrate",
+    "learn_then_test": "drc_core.halting.calibrate",
     "loss_tables": "drc_core.halting.calibrate",
     "pass_loss_tables": "drc_core.halting.calibrate",
     "validity": "drc_core.halting.calibrate",

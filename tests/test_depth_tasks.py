@@ -373,3 +373,38 @@ def test_prepare_cli_takes_the_task_options(tmp_path, capsys):
     assert run_cli(main, bad) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "4..3" in err[0]
+
+
+def test_depth_law_tells_linear_from_logarithmic_with_intervals():
+    rng = np.random.default_rng(0)
+    k = np.repeat(np.arange(1, 9), 60)
+    doc = np.arange(len(k)) % 40
+    lin = pd.DataFrame({"k": k, "doc": doc, "depth": 2.0 * k + rng.normal(0, 0.5, len(k))})
+    law = dt.depth_law(lin, n_boot=200).set_index("law")
+    assert law.loc["linear", "r2"] > law.loc["log", "r2"] and law.loc["linear", "r2_lo"] > 0.9
+    assert law.loc["linear", "slope_lo"] < 2.0 < law.loc["linear", "slope_hi"]
+    log = lin.assign(depth=3.0 * np.log2(k) + rng.normal(0, 0.3, len(k)))
+    law = dt.depth_law(log, n_boot=200).set_index("law")
+    assert law.loc["log", "r2"] > law.loc["linear", "r2"]
+    with pytest.raises(DrcError, match="at least 3 values of k"):
+        dt.depth_law(lin[lin.k <= 2])
+
+
+def test_halting_against_overthinking_on_made_up_trajectories():
+    # 40 documents x 2 answers, 6 loops; answer 0 (k = 1) is right from loop 2 on and its output settles at loop 3;
+    # answer 1 (k = 5) is right at loops 3-4 only (overthought) and settles at loop 4
+    rows = []
+    for d in range(40):
+        for a, (k, right, kl) in enumerate([(1, [0, 1, 1, 1, 1, 1], [np.nan, 1, 1e-4, 0, 0, 0]),
+                                            (5, [0, 0, 1, 1, 0, 0], [np.nan, 1, 1, 1e-4, 1, 1])]):
+            for lp in range(6):
+                rows.append({"window": d, "pos": a, "loop": lp + 1, "k": k, "doc": f"d{d}", "target": 7,
+                             "argmax": 7 if right[lp] else 3, "kl": kl[lp]})
+    m = Measurement.from_frame(pd.DataFrame(rows), stats=["argmax", "kl"])
+    out = dt.halting_against_overthinking(m, reference_loops=4, eps=1e-3, alpha=0.1, delta=0.1, trained_k=4,
+                                          n_boot=100).set_index(["way", "group"])
+    assert out.loc[("fixed 6", "k > 4"), "acc"] == 0 and out.loc[("fixed 6", "k > 4"), "overthought"] == 1
+    assert out.loc[("kl(0.001)", "k > 4"), "acc"] == 1 and out.loc[("kl(0.001)", "k > 4"), "recovered"] == 1
+    assert out.loc[("kl(0.001)", "k <= 4"), "mean_exit"] == 3 and out.loc[("kl(0.001)", "k > 4"), "mean_exit"] == 4
+    assert out.loc[("oracle (first right loop)", "all"), "acc"] == 1
+    assert out.attrs["calibration_documents"] + out.attrs["test_documents"] == 40

@@ -305,3 +305,27 @@ def test_oracle_lower_bounds_every_rule(model: DepthRecurrentLM, idx: torch.Tens
 def test_masked_forward_rejects_non_rules(model: DepthRecurrentLM, idx: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="is not a HaltingRule"):
         masked_forward(model, idx, 3)  # type: ignore[arg-type]
+
+
+def test_measured_exits_agree_with_the_offline_pass(model: DepthRecurrentLM, idx: torch.Tensor) -> None:
+    # the same rules replayed on a stored measurement and on the offline pass's own trajectory: the same exits
+    from drc_core import default_rules, measure_windows, measured_exits, offline_pass
+
+    specs = [s for s in default_rules(12) if not s.rule.needs_log_probs or s.family == "kl"]
+    specs = [s for s in specs if s.rule.reads is not None and s.rule.reads <= {"kl", "state_delta", "entropy"}]
+    assert {s.family for s in specs} >= {"kl", "state_delta"}
+    windows = torch.cat([idx, idx[:, :1]], dim=1)
+    m = measure_windows(model, windows, 12, kl_to_final=False)
+    passed = offline_pass(model, windows, specs, reference_loops=8)
+    at = (m.meta["window"].to_numpy(), m.meta["pos"].to_numpy())
+    for spec, ex in zip(specs, measured_exits(m, [s.rule for s in specs]), strict=True):
+        assert (ex == passed.exits[str(spec.rule)].numpy()[at]).all(), str(spec.rule)
+
+
+def test_measured_exits_refuse_a_rule_reading_what_was_not_measured(model: DepthRecurrentLM,
+                                                                     idx: torch.Tensor) -> None:
+    from drc_core import DrcError, measure_windows, measured_exits
+
+    m = measure_windows(model, torch.cat([idx, idx[:, :1]], dim=1), 4, kl_to_final=False)
+    with pytest.raises(DrcError, match="not in this measurement"):
+        measured_exits(m, [Cosine(0.99, max_loops=4)])

@@ -1,6 +1,6 @@
 """Running halting rules on a model: the masked reference forward (:func:`masked_forward`), the offline replay of
-rules on a uniform run's statistics (:func:`offline_exits`), the ``halt`` callable of
-:func:`~drc_core.model.lm.iterate` (:func:`halt_fn`), and the oracle (:func:`oracle_exit`)."""
+rules on a uniform run's statistics (:func:`offline_exits`; :func:`measured_exits` on a stored measurement), the
+``halt`` callable of :func:`~drc_core.model.lm.iterate` (:func:`halt_fn`), and the oracle (:func:`oracle_exit`)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,20 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drc_core.analysis.loops import LoopStats, loop_stats
+from drc_core.analysis.loops import BUILTIN_STATISTICS, LoopStats, loop_stats
+from drc_core.analysis.measure import Measurement
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import HaltingRule, Oracle
 from drc_core.model.lm import HaltFn, LoopOutput, RecurrentModel, iterate
 from drc_core.model.passes import kl_successive
 
-__all__ = ["AdaptiveResult", "OracleResult", "first_within", "halt_fn", "masked_forward", "offline_exits",
-           "oracle_exit"]
+__all__ = ["AdaptiveResult", "OracleResult", "first_within", "halt_fn", "masked_forward", "measured_exits",
+           "offline_exits", "oracle_exit"]
 
 
 def halt_fn(rule: HaltingRule, readout: str = "log_probs") -> HaltFn:
@@ -114,6 +116,30 @@ def offline_exits(stats: Iterable[LoopStats], rules: Sequence[HaltingRule]) -> l
             raise DrcError(f"rule {rule} left tokens running after the last loop given ({last_loop}); "
                            f"pass stats up to its max_loops={rule.max_loops}")
     return exits
+
+
+def measured_exits(m: Measurement, rules: Sequence[HaltingRule]) -> list[np.ndarray]:
+    """Each rule's exit loop per token of a stored measurement (``len(m)``,): :func:`offline_exits` on the
+    statistics ``m`` holds (a value undefined at loop 1 is NaN there, which never halts). Every rule must declare
+    what it reads (:attr:`HaltingRule.reads`), all of it among ``m.stats``, and stop by ``m.max_loops``."""
+    rules = list(rules)
+    for rule in rules:
+        missing = None if rule.reads is None else sorted(set(rule.reads) - set(m.stats))
+        if missing is None or missing:
+            raise DrcError(f"rule {rule} reads {'undeclared statistics' if missing is None else ', '.join(missing)}"
+                           f", not in this measurement ({', '.join(m.stats)}); replay it with offline_pass")
+    n = len(m)
+    state = torch.zeros(n, 1, 0)
+    blank = torch.full((n, 1), math.nan)
+
+    def loops() -> Iterable[LoopStats]:
+        for loop in range(1, m.max_loops + 1):
+            values = {name: blank for name in BUILTIN_STATISTICS}
+            values |= {name: torch.from_numpy(np.ascontiguousarray(a[:, loop - 1]))[:, None]
+                       for name, a in m.stats.items()}
+            yield LoopStats.of(loop, state, values)
+
+    return [ex[:, 0].numpy() for ex in offline_exits(loops(), rules)]
 
 
 @dataclass
