@@ -219,6 +219,16 @@ display(decoder_checks.round(3))
 viz.decoder_bars(decoders)
 
 # %% [markdown]
+# Beside the times, what bounds a decoder at small batches, counted rather than timed (so the machine's load
+# does not move it): aten operator calls per generated token of `generate` and `generate_continuous` with the
+# KL and state-change rules (`speed_checks.decode_op_calls`; `ratio` = continuous / generate, target ≤ 1.2).
+
+# %%
+op_calls = speed_checks.decode_op_calls(
+    model, prompts, [sp for sp in matched.specs if sp.family in kl_and_state], timing, batches=checked)
+display(op_calls.round(2))
+
+# %% [markdown]
 # ### Serving: requests behind a fixed number of slots
 # Every prompt above becomes a request (a quarter of them ask for `new_tokens` / 4 tokens, the rest for
 # `new_tokens`), all arriving at once, served `serving_slots` at a time by the state-change rule. Continuous
@@ -388,7 +398,7 @@ record = Compute.build(
     measurement=measurement, table=table, **speed.speed_summary(batched, generation),
     speed_targets=targets, anderson=anderson if anderson_windows else None,
     decode_loop_cost=decode_cost, decode_prediction=prediction, decoders=decoders,
-    decoder_targets=decoder_checks, serving=serving,
+    decoder_targets=decoder_checks, serving=serving, decode_op_calls=op_calls,
     bf16=bf16_frame if bf16_compare and fast_bf16 else None,
     **speed_checks.measurement_summary(measurement), notebook_seconds=time.time() - t0)
 record.save(results_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
@@ -44,7 +44,8 @@ def _parse(tp: Any, value: Any) -> Any:
         hints = get_type_hints(tp)
         if isinstance(value, list):
             return tp(*(_parse(hints[f.name], v) for f, v in zip(fields(tp), value, strict=True)))
-        return tp(**{f.name: _parse(hints[f.name], value[f.name]) for f in fields(tp)})
+        # a field with a default that the file lacks (written by an older run) takes its default
+        return tp(**{f.name: _parse(hints[f.name], value[f.name]) for f in fields(tp) if f.name in value})
     if origin is dict:
         return {_parse(args[0], k): _parse(args[1], v) for k, v in value.items()}
     if origin is list:
@@ -60,7 +61,7 @@ class Handoff:
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> Any:
         """The record from a results file's content, each field parsed by its type."""
-        missing = [f.name for f in fields(cls) if f.name not in r]  # type: ignore[arg-type]
+        missing = [f.name for f in fields(cls) if f.name not in r and f.default is MISSING]  # type: ignore[arg-type]
         if missing:
             raise DrcError(f"the results of {cls.NOTEBOOK} lack {', '.join(missing)}: re-run notebook {cls.NOTEBOOK} "
                            "of this profile")
@@ -76,8 +77,11 @@ class Record(Handoff):
     """A notebook's whole results: a frozen dataclass whose fields are the JSON file's keys, written by one call."""
 
     def save(self, results_dir: str | Path) -> Path:
-        """Write the record as ``results_dir/<NOTEBOOK>.json``."""
-        return save_results(results_dir, self.NOTEBOOK, asdict(self))  # type: ignore[call-overload]
+        """Write the record as ``results_dir/<NOTEBOOK>.json``; an optional field (default None) left None is not
+        written, so a file from before it was added reads and writes back the same."""
+        unset = {f.name for f in fields(self) if f.default is None and getattr(self, f.name) is None}  # type: ignore[arg-type]
+        values = {k: v for k, v in asdict(self).items() if k not in unset}  # type: ignore[call-overload]
+        return save_results(results_dir, self.NOTEBOOK, values)
 
     def findings(self) -> str:
         """What the notebook found, in a few sentences of Markdown with the record's numbers."""
@@ -352,7 +356,8 @@ class Compute(Record):
     ``ce_tolerance``, windows, threads), then every timing table as a list of rows: the matched rules, batched
     evaluation, generation, the measurement pass, the speed-up table and targets, Anderson acceleration, the decode
     loop cost and its prediction, the three decoders and their targets, serving and bf16 (None where skipped), with
-    the measurement pass's ratios and whether each matched rule reaches ``target_wall_over_proxy``."""
+    the measurement pass's ratios and whether each matched rule reaches ``target_wall_over_proxy``; and the halting
+    decoders' operator calls per generated token (``decode_op_calls``, None in results written before it)."""
 
     NOTEBOOK: ClassVar[str] = "05_compute"
     profile: str
@@ -383,6 +388,7 @@ class Compute(Record):
     measurement_x_readout_pass: float
     readout_pass_x_forward: float
     notebook_seconds: float
+    decode_op_calls: list[dict[str, Any]] | None = None  # aten calls per generated token of both halting decoders
 
     @classmethod
     def build(cls, **values: Any) -> Compute:

@@ -275,14 +275,11 @@ def decode_op_calls(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
     ``cfg.new_tokens`` n tokens minus those of one, over B (n - 1), so that the prompt pass drops out, each counted
     after an uncounted warm-up call (:func:`aten_calls`). A count, not a time: the per-step overhead that bounds the
     decoders at small batches, whatever the machine's load. One row per (batch, rule): ``generate``, ``continuous``
-    and ``ratio`` (continuous / generate)."""
+    and ``ratio`` (continuous / generate); no rows for no batch sizes."""
     cfg = cfg or SpeedConfig()
     prompt, s0 = decode_setup(model, prompt, cfg)
-    n, r = cfg.new_tokens, cfg.reference_loops
-    if n < 2:
-        raise DrcError(f"decode_op_calls needs new_tokens >= 2 (got {n}): the prompt pass drops out as the calls of "
-                       "n tokens minus those of 1")
-    if not batches or min(batches) < 1 or max(batches) > len(prompt):
+    n, r = cfg.new_tokens, cfg.reference_loops  # (SpeedConfig holds new_tokens >= 2)
+    if batches and (min(batches) < 1 or max(batches) > len(prompt)):
         raise DrcError(f"batches {list(batches)} must lie in 1..{len(prompt)} (the prompts given); pass more "
                        "prompts or smaller batches")
     rows = []
@@ -299,7 +296,7 @@ def decode_op_calls(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
                     row[path] = (full - one) / (b * (n - 1))
                 row["ratio"] = row["continuous"] / row["generate"]
                 rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=["batch", "rule", "family", "generate", "continuous", "ratio"])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -7,17 +7,21 @@ step at loop 1; a finished row frees its slot for the next waiting request (serv
 the tokens and exit loops of decoding it alone with ``generate`` from its initial states (logits to float
 tolerance): a token at loop l attends to each earlier token of its row at loop min(l, e').
 
-Caches per block are ``(L, S, H, T, hd)`` (S slots, L = ``rule.max_loops``); viewed as ``(L * S, H, T, hd)`` an
-item of slot b at loop l is row (l - 1) * S + b of one flat batch, so one layout serves every block of a step,
-whatever the items' loops (:meth:`_Decoder.layout`: a run of slots at one loop reads its slab in place, and at one
-position too runs dense). Prompts run through :func:`~drc_core.halting.skipping.run_loops` on their slots' view of
-the caches, a run of free slots with prompts of one length as one batch. The statistics are ``generate``'s (its
-tracker, the previous loop's values kept per slot); a rule on states only runs the coda per step on the items at
-loop >= ``min_loops`` and the last coda block and head on the exiting ones. One host sync per step.
+Caches per block are ``(2, L, S, H, T, hd)``, K and V in one tensor (S slots, L = ``rule.max_loops``); viewed as
+``(2, L * S, H, T, hd)`` an item of slot b at loop l is row (l - 1) * S + b of one flat batch, so one layout serves
+every block of a step, whatever the items' loops (:meth:`_Decoder.layout`: a run of slots at one loop reads its slab
+in place, and at one position too runs dense), and a block writes and gathers K and V of all items in one call
+each. An exit's copies of its keys/values into the later loops' slabs wait, all exits' together, until a step can
+read one. Prompts run through :func:`~drc_core.halting.skipping.run_loops` on their slots' view of the caches, a run
+of free slots with prompts of one length as one batch. The statistics are ``generate``'s (its tracker, the previous
+loop's values kept per slot); a rule on states only runs the coda per step on the items at loop >= ``min_loops``
+and the last coda block and head on the exiting ones. Per step one host-to-device copy of its indices (the items'
+and the joining tokens' layouts, ids and initial-state rows) and one host sync.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -31,11 +35,12 @@ from torch import Tensor
 from drc_core.analysis.loops import STATISTICS
 from drc_core.errors import DrcError
 from drc_core.halting.generate import check_generate_args, choose_next, prelude_step
-from drc_core.halting.kvlayout import Attn, LoopCaches, Tokens, block_step, coda, empty_caches
+from drc_core.halting.kvlayout import Attn, KVSlab, LoopCaches, Tokens, block_step, coda
 from drc_core.halting.loopstats import Tracker, compact_stats, stat_fields
 from drc_core.halting.rules import HaltingRule
 from drc_core.halting.skipping import check_state, run_loops
 from drc_core.halting.work import Work
+from drc_core.model.blocks import Block
 from drc_core.model.lm import DepthRecurrentLM
 
 __all__ = ["Completion", "ContinuousResult", "generate_continuous"]
@@ -94,37 +99,78 @@ class ContinuousResult:
 
 
 class _Items(Attn):
-    """The :class:`~drc_core.halting.kvlayout.Attn` of one item per flat cache row: item i writes position
-    ``pos[i]`` of row ``rows[i]`` of caches (R, H, T, hd) and attends to its positions 0..pos[i]. Attention gathers
-    each item's row unless ``lockstep`` = (first slot, end slot, loop, S): the items are those slots at one loop,
-    one slab of the caches (L, S, H, T, hd) read in place. ``base``: the items' ``rows * heads * seq_len + pos``."""
+    """The :class:`~drc_core.halting.kvlayout.Attn` of one item per flat cache row, over a block's keys and values
+    kept as one tensor: ``kv`` = (K and V (2, R, H, T, hd), its (2, R * H * T, hd) view). Item i, at flat row
+    ``rows[i]``, writes position ``pos[i]`` (``kv_index``: the offsets of its heads' rows in that view, head-major)
+    and attends to positions 0..pos[i] of its row (``mask``, additive (N, 1, 1, t_k)). Attention gathers each item's
+    row, K and V in one ``index_select``, unless ``lockstep`` = (first slot, end slot, loop, S): the items are those
+    slots at one loop, one slab of the caches (2, L, S, H, T, hd) read in place. A :meth:`select`'s positions, RoPE
+    rows and offsets are made when first read (attention after a query selection reads none of them)."""
 
-    def __init__(self, rows: Tensor, pos: Tensor, t_k: int, seq_len: int, heads: int,
-                 rope: tuple[Tensor, Tensor], base: Tensor | None = None,
-                 lockstep: tuple[int, int, int, int] | None = None) -> None:
-        self.toks, self.seq_len, self.heads, self.rope, self.t_k = Tokens(rows, pos), seq_len, heads, rope, t_k
-        self.dense, self.pending, self.lockstep = False, {}, lockstep
-        self.cos, self.sin = rope[0][pos], rope[1][pos]
-        if base is None:
-            base = rows * (heads * seq_len) + pos
-        head_offsets = torch.arange(0, heads * seq_len, seq_len, device=rows.device)
-        self.kv_index = (base[:, None] + head_offsets).reshape(-1)  # (N * H,) in (token, head) order
-        self.mask = (torch.arange(t_k, device=rows.device) <= pos[:, None])[:, None, None]  # (N, 1, 1, t_k)
+    def __init__(self, rows: Tensor, pos: Tensor | None, kv_index: Tensor | None, mask: Tensor, t_k: int,
+                 rope: tuple[Tensor, Tensor], heads: int, lockstep: tuple[int, int, int, int] | None = None,
+                 parent: tuple[_Items, Tensor] | None = None) -> None:
+        self.rows, self.mask, self.t_k, self.rope, self.heads, self.lockstep = rows, mask, t_k, rope, heads, lockstep
+        self.dense, self.pending = False, {}
+        self._pos, self._kv_index, self._parent = pos, kv_index, parent
+        self._cos: Tensor | None = None
+        self._sin: Tensor | None = None
 
-    def attend(self, q: Tensor, kv: tuple[Tensor, Tensor]) -> Tensor:
-        t_k = self.t_k
+    @property
+    def pos(self) -> Tensor:
+        if self._pos is None:
+            assert self._parent is not None
+            parent, keep = self._parent
+            self._pos = parent.pos.index_select(0, keep)
+        return self._pos
+
+    @property
+    def cos(self) -> Tensor:
+        if self._cos is None:
+            self._cos = self.rope[0].index_select(0, self.pos)
+        return self._cos
+
+    @property
+    def sin(self) -> Tensor:
+        if self._sin is None:
+            self._sin = self.rope[1].index_select(0, self.pos)
+        return self._sin
+
+    @property
+    def kv_index(self) -> Tensor:
+        if self._kv_index is None:
+            assert self._parent is not None
+            parent, keep = self._parent
+            self._kv_index = parent.kv_index.view(self.heads, -1).index_select(1, keep).view(-1)
+        return self._kv_index
+
+    def project(self, block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (N, H, 1, hd), the queries of :meth:`attend`; k, v (1, H, N, hd), as ``Block.qkv`` gives them."""
+        q, k, v = block.qkv(x[None], self.cos, self.sin)
+        return q.permute(2, 1, 0, 3), k, v
+
+    def write(self, kv: KVSlab, k: Tensor, v: Tensor) -> None:
+        new = torch.stack((k, v))  # (2, 1, H, N, hd): head-major rows, as kv_index
+        if new.dtype != kv[1].dtype:
+            new = new.to(kv[1].dtype)
+        kv[1].index_copy_(1, self.kv_index, new.view(2, -1, new.shape[-1]))
+
+    def attend(self, q: Tensor, kv: KVSlab) -> Tensor:
         if self.lockstep is not None:
             first, end, loop, n_slots = self.lockstep
-            k, v = (c.view(-1, n_slots, *c.shape[1:])[loop, first:end, :, :t_k].to(q.dtype) for c in kv)
+            both = kv[0].view(2, -1, n_slots, *kv[0].shape[2:])[:, loop, first:end]
         else:
-            rows = self.toks.rows  # index_select: ~4x faster than advanced indexing of the same rows on CPU
-            k, v = (c[:, :, :t_k].index_select(0, rows).to(q.dtype) for c in kv)
-        y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=self.mask)
+            both = kv[0].index_select(1, self.rows)  # (2, N, H, T, hd): each item's row
+        k, v = both[0, :, :, : self.t_k], both[1, :, :, : self.t_k]
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        mask = self.mask if self.mask.dtype == q.dtype else self.mask.to(q.dtype)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return y.reshape(q.shape[0], -1)
 
     def select(self, keep: Tensor) -> _Items:
-        toks = self.toks.select(keep)
-        return _Items(toks.rows, toks.pos, self.t_k, self.seq_len, self.heads, self.rope)
+        return _Items(self.rows.index_select(0, keep), None, None, self.mask.index_select(0, keep), self.t_k,
+                      self.rope, self.heads, parent=(self, keep))
 
 
 def _is_run(slots: list[int]) -> bool:
@@ -132,10 +178,24 @@ def _is_run(slots: list[int]) -> bool:
     return slots[-1] - slots[0] + 1 == len(slots)
 
 
+def _take(t: Tensor, sel: Tensor | slice) -> Tensor:
+    """The rows ``sel`` (a slice: a view; an index: one gather) of ``t``."""
+    return t[sel] if isinstance(sel, slice) else t.index_select(0, sel)
+
+
+def _put(t: Tensor, sel: Tensor | slice, value: Tensor) -> None:
+    """Write ``value`` into the rows ``sel`` of ``t``."""
+    if isinstance(sel, slice):
+        t[sel] = value
+    else:
+        t.index_copy_(0, sel, value)
+
+
 def _masked(res: dict[str, Tensor], loops: Tensor) -> dict[str, Tensor]:
     """The first loop's values (of :func:`~drc_core.analysis.loops.loop_stats`) for the items at loop 1 (and 2, for
     the second-order statistics), whose slot's previous values belong to another token."""
-    first, early = loops == 1, loops <= 2
+    first = loops == 1
+    early = loops <= 2 if "accel" in res or "accel_prev" in res else first
     for name, value in res.items():
         stat = STATISTICS.get(name)
         if name in ("accel", "accel_prev"):  # second order: undefined at loops 1 and 2
@@ -223,7 +283,7 @@ class _Decoder:
     def __init__(self, model: DepthRecurrentLM, rule: HaltingRule, reqs: list[tuple[Tensor, int, Tensor | None]],
                  init: list[Tensor], n_slots: int, t_start: float, *, temperature: float,
                  generator: torch.Generator | None, fused: bool, keep_logits: bool) -> None:
-        self.model, self.rule, self.reqs, self.init, self.n_slots = model, rule, reqs, init, n_slots
+        self.model, self.rule, self.reqs, self.n_slots = model, rule, reqs, n_slots
         self.t_start = t_start
         self.temperature, self.generator, self.fused, self.keep_logits = temperature, generator, fused, keep_logits
         cfg = model.cfg
@@ -231,18 +291,35 @@ class _Decoder:
         self.device, self.dtype = model.rope_cos.device, model.tok_emb.weight.dtype
         like = self.like = torch.empty(0, dtype=self.dtype, device=self.device)
         self.T = T = max(p.shape[1] + n for p, n, _ in reqs)
-        self.pre_kv = empty_caches(model, len(model.prelude), (n_slots, T), like)
-        # every core and coda block's K and V in one tensor (exits copy keys/values once for all of them), each
-        # loop-major (L, S, H, T, hd): one loop's slab of a run of slots is contiguous
-        n_core = len(model.core)
-        self.looped_kv = k0 = like.new_zeros(2 * (n_core + len(model.coda)), self.L, n_slots, cfg.n_heads, T,
-                                             cfg.head_dim)
-        pairs = [(k0[2 * j], k0[2 * j + 1]) for j in range(k0.shape[0] // 2)]
+        # every request's initial states in one tensor (a joining token's state is one row of it); init[r] a view
+        self.init_rows = torch.cat([s[0] for s in init])
+        self.init_offset = list(itertools.accumulate([s.shape[1] for s in init], initial=0))
+        self.init = [self.init_rows[o : o + s.shape[1]][None] for o, s in zip(self.init_offset[:-1], init, strict=True)]
+        # K and V of a block in one tensor: prelude blocks (2, 1, S, H, T, hd) (one loop), core and coda blocks
+        # (2, L, S, H, T, hd), loop-major (one loop's slab of a run of slots is contiguous); all core and coda
+        # blocks in one tensor too, so that exits copy keys/values once for all of them
+        hd, n_core = cfg.head_dim, len(model.core)
+        self.pre_joint = like.new_zeros(len(model.prelude), 2, 1, n_slots, cfg.n_heads, T, hd)
+        self.looped_kv = like.new_zeros(n_core + len(model.coda), 2, self.L, n_slots, cfg.n_heads, T, hd)
+        self.pre_kv = [(p[0, 0], p[1, 0]) for p in self.pre_joint]  # (S, H, T, hd)
+        pairs = [(p[0], p[1]) for p in self.looped_kv]  # (L, S, H, T, hd)
         self.core_kv, self.coda_kv = pairs[:n_core], pairs[n_core:]
+        self.pre_looped = [(p[0], p[1]) for p in self.pre_joint]  # the prelude's caches as one loop's slab
+        # per group of blocks: its (K, V) slabs (dense layout) and each block's K and V as one flat-row tensor
+        # (2, L * S, H, T, hd) with its (2, L * S * H * T, hd) view (the items' layout)
+        self.groups: dict[str, tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]] = {}
+        for name, pairs_, joint in (("prelude", self.pre_looped, self.pre_joint), ("core", self.core_kv,
+                                                                                   self.looped_kv[:n_core]),
+                                    ("coda", self.coda_kv, self.looped_kv[n_core:])):
+            flat = [(j.view(2, -1, *j.shape[3:]), j.view(2, -1, hd)) for j in joint]
+            self.groups[name] = (pairs_, flat)
+        self.kv_rows = self.looped_kv.view(-1, self.L * n_slots * cfg.n_heads * T, hd)  # exits copy these rows
         self.rope = (model.rope_cos, model.rope_sin)
+        # additive causal masks by position: row p lets a query at p see keys 0..p
+        self.causal = like.new_zeros(T, 1, 1, T).masked_fill_(
+            torch.ones(T, T, dtype=torch.bool, device=self.device).triu_(1)[:, None, None], -math.inf)
         self.slot_ids = torch.arange(n_slots, device=self.device)
-        self.pre_looped = [(k[None], v[None]) for k, v in self.pre_kv]  # the prelude's caches as one loop's slab
-        self.views: dict[tuple[int, ...], list[list[tuple[Tensor, Tensor]]]] = {}  # cache views, made once
+        self.views: dict[tuple[object, ...], list[list[tuple[Tensor, Tensor]]]] = {}  # cache views, made once
         self.per_loop = rule.needs_log_probs
         self.need = stat_fields(rule)
         self.work = Work()
@@ -258,6 +335,10 @@ class _Decoder:
         self.times = [[0.0, 0.0, 0.0] for _ in reqs]  # admitted, first token, finished
         self.queue = list(range(len(reqs)))
         self.joiners: list[int] = []
+        # exits' key/value copies not yet made (rows of kv_rows: sources, destinations) and the step that first
+        # reads one of them
+        self.copies: tuple[list[int], list[int]] = ([], [])
+        self.copy_by: float = math.inf
         self.z_none = like.new_empty(0, self.V, dtype=torch.float32)
         # this step's logits and each slot's previous ones (rules that read the output distribution)
         self.z_buf = like.new_empty(n_slots, self.V, dtype=torch.float32) if self.per_loop else self.z_none
@@ -276,7 +357,8 @@ class _Decoder:
             self.times[r][1] = self.now_s()
 
     def advance(self, b: int) -> None:
-        """After slot b's token chose the next token: finish the request or queue that token's prelude."""
+        """After slot b's token chose the next token: finish the request or queue that token (its state and prelude
+        come with the next step's :meth:`join`)."""
         r = self.request[b]
         t = len(self.tokens[r]) - 1  # the position of the token just chosen
         if t == self.reqs[r][0].shape[1] + self.reqs[r][1] - 1:  # the last new token: it is never processed
@@ -284,13 +366,14 @@ class _Decoder:
             self.request[b], self.loop[b] = -1, 0
             return
         self.pos[b], self.loop[b] = t, 1
-        self.state[b] = self.init[r][0, t]
         self.joiners.append(b)
 
     def admit(self) -> None:
         """Run the queued requests' prompts on the free slots, a run of slots with prompts of one length as one
         batch."""
         free = [b for b in range(self.n_slots) if self.request[b] < 0]
+        if free:
+            self.copy_kv()  # a finished request's pending copies, before a new one writes its slot
         while free and self.queue:
             t0 = self.reqs[self.queue[0]][0].shape[1]
             n = 1
@@ -323,96 +406,130 @@ class _Decoder:
             self.chosen(r, picks[j])
             self.advance(b0 + j)
 
-    def join(self) -> None:
-        """The prelude of every slot's new token (positions differ by row: one flat layout)."""
-        if not self.joiners:
-            return
-        model = self.model
-        joiners = sorted(self.joiners)
-        pos_list = [self.pos[b] for b in joiners]
-        # the prelude caches (S, H, T, hd) are one loop's slab
-        attn, (kvs,), _, _ = self.layout(joiners, [1] * len(joiners), pos_list, [self.pre_looped])
-        x = model.token_embedding(torch.tensor([self.tokens[self.request[b]][-1] for b in joiners],
-                                               device=self.device))
-        for block, kv in zip(model.prelude, kvs, strict=True):
-            x = block_step(block, x, attn, kv, *self.rope, work=self.work)
-        sel = slice(joiners[0], joiners[-1] + 1) if _is_run(joiners) else torch.tensor(joiners, device=self.device)
-        self.inj[sel] = x
-        self.joiners.clear()
+    def plan(self, items: list[int], loop_list: list[int], pos_list: list[int]) -> list[list[int]] | None:
+        """What the items' :meth:`layout` reads from the device, as host lists: None for the dense layout (a run of
+        slots at one loop and one position), else their flat rows, positions, slots, loops and the offsets of their
+        keys/values in a block's (2, L * S * H * T, hd) view, head-major."""
+        if _is_run(items) and min(loop_list) == max(loop_list) and min(pos_list) == max(pos_list):
+            return None
+        n_slots, seq = self.n_slots, self.T
+        rows = [(lp - 1) * n_slots + b for b, lp in zip(items, loop_list, strict=True)]
+        base = [r * self.heads * seq + p for r, p in zip(rows, pos_list, strict=True)]
+        return [rows, pos_list, items, loop_list, [o + h * seq for h in range(self.heads) for o in base]]
 
-    def layout(self, items: list[int], loop_list: list[int], pos_list: list[int],
-               caches: list[list[tuple[Tensor, Tensor]]]) -> tuple[Attn, list[list[tuple[Tensor, Tensor]]], Tensor,
-                                                                  Tensor]:
-        """The attention layout of items (slots, their loops and positions), the views of each list of per-block
-        caches (L, S, H, T, hd) its blocks use, and the items' slots and loops on the device: dense over one slab
-        for a run of slots at one loop and position, else one flat row per item (:class:`_Items`) over the
-        (L * S, H, T, hd) caches, from one host-to-device copy."""
+    def layout(self, items: list[int], loop_list: list[int], pos_list: list[int], groups: list[str],
+               meta: list[Tensor] | None) -> tuple[Attn, list[list[tuple[Tensor, Tensor]]], Tensor, Tensor]:
+        """The attention layout of items (slots, their loops and positions), the caches of each group of blocks
+        (``"prelude"``, ``"core"``, ``"coda"``) as its blocks take them, and the items' slots and loops on the
+        device: dense over one slab for a run of slots at one loop and position (``meta`` None), else one flat row
+        per item (:class:`_Items`) from the tensors of :meth:`plan` (``meta``)."""
         n_slots, t, n = self.n_slots, pos_list[0], len(items)
-        run, one_loop = _is_run(items), min(loop_list) == max(loop_list)
-        if run and one_loop and min(pos_list) == max(pos_list):
+        if meta is None:
             first, li = items[0], loop_list[0] - 1
             slots = self.slot_ids[first : first + n]
             attn = Attn(Tokens.window(n, t, t + 1, self.device), n, self.T, self.heads, self.rope, (t, t + 1))
-            key = (*map(id, caches), li, first, n)  # caches: lists the decoder keeps, so their ids are stable
+            key = (*groups, li, first, n)
             views = self.views.get(key)
             if views is None:
-                views = [[(k[li, first : first + n], v[li, first : first + n]) for k, v in kvs] for kvs in caches]
+                views = [[(k[li, first : first + n], v[li, first : first + n]) for k, v in self.groups[g][0]]
+                         for g in groups]
                 self.views[key] = views
             return attn, views, slots, slots.new_full((n,), loop_list[0])
-        rows = [(lp - 1) * n_slots + b for b, lp in zip(items, loop_list, strict=True)]
-        meta = torch.tensor([items, loop_list, rows, pos_list,
-                             [r * self.heads * self.T + p for r, p in zip(rows, pos_list, strict=True)]],
-                            device=self.device)
-        b_t, loops, rows_t, pos_t, base_t = meta.unbind(0)
-        lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, n_slots) if run and one_loop else None
-        attn = _Items(rows_t, pos_t, max(pos_list) + 1, self.T, self.heads, self.rope, base=base_t,
-                      lockstep=lockstep)
-        key = (*map(id, caches), -1)
-        flat = self.views.get(key)
-        if flat is None:
-            flat = [[(k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])) for k, v in kvs] for kvs in caches]
-            self.views[key] = flat
-        return attn, flat, b_t, loops
+        rows_t, pos_t, b_t, loops, kv_index = meta
+        lockstep = (items[0], items[-1] + 1, loop_list[0] - 1, n_slots) if (
+            _is_run(items) and min(loop_list) == max(loop_list)) else None
+        t_k = max(pos_list) + 1
+        mask = self.causal.index_select(0, pos_t)[..., :t_k]
+        attn = _Items(rows_t, pos_t, kv_index, mask, t_k, self.rope, self.heads, lockstep)
+        return attn, [self.groups[g][1] for g in groups], b_t, loops
+
+    def join(self, joiners: list[int], pos_list: list[int], meta: list[Tensor] | None, ids: Tensor,
+             init_rows: Tensor) -> None:
+        """The new tokens of slots ``joiners``: their initial states and prelude (positions differ by row: one flat
+        layout over the prelude's caches, one loop's slab)."""
+        model = self.model
+        attn, (kvs,), slots, _ = self.layout(joiners, [1] * len(joiners), pos_list, ["prelude"], meta)
+        x = model.token_embedding(ids)
+        for block, kv in zip(model.prelude, kvs, strict=True):
+            x = block_step(block, x, attn, kv, *self.rope, work=self.work)
+        s = self.init_rows.index_select(0, init_rows)
+        if _is_run(joiners):
+            sel = slice(joiners[0], joiners[-1] + 1)
+            self.inj[sel], self.state[sel] = x, s
+        else:
+            self.inj.index_copy_(0, slots, x)
+            self.state.index_copy_(0, slots, s)
+        self.joiners.clear()
 
     def exited(self, gone: list[tuple[int, int, int]]) -> None:
-        """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop (one gather and
-        one scatter for every block)."""
-        pairs = [(b, loop, t, later) for b, loop, t in gone for later in range(loop, self.L)]
-        if not pairs:
+        """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop. The copies wait,
+        all exits' together, until the step that can first read one: a slot's next token reaches loop e + 1, the
+        first that reads a copy of an exit at loop e, e + 1 steps after that exit."""
+        src, dst = self.copies
+        per_loop = self.n_slots * self.heads * self.T
+        for b, loop, t in gone:
+            at = (b * self.heads) * self.T + t
+            for later in range(loop, self.L):
+                for h in range(self.heads):
+                    src.append((loop - 1) * per_loop + at + h * self.T)
+                    dst.append(later * per_loop + at + h * self.T)
+            self.copy_by = min(self.copy_by, self.steps + loop + 1)
+
+    def copy_kv(self) -> None:
+        """Make the pending copies of :meth:`exited` (one gather and one scatter for every block)."""
+        src, dst = self.copies
+        if not src:
             return
-        b_i, src, t_i, dst = (torch.tensor(c, device=self.device) for c in zip(*pairs, strict=True))
-        kv = self.looped_kv
-        kv[:, dst, b_i, :, t_i] = kv[:, src - 1, b_i, :, t_i]
+        both = torch.tensor(src + dst, device=self.device)
+        rows = self.kv_rows
+        rows.index_copy_(1, both[len(src) :], rows.index_select(1, both[: len(src)]))
+        self.copies, self.copy_by = ([], []), math.inf
 
     def step(self) -> bool:
         """Admit waiting requests into free slots, run the new tokens' prelude, then one loop of every active
-        item; the exiting items choose their next tokens. False when no item is left."""
+        item; the exiting items choose their next tokens. False when no item is left. One host-to-device copy of
+        the step's indices (if any), one host sync."""
         if self.queue:
             self.admit()
-        self.join()
         items = self.active()
         if not items:
             return False
         self.steps += 1
+        if self.steps >= self.copy_by:
+            self.copy_kv()
         loop_list = [self.loop[b] for b in items]
         pos_list = [self.pos[b] for b in items]
-        attn, (core_kv, coda_kv), b_t, loops = self.layout(items, loop_list, pos_list, [self.core_kv, self.coda_kv])
+        joiners = sorted(self.joiners)
+        join_pos = [self.pos[b] for b in joiners]
+        plans = [self.plan(items, loop_list, pos_list), self.plan(joiners, [1] * len(joiners), join_pos)
+                 if joiners else None]
+        ints = [part for p in plans if p is not None for part in p]
+        if joiners:
+            ints.append([self.tokens[self.request[b]][-1] for b in joiners])
+            ints.append([self.init_offset[self.request[b]] + self.pos[b] for b in joiners])
+        # one host-to-device copy for all of them
+        parts = iter(torch.tensor(list(itertools.chain(*ints)), device=self.device).split([len(p) for p in ints])
+                     if ints else ())
+        metas = [None if p is None else [next(parts) for _ in p] for p in plans]
+        if joiners:
+            self.join(joiners, join_pos, metas[1], next(parts), next(parts))
+        attn, (core_kv, coda_kv), b_t, loops = self.layout(items, loop_list, pos_list, ["core", "coda"], metas[0])
         # items that are a run of slots are read and written through slices (views), not gathers
         sel: Tensor | slice = slice(items[0], items[-1] + 1) if _is_run(items) else b_t
-        x = self.model.inject(self.state[sel], self.inj[sel])
+        x = self.model.inject(_take(self.state, sel), _take(self.inj, sel))
         for block, kv in zip(self.model.core, core_kv, strict=True):
             x = block_step(block, x, attn, kv, *self.rope)
         self.work.core += len(items)
         kept, res, z = self._statistics(x, attn, coda_kv, b_t, sel, loops, loop_list)
         decide, gone, gone_list = self._decide(x, res, loops, loop_list)
         logits_g = self._exit_logits(x, attn, coda_kv, loops, loop_list, decide, gone, z)
-        self.state[sel] = x
+        _put(self.state, sel, x)
         if self.per_loop:
-            self.z_prev[sel] = z
+            _put(self.z_prev, sel, z)
         for k, v in kept.items():
             if k not in self.prev:
                 self.prev[k] = v.new_zeros(self.n_slots, *v.shape[1:])
-            self.prev[k][sel] = v
+            _put(self.prev[k], sel, v)
         if gone_list:
             self._emit(logits_g, [(items[i], loop_list[i], pos_list[i]) for i in gone_list])
         gone_set = set(gone_list)
@@ -430,12 +547,12 @@ class _Decoder:
         n_items = x.shape[0]
         tracker = Tracker(self.need, 0, self.V, self.like, False, self.fused)
         if self.prev:
-            tracker.prev, tracker.loop = {k: v[sel] for k, v in self.prev.items()}, 1
+            tracker.prev, tracker.loop = {k: _take(v, sel) for k, v in self.prev.items()}, 1
         res = tracker.states(x, 3)
         z = self.z_none
         if self.per_loop:
             y = coda(self.model, x, attn, coda_kv, work=self.work)
-            tracker.bufs = [self.z_buf[:n_items], self.z_prev[b_t]]
+            tracker.bufs = [self.z_buf[:n_items], _take(self.z_prev, b_t)]
             res.update(tracker.readout(self.model, y, 3))
             z = tracker.bufs[0]
             self.work.head += n_items
@@ -478,7 +595,8 @@ class _Decoder:
             y = coda(self.model, x.index_select(0, late), attn.select(late), coda_kv,
                      query=decide.index_select(0, late), work=self.work)
         self.work.head += y.shape[0]
-        return self.model.head(y).float()
+        logits = self.model.head(y)
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _emit(self, logits_g: Tensor, gone: list[tuple[int, int, int]]) -> None:
         """The exiting items (slot, exit loop, position) choose their next tokens and fill the later loops' slabs."""

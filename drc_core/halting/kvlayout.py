@@ -133,6 +133,12 @@ class Attn:
                                            attn_mask=self.mask.to(q.dtype))
         return y.transpose(1, 2).reshape(-1, heads * hd).index_select(0, self.q_index)
 
+    def project(self, block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of the flat tokens ``x`` (N, d) outside the dense layout, in the layout :meth:`write` and
+        :meth:`attend` take: each (N, H, hd) here."""
+        q, k, v = (t[0].transpose(0, 1) for t in block.qkv(x[None], self.cos, self.sin))
+        return q, k, v
+
     def select(self, keep: Tensor) -> Attn:
         """The layout of the kept tokens (``keep`` (N,) bool or an index); the kept keys/values are written first."""
         self.flush()
@@ -142,14 +148,15 @@ class Attn:
 def block_step(block: Block, x: Tensor, toks: Tokens | Attn, kv: KVSlab, cos: Tensor, sin: Tensor,
                query: Tensor | None = None, *, work: Work | None = None) -> Tensor:
     """One block on the flat tokens ``x`` (N, d) at ``toks`` (or their :class:`Attn` layout): ``Block.qkv`` and
-    ``Block.finish`` around attention over the cache ``kv``, into which the tokens' keys/values are written first.
+    ``Block.finish`` around attention over the cache ``kv`` (what the layout's ``write``/``attend`` take), into which
+    the tokens' keys/values are written first.
     Only the ``query`` (N,) bool tokens get attention and MLP -> (N', d). ``cos``/``sin``: the full RoPE tables."""
     attn = toks if isinstance(toks, Attn) else Attn(toks, kv[0].shape[0], kv[0].shape[2], kv[0].shape[1], (cos, sin))
     n = x.shape[0]
     if attn.dense:  # the layout of Block.forward: q, k, v (B, H, W, hd)
         q, k, v = block.qkv(x.view(attn.batch, -1, x.shape[-1]), attn.cos_w, attn.sin_w)
     else:
-        q, k, v = (t[0].transpose(0, 1) for t in block.qkv(x[None], attn.cos, attn.sin))  # (N, H, hd)
+        q, k, v = attn.project(block, x)  # q (N, ...) in the layout's own shape
     attn.write(kv, k, v)
     if query is not None:
         sel = query.nonzero().squeeze(1)
