@@ -2,9 +2,10 @@
 
     .venv/bin/python scripts/compare_results.py OLD_RESULTS_DIR NEW_RESULTS_DIR
 
-Prints, per results file, how many leaves are equal, the leaves that differ (path, old, new) and the leaves only
-one side has. A leaf whose path names a clock (``TIMING_WORDS``) is counted apart: timings differ between runs by
-nature. Exit 1 when a non-timing leaf differs or is missing on one side, else 0.
+Prints, per results file, how many leaves are equal, the leaves that differ (path, old, new), the largest relative
+difference of the numbers that differ (a re-execution on another kind of CPU differs in the last bits of its float
+sums) and the leaves only one side has. A leaf whose path names a clock (``TIMING_WORDS``) is counted apart:
+timings differ between runs by nature. Exit 1 when a non-timing leaf differs or is missing on one side, else 0.
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ def compare(old: Path, new: Path) -> int:
         timing = [p for p in differ if is_timing(p)]
         real = [p for p in differ if not is_timing(p)]
         one_side = sorted(set(a) ^ set(b))
+        rel = [abs(a[p] - b[p]) / max(abs(a[p]), abs(b[p])) for p in real
+               if isinstance(a[p], float | int) and isinstance(b[p], float | int) and not isinstance(a[p], bool)]
+        worst = f" (numbers: largest relative difference {max(rel):.1e})" if rel else ""
         print(f"{old_file.name}: {len(equal)} equal, {len(timing)} timing leaves differ, {len(real)} other leaves "
-              f"differ, {len(one_side)} on one side only")
+              f"differ{worst}, {len(one_side)} on one side only")
         for p in real[:20]:
             print(f"  {p}: {a[p]!r} -> {b[p]!r}")
         for p in one_side[:20]:

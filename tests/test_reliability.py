@@ -247,6 +247,21 @@ ROWS = [
     Row("prepare-task-docs-unbounded", DATA,
         lambda s: ["prepare", "--source", "depth-tasks", "--task-docs", "10000000000", "--out", str(s.tmp / "c")],
         ("docs=10,000,000,000", "limit of 4,000,000")),
+    Row("prepare-tokenizer-is-a-fifo", DATA, lambda s: prepare_args(s.tmp / "c", "--tokenizer", str(s.tmp / "t.json")),
+        ("is a FIFO, not a regular file", "pass the real file"), setup=lambda s: os.mkfifo(s.tmp / "t.json")),
+    Row("prepare-val-fraction-nan", DATA, lambda s: prepare_args(s.tmp / "c", "--val-fraction", "nan"),
+        ("val fraction nan", "e.g. 0.1")),
+    Row("prepare-task-repeat-share-nan", DATA,
+        lambda s: ["prepare", "--source", "depth-tasks", "--task-repeat-share", "nan", "--out", str(s.tmp / "c")],
+        ("repeat_share=nan", "[0, 1]")),
+    Row("prepare-path-is-an-empty-directory", DATA,
+        lambda s: ["prepare", "--source", "local", "--path", str(s.tmp / "empty"), "--out", str(s.tmp / "c")],
+        ("has no .txt, .jsonl or .parquet files",), setup=lambda s: (s.tmp / "empty").mkdir()),
+    Row("prepare-cached-meta-vocab-unbounded", DATA, lambda s: prepare_args(s.corpus),
+        ("above the limit of 1,048,576", "--force"),
+        setup=lambda s: edit_json(s.corpus / "meta.json", lambda d: d.update(vocab_size=10**30))),
+    Row("prepare-out-empty", DATA, lambda s: [*prepare_args(s.tmp / "c")[:-3], "--out", "", "--quiet"],
+        ("out='' is not a path",)),
     # ---- train
     Row("train-out-not-empty", TRAIN, lambda s: train_args(s, out=s.tmp / "d"), ("is not empty", "--resume"),
         setup=lambda s: ((s.tmp / "d").mkdir(), write(s.tmp / "d" / "notes.txt", "mine"))),
@@ -335,6 +350,29 @@ ROWS = [
     Row("train-set-uniform-high-unbounded", TRAIN,
         lambda s: train_args(s, "recurrence.scheme=uniform", "recurrence.high=100000", out=s.tmp / "r"),
         ("recurrence.high=100000", "limit of 1024")),
+    Row("train-resume-state-tensors-a-fifo", TRAIN, lambda s: train_args(s, resume=True),
+        ("train_state.safetensors is not a regular file", "delete that checkpoint"),
+        setup=lambda s: (strip_final(s), (last_ckpt(s) / "train_state.safetensors").unlink(),
+                         os.mkfifo(last_ckpt(s) / "train_state.safetensors"))),
+    Row("train-resume-state-weight-decay-not-the-configs", TRAIN, lambda s: train_args(s, resume=True),
+        ("weight_decay=-1.0 is not the config's", "delete that checkpoint"),
+        setup=lambda s: (strip_final(s), edit_json(last_ckpt(s) / "train_state.json", lambda d: d["optimizer"][
+            "param_groups"][0].update(weight_decay=-1.0)))),
+    Row("train-resume-config-eval-loops-an-int", TRAIN, lambda s: train_args(s, resume=True),
+        ("eval_loops=5 is not a list of loop counts",),
+        setup=lambda s: (strip_final(s), edit_json(s.run / "config.json", lambda d: d.update(eval_loops=5)))),
+    Row("train-resume-metrics-step-of-5000-digits", TRAIN, lambda s: train_args(s, resume=True),
+        ("metrics.jsonl", "is not a metrics row"),
+        setup=lambda s: (strip_final(s), write(s.run / "metrics.jsonl", (s.run / "metrics.jsonl").read_text() +
+                                               '{"step": 1' + "0" * 5000 + '}\n'))),
+    Row("train-meta-fingerprint-null", TRAIN, lambda s: train_args(s, out=s.tmp / "r"),
+        ("fingerprint or tokenizer_sha256 is not a hash", "prepare it again"),
+        setup=lambda s: edit_json(s.corpus / "meta.json", lambda d: d.update(fingerprint=None))),
+    Row("train-data-train-bin-a-fifo", TRAIN, lambda s: train_args(s, out=s.tmp / "r"),
+        ("train.bin is not a regular file", "prepare it again"),
+        setup=lambda s: ((s.corpus / "train.bin").unlink(), os.mkfifo(s.corpus / "train.bin"))),
+    Row("train-init-missing", TRAIN, lambda s: [*train_args(s, out=s.tmp / "r"), "--init", str(s.tmp / "none")],
+        ("is not a directory",)),
     # ---- evaluate
     Row("eval-loops-negative", EVAL, lambda s: eval_args(s, "--loops=-2,0,4"), ("--loops=-2", ">= 1")),
     Row("eval-loops-word", EVAL, lambda s: eval_args(s, "--loops", "abc"), ("--loops 'abc'", "e.g. --loops 1,4,8")),
@@ -373,6 +411,20 @@ ROWS = [
         setup=lambda s: ((s.corpus / "meta.json").unlink(), os.mkfifo(s.corpus / "meta.json"))),
     Row("eval-missing-required-option", EVAL, lambda s: ["--run", str(s.run)],
         ("the following arguments are required: --data", "--help")),
+    Row("eval-windows-negative", EVAL, lambda s: eval_args(s, "--windows", "-3"), ("--windows -3", ">= 1")),
+    Row("eval-windows-word", EVAL, lambda s: eval_args(s, "--windows", "x"), ("invalid int value: 'x'", "--help")),
+    Row("eval-loops-only-a-comma", EVAL, lambda s: eval_args(s, "--loops", ","), ("names no loop count",)),
+    Row("eval-run-is-a-file", EVAL, lambda s: eval_args(s, run=s.run / "config.json"), ("is not a directory",)),
+    Row("eval-data-is-a-file", EVAL, lambda s: eval_args(s, data=s.corpus / "meta.json"),
+        ("is a file, not a prepared corpus directory",)),
+    Row("eval-json-is-a-fifo", EVAL, lambda s: eval_args(s, "--json", str(s.tmp / "out.json")),
+        ("exists and was not written by",), setup=lambda s: os.mkfifo(s.tmp / "out.json")),
+    Row("eval-config-rope-base-nan", EVAL, lambda s: eval_args(s), ("cannot load the model", "rope_base=nan"),
+        setup=lambda s: edit_json(s.run / "final" / "config.json", lambda d: d.update(rope_base=float("nan")))),
+    Row("eval-train-config-eval-loops-null", EVAL, lambda s: eval_args(s), ("eval_loops=None is not a list",),
+        setup=lambda s: edit_json(s.run / "config.json", lambda d: d.update(eval_loops=None))),
+    Row("eval-corpus-record-nan", EVAL, lambda s: eval_args(s), ("is not a corpus record",),
+        setup=lambda s: write(s.run / "corpus.json", "NaN")),
     # ---- book
     Row("book-unknown-profile", BOOK, lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "nope"],
         ("unknown profile 'nope'", "choose from smoke")),
@@ -389,6 +441,16 @@ ROWS = [
         lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "smoke", "--only", "01_training", "--set",
                    "results_dir=papermill_runs/../../outside"], ("climbs out", "'..'")),
     Row("book-no-subcommand", BOOK, lambda s: ["--out", str(s.tmp / "pm")], ("required", "--help")),
+    Row("book-profiles-a-fifo", BOOK, lambda s: ["--profiles", str(s.tmp / "p.toml"), "list"],
+        ("is a FIFO, not a regular file",), setup=lambda s: os.mkfifo(s.tmp / "p.toml")),
+    Row("book-profiles-missing", BOOK, lambda s: ["--profiles", str(s.tmp / "none.toml"), "list"], ("not found",)),
+    Row("book-profiles-a-notebook-twice", BOOK, lambda s: ["--profiles", str(s.tmp / "p.toml"), "list"],
+        ("lists a notebook twice",),
+        setup=lambda s: write(s.tmp / "p.toml", '[book]\nsource_dir = "%s"\nnotebooks = ["01_training", '
+                                                '"01_training"]\n[profiles.p]\n' % (REPO / "book"))),
+    Row("book-set-not-key-value", BOOK,
+        lambda s: ["--out", str(s.tmp / "pm"), "run", "--profile", "smoke", "--set", "novalue"],
+        ("is not KEY=VALUE",)),
     Row("book-build-nothing-executed", BOOK, lambda s: ["--out", str(s.tmp / "pm"), "build", "--profile", "smoke"],
         ("no executed notebook", "run `python -m drc_book run --profile smoke` first")),
 ]
@@ -410,6 +472,40 @@ def test_bad_input_is_one_line_and_changes_nothing(site, row):
 def test_enough_rows():
     assert len(ROWS) >= 40
     assert {r.cli for r in ROWS} == {DATA, TRAIN, EVAL, BOOK}
+
+
+# The whole bad-input table: every collected case of these files is one row (a parametrized case counts once per
+# parameter set), except the controls below, which check that good input still works or that a documented
+# compatibility holds. docs/bad-input.md states the count; this test recounts it with pytest's own collection.
+BAD_INPUT_FILES = ("tests/test_reliability.py", "tests/test_untrusted.py", "tests/test_untrusted_book.py")
+CONTROLS = frozenset({
+    "test_enough_rows", "test_the_bad_input_table_has_at_least_300_rows", "test_debug_shows_the_traceback",
+    "test_evaluate_json_rewrites_only_its_own_file", "test_prepare_force_rebuilds_its_own_corpus",
+    "test_runs_record_their_corpus", "test_an_intact_state_reads", "test_an_old_checkpoint_resumes_exactly",
+    "test_a_taken_rollback_recovers_when_its_directories_are_allowed",
+    "test_a_record_of_the_earlier_format_still_recovers",
+})
+
+
+def collected_rows() -> list[str]:
+    """The node ids of the bad-input rows (``pytest --collect-only`` of :data:`BAD_INPUT_FILES`, less the
+    :data:`CONTROLS`), slow ones included."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *BAD_INPUT_FILES], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ids = [ln.strip() for ln in proc.stdout.splitlines() if "::" in ln]
+    return [i for i in ids if i.split("::")[1].split("[")[0] not in CONTROLS]
+
+
+def test_the_bad_input_table_has_at_least_300_rows():
+    import re
+
+    rows = collected_rows()
+    assert len(rows) >= 300, f"only {len(rows)} bad-input rows"
+    stated = re.search(r"\*\*(\d+) rows\*\*", (REPO / "docs" / "bad-input.md").read_text())
+    assert stated is not None and int(stated.group(1)) == len(rows), (
+        f"docs/bad-input.md states {stated and stated.group(1)} rows; the files hold {len(rows)}: update it")
 
 
 def test_debug_shows_the_traceback(site):

@@ -264,3 +264,164 @@ def test_a_damaged_executed_notebook_is_one_line_in_build(book_site):
     spec = load_profiles(book_site / "book" / "profiles.toml")
     with pytest.raises(DrcError, match=r"executed notebook .*01_pass.ipynb' is damaged .* --only 01_pass"):
         _present_executed(spec, "p", book_site / "papermill_runs")
+
+
+# ------------------------------------------------------------------- every book record, damaged every way
+# One parametrized case per row (docs/bad-input.md lists them by class): the one DrcError line, and nothing changed.
+
+
+def _put(path: Path, content: bytes | str) -> None:
+    """Replace ``path`` by ``content``: bytes, or DIR, FIFO, DEVZERO (a link to /dev/zero), DANGLING (a link to
+    nothing), HUGE (a sparse file above the 64 MB JSON limit)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    if content == "DIR":
+        path.mkdir()
+    elif content == "FIFO":
+        os.mkfifo(path)
+    elif content == "DEVZERO":
+        path.symlink_to("/dev/zero")
+    elif content == "DANGLING":
+        path.symlink_to(path.parent / "no-such-file")
+    elif content == "HUGE":
+        with open(path, "wb") as f:
+            f.truncate(65 << 20)
+    else:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+def _entry(record: dict, *entry) -> None:
+    record["kept"].append(list(entry))
+
+
+RECORD_DAMAGE = {  # what is done to a rollback record (record dict, manifest, backup) -> words of the line
+    "kept-an-int": (lambda r, m, b: r.update(kept=5), "keeps no list of [directory, path, sha256] entries"),
+    "kept-a-string": (lambda r, m, b: r.update(kept="abc"), "keeps no list of"),
+    "kept-an-object": (lambda r, m, b: r.update(kept={"a": "b"}), "keeps no list of"),
+    "dirs-missing": (lambda r, m, b: r.pop("dirs"), "is not a rollback record"),
+    "dirs-an-object": (lambda r, m, b: r.update(dirs={"a": 1}), "is not a rollback record"),
+    "dir-with-a-nul": (lambda r, m, b: r["dirs"].append(["/tmp/a\x00b", True]), "not [path, recursive]"),
+    "dir-empty": (lambda r, m, b: r["dirs"].append(["", True]), "not [path, recursive]"),
+    "dir-recursive-an-int": (lambda r, m, b: r["dirs"][0].__setitem__(1, 1), "not [path, recursive]"),
+    "index-a-bool": (lambda r, m, b: _entry(r, True, "01.json", r["kept"][0][2]), "not [directory, path, sha256]"),
+    "index-negative": (lambda r, m, b: _entry(r, -1, "01.json", r["kept"][0][2]), "not a path inside"),
+    "index-huge": (lambda r, m, b: _entry(r, 10**30, "01.json", r["kept"][0][2]), "not a path inside"),
+    "index-a-float": (lambda r, m, b: _entry(r, 0.0, "01.json", r["kept"][0][2]), "not [directory, path, sha256]"),
+    "path-with-a-nul": (lambda r, m, b: _entry(r, 0, "a\x00b", r["kept"][0][2]), "not [directory, path, sha256]"),
+    "path-empty": (lambda r, m, b: _entry(r, 0, "", r["kept"][0][2]), "not a path inside"),
+    "path-dot": (lambda r, m, b: _entry(r, 0, ".", r["kept"][0][2]), "whose copy is missing or not a file"),
+    "path-below-a-flat-dir": (lambda r, m, b: _entry(r, 1, "sub/x", r["kept"][0][2]), "only its own files"),
+    "hash-an-int": (lambda r, m, b: r["kept"][0].__setitem__(2, 5), "not [directory, path, sha256]"),
+    "entry-too-short": (lambda r, m, b: _entry(r, 0, "01.json"), "not [directory, path, sha256]"),
+    "format-3": (lambda r, m, b: r.update(format=3), "not a rollback record this version writes"),
+    "format-a-string": (lambda r, m, b: r.update(format="2"), "not a rollback record this version writes"),
+    "format-missing": (lambda r, m, b: r.pop("format"), "not a rollback record this version writes"),
+    "old-format-keeps-outside": (lambda r, m, b: (r.pop("format"), r.update(kept={"/etc/passwd": str(
+        b / "0" / "passwd")})), "lies in none of its directories"),
+    "old-format-copy-an-int": (lambda r, m, b: (r.pop("format"), r.update(kept={"x": 5})),
+                               "lies in none of its directories"),
+    "manifest-empty": (lambda r, m, b: _put(m, b""), "is damaged (not JSON"),
+    "manifest-not-utf8": (lambda r, m, b: _put(m, b"\xff\xfe"), "not UTF-8"),
+    "manifest-null": (lambda r, m, b: _put(m, b"null"), "is not a rollback record"),
+    "manifest-nan": (lambda r, m, b: _put(m, b"NaN"), "is not a rollback record"),
+    "manifest-directory": (lambda r, m, b: _put(m, "DIR"), "is a directory, not a regular file"),
+    "manifest-fifo": (lambda r, m, b: _put(m, "FIFO"), "is a FIFO, not a regular file"),
+    "manifest-dev-zero": (lambda r, m, b: _put(m, "DEVZERO"), "is a symbolic link"),
+    "manifest-huge": (lambda r, m, b: _put(m, "HUGE"), "larger than the 64 MB"),
+    "copy-a-directory": (lambda r, m, b: _put(b / "0" / "01.json", "DIR"), "whose copy is missing or not a file"),
+    "copy-a-fifo": (lambda r, m, b: _put(b / "0" / "01.json", "FIFO"), "whose copy is missing or not a file"),
+    "copy-missing": (lambda r, m, b: (b / "0" / "01.json").unlink(), "whose copy is missing or not a file"),
+    "copies-dir-a-link": (lambda r, m, b: (shutil.move(str(b / "0"), str(b.parent / "elsewhere")), (b / "0").symlink_to(
+        b.parent / "elsewhere")), "whose copy is missing or not a file"),
+}
+_RAW = ("manifest-",)  # rows that replace the manifest itself (the record is not written back)
+
+
+@pytest.mark.parametrize("case", RECORD_DAMAGE)
+def test_every_damage_to_a_rollback_record_is_refused(outputs, tmp_path, case):
+    results, work, backup = outputs
+    Rollback.take([(results, True), (work, False)], backup, "04_x")
+    manifest = backup / Rollback.MANIFEST
+    record = json.loads(manifest.read_text())
+    damage, words = RECORD_DAMAGE[case]
+    damage(record, manifest, backup)
+    if not case.startswith(_RAW):
+        manifest.write_text(json.dumps(record))
+    (results / "01.json").write_text("changed by the notebook")
+    (work / "added.parquet").write_text("added by the notebook")
+    before = {**tree(results), **tree(work)}
+    with pytest.raises(DrcError) as info:
+        Rollback.recover(backup, [results, work])
+    line = str(info.value)
+    assert "\n" not in line and words in line, line
+    assert {**tree(results), **tree(work)} == before  # nothing undone, nothing removed
+    assert manifest.exists() or manifest.is_symlink()  # kept for the user to look at
+
+
+TIMINGS_DAMAGE = {
+    "nan": (b'{"01": NaN}', "not an object of seconds"), "negative": (b'{"01": -5}', "not an object of seconds"),
+    "infinity": (b'{"01": Infinity}', "not an object of seconds"), "overflow": (b'{"01": 1e400}', "not an object of"),
+    "a-bool": (b'{"01": true}', "not an object of seconds"), "null-value": (b'{"01": null}', "not an object of"),
+    "a-list-value": (b'{"01": [1]}', "not an object of seconds"), "a-string": (b'"x"', "not an object of seconds"),
+    "null": (b"null", "not an object of seconds"), "empty": (b"", "is damaged (not JSON"),
+    "not-utf8": (b"\xff", "not UTF-8"), "directory": ("DIR", "is a directory, not a regular file"),
+    "fifo": ("FIFO", "is a FIFO, not a regular file"), "dev-zero": ("DEVZERO", "is a device, not a regular file"),
+    "dangling-link": ("DANGLING", "is a link to a missing file"), "huge": ("HUGE", "larger than the 64 MB"),
+}
+
+
+@pytest.mark.parametrize("case", TIMINGS_DAMAGE)
+def test_every_damage_to_the_timings_file_is_one_line(tmp_path, case):
+    content, words = TIMINGS_DAMAGE[case]
+    _put(tmp_path / "timings.json", content)
+    with pytest.raises(DrcError) as info:
+        _read_timings(tmp_path / "timings.json")
+    line = str(info.value)
+    assert "\n" not in line and words in line, line
+
+
+_G = '[book]\nnotebooks = ["a"]\n'
+PROFILES_DAMAGE = {  # the content of a profiles file -> words of the line
+    "not-utf8": (b"\xff\xfe", "is not valid TOML"), "not-toml": ("[book\n", "is not valid TOML"),
+    "nested-too-deep": (_G + "x = " + "[" * 5000 + "]" * 5000 + "\n", "is not valid TOML"),
+    "empty": ("", "[book] notebooks is empty"), "no-profile": (_G, "no [profiles.<name>] table"),
+    "book-an-int": ("book = 5\n[profiles.p]\n", "[book] is a int, not a table"),
+    "notebooks-a-string": ('[book]\nnotebooks = "a"\n[profiles.p]\n', "notebooks is not a list"),
+    "notebooks-empty": ("[book]\nnotebooks = []\n[profiles.p]\n", "notebooks is empty"),
+    "notebook-an-int": ("[book]\nnotebooks = [5]\n[profiles.p]\n", "notebook name 5 is not a plain name"),
+    "notebook-twice": ('[book]\nnotebooks = ["a", "a"]\n[profiles.p]\n', "lists a notebook twice"),
+    "notebook-without-source": ('[book]\nnotebooks = ["nope"]\n[profiles.p]\n', "has no source"),
+    "source-dir-an-int": (_G + "source_dir = 5\n[profiles.p]\n", "source_dir and root must be strings"),
+    "source-dir-elsewhere": (_G + 'source_dir = "../../.."\n[profiles.p]\n', "has no source"),
+    "root-a-list": (_G + 'root = ["x"]\n[profiles.p]\n', "source_dir and root must be strings"),
+    "book-unknown-key": (_G + "evil = 1\n[profiles.p]\n", "unknown key(s) ['evil'] in [book]"),
+    "profiles-a-list": ('profiles = []\n[book]\nnotebooks = ["a"]\n', "[profiles] is a list, not a table"),
+    "profile-unknown-key": (_G + "[profiles.p]\nevil = 1\n", "profile 'p' has unknown key(s) ['evil']"),
+    "profile-name-a-path": (_G + '[profiles."a/b"]\n', "profile name 'a/b' is not a plain name"),
+    "profile-name-dotdot": (_G + '[profiles.".."]\n', "profile name '..' is not a plain name"),
+    "description-an-int": (_G + "[profiles.p]\ndescription = 5\n", "description and plotly_renderer must be strings"),
+    "renderer-an-int": (_G + "[profiles.p]\nplotly_renderer = 5\n", "must be strings"),
+    "env-value-a-list": (_G + "[profiles.p]\nenv = {X = [1, 2]}\n", "values must be strings or numbers"),
+    "env-value-a-table": (_G + "[profiles.p]\nenv = {X = {a = 1}}\n", "values must be strings or numbers"),
+    "skip-reason-an-int": (_G + "[profiles.p]\nskip = {a = 5}\n", "must map listed notebooks to a reason"),
+    "skip-unlisted": (_G + '[profiles.p]\nskip = {b = "x"}\n', "must map listed notebooks to a reason"),
+    "parameters-an-int": (_G + "[profiles.p]\nparameters = 5\n", "[profiles.p.parameters] is a int, not a table"),
+    "notebook-parameters-an-int": (_G + "[profiles.p]\nnotebooks = {a = 5}\n", "[profiles.p.notebooks.a] is a int"),
+    "parameters-of-unlisted": (_G + "[profiles.p]\nnotebooks = {zz = {}}\n", "unlisted notebook(s) ['zz']"),
+    "directory": ("DIR", "is a directory, not a regular file"), "fifo": ("FIFO", "is a FIFO, not a regular file"),
+    "dev-zero": ("DEVZERO", "is a device, not a regular file"), "missing": ("DANGLING", "not found"),
+}
+
+
+@pytest.mark.parametrize("case", PROFILES_DAMAGE)
+def test_every_damage_to_a_profiles_file_is_one_line(tmp_path, case):
+    (tmp_path / "a.py").write_text("# %%\n")
+    content, words = PROFILES_DAMAGE[case]
+    _put(tmp_path / "profiles.toml", content if content in ("DIR", "FIFO", "DEVZERO", "DANGLING") or
+         isinstance(content, bytes) else content.encode())
+    with pytest.raises(DrcError) as info:
+        load_profiles(tmp_path / "profiles.toml")
+    line = str(info.value)
+    assert "\n" not in line and words in line, line

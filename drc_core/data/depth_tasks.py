@@ -135,6 +135,8 @@ class DepthTaskConfig:
             raise DrcError(f"depth-tasks repeat_share={self.repeat_share} must lie in [0, 1]: e.g. 0.5")
         if self.seed < 0:
             raise DrcError(f"depth-tasks seed={self.seed} must be >= 0")
+        if not isinstance(self.ask_every, bool):
+            raise DrcError(f"depth-tasks ask_every={self.ask_every!r} must be True or False")
         if self.ask_order not in ASK_ORDERS:
             raise DrcError(f"depth-tasks ask_order '{self.ask_order}' must be one of {', '.join(ASK_ORDERS)}")
 

@@ -55,6 +55,15 @@ class PrepareConfig:
     tokenizer: str = ""  # a tokenizer.json (or a directory with one) to use instead of training a BPE
 
     def validate(self) -> None:
+        if not isinstance(self.source, SourceSpec):
+            raise DrcError(f"source={self.source!r} is not a SourceSpec: pass SourceSpec('sotu'), for example")
+        for name in ("out", "tokenizer"):
+            v = getattr(self, name)
+            if not isinstance(v, str | os.PathLike) or (name == "out" and not str(v)):
+                raise DrcError(f"{name}={v!r} is not a path: pass a directory path for out, a tokenizer.json path "
+                               "(or '') for tokenizer")
+        if not isinstance(self.force, bool):
+            raise DrcError(f"force={self.force!r} must be True or False")
         check_vocab_size(self.vocab_size)
         for name in ("seq_len", "seed"):
             v = getattr(self, name)
@@ -62,7 +71,7 @@ class PrepareConfig:
                 raise DrcError(f"{name}={v!r} must be an integer")
         if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, int | float) or not (
                 0.0 < self.val_fraction < 1.0):
-            raise DrcError(f"val fraction {self.val_fraction} must be strictly between 0 and 1: e.g. 0.1")
+            raise DrcError(f"val fraction {self.val_fraction!r} must be strictly between 0 and 1: e.g. 0.1")
         if self.seq_len < 1:
             raise DrcError(f"seq_len {self.seq_len} must be positive: e.g. --seq-len 256")
         if self.seq_len > MAX_SEQ_LEN:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -11,7 +12,7 @@ import pandas as pd
 import torch
 
 from drc_core.data.tokenizer import load_tokenizer
-from drc_core.errors import DrcError, first_line
+from drc_core.errors import MAX_VOCAB, DrcError, first_line
 from drc_core.guard import parse_json, read_regular
 
 CORPUS_META_KEYS = ("vocab_size", "dtype", "tokens", "fingerprint", "tokenizer_sha256")
@@ -32,8 +33,13 @@ class Corpus:
         says, ``tokenizer.json`` the one whose sha256 ``meta.json`` records, and every token id below the vocabulary
         size (one pass over each memmap; nothing is cached). Any problem is a one-line :class:`DrcError` that says to
         prepare the corpus again."""
+        if not isinstance(path, str | os.PathLike) or not str(path):
+            raise DrcError(f"corpus path {path!r} is not a path: pass a prepared corpus directory")
         p = Path(path)
         again = f"prepare it again: `python -m drc_core.data prepare --force --out {p}` (with its original options)"
+        if p.exists() and not p.is_dir():
+            raise DrcError(f"corpus '{p}' is a file, not a prepared corpus directory: pass the directory that "
+                           "`python -m drc_core.data prepare --out` wrote")
         if not p.is_dir():
             raise DrcError(f"corpus '{p}' does not exist: run `python -m drc_core.data prepare --out {p}` first")
         if not (p / "meta.json").exists():
@@ -58,6 +64,11 @@ class Corpus:
         vocab = meta["vocab_size"]
         if not counts_ok or isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             raise DrcError(f"corpus '{p}' has a meta.json whose vocab_size or token counts are not counts: {again}")
+        if vocab > MAX_VOCAB:
+            raise DrcError(f"corpus '{p}' has a meta.json with vocab_size {vocab:,}, above the limit of {MAX_VOCAB:,} "
+                           f"(drc_core.errors.MAX_VOCAB): {again}")
+        if not all(isinstance(meta[k], str) and meta[k] for k in ("fingerprint", "tokenizer_sha256")):
+            raise DrcError(f"corpus '{p}' has a meta.json whose fingerprint or tokenizer_sha256 is not a hash: {again}")
         if not isinstance(meta["dtype"], str) or meta["dtype"] not in TOKEN_DTYPES:
             raise DrcError(f"corpus '{p}' has a meta.json with dtype {meta['dtype']!r}, not one of "
                            f"{', '.join(TOKEN_DTYPES)}: {again}")
@@ -66,7 +77,8 @@ class Corpus:
             want = int(meta["tokens"][split]) * np.dtype(meta["dtype"]).itemsize
             have = f.stat().st_size if f.is_file() else None  # a FIFO or a device is no token file
             if have != want:
-                state = "is missing" if have is None else f"has {have} bytes, not the {want} meta.json records"
+                state = ("is missing" if not f.exists() else "is not a regular file" if have is None else
+                         f"has {have} bytes, not the {want} meta.json records")
                 raise DrcError(f"corpus '{p}': {split}.bin {state}: {again}")
         load_tokenizer(p, str(meta["tokenizer_sha256"]))  # the tokenizer file is the one meta.json records
         corpus = cls(p, meta)

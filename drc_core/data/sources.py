@@ -63,6 +63,9 @@ class SourceSpec:
     tasks: DepthTaskConfig = DepthTaskConfig()  # depth-tasks
 
     def parts(self) -> list[str]:
+        if not isinstance(self.name, str):
+            raise DrcError(f"source name {self.name!r} is not a string: pass --source with one of "
+                           + ", ".join(KNOWN_SOURCES))
         names = [p.strip() for p in self.name.split("+") if p.strip()]
         if not names:
             raise DrcError("empty source name: pass --source with one of " + ", ".join(KNOWN_SOURCES))
@@ -74,6 +77,12 @@ class SourceSpec:
                 )
         if len(set(names)) != len(names):
             raise DrcError(f"source '{self.name}' names a source twice: list each source once")
+        for name in ("paths", "data_files"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple | list) or not all(isinstance(f, str | os.PathLike) for f in v):
+                raise DrcError(f"source {name}={v!r} is not a list of paths: pass e.g. ('docs/', 'notes.txt')")
+        if not isinstance(self.tasks, DepthTaskConfig):
+            raise DrcError(f"source tasks={self.tasks!r} is not a DepthTaskConfig: pass DepthTaskConfig(...)")
         return names
 
 

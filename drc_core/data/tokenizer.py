@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -77,14 +78,17 @@ def load_tokenizer(path: str | Path, sha256: str | None = None) -> Tokenizer:
     file is never used silently. A missing, unreadable (not a regular file, larger than the JSON limit, not JSON, or
     one the library cannot build, even by panicking) or replaced file is a one-line :class:`DrcError`;
     ``tok.encode(text).ids`` gives the token ids, ``tok.decode(ids)`` the text."""
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise DrcError(f"tokenizer path {path!r} is not a path: pass a tokenizer.json or a directory holding one")
     p = Path(path)
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.exists():
         raise DrcError(f"no tokenizer at '{p}': run `python -m drc_core.data prepare --out {p.parent}` first")
+    raw = read_regular(p, "a tokenizer.json", MAX_JSON_BYTES)  # a FIFO, a device, too large: its own one line
     why = None
     try:
-        tok = Tokenizer.from_str(read_regular(p, "a tokenizer.json", MAX_JSON_BYTES).decode("utf-8"))
+        tok = Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
         why = first_line(exc, 120)
     except BaseException as exc:
@@ -113,6 +117,9 @@ def encode_checked(tok: Tokenizer, text: str, max_tokens: int, what: str = "text
     surrogate), when it must give more than ``max_tokens`` ids -- decided from its length *before* tokenizing (no
     token covers more bytes than the vocabulary's longest entry), so a huge text costs no memory -- when the
     ids exceed ``max_tokens`` after all, or when the tokenizers library fails or panics on it."""
+    if not isinstance(tok, Tokenizer):
+        raise DrcError(f"tokenizer={tok!r} is not a tokenizers.Tokenizer: pass the model's own, e.g. "
+                       "drc_core.load(path).tokenizer")
     if not isinstance(text, str):
         raise DrcError(f"{what} is {type(text).__name__}, not a str: pass text or token ids")
     try:
