@@ -224,8 +224,8 @@ viz.decoder_bars(decoders)
 # KL and state-change rules (`speed_checks.decode_op_calls`; `ratio` = continuous / generate, target ≤ 1.2).
 
 # %%
-op_calls = speed_checks.decode_op_calls(
-    model, prompts, [sp for sp in matched.specs if sp.family in kl_and_state], timing, batches=checked)
+counted = [sp for sp in matched.specs if sp.family in kl_and_state]
+op_calls = speed_checks.decode_op_calls(model, prompts, counted, timing, batches=checked)
 display(op_calls.round(2))
 
 # %% [markdown]
