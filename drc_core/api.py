@@ -143,12 +143,21 @@ def _encode(tokenizer: Tokenizer | None, text_or_ids: str | Sequence[int] | torc
     return ids
 
 
+def _module(model: object, what: str) -> RecurrentModel:
+    """``model`` as the network itself (a :class:`Model` from :func:`load` gives its ``model``), else one line."""
+    module = model.model if isinstance(model, Model) else model
+    if not isinstance(module, torch.nn.Module) or not hasattr(module, "max_seq_len"):
+        raise DrcError(f"{what} needs a model, got {type(model).__name__}: pass drc_core.load(path) or its .model")
+    return module
+
+
 def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, *,
           tokenizer: Tokenizer | None = None, targets: bool = True, seed: int = EVAL_STATE_SEED) -> Trace:
     """Run a text (with ``tokenizer``) or token ids through ``max_loops`` loops of ``model`` and keep, per
     token and loop, the statistics of :class:`Trace`. Every token of the input is traced (none is dropped to
     serve as a target); with ``targets`` the next input token is each position's target for ``ce``. The
     initial latent state comes from a generator seeded with ``seed``, as in every evaluation pass."""
+    model = _module(model, "trace")
     max_loops = need_int("max_loops", max_loops, 2)
     if heap_policy() is None:  # memory O(loops x tokens) unless the process chose a policy (drc_core.heap)
         bound_freed_memory()
@@ -184,6 +193,7 @@ def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new
     with its default threshold: ``"kl"`` is KL < 1e-3 within 32 loops) on the compute-skipping path
     (:func:`drc_core.halting.generate.generate`). Greedy at ``temperature`` 0; ``seed`` fixes the initial
     latent states (and the sampling)."""
+    model = _module(model, "generate")
     if isinstance(rule, str):
         defaults = {KLThreshold.family: (DEFAULT_EPS,), Never.family: ()}  # the rules with a default by name
         if rule not in defaults:
@@ -252,6 +262,7 @@ def calibrate(model: Model | RecurrentModel, documents: Sequence[str | Path | Se
         elif reference_loops is None and isinstance(model.model, HuginnLM):
             reference_loops = model.model.mean_recurrence
         model = model.model
+    model = _module(model, "calibrate")
     check_calibration(family, alpha, delta, risk)
     reference_loops = 8 if reference_loops is None else reference_loops
     seq_len = min(int(model.max_seq_len), 256) if seq_len is None else seq_len

@@ -46,6 +46,11 @@ class Results:
         self.directory = Path(directory)
         self._cache: dict[str, dict | None] = {}
 
+    def machine(self) -> dict | None:
+        """The machine the reference book ran on (``machine.json`` beside the results directory), if recorded."""
+        path = self.directory.parent / "machine.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
     def get(self, name: str) -> dict | None:
         if name not in self._cache:
             path = self.directory / f"{name}.json"
@@ -169,7 +174,8 @@ def reference_model(res: Results) -> str:
         ("the other rules and routers at that loss, loops",
          ", ".join(f"{name(f)} {d:.2f}" for d, f in others), "`04_halting_and_routers.json`: `gaps`"),
         (f"wall-clock speed-up over uniform depth {ref} at its loss, batched evaluation, "
-         f"{speed.threads} CPU threads", ", ".join(faster), "`05_compute.json`: `batched`"),
+         f"{speed.threads} CPU threads" + (f" of an {kind['cpu']}" if (kind := res.machine()) else ""),
+         ", ".join(faster), "`05_compute.json`: `batched`"),
         (f"the same in KV-cached generation, best rule against the dense decoder at depth {ref}",
          "; ".join(best_gen), "`05_compute.json`: `generation`"),
     ]
@@ -303,8 +309,7 @@ def timings_table(res: Results) -> str:
     seconds = json.loads(path.read_text())
     rows = [(name, f"{s:.0f}") for name, s in sorted(seconds.items())]
     rows.append(("all notebooks", f"{sum(seconds.values()):.0f} ({sum(seconds.values()) / 60:.1f} minutes)"))
-    machine = path.parent / "machine.json"
-    kind = json.loads(machine.read_text()) if machine.is_file() else None
+    kind = res.machine()
     said = ("" if kind is None else
             f"Measured on {kind['cpu']} (bf16 matmul: {kind['bf16']}), {kind['cores']} cores (`machine.json`).\n\n")
     return said + table(("notebook", "seconds"), rows)

@@ -1008,6 +1008,10 @@ def _fifo_doc(tmp: Path) -> Path:
 
 LONG = "the state of the union is strong and the people are free " * 40
 API_CASES = {  # f(model, tmp_path) -> words of the one DrcError line
+    "trace-no-model": (lambda m, t, c: _api().trace(None, [1, 2, 3]), "trace needs a model, got NoneType"),
+    "trace-a-string-model": (lambda m, t, c: _api().trace("data/reference", [1, 2]), "got str: pass drc_core.load"),
+    "generate-no-model": (lambda m, t, c: _api().generate(None, m.tokenizer, "a"), "generate needs a model"),
+    "calibrate-no-model": (lambda m, t, c: _api().calibrate(None, ["a b c"]), "calibrate needs a model"),
     "load-none": (lambda m, t, c: _api().load(None), "path=None is not a path"),
     "load-int": (lambda m, t, c: _api().load(5), "path=5 is not a path"),
     "load-empty": (lambda m, t, c: _api().load(""), "path='' is not a path"),
