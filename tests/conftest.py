@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -96,3 +98,25 @@ def assert_notebooks_ran(executed: Path, names: list[str] | tuple[str, ...], res
                   if o.get("output_type") == "error"]
         assert not errors, name
         assert (results_dir / f"{name}.json").is_file(), name
+
+
+def replace_path(path: Path, content: bytes | str) -> None:
+    """Replace ``path`` by ``content``: bytes, or one of DIR, FIFO, DEVZERO (a link to /dev/zero), DANGLING (a link
+    to nothing), HUGE (a sparse file above the 64 MB JSON limit)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    if content == "DIR":
+        path.mkdir()
+    elif content == "FIFO":
+        os.mkfifo(path)
+    elif content == "DEVZERO":
+        path.symlink_to("/dev/zero")
+    elif content == "DANGLING":
+        path.symlink_to(path.parent / "no-such-file")
+    elif content == "HUGE":
+        with open(path, "wb") as f:
+            f.truncate(65 << 20)
+    else:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())

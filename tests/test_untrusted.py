@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import replace_path
 from safetensors.torch import load_file, save_file
 
 from drc_core.data import PrepareConfig, SourceSpec, prepare
@@ -527,28 +528,6 @@ def one_line(info: pytest.ExceptionInfo, *words: str) -> str:
     return line
 
 
-def _put(path: Path, content: bytes | str) -> None:
-    """Replace ``path`` by ``content``: bytes, or one of DIR, FIFO, DEVZERO (a link to /dev/zero), DANGLING (a link
-    to nothing), HUGE (a sparse file above the 64 MB JSON limit)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-    if content == "DIR":
-        path.mkdir()
-    elif content == "FIFO":
-        os.mkfifo(path)
-    elif content == "DEVZERO":
-        path.symlink_to("/dev/zero")
-    elif content == "DANGLING":
-        path.symlink_to(path.parent / "no-such-file")
-    elif content == "HUGE":
-        with open(path, "wb") as f:
-            f.truncate(65 << 20)
-    else:
-        path.write_bytes(content if isinstance(content, bytes) else content.encode())
-
-
 def _set_key(path: Path, keys: tuple, value: object) -> None:
     """Set (or, for value KeyError, remove) a nested key of a JSON file."""
     d = json.loads(path.read_text())
@@ -616,7 +595,7 @@ def test_a_damaged_corpus_is_one_line_and_unchanged(corpus, tmp_path, case):
     if len(how) == 2:
         _set_key(c / name, *how)
     else:
-        _put(c / name, how[0])
+        replace_path(c / name, how[0])
     before = tree(c)
     with pytest.raises(DrcError) as info:
         Corpus.open(c)
@@ -846,7 +825,7 @@ def test_a_damaged_run_config_is_one_line_and_unchanged(finished, tmp_path, case
     if isinstance(how, tuple):
         _set_key(r / "config.json", *how)
     else:
-        _put(r / "config.json", how)
+        replace_path(r / "config.json", how)
     before = tree(r)
     with pytest.raises(DrcError) as info:
         open_run(r).train_config()
@@ -889,11 +868,11 @@ def test_a_damaged_model_is_one_line_and_unchanged(finished, tmp_path, case):
         _set_key(r / "config.json", (how[0],), how[1])
     elif how == "OFFSETS":
         header = json.dumps({"tok_emb.weight": {"dtype": "F32", "shape": [512, 32], "data_offsets": [0, 10**15]}})
-        _put(r / "model.safetensors", struct.pack("<Q", len(header)) + header.encode())
+        replace_path(r / "model.safetensors", struct.pack("<Q", len(header)) + header.encode())
     elif how == "CONFIG-DIR":
-        _put(r / "config.json", "DIR")
+        replace_path(r / "config.json", "DIR")
     else:
-        _put(r / "model.safetensors", how)
+        replace_path(r / "model.safetensors", how)
     before = tree(r)
     with pytest.raises(DrcError) as info:
         open_run(r).load_model()
@@ -920,7 +899,7 @@ def test_a_damaged_corpus_record_never_skips_the_check(finished, corpus, tmp_pat
     r = tmp_path / "run"
     shutil.copytree(finished, r, ignore=shutil.ignore_patterns("checkpoints"))
     content, words = CORPUS_RECORD_DAMAGE[case]
-    _put(r / "corpus.json", content)
+    replace_path(r / "corpus.json", content)
     before = tree(r)
     with pytest.raises(DrcError) as info:
         drc_core.load(r, corpus=corpus)
@@ -947,7 +926,7 @@ def test_damaged_metrics_are_one_line(finished, tmp_path, case):
     r = tmp_path / "run"
     shutil.copytree(finished, r, ignore=shutil.ignore_patterns("checkpoints"))
     content, words = METRICS_DAMAGE[case]
-    _put(r / "metrics.jsonl", content)
+    replace_path(r / "metrics.jsonl", content)
     with pytest.raises(DrcError) as info:
         open_run(r).metrics()
     one_line(info, words)
@@ -977,16 +956,16 @@ DAMAGE.update({  # more of a checkpoint's training state (test_a_damaged_trainin
     "eps-nan": (_state_key(("optimizer", "param_groups", 0, "eps"), float("nan")), "eps=nan is not finite"),
     "last-epoch-a-string": (_state_key(("scheduler", "last_epoch"), "x"), "last_epoch is str, not int"),
     "base-lrs-nan": (_state_key(("scheduler", "base_lrs"), [float("nan"), 1.0]), "base_lrs[0]=nan is not finite"),
-    "json-empty": (lambda c: _put(c / "train_state.json", b""), "not JSON"),
-    "json-null": (lambda c: _put(c / "train_state.json", b"null"), "is not a JSON object"),
-    "json-directory": (lambda c: _put(c / "train_state.json", "DIR"), "is a directory"),
-    "json-fifo": (lambda c: _put(c / "train_state.json", "FIFO"), "is a FIFO, not a regular file"),
-    "json-dev-zero": (lambda c: _put(c / "train_state.json", "DEVZERO"), "is a device, not a regular file"),
-    "tensors-directory": (lambda c: _put(c / "train_state.safetensors", "DIR"), "is not a regular file"),
-    "tensors-fifo": (lambda c: _put(c / "train_state.safetensors", "FIFO"), "is not a regular file"),
-    "tensors-dev-zero": (lambda c: _put(c / "train_state.safetensors", "DEVZERO"), "is not a regular file"),
-    "tensors-empty": (lambda c: _put(c / "train_state.safetensors", b""), "not a readable safetensors file"),
-    "tensors-header-too-large": (lambda c: _put(c / "train_state.safetensors", (2**62).to_bytes(8, "little") +
+    "json-empty": (lambda c: replace_path(c / "train_state.json", b""), "not JSON"),
+    "json-null": (lambda c: replace_path(c / "train_state.json", b"null"), "is not a JSON object"),
+    "json-directory": (lambda c: replace_path(c / "train_state.json", "DIR"), "is a directory"),
+    "json-fifo": (lambda c: replace_path(c / "train_state.json", "FIFO"), "is a FIFO, not a regular file"),
+    "json-dev-zero": (lambda c: replace_path(c / "train_state.json", "DEVZERO"), "is a device, not a regular file"),
+    "tensors-directory": (lambda c: replace_path(c / "train_state.safetensors", "DIR"), "is not a regular file"),
+    "tensors-fifo": (lambda c: replace_path(c / "train_state.safetensors", "FIFO"), "is not a regular file"),
+    "tensors-dev-zero": (lambda c: replace_path(c / "train_state.safetensors", "DEVZERO"), "is not a regular file"),
+    "tensors-empty": (lambda c: replace_path(c / "train_state.safetensors", b""), "not a readable safetensors file"),
+    "tensors-header-too-large": (lambda c: replace_path(c / "train_state.safetensors", (2**62).to_bytes(8, "little") +
                                                 b"{}"), "not a readable safetensors file"),
 })
 

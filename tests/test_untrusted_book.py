@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import replace_path
 
 from drc_book.rollback import Rollback
 from drc_book.runner import _read_timings, load_profiles, output_dirs, reproduction_markdown, run_book, under_out
@@ -270,28 +271,6 @@ def test_a_damaged_executed_notebook_is_one_line_in_build(book_site):
 # One parametrized case per row (docs/bad-input.md lists them by class): the one DrcError line, and nothing changed.
 
 
-def _put(path: Path, content: bytes | str) -> None:
-    """Replace ``path`` by ``content``: bytes, or DIR, FIFO, DEVZERO (a link to /dev/zero), DANGLING (a link to
-    nothing), HUGE (a sparse file above the 64 MB JSON limit)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-    if content == "DIR":
-        path.mkdir()
-    elif content == "FIFO":
-        os.mkfifo(path)
-    elif content == "DEVZERO":
-        path.symlink_to("/dev/zero")
-    elif content == "DANGLING":
-        path.symlink_to(path.parent / "no-such-file")
-    elif content == "HUGE":
-        with open(path, "wb") as f:
-            f.truncate(65 << 20)
-    else:
-        path.write_bytes(content if isinstance(content, bytes) else content.encode())
-
-
 def _entry(record: dict, *entry) -> None:
     record["kept"].append(list(entry))
 
@@ -322,16 +301,17 @@ RECORD_DAMAGE = {  # what is done to a rollback record (record dict, manifest, b
         b / "0" / "passwd")})), "lies in none of its directories"),
     "old-format-copy-an-int": (lambda r, m, b: (r.pop("format"), r.update(kept={"x": 5})),
                                "lies in none of its directories"),
-    "manifest-empty": (lambda r, m, b: _put(m, b""), "is damaged (not JSON"),
-    "manifest-not-utf8": (lambda r, m, b: _put(m, b"\xff\xfe"), "not UTF-8"),
-    "manifest-null": (lambda r, m, b: _put(m, b"null"), "is not a rollback record"),
-    "manifest-nan": (lambda r, m, b: _put(m, b"NaN"), "is not a rollback record"),
-    "manifest-directory": (lambda r, m, b: _put(m, "DIR"), "is a directory, not a regular file"),
-    "manifest-fifo": (lambda r, m, b: _put(m, "FIFO"), "is a FIFO, not a regular file"),
-    "manifest-dev-zero": (lambda r, m, b: _put(m, "DEVZERO"), "is a symbolic link"),
-    "manifest-huge": (lambda r, m, b: _put(m, "HUGE"), "larger than the 64 MB"),
-    "copy-a-directory": (lambda r, m, b: _put(b / "0" / "01.json", "DIR"), "whose copy is missing or not a file"),
-    "copy-a-fifo": (lambda r, m, b: _put(b / "0" / "01.json", "FIFO"), "whose copy is missing or not a file"),
+    "manifest-empty": (lambda r, m, b: replace_path(m, b""), "is damaged (not JSON"),
+    "manifest-not-utf8": (lambda r, m, b: replace_path(m, b"\xff\xfe"), "not UTF-8"),
+    "manifest-null": (lambda r, m, b: replace_path(m, b"null"), "is not a rollback record"),
+    "manifest-nan": (lambda r, m, b: replace_path(m, b"NaN"), "is not a rollback record"),
+    "manifest-directory": (lambda r, m, b: replace_path(m, "DIR"), "is a directory, not a regular file"),
+    "manifest-fifo": (lambda r, m, b: replace_path(m, "FIFO"), "is a FIFO, not a regular file"),
+    "manifest-dev-zero": (lambda r, m, b: replace_path(m, "DEVZERO"), "is a symbolic link"),
+    "manifest-huge": (lambda r, m, b: replace_path(m, "HUGE"), "larger than the 64 MB"),
+    "copy-a-directory": (lambda r, m, b: replace_path(b / "0" / "01.json", "DIR"),
+                         "whose copy is missing or not a file"),
+    "copy-a-fifo": (lambda r, m, b: replace_path(b / "0" / "01.json", "FIFO"), "whose copy is missing or not a file"),
     "copy-missing": (lambda r, m, b: (b / "0" / "01.json").unlink(), "whose copy is missing or not a file"),
     "copies-dir-a-link": (lambda r, m, b: (shutil.move(str(b / "0"), str(b.parent / "elsewhere")), (b / "0").symlink_to(
         b.parent / "elsewhere")), "whose copy is missing or not a file"),
@@ -375,7 +355,7 @@ TIMINGS_DAMAGE = {
 @pytest.mark.parametrize("case", TIMINGS_DAMAGE)
 def test_every_damage_to_the_timings_file_is_one_line(tmp_path, case):
     content, words = TIMINGS_DAMAGE[case]
-    _put(tmp_path / "timings.json", content)
+    replace_path(tmp_path / "timings.json", content)
     with pytest.raises(DrcError) as info:
         _read_timings(tmp_path / "timings.json")
     line = str(info.value)
@@ -419,7 +399,7 @@ PROFILES_DAMAGE = {  # the content of a profiles file -> words of the line
 def test_every_damage_to_a_profiles_file_is_one_line(tmp_path, case):
     (tmp_path / "a.py").write_text("# %%\n")
     content, words = PROFILES_DAMAGE[case]
-    _put(tmp_path / "profiles.toml", content if content in ("DIR", "FIFO", "DEVZERO", "DANGLING") or
+    replace_path(tmp_path / "profiles.toml", content if content in ("DIR", "FIFO", "DEVZERO", "DANGLING") or
          isinstance(content, bytes) else content.encode())
     with pytest.raises(DrcError) as info:
         load_profiles(tmp_path / "profiles.toml")
