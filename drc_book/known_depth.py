@@ -44,6 +44,7 @@ from drc_core import (
     read_labels,
     split_windows,
     token_labels,
+    unit_risks,
 )
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "depth_growth",
     "depth_law",
     "halting_against_overthinking",
+    "law_fits",
     "exits_by_k",
     "extrapolation_summary",
     "generated_task_windows",
@@ -264,6 +266,16 @@ def overthinking_by_k(depths: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0
     return pd.DataFrame(rows)
 
 
+def law_fits(k: np.ndarray, y: np.ndarray) -> dict[str, tuple[float, float]]:
+    """``(slope, r²)`` of ``y`` fitted by a line in ``k`` (``linear``) and by a line in ``log2 k`` (``log``)."""
+    k = np.asarray(k, float)
+    out = {}
+    for name, x in (("linear", k), ("log", np.log2(k))):
+        fit = sps.linregress(x, y)
+        out[name] = (float(fit.slope), float(fit.rvalue**2))
+    return out
+
+
 def depth_growth(acc: pd.DataFrame, level: float = 0.9) -> pd.DataFrame:
     """Per ``k``: ``loops_needed``, the first loop whose accuracy reaches ``level`` (NaN if none), and how well
     a line in ``k`` and a line in ``log2 k`` fit those loops (``r2_linear``, ``r2_log`` in ``attrs``)."""
@@ -274,10 +286,9 @@ def depth_growth(acc: pd.DataFrame, level: float = 0.9) -> pd.DataFrame:
     out = pd.DataFrame(rows)
     ok = out.dropna()
     if len(ok) >= 3:
-        for name, x in (("linear", ok.k.to_numpy(float)), ("log", np.log2(ok.k.to_numpy(float)))):
-            fit = sps.linregress(x, ok.loops_needed.to_numpy(float))
-            out.attrs[f"r2_{name}"] = float(fit.rvalue**2)
-            out.attrs[f"slope_{name}"] = float(fit.slope)
+        for name, (slope, r2) in law_fits(ok.k.to_numpy(float), ok.loops_needed.to_numpy(float)).items():
+            out.attrs[f"r2_{name}"] = r2
+            out.attrs[f"slope_{name}"] = slope
     return out
 
 
@@ -317,24 +328,17 @@ def depth_law(depths: pd.DataFrame, column: str = "depth", *, n_boot: int = 1000
     ks = np.unique(k)
     if len(ks) < 3:
         raise DrcError(f"a depth law needs answers of at least 3 values of k; these have {len(ks)}")
-    laws = {"linear": lambda x: x, "log": np.log2}
 
     def fits(weights: np.ndarray) -> dict[str, tuple[float, float]] | None:
         means = [np.average(y[k == v], weights=weights[k == v]) if weights[k == v].sum() else np.nan for v in ks]
-        if np.isnan(means).any():
-            return None
-        out = {}
-        for name, f in laws.items():
-            fit = sps.linregress(f(ks), means)
-            out[name] = (float(fit.slope), float(fit.rvalue**2))
-        return out
+        return None if np.isnan(means).any() else law_fits(ks, means)
 
     point = fits(np.ones_like(y))
     codes = np.unique(doc, return_inverse=True)[1]
     boot = [b for block in cluster_draws(codes.max() + 1, n_boot, seed, chunk=64) for w in block
             if (b := fits(w[codes].astype(float))) is not None]
     rows = []
-    for name in laws:
+    for name in point:
         slopes, r2s = np.array([b[name][0] for b in boot]), np.array([b[name][1] for b in boot])
         rows.append({"law": name, "slope": point[name][0], "slope_lo": np.percentile(slopes, 2.5),
                      "slope_hi": np.percentile(slopes, 97.5), "r2": point[name][1], "r2_lo": np.percentile(r2s, 2.5),
@@ -373,10 +377,8 @@ def halting_against_overthinking(traj: Measurement, *, reference_loops: int, eps
     calib, test = (np.isin(docs, half) for half in split_windows(docs.max() + 1, 0.5, seed))
     order = sorted(by_param)  # conservative (the smallest threshold: the latest exits) first
     off = np.stack([argmax[rows_, exits[by_param[t]] - 1] != argmax[:, reference_loops - 1] for t in order])
-    n_docs = docs.max() + 1
-    share = np.stack([np.bincount(docs[calib], weights=o[calib].astype(float), minlength=n_docs) for o in off])
-    share /= np.maximum(np.bincount(docs[calib], minlength=n_docs), 1)  # per document, the share of answers off
-    certified, _ = learn_then_test(share[:, np.unique(docs[calib])], alpha, delta)
+    share, _ = unit_risks(off[:, None, :], np.where(calib, docs, -1)[None, :])  # per calibration document
+    certified, _ = learn_then_test(share, alpha, delta)
     ways = {f"fixed {loops}": (np.full(len(traj), loops), np.nan),
             f"fixed {reference_loops}": (np.full(len(traj), reference_loops), np.nan),
             f"{family}({eps:g})": (exits[by_param[eps]], eps)}

@@ -149,6 +149,7 @@ _EXPORTS = {
     "Certificate": "drc_core.halting.calibrate",
     "min_units": "drc_core.halting.calibrate",
     "learn_then_test": "drc_core.halting.calibrate",
+    "unit_risks": "drc_core.halting.calibrate",
     "loss_tables": "drc_core.halting.calibrate",
     "pass_loss_tables": "drc_core.halting.calibrate",
     "validity": "drc_core.halting.calibrate",
