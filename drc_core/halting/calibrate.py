@@ -1,24 +1,11 @@
 """Halting thresholds with a stated guarantee: Learn then Test (Angelopoulos et al. 2021, arXiv 2110.01052).
 
-A rule family's thresholds are tested one by one, from the one that halts latest to the one that halts earliest
-(the registry's grids are listed from earliest to latest halting, so the order is fixed before any data is seen).
-For each threshold the null hypothesis is "the risk exceeds ``alpha``"; its p-value is the Hoeffding-Bentkus
-p-value of the calibration risk, and fixed-sequence testing rejects nulls while ``p <= delta``. The most
-aggressive rejected threshold is returned with its certificate: with probability at least ``1 - delta`` over
-the draw of the calibration documents, its risk on new documents from the same distribution is at most
-``alpha``.
-
-Risks, per token, relative to the model's own output at ``reference_loops`` (uniform depth R):
-
-- ``top1``: the argmax at the token's exit differs from the argmax at depth R;
-- ``ce``: the cross-entropy at the exit exceeds the one at depth R by more than ``tolerance`` nats.
-
-**Units.** Tokens of one document are not independent, so the unit of the test is the *document*: a unit's loss
-is the share of its tokens that violate (a number in [0, 1]) and the risk controlled is the expected
-per-document share, over documents drawn like the calibration ones. The Hoeffding-Bentkus p-value is valid
-for any loss bounded in [0, 1], so no independence between tokens is assumed; the price is that ``n`` is the
-number of documents. With few documents no threshold can be certified at a small ``alpha`` (the certificate
-then says so: ``threshold`` is None).
+A family's thresholds are tested from the latest-halting to the earliest (an order fixed before any data is seen),
+each null "the risk exceeds ``alpha``" by its Hoeffding-Bentkus p-value, rejecting while ``p <= delta``; the most
+aggressive rejected threshold holds its risk on new documents at most ``alpha`` with probability ``1 - delta``.
+Risks per token against the output at ``reference_loops`` R: ``top1`` (the argmax at the exit differs from depth
+R's) and ``ce`` (the CE at the exit exceeds depth R's by more than ``tolerance``). The unit of the test is the
+*document* (tokens of one are not independent): its loss is the share of its tokens that violate.
 """
 
 from __future__ import annotations
@@ -37,30 +24,15 @@ from drc_core.halting.sweep import OfflinePass, RuleSpec, offline_pass
 from drc_core.model.lm import RecurrentModel
 from drc_core.model.passes import EVAL_STATE_SEED
 
-__all__ = [
-    "RISKS",
-    "CalibratedRule",
-    "Certificate",
-    "calibrate",
-    "hb_pvalue",
-    "learn_then_test",
-    "loss_table",
-    "loss_tables",
-    "pass_loss_tables",
-    "min_units",
-    "token_losses",
-    "validity",
-    "validity_summary",
-    "unit_risks",
-]
+__all__ = ["RISKS", "CalibratedRule", "Certificate", "calibrate", "hb_pvalue", "learn_then_test", "loss_table",
+           "loss_tables", "pass_loss_tables", "min_units", "token_losses", "validity", "validity_summary", "unit_risks"]
 
 RISKS = ("top1", "ce")
 
 
 def hb_pvalue(risk_hat: float, n: int, alpha: float) -> float:
     """The Hoeffding-Bentkus p-value of the null "risk > ``alpha``" from the mean ``risk_hat`` of ``n`` independent
-    losses in [0, 1]: ``min(exp(-n h(min(risk_hat, alpha), alpha)), e * P(Binom(n, alpha) <= ceil(n risk_hat)))``
-    with ``h(a, b) = a log(a/b) + (1-a) log((1-a)/(1-b))`` (LTT, Proposition 3)."""
+    losses in [0, 1] (LTT, Proposition 3)."""
     n = need_int("n", n, 1)
     if not 0 < alpha < 1:
         raise DrcError(f"alpha={alpha!r} must lie strictly between 0 and 1")
@@ -73,9 +45,8 @@ def hb_pvalue(risk_hat: float, n: int, alpha: float) -> float:
 
 
 def min_units(alpha: float, delta: float) -> int:
-    """The fewest units with which any threshold can be certified at ``alpha``, ``delta``: even a calibration risk
-    of 0 has the p-value ``hb_pvalue(0, n, alpha) = (1 - alpha)^n``, which reaches ``delta`` only from
-    ``n = ceil(log(delta) / log(1 - alpha))`` units on (22 at alpha = delta = 0.1, 45 at alpha 0.05)."""
+    """The fewest units with which any threshold can be certified at ``alpha``, ``delta``:
+    ``ceil(log(delta) / log(1 - alpha))`` (22 at alpha = delta = 0.1, 45 at alpha 0.05)."""
     if not 0 < alpha < 1 or not 0 < delta < 1:
         raise DrcError(f"alpha={alpha!r} and delta={delta!r} must lie strictly between 0 and 1")
     n = max(1, math.ceil(math.log(delta) / math.log1p(-alpha) - 1e-9))
@@ -85,10 +56,8 @@ def min_units(alpha: float, delta: float) -> int:
 
 
 def learn_then_test(unit_losses: np.ndarray, alpha: float, delta: float) -> tuple[int, np.ndarray]:
-    """Fixed-sequence testing over thresholds ordered from the most conservative (row 0) to the most aggressive.
-
-    ``unit_losses`` (m thresholds, n units), each in [0, 1]. Returns ``(k, pvalues)``: the first ``k`` nulls are
-    rejected (rows 0..k-1 are certified; k = 0: none is) and every row's p-value."""
+    """Fixed-sequence testing of ``unit_losses`` (m thresholds from the most conservative, n units) in [0, 1]:
+    ``(k, pvalues)``, rows 0..k-1 certified (k = 0: none) and every row's p-value."""
     losses = np.asarray(unit_losses, dtype=float)
     if losses.ndim != 2 or losses.shape[1] < 1:
         raise DrcError(f"unit_losses must be (thresholds, units) with at least one unit; got shape {losses.shape}")
@@ -105,11 +74,8 @@ def learn_then_test(unit_losses: np.ndarray, alpha: float, delta: float) -> tupl
 
 def token_losses(argmax: np.ndarray, ce: np.ndarray, exits: np.ndarray, reference_loops: int, risk: str,
                  tolerance: float = 0.0) -> np.ndarray:
-    """Per-token violations (N, T) of one rule: ``argmax`` and ``ce`` (N, T, L) per loop, ``exits`` (N, T) the exit
-    loop of each token. ``top1``: argmax at the exit != argmax at ``reference_loops``; ``ce``: CE at the exit >
-    CE at ``reference_loops`` + ``tolerance``."""
-    if risk not in RISKS:
-        raise DrcError(f"risk={risk!r} is not supported; use one of {', '.join(RISKS)}")
+    """Per-token violations (N, T) of one rule from ``argmax`` and ``ce`` (N, T, L) per loop and ``exits`` (N, T)."""
+    _need_risks((risk,))
     idx = (np.asarray(exits, dtype=np.int64) - 1)[..., None]
     ref = reference_loops - 1
     if risk == "top1":
@@ -118,8 +84,8 @@ def token_losses(argmax: np.ndarray, ce: np.ndarray, exits: np.ndarray, referenc
 
 
 def unit_risks(losses: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per unit, the share of its tokens that violate: ``losses`` (..., N, T) and ``units`` (N, T) ids (negative:
-    no unit, ignored). Returns ``(risks (..., n_units), unit ids)``."""
+    """Per unit, the share of its tokens that violate: ``losses`` (..., N, T), ``units`` (N, T) ids (negative:
+    ignored) -> ``(risks (..., n_units), unit ids)``."""
     u = np.asarray(units).reshape(-1)
     keep = u >= 0
     ids, codes = np.unique(u[keep], return_inverse=True)
@@ -131,9 +97,7 @@ def unit_risks(losses: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, np.nd
 
 @dataclass(frozen=True)
 class Certificate:
-    """What :func:`calibrate` guarantees: ``threshold`` (None: no threshold of the grid could be certified), the
-    risk and its ``alpha``, ``delta``, the ``n_units`` calibration documents, the calibration risk and mean exit loop
-    at the chosen threshold, its p-value, and how many thresholds were tested."""
+    """What :func:`calibrate` guarantees (``threshold`` None: none could be certified), on what evidence."""
 
     family: str
     risk: str
@@ -171,8 +135,7 @@ class CalibratedRule:
 
 
 def family_specs(family: str, max_loops: int, reference_loops: int) -> list[RuleSpec]:
-    """The family's grid as rules, ordered from the latest-halting threshold to the earliest (registry grids are
-    listed earliest first); ``uniform`` is depths ``reference_loops`` down to 1."""
+    """The family's grid as rules from the latest-halting threshold to the earliest (``uniform``: R down to 1)."""
     if family == "uniform":
         return [RuleSpec("uniform", float(u), Uniform(u)) for u in range(reference_loops, 0, -1)]
     classes = RULE_FAMILIES
@@ -185,10 +148,7 @@ def family_specs(family: str, max_loops: int, reference_loops: int) -> list[Rule
 
 @dataclass
 class LossTable:
-    """Per-unit losses of every threshold of some families on some windows: ``risks[family]`` (thresholds, units)
-    ordered conservative first, ``loops[family]`` (thresholds, units) mean exit loop per unit, ``specs[family]``,
-    and the unit ids. Built once by :func:`loss_table`; calibration and its validity check
-    (random splits of the units) reuse it."""
+    """Per family, ``risks`` and mean exit ``loops`` (thresholds, units), conservative first, ``specs``, unit ids."""
 
     risks: dict[str, np.ndarray]
     loops: dict[str, np.ndarray]
@@ -213,7 +173,7 @@ class LossTable:
 
 
 def check_calibration(family: str, alpha: float, delta: float, risk: str) -> None:
-    """The arguments of a calibration, checked before any model pass: one-line :class:`DrcError` naming the fix."""
+    """The arguments of a calibration, checked before any model pass."""
     for name, value in (("alpha", alpha), ("delta", delta)):
         need_float(name, value, 0.0, 1.0, lo_open=True, hi_open=True)
     _need_risks((risk,))
@@ -230,10 +190,8 @@ def _need_risks(risks: Sequence[str]) -> None:
 def loss_tables(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, families: Sequence[str], *,
                 risks: Sequence[str] = RISKS, tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
                 batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[str, LossTable]:
-    """One offline pass (:func:`~drc_core.halting.sweep.offline_pass`: argmax and CE per loop, every threshold of
-    ``families`` replayed; plus ``uniform``) on ``windows`` (N, T+1); ``units`` (N, T) the document of each input
-    position. One :class:`LossTable` per risk of ``risks``, all from the same trajectories
-    (:func:`pass_loss_tables`)."""
+    """One :class:`LossTable` per risk from one offline pass replaying every threshold of ``families`` (and
+    ``uniform``) on ``windows`` (N, T+1); ``units`` (N, T) the document of each input position."""
     reference_loops = need_int("reference_loops", reference_loops, 1)
     max_loops = need_int("max_loops", max(max_loops, reference_loops), 1)
     n, t_len = windows.shape[0], windows.shape[1] - 1
@@ -249,9 +207,7 @@ def loss_tables(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray,
 
 def pass_loss_tables(passed: OfflinePass, units: np.ndarray, families: Sequence[str], *,
                      risks: Sequence[str] = RISKS, tolerance: float = 0.0) -> dict[str, LossTable]:
-    """:func:`loss_tables` from an offline pass already run (e.g. a notebook's sweep of
-    :func:`~drc_core.halting.sweep.default_rules` at the pass's depth), which must have replayed every threshold
-    of ``families`` (:func:`family_specs` at the pass's loops and reference depth); ``units`` (N, T) as there."""
+    """:func:`loss_tables` from an offline pass already run, which replayed every threshold of ``families``."""
     loops_run, n, t_len = passed.ce.shape
     reference_loops = passed.reference_loops
     units = np.asarray(units)
@@ -284,8 +240,7 @@ def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, 
                risk: str = "top1", tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
                batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> LossTable:
     """:func:`loss_tables` for one ``risk``."""
-    if risk not in RISKS:
-        raise DrcError(f"risk={risk!r} is not supported; use one of {', '.join(RISKS)}")
+    _need_risks((risk,))
     return loss_tables(model, windows, units, families, risks=(risk,), tolerance=tolerance,
                        reference_loops=reference_loops, max_loops=max_loops, batch_size=batch_size, seed=seed)[risk]
 
@@ -293,9 +248,8 @@ def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, 
 def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, family: str, *, alpha: float = 0.05,
               delta: float = 0.1, risk: str = "top1", tolerance: float = 0.0, reference_loops: int = 8,
               max_loops: int = 16, seed: int = EVAL_STATE_SEED) -> CalibratedRule:
-    """Choose ``family``'s threshold on the calibration ``windows`` (``units``: each position's document) so that
-    its ``risk`` is at most ``alpha`` with probability ``1 - delta`` (Learn then Test over documents); the rule
-    and its printable :class:`Certificate`."""
+    """``family``'s threshold whose ``risk`` is at most ``alpha`` with probability ``1 - delta`` over the calibration
+    ``windows``' documents ``units``: the rule and its printable :class:`Certificate`."""
     check_calibration(family, alpha, delta, risk)
     need_float("tolerance", tolerance, 0.0)
     need_int("max_loops", max_loops, 1)  # a smaller value would be silently raised to reference_loops
@@ -311,12 +265,9 @@ def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, f
 def validity(table: LossTable, family: str, alphas: Sequence[float], delta: float, *, n_splits: int = 100,
              seed: int = 0, calib: np.ndarray | None = None, test: np.ndarray | None = None,
              among: np.ndarray | None = None):
-    """Is the guarantee kept? For each ``alpha``: ``n_splits`` random halvings of the units (of the unit indices
-    ``among`` only, when given: e.g. one source's documents), or the one given split ``calib``/``test`` (e.g.
-    calibrate on one source and test on another); on each, certify ``family`` and
-    ``uniform`` on the calibration half and measure on the test half. Returns one row per (alpha, split):
-    ``certified``, the test risk and ``violated`` (test risk > alpha) of the certified threshold, its mean loops
-    on the test half, the certified uniform depth and the share of loops the rule saves against it."""
+    """Is the guarantee kept? Per ``alpha`` and split (``n_splits`` random halvings of the units, of ``among`` if
+    given, or the one split ``calib``/``test``): certify ``family`` and ``uniform`` on one half, measure the test
+    risk, ``violated``, loops and ``saved_frac`` against the certified uniform depth on the other."""
     import pandas as pd
 
     pool = np.arange(len(table.units)) if among is None else np.asarray(among, dtype=np.int64)
@@ -347,11 +298,8 @@ def validity(table: LossTable, family: str, alphas: Sequence[float], delta: floa
 
 
 def validity_summary(rows, delta: float, level: float = 0.95):
-    """Per family and ``alpha``, from :func:`validity`'s rows: ``splits``, ``certified`` (share of splits with a
-    certified threshold), ``violation`` (share of splits whose certified threshold's test risk exceeds alpha; a split
-    without a certificate cannot violate), its Monte-Carlo standard error ``violation_se`` and Clopper-Pearson
-    ``level`` interval ``violation_lo``/``violation_hi``, ``delta``, ``kept`` (the interval's lower end is <= delta),
-    and over the certified splits the mean ``test_risk``, ``loops``, ``uniform_depth`` and ``saved_frac``."""
+    """Per family and ``alpha`` of :func:`validity`'s rows: the shares ``certified`` and ``violation`` of splits, its
+    standard error and Clopper-Pearson interval, ``kept`` (its lower end <= ``delta``), means over certified ones."""
     import pandas as pd
 
     out = []

@@ -1,22 +1,11 @@
 """Continuous depth batching (arXiv 2608.09444): generation whose rows advance one loop at a time, each on its own.
 
-:func:`~drc_core.halting.generate.generate` decodes step-synchronously, a step costing the depth of its deepest
-row. :func:`generate_continuous` runs *core steps* instead: one loop of every active (row, token) item, each at its
-own loop index; a row whose token exits runs coda + head, chooses its next token, whose prelude joins the next
-step at loop 1; a finished row frees its slot for the next waiting request (serving mode). Every request gets
-the tokens and exit loops of decoding it alone with ``generate`` from its initial states (logits to float
-tolerance): a token at loop l attends to each earlier token of its row at loop min(l, e').
-
-Caches per block are ``(2, L, S, H, T, hd)``, K and V in one tensor (S slots, L = ``rule.max_loops``); viewed as
-``(2, L * S, H, T, hd)`` an item of slot b at loop l is row (l - 1) * S + b of one flat batch, so one layout serves
-every block of a step, whatever the items' loops (:meth:`_Decoder.layout`: a run of slots at one loop reads its slab
-in place, and at one position too runs dense), and a block writes and gathers K and V of all items in one call
-each. An exit's copies of its keys/values into the later loops' slabs wait, all exits' together, until a step can
-read one. Prompts run through :func:`~drc_core.halting.skipping.run_loops` on their slots' view of the caches, a run
-of free slots with prompts of one length as one batch. The statistics are ``generate``'s (its tracker, the previous
-loop's values kept per slot); a rule on states only runs the coda per step on the items at loop >= ``min_loops``
-and the last coda block and head on the exiting ones. Per step one host-to-device copy of its indices (the items'
-and the joining tokens' layouts, ids and initial-state rows) and one host sync.
+:func:`generate_continuous` runs *core steps*: one loop of every active (row, token) item, each at its own loop; an
+exiting token runs coda + head and chooses the next token, which joins the next step at loop 1; a finished row frees
+its slot for the next waiting request. Every request gets the tokens and exit loops of decoding it alone with
+:func:`~drc_core.halting.generate.generate` (logits to float tolerance). Caches per block are ``(2, L, S, H, T, hd)``
+(S slots, L = ``rule.max_loops``): an item of slot b at loop l is row (l - 1) * S + b of one flat batch, so one
+layout serves every block of a step. Per step one host-to-device copy of its indices and one host sync.
 """
 
 from __future__ import annotations
@@ -26,6 +15,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -49,8 +39,7 @@ __all__ = ["Completion", "ContinuousResult", "generate_continuous"]
 @dataclass
 class Completion:
     """One request's output, as a row of :class:`~drc_core.halting.generate.GenerationResult` (``logits`` None
-    unless ``keep_logits``), and its times in seconds since the call: ``admitted`` (its prompt began),
-    ``first_token`` and ``finished`` (its first and last new token chosen)."""
+    unless ``keep_logits``), and when (seconds since the call) its prompt began, its first and last token came."""
 
     tokens: Tensor
     exit_loop: Tensor
@@ -73,8 +62,7 @@ class Completion:
 
 @dataclass
 class ContinuousResult:
-    """What :func:`generate_continuous` returns: one :class:`Completion` per request, in order, the number of core
-    steps of the decode phase, the work done and the wall time."""
+    """What :func:`generate_continuous` returns: the :class:`Completion` of each request, core steps, work, time."""
 
     completions: list[Completion]
     rule: str
@@ -99,50 +87,37 @@ class ContinuousResult:
 
 
 class _Items(Attn):
-    """The :class:`~drc_core.halting.kvlayout.Attn` of one item per flat cache row, over a block's keys and values
-    kept as one tensor: ``kv`` = (K and V (2, R, H, T, hd), its (2, R * H * T, hd) view). Item i, at flat row
-    ``rows[i]``, writes position ``pos[i]`` (``kv_index``: the offsets of its heads' rows in that view, head-major)
-    and attends to positions 0..pos[i] of its row (``mask``, additive (N, 1, 1, t_k)). Attention gathers each item's
-    row, K and V in one ``index_select``, unless ``lockstep`` = (first slot, end slot, loop, S): the items are those
-    slots at one loop, one slab of the caches (2, L, S, H, T, hd) read in place. A :meth:`select`'s positions, RoPE
-    rows and offsets are made when first read (attention after a query selection reads none of them)."""
+    """The :class:`~drc_core.halting.kvlayout.Attn` of one item per flat cache row, over a block's K and V kept as one
+    tensor ``kv`` = ((2, R, H, T, hd), its (2, R * H * T, hd) view): item i at row ``rows[i]`` writes position
+    ``pos[i]`` (``kv_index``: its heads' offsets in that view, head-major) and attends to 0..pos[i] (``mask``).
+    ``lockstep`` = (first slot, end slot, loop, S): the items are those slots at one loop, read in place. A
+    :meth:`select`'s positions, RoPE rows and offsets are made when first read."""
 
-    def __init__(self, rows: Tensor, pos: Tensor | None, kv_index: Tensor | None, mask: Tensor, t_k: int,
-                 rope: tuple[Tensor, Tensor], heads: int, lockstep: tuple[int, int, int, int] | None = None,
-                 parent: tuple[_Items, Tensor] | None = None) -> None:
+    def __init__(self, rows: Tensor, mask: Tensor, t_k: int, rope: tuple[Tensor, Tensor], heads: int,
+                 lockstep: tuple[int, int, int, int] | None = None, *, pos: Tensor | None = None,
+                 kv_index: Tensor | None = None, parent: tuple[_Items, Tensor] | None = None) -> None:
         self.rows, self.mask, self.t_k, self.rope, self.heads, self.lockstep = rows, mask, t_k, rope, heads, lockstep
-        self.dense, self.pending = False, {}
-        self._pos, self._kv_index, self._parent = pos, kv_index, parent
-        self._cos: Tensor | None = None
-        self._sin: Tensor | None = None
+        self.dense, self.pending, self._parent = False, {}, parent
+        if parent is None:
+            self.pos, self.kv_index = pos, kv_index  # else cached_property: made from the parent on first read
 
-    @property
+    @cached_property
     def pos(self) -> Tensor:
-        if self._pos is None:
-            assert self._parent is not None
-            parent, keep = self._parent
-            self._pos = parent.pos.index_select(0, keep)
-        return self._pos
+        parent, keep = self._parent
+        return parent.pos.index_select(0, keep)
 
-    @property
+    @cached_property
     def cos(self) -> Tensor:
-        if self._cos is None:
-            self._cos = self.rope[0].index_select(0, self.pos)
-        return self._cos
+        return self.rope[0].index_select(0, self.pos)
 
-    @property
+    @cached_property
     def sin(self) -> Tensor:
-        if self._sin is None:
-            self._sin = self.rope[1].index_select(0, self.pos)
-        return self._sin
+        return self.rope[1].index_select(0, self.pos)
 
-    @property
+    @cached_property
     def kv_index(self) -> Tensor:
-        if self._kv_index is None:
-            assert self._parent is not None
-            parent, keep = self._parent
-            self._kv_index = parent.kv_index.view(self.heads, -1).index_select(1, keep).view(-1)
-        return self._kv_index
+        parent, keep = self._parent
+        return parent.kv_index.view(self.heads, -1).index_select(1, keep).view(-1)
 
     def project(self, block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q (N, H, 1, hd), the queries of :meth:`attend`; k, v (1, H, N, hd), as ``Block.qkv`` gives them."""
@@ -169,22 +144,20 @@ class _Items(Attn):
         return y.reshape(q.shape[0], -1)
 
     def select(self, keep: Tensor) -> _Items:
-        return _Items(self.rows.index_select(0, keep), None, None, self.mask.index_select(0, keep), self.t_k,
-                      self.rope, self.heads, parent=(self, keep))
+        return _Items(self.rows.index_select(0, keep), self.mask.index_select(0, keep), self.t_k, self.rope,
+                      self.heads, parent=(self, keep))
 
 
 def _is_run(slots: list[int]) -> bool:
-    """Whether sorted, distinct ``slots`` are consecutive (read and written through a slice, not an index)."""
+    """Whether sorted, distinct ``slots`` are consecutive (read and written through a slice)."""
     return slots[-1] - slots[0] + 1 == len(slots)
 
 
 def _take(t: Tensor, sel: Tensor | slice) -> Tensor:
-    """The rows ``sel`` (a slice: a view; an index: one gather) of ``t``."""
     return t[sel] if isinstance(sel, slice) else t.index_select(0, sel)
 
 
 def _put(t: Tensor, sel: Tensor | slice, value: Tensor) -> None:
-    """Write ``value`` into the rows ``sel`` of ``t``."""
     if isinstance(sel, slice):
         t[sel] = value
     else:
@@ -192,8 +165,8 @@ def _put(t: Tensor, sel: Tensor | slice, value: Tensor) -> None:
 
 
 def _masked(res: dict[str, Tensor], loops: Tensor) -> dict[str, Tensor]:
-    """The first loop's values (of :func:`~drc_core.analysis.loops.loop_stats`) for the items at loop 1 (and 2, for
-    the second-order statistics), whose slot's previous values belong to another token."""
+    """The first loop's values for the items at loop 1 (and 2, for second-order statistics): their slot's previous
+    values belong to another token."""
     first = loops == 1
     early = loops <= 2 if "accel" in res or "accel_prev" in res else first
     for name, value in res.items():
@@ -223,10 +196,7 @@ def _request_list(prompts: Tensor | Sequence[Tensor], max_new_tokens: int | Sequ
     news = [max_new_tokens] * n_req if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(news) != n_req:
         raise DrcError(f"max_new_tokens has {len(news)} entries for {n_req} prompts; pass one int or one per prompt")
-    if states is None:
-        states = [None] * n_req
-    elif isinstance(states, Tensor):
-        states = list(states)
+    states = [None] * n_req if states is None else list(states)
     if len(states) != n_req:
         raise DrcError(f"states has {len(states)} entries for {n_req} prompts; pass one per prompt or None")
     out = []
@@ -244,13 +214,10 @@ def generate_continuous(model: DepthRecurrentLM, prompts: Tensor | Sequence[Tens
                         temperature: float = 0.0, generator: torch.Generator | None = None,
                         states: Sequence[Tensor | None] | Tensor | None = None, fused: bool = False,
                         keep_logits: bool = True) -> ContinuousResult:
-    """Generate ``max_new_tokens`` (one int, or one per prompt) after each prompt with continuous depth batching.
-
-    ``prompts``: (B, T0) token ids or a list of 1-D prompts of any lengths. ``slots``: rows decoded together
-    (default: all requests; fewer is serving mode, a finished row's slot taking the next request). ``states``: each
-    request's initial states (T0 + n, d), else drawn up front request by request with ``generator``.
-    ``temperature`` and ``fused`` as in :func:`~drc_core.halting.generate.generate`; ``keep_logits=False`` keeps
-    no logits. The rule must declare its ``reads`` (its decision for a token depends only on that token)."""
+    """Generate ``max_new_tokens`` (one int, or one per prompt) after each of ``prompts`` ((B, T0) ids or a list of
+    1-D prompts) with continuous depth batching. ``slots``: rows decoded together (default: all requests; fewer is
+    serving mode). ``states``: each request's initial states (T0 + n, d), else drawn up front request by request.
+    The rest as in :func:`~drc_core.halting.generate.generate`; the rule must declare its ``reads``."""
     t_start = time.perf_counter()
     reqs = _request_list(prompts, max_new_tokens, states)
     for p, n, _ in reqs:
@@ -277,14 +244,12 @@ def generate_continuous(model: DepthRecurrentLM, prompts: Tensor | Sequence[Tens
 
 
 class _Decoder:
-    """The scheduler of :func:`generate_continuous`: the slots and their caches, the queue of waiting requests,
-    each request's record (tokens, exit loops, logits, times), and :meth:`step`, one core step."""
+    """The scheduler of :func:`generate_continuous`: slots, caches, queue, records; :meth:`step`, one core step."""
 
     def __init__(self, model: DepthRecurrentLM, rule: HaltingRule, reqs: list[tuple[Tensor, int, Tensor | None]],
                  init: list[Tensor], n_slots: int, t_start: float, *, temperature: float,
                  generator: torch.Generator | None, fused: bool, keep_logits: bool) -> None:
-        self.model, self.rule, self.reqs, self.n_slots = model, rule, reqs, n_slots
-        self.t_start = t_start
+        self.model, self.rule, self.reqs, self.n_slots, self.t_start = model, rule, reqs, n_slots, t_start
         self.temperature, self.generator, self.fused, self.keep_logits = temperature, generator, fused, keep_logits
         cfg = model.cfg
         d, self.L, self.V, self.heads = cfg.d_model, rule.max_loops, cfg.vocab_size, cfg.n_heads
@@ -295,24 +260,19 @@ class _Decoder:
         self.init_rows = torch.cat([s[0] for s in init])
         self.init_offset = list(itertools.accumulate([s.shape[1] for s in init], initial=0))
         self.init = [self.init_rows[o : o + s.shape[1]][None] for o, s in zip(self.init_offset[:-1], init, strict=True)]
-        # K and V of a block in one tensor: prelude blocks (2, 1, S, H, T, hd) (one loop), core and coda blocks
-        # (2, L, S, H, T, hd), loop-major (one loop's slab of a run of slots is contiguous); all core and coda
-        # blocks in one tensor too, so that exits copy keys/values once for all of them
+        # K and V of a block in one tensor, prelude (2, 1, S, H, T, hd), core and coda (2, L, S, H, T, hd) all in one
         hd, n_core = cfg.head_dim, len(model.core)
         self.pre_joint = like.new_zeros(len(model.prelude), 2, 1, n_slots, cfg.n_heads, T, hd)
         self.looped_kv = like.new_zeros(n_core + len(model.coda), 2, self.L, n_slots, cfg.n_heads, T, hd)
-        self.pre_kv = [(p[0, 0], p[1, 0]) for p in self.pre_joint]  # (S, H, T, hd)
         pairs = [(p[0], p[1]) for p in self.looped_kv]  # (L, S, H, T, hd)
         self.core_kv, self.coda_kv = pairs[:n_core], pairs[n_core:]
         self.pre_looped = [(p[0], p[1]) for p in self.pre_joint]  # the prelude's caches as one loop's slab
-        # per group of blocks: its (K, V) slabs (dense layout) and each block's K and V as one flat-row tensor
-        # (2, L * S, H, T, hd) with its (2, L * S * H * T, hd) view (the items' layout)
-        self.groups: dict[str, tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]] = {}
-        for name, pairs_, joint in (("prelude", self.pre_looped, self.pre_joint), ("core", self.core_kv,
-                                                                                   self.looped_kv[:n_core]),
-                                    ("coda", self.coda_kv, self.looped_kv[n_core:])):
-            flat = [(j.view(2, -1, *j.shape[3:]), j.view(2, -1, hd)) for j in joint]
-            self.groups[name] = (pairs_, flat)
+        # per group of blocks: its (K, V) slabs (dense layout) and each block's flat (2, L * S, H, T, hd) rows with
+        # their (2, L * S * H * T, hd) view (the items' layout)
+        self.groups = {name: (pairs_, [(j.view(2, -1, *j.shape[3:]), j.view(2, -1, hd)) for j in joint])
+                       for name, pairs_, joint in (("prelude", self.pre_looped, self.pre_joint),
+                                                   ("core", self.core_kv, self.looped_kv[:n_core]),
+                                                   ("coda", self.coda_kv, self.looped_kv[n_core:]))}
         self.kv_rows = self.looped_kv.view(-1, self.L * n_slots * cfg.n_heads * T, hd)  # exits copy these rows
         self.rope = (model.rope_cos, model.rope_sin)
         # additive causal masks by position: row p lets a query at p see keys 0..p
@@ -335,8 +295,7 @@ class _Decoder:
         self.times = [[0.0, 0.0, 0.0] for _ in reqs]  # admitted, first token, finished
         self.queue = list(range(len(reqs)))
         self.joiners: list[int] = []
-        # exits' key/value copies not yet made (rows of kv_rows: sources, destinations) and the step that first
-        # reads one of them
+        # exits' key/value copies not yet made (rows of kv_rows: sources, destinations), the step that first reads one
         self.copies: tuple[list[int], list[int]] = ([], [])
         self.copy_by: float = math.inf
         self.z_none = like.new_empty(0, self.V, dtype=torch.float32)
@@ -345,21 +304,15 @@ class _Decoder:
         self.z_prev = like.new_zeros(n_slots, self.V, dtype=torch.float32) if self.per_loop else self.z_none
         self.steps = 0
 
-    def active(self) -> list[int]:
-        return [b for b in range(self.n_slots) if self.request[b] >= 0 and self.loop[b] > 0]
-
     def now_s(self) -> float:
         return time.perf_counter() - self.t_start
 
-    def chosen(self, r: int, token: int) -> None:
+    def chosen(self, b: int, token: int) -> None:
+        """Slot b's token chose ``token``: finish the request or queue that token for :meth:`join`."""
+        r = self.request[b]
         self.tokens[r].append(token)
         if len(self.tokens[r]) == self.reqs[r][0].shape[1] + 1:
             self.times[r][1] = self.now_s()
-
-    def advance(self, b: int) -> None:
-        """After slot b's token chose the next token: finish the request or queue that token (its state and prelude
-        come with the next step's :meth:`join`)."""
-        r = self.request[b]
         t = len(self.tokens[r]) - 1  # the position of the token just chosen
         if t == self.reqs[r][0].shape[1] + self.reqs[r][1] - 1:  # the last new token: it is never processed
             self.times[r][2] = self.now_s()
@@ -369,8 +322,7 @@ class _Decoder:
         self.joiners.append(b)
 
     def admit(self) -> None:
-        """Run the queued requests' prompts on the free slots, a run of slots with prompts of one length as one
-        batch."""
+        """Run queued prompts on the free slots, a run of slots with prompts of one length as one batch."""
         free = [b for b in range(self.n_slots) if self.request[b] < 0]
         if free:
             self.copy_kv()  # a finished request's pending copies, before a new one writes its slot
@@ -391,7 +343,7 @@ class _Decoder:
         e = self.like.new_zeros(n, t0, model.cfg.d_model)
         s = torch.cat([self.init[r][:, :t0] for r in rs])
         slots = slice(b0, b0 + n)
-        prelude_step(model, ids, (0, t0), [(k[slots], v[slots]) for k, v in self.pre_kv], e, self.work)
+        prelude_step(model, ids, (0, t0), [(k[0, slots], v[0, slots]) for k, v in self.pre_looped], e, self.work)
         caches = LoopCaches(core=[(k[:, slots], v[:, slots]) for k, v in self.core_kv],
                             coda=[(k[:, slots], v[:, slots]) for k, v in self.coda_kv], per_loop=True)
         res = run_loops(model, self.rule, s, e, (0, t0), caches, work=self.work, fused=self.fused)
@@ -403,13 +355,11 @@ class _Decoder:
             self.prompt_exits[r] = res.exit_loop[j]
             if self.keep_logits:
                 self.outs[r].append(res.logits[j])
-            self.chosen(r, picks[j])
-            self.advance(b0 + j)
+            self.chosen(b0 + j, picks[j])
 
     def plan(self, items: list[int], loop_list: list[int], pos_list: list[int]) -> list[list[int]] | None:
-        """What the items' :meth:`layout` reads from the device, as host lists: None for the dense layout (a run of
-        slots at one loop and one position), else their flat rows, positions, slots, loops and the offsets of their
-        keys/values in a block's (2, L * S * H * T, hd) view, head-major."""
+        """What :meth:`layout` reads from the device, as host lists: None for the dense layout (a run of slots at one
+        loop and position), else the items' flat rows, positions, slots, loops and key/value offsets, head-major."""
         if _is_run(items) and min(loop_list) == max(loop_list) and min(pos_list) == max(pos_list):
             return None
         n_slots, seq = self.n_slots, self.T
@@ -419,10 +369,8 @@ class _Decoder:
 
     def layout(self, items: list[int], loop_list: list[int], pos_list: list[int], groups: list[str],
                meta: list[Tensor] | None) -> tuple[Attn, list[list[tuple[Tensor, Tensor]]], Tensor, Tensor]:
-        """The attention layout of items (slots, their loops and positions), the caches of each group of blocks
-        (``"prelude"``, ``"core"``, ``"coda"``) as its blocks take them, and the items' slots and loops on the
-        device: dense over one slab for a run of slots at one loop and position (``meta`` None), else one flat row
-        per item (:class:`_Items`) from the tensors of :meth:`plan` (``meta``)."""
+        """The attention layout of the items, the caches of each of ``groups`` as its blocks take them, and the items'
+        slots and loops on the device: dense over one slab when ``meta`` is None, else :class:`_Items` from it."""
         n_slots, t, n = self.n_slots, pos_list[0], len(items)
         if meta is None:
             first, li = items[0], loop_list[0] - 1
@@ -440,31 +388,25 @@ class _Decoder:
             _is_run(items) and min(loop_list) == max(loop_list)) else None
         t_k = max(pos_list) + 1
         mask = self.causal.index_select(0, pos_t)[..., :t_k]
-        attn = _Items(rows_t, pos_t, kv_index, mask, t_k, self.rope, self.heads, lockstep)
+        attn = _Items(rows_t, mask, t_k, self.rope, self.heads, lockstep, pos=pos_t, kv_index=kv_index)
         return attn, [self.groups[g][1] for g in groups], b_t, loops
 
     def join(self, joiners: list[int], pos_list: list[int], meta: list[Tensor] | None, ids: Tensor,
              init_rows: Tensor) -> None:
-        """The new tokens of slots ``joiners``: their initial states and prelude (positions differ by row: one flat
-        layout over the prelude's caches, one loop's slab)."""
+        """The new tokens of slots ``joiners``: their initial states and prelude."""
         model = self.model
         attn, (kvs,), slots, _ = self.layout(joiners, [1] * len(joiners), pos_list, ["prelude"], meta)
         x = model.token_embedding(ids)
         for block, kv in zip(model.prelude, kvs, strict=True):
             x = block_step(block, x, attn, kv, *self.rope, work=self.work)
-        s = self.init_rows.index_select(0, init_rows)
-        if _is_run(joiners):
-            sel = slice(joiners[0], joiners[-1] + 1)
-            self.inj[sel], self.state[sel] = x, s
-        else:
-            self.inj.index_copy_(0, slots, x)
-            self.state.index_copy_(0, slots, s)
+        sel = slice(joiners[0], joiners[-1] + 1) if _is_run(joiners) else slots
+        _put(self.inj, sel, x)
+        _put(self.state, sel, self.init_rows.index_select(0, init_rows))
         self.joiners.clear()
 
     def exited(self, gone: list[tuple[int, int, int]]) -> None:
-        """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop. The copies wait,
-        all exits' together, until the step that can first read one: a slot's next token reaches loop e + 1, the
-        first that reads a copy of an exit at loop e, e + 1 steps after that exit."""
+        """Items (slot, exit loop, position) offer their exit-loop keys/values at every later loop; the copies wait
+        until the first step that can read one (e + 1 steps after an exit at loop e)."""
         src, dst = self.copies
         per_loop = self.n_slots * self.heads * self.T
         for b, loop, t in gone:
@@ -476,7 +418,7 @@ class _Decoder:
             self.copy_by = min(self.copy_by, self.steps + loop + 1)
 
     def copy_kv(self) -> None:
-        """Make the pending copies of :meth:`exited` (one gather and one scatter for every block)."""
+        """Make the pending copies of :meth:`exited` (one gather and one scatter for all blocks)."""
         src, dst = self.copies
         if not src:
             return
@@ -486,12 +428,11 @@ class _Decoder:
         self.copies, self.copy_by = ([], []), math.inf
 
     def step(self) -> bool:
-        """Admit waiting requests into free slots, run the new tokens' prelude, then one loop of every active
-        item; the exiting items choose their next tokens. False when no item is left. One host-to-device copy of
-        the step's indices (if any), one host sync."""
+        """Admit waiting requests, run the new tokens' prelude, then one loop of every active item; False when no
+        item is left."""
         if self.queue:
             self.admit()
-        items = self.active()
+        items = [b for b in range(self.n_slots) if self.request[b] >= 0 and self.loop[b] > 0]
         if not items:
             return False
         self.steps += 1
@@ -540,8 +481,7 @@ class _Decoder:
 
     def _statistics(self, x: Tensor, attn: Attn, coda_kv: list, b_t: Tensor, sel: Tensor | slice, loops: Tensor,
                     loop_list: list[int]) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor]:
-        """The items' statistics by ``generate``'s tracker against their slots' previous values: the values to keep
-        for the next loop, the statistics and the step's logits (rules that read the output)."""
+        """The items' statistics by ``generate``'s tracker: the values to keep, the statistics and the logits."""
         if not self.need:  # a rule that reads nothing (a uniform depth): no tracker, no statistics
             return {}, {}, self.z_none
         n_items = x.shape[0]
@@ -581,8 +521,8 @@ class _Decoder:
 
     def _exit_logits(self, x: Tensor, attn: Attn, coda_kv: list, loops: Tensor, loop_list: list[int],
                      decide: Tensor | None, gone: Tensor | None, z: Tensor) -> Tensor:
-        """The exiting items' logits. A rule on states only runs the coda here: every item at loop >= ``min_loops``
-        writes its coda keys/values (later tokens read them), the exiting ones run the last block and the head."""
+        """The exiting items' logits; a rule on states only runs the coda here (every item at loop >= ``min_loops``
+        writes its coda keys/values, the exiting ones run the last block and the head)."""
         if self.per_loop:
             return z.index_select(0, gone) if gone is not None else z[:0]
         min_loops = self.rule.min_loops
@@ -599,7 +539,7 @@ class _Decoder:
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def _emit(self, logits_g: Tensor, gone: list[tuple[int, int, int]]) -> None:
-        """The exiting items (slot, exit loop, position) choose their next tokens and fill the later loops' slabs."""
+        """The exiting items (slot, exit loop, position) choose their next tokens."""
         picks = choose_next(logits_g, self.temperature, self.generator).tolist()
         self.exited(gone)
         rows = logits_g.to(self.dtype) if self.keep_logits else None
@@ -608,19 +548,16 @@ class _Decoder:
             self.exits[r].append(loop)
             if rows is not None:
                 self.outs[r].append(rows[j : j + 1])
-            self.chosen(r, picks[j])
-            self.advance(b)
+            self.chosen(b, picks[j])
 
     def result(self) -> ContinuousResult:
         work, device = self.work, self.device
         work.tokens += sum(len(t) - 1 for t in self.tokens)
         completions = [
-            Completion(tokens=torch.tensor(self.tokens[r], device=device),
-                       exit_loop=torch.cat([self.prompt_exits[r],
-                                            torch.tensor(self.exits[r], dtype=torch.long, device=device)]),
-                       logits=torch.cat(self.outs[r]) if self.keep_logits else None,
-                       initial_state=self.init[r][0], prompt_len=self.reqs[r][0].shape[1],
-                       admitted=self.times[r][0], first_token=self.times[r][1], finished=self.times[r][2])
+            Completion(torch.tensor(self.tokens[r], device=device),
+                       torch.cat([self.prompt_exits[r], torch.tensor(self.exits[r], dtype=torch.long, device=device)]),
+                       torch.cat(self.outs[r]) if self.keep_logits else None, self.init[r][0],
+                       self.reqs[r][0].shape[1], *self.times[r])
             for r in range(len(self.reqs))
         ]
         return ContinuousResult(completions, str(self.rule), self.n_slots, self.steps, work, self.now_s())

@@ -1,15 +1,8 @@
-"""Autoregressive decoding with per-token halting and key/value caches.
-
-:func:`generate` decodes with the semantics of :func:`~drc_core.halting.skipping.skip_forward`: every token runs
-the core until the rule halts it at its exit loop e; at loop l it attends to each earlier token's loop-min(l, e')
-keys/values in every core and coda block; its logits are its readout at its exit loop. So teacher-forcing the
-generated sequence through ``skip_forward`` gives the same exit loops and logits (to float tolerance).
-
-Caches, zeros until written, each slab ``(B, H, T0 + max_new_tokens, hd)``: one per prelude block; per core and
-coda block one per loop 1..``rule.max_loops``, a token active at loop l writing slab l and one exiting at loop e
-copying its loop-e keys/values into slabs e+1..max_loops. The coda is per loop too, since a later token exiting at
-l < e' reads an earlier token's loop-l coda keys/values. The prompt runs as one batch
-(:func:`~drc_core.halting.skipping.run_loops`), then each new token; a step costs the depth of its deepest row.
+"""Autoregressive decoding with per-token halting and key/value caches, with the semantics of
+:func:`~drc_core.halting.skipping.skip_forward` (teacher-forcing the generated sequence through it gives the same
+exit loops and logits to float tolerance). Per core and coda block one cache slab per loop (an exit at loop e copies
+its keys/values into the later slabs); the prompt runs as one batch, then each new token, a step costing the depth of
+its deepest row.
 """
 
 from __future__ import annotations
@@ -34,11 +27,9 @@ __all__ = ["GenerationResult", "generate", "generate_fixed"]
 
 @dataclass
 class GenerationResult:
-    """What :func:`generate` returns (n = ``max_new_tokens``, T0 the prompt length): ``tokens`` (B, T0 + n), the
-    prompt and the new tokens; ``exit_loop`` (B, T0 + n - 1) and ``logits`` (B, T0 + n - 1, V) of each processed
-    position at its exit loop (position t's chose token t + 1; the last token is never processed); ``avg_depth``
-    over all processed positions, ``new_avg_depth`` over the n whose outputs chose the new tokens;
-    ``initial_state`` (B, T0 + n, d), the s_0 used; ``rule``: ``str(rule)``; ``work``: the work done."""
+    """What :func:`generate` returns: ``tokens`` (B, T0 + n); ``exit_loop`` and ``logits`` of each processed position
+    (all but the last) at its exit loop; ``avg_depth`` over them, ``new_avg_depth`` over the n that chose the new
+    tokens; ``initial_state`` (B, T0 + n, d), the s_0 used; the work done."""
 
     tokens: Tensor
     exit_loop: Tensor
@@ -80,15 +71,14 @@ def check_generate_args(model: DepthRecurrentLM, prompt_ids: object, max_new_tok
 
 
 def _layout(model: DepthRecurrentLM, batch: int, window: tuple[int, int], total: int, device: torch.device) -> Attn:
-    """The dense :class:`~drc_core.halting.kvlayout.Attn` of every row's positions [t0, t1) over ``total``."""
+    """The dense :class:`~drc_core.halting.kvlayout.Attn` of every row's positions [t0, t1)."""
     return Attn(Tokens.window(batch, *window, device), batch, total, model.cfg.n_heads,
                 (model.rope_cos, model.rope_sin), window)
 
 
 def prelude_step(model: DepthRecurrentLM, tokens: Tensor, window: tuple[int, int], kv: list, e: Tensor,
                  work: Work | None = None) -> None:
-    """The prelude (``DepthRecurrentLM.embed``) on positions [t0, t1) of every row over cached keys/values;
-    writes ``e`` there."""
+    """The prelude on positions [t0, t1) of every row over cached keys/values; writes ``e`` there."""
     attn = _layout(model, tokens.shape[0], window, tokens.shape[1], tokens.device)
     x = model.token_embedding(attn.toks.gather(tokens))
     for block, slab in zip(model.prelude, kv, strict=True):
@@ -106,8 +96,7 @@ def choose_next(logits: Tensor, temperature: float, generator: torch.Generator |
 
 def _start(model: DepthRecurrentLM, prompt_ids: Tensor, max_new_tokens: int, rule: HaltingRule, temperature: float,
            state: Tensor | None, generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor, list[KVSlab]]:
-    """Checked arguments -> the token buffer (B, T0 + n) holding the prompt, the zeroed prelude outputs, the
-    initial states (``state``, or drawn from ``generator`` up front) and the prelude caches."""
+    """Checked arguments -> the token buffer holding the prompt, zeroed prelude outputs, s_0, prelude caches."""
     check_generate_args(model, prompt_ids, max_new_tokens, rule, temperature)
     B, T0 = prompt_ids.shape
     total, d = T0 + max_new_tokens, model.cfg.d_model
@@ -130,12 +119,9 @@ def _windows(t0: int, total: int) -> Iterator[tuple[int, int]]:
 def generate(model: DepthRecurrentLM, prompt_ids: Tensor, max_new_tokens: int, rule: HaltingRule, *,
              temperature: float = 0.0, generator: torch.Generator | None = None, state: Tensor | None = None,
              fused: bool = False) -> GenerationResult:
-    """Generate ``max_new_tokens`` tokens after ``prompt_ids`` (B, T0), halting every token by ``rule`` (at most
-    ``rule.max_loops`` loops; not an :class:`~drc_core.halting.rules.Oracle`). ``temperature`` 0 is greedy, > 0
-    samples from ``softmax(logits / temperature)`` with ``generator``. s_0 of all T0 + n positions is ``state``
-    (B, T0 + n, d) or drawn once up front from ``generator`` (else the global RNG), before any sampling, so
-    ``skip_forward(..., state=result.initial_state[:, :T])`` reproduces a run. ``fused`` as in
-    :func:`~drc_core.halting.skipping.skip_forward`. Runs under no_grad."""
+    """Generate ``max_new_tokens`` tokens after ``prompt_ids`` (B, T0), halting every token by ``rule`` (not an
+    :class:`~drc_core.halting.rules.Oracle`); ``temperature`` 0 is greedy, > 0 samples with ``generator``. s_0 of
+    all T0 + n positions is ``state`` or drawn up front from ``generator``, before any sampling."""
     tokens, e, state, pre_kv = _start(model, prompt_ids, max_new_tokens, rule, temperature, state, generator)
     B, T0 = prompt_ids.shape
     s = state.to(device=e.device, dtype=e.dtype).clone()
@@ -159,11 +145,8 @@ def generate(model: DepthRecurrentLM, prompt_ids: Tensor, max_new_tokens: int, r
 @torch.no_grad()
 def generate_fixed(model: DepthRecurrentLM, prompt_ids: Tensor, max_new_tokens: int, loops: int, *,
                    state: Tensor | None = None, generator: torch.Generator | None = None) -> Tensor:
-    """Greedy KV-cached decoding at a fixed depth with no halting machinery: the dense reference that
-    :func:`generate` with ``Uniform(loops)`` is measured against (same tokens, same logits to float tolerance).
-    Per new token the prelude, ``loops`` core loops over per-loop caches, the coda over one cache (only the last
-    loop's coda keys/values are read) and the head. Returns the tokens (B, T0 + max_new_tokens); ``state`` and
-    ``generator`` as in :func:`generate`."""
+    """Greedy KV-cached decoding at a fixed depth with no halting machinery: the dense reference for
+    :func:`generate` with ``Uniform(loops)``. Returns the tokens (B, T0 + max_new_tokens)."""
     tokens, e, state, pre_kv = _start(model, prompt_ids, max_new_tokens, Uniform(loops), 0.0, state, generator)
     B, total = tokens.shape
     s, d = state.to(device=e.device, dtype=e.dtype), e.shape[-1]

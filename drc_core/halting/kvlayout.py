@@ -48,11 +48,9 @@ class Tokens:
 
 class Attn:
     """How the N flat tokens ``toks`` write keys/values into and attend over caches (B, H, T, hd), built once per
-    active set. ``dense`` (``window`` (t0, t1) given and every row's positions t0..t1-1 present): q, k, v in the
-    (B, H, W, hd) layout of ``Block.forward`` and the dense causal kernel; with ``scratch`` (caches read by this
-    run only) over the whole cache, the cache writes wait for :meth:`flush` and attention reads the fresh
-    keys/values. Otherwise queries are padded per row to the largest count, with a mask (key position <= query
-    position; padding queries see key 0 only and are dropped) over the keys cropped to the last position + 1."""
+    active set. ``dense`` (every row's positions of ``window`` present): the (B, H, W, hd) layout of
+    ``Block.forward``, with ``scratch`` over a whole cache read by this run only writing at :meth:`flush`.
+    Otherwise queries are padded per row to the largest count, with a causal mask over the keys."""
 
     def __init__(self, toks: Tokens, batch: int, seq_len: int, heads: int, rope: tuple[Tensor, Tensor],
                  window: tuple[int, int] | None = None, *, scratch: bool = False) -> None:
@@ -85,8 +83,7 @@ class Attn:
         self.kv_index = ((toks.rows[:, None] * heads + h) * seq_len + toks.pos[:, None]).reshape(-1)
 
     def write(self, kv: KVSlab, k: Tensor, v: Tensor) -> None:
-        """Write the tokens' keys/values into the cache (k, v (B, H, W, hd) dense, else (N, H, hd)); only kept until
-        :meth:`flush` in the lazy layout."""
+        """Write the tokens' keys/values into the cache (kept until :meth:`flush` in the lazy layout)."""
         if self.dense and self.lazy:
             self.pending[id(kv[0])] = (kv, k, v)
             return
@@ -105,8 +102,7 @@ class Attn:
         self.pending.clear()
 
     def attend(self, q: Tensor, kv: KVSlab) -> Tensor:
-        """Causal attention of the tokens' queries over their rows' cached keys/values -> (N, H * hd); q is
-        (B, H, W, hd) in the dense layout, else (N, H, hd)."""
+        """Causal attention of the tokens' queries over their rows' cached keys/values -> (N, H * hd)."""
         if self.dense:
             t0, t1 = self.t0, self.t1
             batch, heads, _, hd = q.shape
@@ -134,8 +130,7 @@ class Attn:
         return y.transpose(1, 2).reshape(-1, heads * hd).index_select(0, self.q_index)
 
     def project(self, block: Block, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v of the flat tokens ``x`` (N, d) outside the dense layout, in the layout :meth:`write` and
-        :meth:`attend` take: each (N, H, hd) here."""
+        """q, k, v (N, H, hd) of the flat tokens ``x`` (N, d) outside the dense layout."""
         q, k, v = (t[0].transpose(0, 1) for t in block.qkv(x[None], self.cos, self.sin))
         return q, k, v
 
@@ -147,10 +142,8 @@ class Attn:
 
 def block_step(block: Block, x: Tensor, toks: Tokens | Attn, kv: KVSlab, cos: Tensor, sin: Tensor,
                query: Tensor | None = None, *, work: Work | None = None) -> Tensor:
-    """One block on the flat tokens ``x`` (N, d) at ``toks`` (or their :class:`Attn` layout): ``Block.qkv`` and
-    ``Block.finish`` around attention over the cache ``kv`` (what the layout's ``write``/``attend`` take), into which
-    the tokens' keys/values are written first.
-    Only the ``query`` (N,) bool tokens get attention and MLP -> (N', d). ``cos``/``sin``: the full RoPE tables."""
+    """One block on the flat tokens ``x`` (N, d) at ``toks`` (or their :class:`Attn` layout) over the cache ``kv``,
+    into which their keys/values are written first; only the ``query`` (N,) bool tokens get attention and MLP."""
     attn = toks if isinstance(toks, Attn) else Attn(toks, kv[0].shape[0], kv[0].shape[2], kv[0].shape[1], (cos, sin))
     n = x.shape[0]
     if attn.dense:  # the layout of Block.forward: q, k, v (B, H, W, hd)
@@ -176,8 +169,8 @@ def block_step(block: Block, x: Tensor, toks: Tokens | Attn, kv: KVSlab, cos: Te
 
 def coda(model: DepthRecurrentLM, x: Tensor, attn: Attn, coda_kv: list[KVSlab], query: Tensor | None = None, *,
          work: Work | None = None) -> Tensor:
-    """The coda blocks on the flat states ``x`` (N, d) laid out by ``attn``: every token writes its coda
-    keys/values; only the ``query`` tokens (default all) run the last block's attention and MLP -> (N', d)."""
+    """The coda blocks on the flat states ``x`` (N, d): every token writes its keys/values, only the ``query`` tokens
+    (default all) run the last block's attention and MLP."""
     last = len(model.coda) - 1
     cos, sin = model.rope_cos, model.rope_sin
     for j, (block, kv) in enumerate(zip(model.coda, coda_kv, strict=True)):
@@ -188,8 +181,7 @@ def coda(model: DepthRecurrentLM, x: Tensor, attn: Attn, coda_kv: list[KVSlab], 
 
 
 def empty_caches(model: DepthRecurrentLM, n_blocks: int, shape: tuple[int, ...], like: Tensor) -> list[KVSlab]:
-    """Zeroed (K, V) caches per block, each ``(*lead, B, H, T, hd)`` for ``shape = (*lead, B, T)`` (zeros, so
-    that masked-out keys never hold NaN)."""
+    """Zeroed (K, V) caches per block, each ``(*lead, B, H, T, hd)`` for ``shape = (*lead, B, T)``."""
     *lead, B, T = shape
     size = (*lead, B, model.cfg.n_heads, T, model.cfg.head_dim)
     return [(like.new_zeros(size), like.new_zeros(size)) for _ in range(n_blocks)]
@@ -197,10 +189,9 @@ def empty_caches(model: DepthRecurrentLM, n_blocks: int, shape: tuple[int, ...],
 
 @dataclass
 class LoopCaches:
-    """Key/value caches of :func:`~drc_core.halting.skipping.run_loops`, block j's (K, V) in ``core[j]``/``coda[j]``:
-    one slab (B, H, T, hd) holding every token's last keys/values, or (``per_loop``, for generation) one per loop
-    (L, B, H, T, hd), slab l-1 holding every token's loop-min(l, e) keys/values (an exit at loop e copies its
-    loop-e keys/values into slabs e+1..L)."""
+    """Key/value caches of :func:`~drc_core.halting.skipping.run_loops` per block: one slab (B, H, T, hd) of every
+    token's last keys/values, or (``per_loop``, for generation) (L, B, H, T, hd), slab l-1 holding every token's
+    loop-min(l, e) keys/values."""
 
     core: list[KVSlab]
     coda: list[KVSlab]
@@ -208,7 +199,7 @@ class LoopCaches:
     _views: list[tuple[list[KVSlab], list[KVSlab]]] | None = field(default=None, repr=False)
 
     def slabs(self, loop: int) -> tuple[list[KVSlab], list[KVSlab]]:
-        """The core and coda slabs that loop ``loop`` reads and writes (per-loop views made once, not per step)."""
+        """The core and coda slabs that loop ``loop`` reads and writes."""
         if not self.per_loop:
             return self.core, self.coda
         if self._views is None:

@@ -1,6 +1,5 @@
-"""The rule's statistics on the skipping paths: for the active tokens only (a compact (N,) layout), only the
-fields the rule reads (:func:`stat_fields`), against the previous loop kept per token (:class:`Tracker`). The
-statistics are defined by :class:`~drc_core.analysis.loops.LoopStats`."""
+"""The rule's statistics (:class:`~drc_core.analysis.loops.LoopStats`) on the skipping paths: for the active
+tokens only, only the fields the rule reads (:func:`stat_fields`), against the previous loop (:class:`Tracker`)."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ CHUNK = 128  # rows of the fused head + statistics pass (128 x 4096 floats = 2 M
 
 
 def _needs(name: str) -> set[str]:
-    """What statistic ``name`` needs computed on the compact layout: its ``needs`` without the state (always
-    there); a built-in reads the logits (no log-probs), a registered output statistic this loop's log-probs."""
+    """What statistic ``name`` needs computed on the compact layout (a built-in reads the logits, no log-probs)."""
     stat = STATISTICS.get(name)
     if stat is None:
         return set()
@@ -47,8 +45,7 @@ def _needs(name: str) -> set[str]:
 
 
 def stat_fields(rule: HaltingRule) -> frozenset[str]:
-    """The statistics the skipping paths compute for ``rule``: what it reads and, transitively, what those need
-    (every statistic where it reads None)."""
+    """The statistics the skipping paths compute for ``rule``: what it reads and, transitively, what those need."""
     if rule.reads is None:
         return frozenset(STATISTICS)
     unknown = sorted(set(rule.reads) - set(STATISTICS))
@@ -72,8 +69,7 @@ def _stats_first(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _stats_kl(z: Tensor, zp: Tensor, index: Tensor, lse_prev: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(lse, top_prob, entropy, KL(p || p_prev)) of logits z (N, V) against the previous loop's logits ``zp[index]``
-    and normaliser ``lse_prev`` (N,)."""
+    """:func:`_stats_first` and KL(p || p_prev) against the previous loop's logits ``zp[index]`` and ``lse_prev``."""
     m = z.amax(-1, keepdim=True)
     e = torch.exp(z - m)
     s = e.sum(-1, keepdim=True)
@@ -102,8 +98,7 @@ FUSED_MIN_ROWS = 16  # fewer active tokens take the eager path
 
 def fused_stats_kernel(kind: str = "kl") -> Callable[..., Any]:
     """:func:`_stats_kl` ("kl"), :func:`_stats_first` ("first") or :func:`_stats_minp` ("minp") compiled with
-    dynamic shapes, once per process (~20 s on a CPU; inductor caches it on disk). Used only from
-    :data:`FUSED_MIN_ROWS` rows on (no size-1 specialisation), so each compiles once per grad / autocast mode."""
+    dynamic shapes, once per process (~20 s on a CPU); used from :data:`FUSED_MIN_ROWS` rows on."""
     if kind not in _COMPILED:
         fn = {"kl": _stats_kl, "first": _stats_first, "minp": _stats_minp}[kind]
         _COMPILED[kind] = torch.compile(fn, dynamic=True)
@@ -111,9 +106,8 @@ def fused_stats_kernel(kind: str = "kl") -> Callable[..., Any]:
 
 
 class Tracker:
-    """Compact statistics (active tokens only) of one loop against the previous, only the fields in ``need``. The
-    logits z (N, V) go into one of two preallocated buffers that alternate (this loop's, the previous loop's,
-    read through an index: no copy); per-token values of the previous loop are kept compact (:meth:`keep`)."""
+    """Compact statistics (active tokens only) of one loop against the previous, only the fields in ``need``; the
+    logits (N, V) alternate between two preallocated buffers, the previous loop's read through an index."""
 
     def __init__(self, need: frozenset[str], n: int, vocab: int, like: Tensor, readout: bool,
                  fused: bool = False) -> None:
@@ -138,10 +132,8 @@ class Tracker:
 
     def readout(self, model: DepthRecurrentLM, y: Tensor, loop: int) -> dict[str, Tensor]:
         """Head + statistics of the coda outputs ``y`` (N, d): fills :meth:`logits_buffer` and returns the output
-        fields in ``need``. The softmax-based ones come from one pass over the logits in L2-sized row chunks of
-        :data:`CHUNK` (``lse = max - log p_max``, entropy ``lse - sum p z``, ``KL(p_l || p_{l-1}) = sum p (z_l -
-        z_{l-1}) - lse_l + lse_{l-1}``, no (N, V) temporary) or, with ``fused``, from one compiled kernel; only
-        the min-p KL and registered output statistics materialise log-probs."""
+        fields in ``need``, the softmax-based ones from one pass over L2-sized row chunks (``KL(p_l || p_{l-1}) =
+        sum p (z_l - z_{l-1}) - lse_l + lse_{l-1}``, no (N, V) temporary) or one compiled kernel (``fused``)."""
         n, need, first = y.shape[0], self.need, self.loop == 0
         z, idx = self.logits_buffer(n), self.prev_index
         zp = None if first else self.bufs[1 - self.cur] if idx is not None else self.bufs[1 - self.cur][:n]
@@ -182,18 +174,12 @@ class Tracker:
                 zpc = zp[i:j] if idx is None else zp.index_select(0, idx[i:j])
                 scratch = torch.sub(zc, zpc, out=scratch[: j - i] if scratch is not None else None)
                 out["kl"][i:j] = _vecdot(p, scratch) - (lse - self.prev["lse"][i:j])
-        res: dict[str, Tensor] = {}
+        res = {k: v for k, v in out.items() if k == "lse" or k in need}  # the softmax-based fields
         inf = torch.full((n,), math.inf, device=y.device)
-        if want_p:
-            res["lse"] = out["lse"]
-            if "kl" in need:
-                res["kl"] = inf if first else out["kl"]
-            if "top_prob" in need:
-                res["top_prob"] = out["top_prob"]
-            if "entropy" in need:
-                res["entropy"] = out["entropy"]
-                if "entropy_delta" in need:
-                    res["entropy_delta"] = inf if first else (out["entropy"] - self.prev["entropy"]).abs()
+        if want_p and "kl" in need:
+            res["kl"] = inf if first else out["kl"]
+        if want_p and {"entropy", "entropy_delta"} <= need:
+            res["entropy_delta"] = inf if first else (out["entropy"] - self.prev["entropy"]).abs()
         if arg is not None:
             res["argmax"] = arg
             if "argmax_run" in need:
@@ -255,15 +241,14 @@ class Tracker:
 
 
 def compact_stats(loop: int, x: Tensor, res: dict[str, Tensor]) -> LoopStats:
-    """The (1, N) :class:`LoopStats` of the computed fields ``res``; the others are placeholders
-    (:func:`~drc_core.analysis.loops.with_placeholders`) that a rule declaring its ``reads`` never looks at."""
+    """The (1, N) :class:`LoopStats` of the computed fields ``res``, the others placeholders."""
     return LoopStats.of(loop, x[None], with_placeholders({k: v[None] for k, v in res.items()}, (1, x.shape[0]),
                                                         x.device))
 
 
 class FullLayout:
-    """For a rule with ``reads=None``: every statistic scattered into (B, W) buffers, so a halted token keeps its
-    exit-loop values (its decisions are ignored anyway); ``state`` is the (B, W, d) state, halted tokens frozen."""
+    """For a rule with ``reads=None``: every statistic scattered into (B, W) buffers (a halted token keeps its
+    exit-loop values)."""
 
     def __init__(self, shape: tuple[int, int], vocab: int, like: Tensor) -> None:
         dev = like.device

@@ -26,8 +26,7 @@ __all__ = ["AdaptiveResult", "OracleResult", "first_within", "halt_fn", "masked_
 
 def halt_fn(rule: HaltingRule, readout: str = "log_probs") -> HaltFn:
     """A fresh ``halt`` callable applying ``rule`` for one ``iterate(model, ..., readout=readout, halt=...)`` call
-    (it keeps the previous loop's stats); ``readout`` is iterate's ("logits" or "log_probs"), every position read
-    out."""
+    (``readout`` "logits" or "log_probs", every position read out)."""
     if not isinstance(rule, HaltingRule):
         raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
     if readout not in ("logits", "log_probs"):
@@ -49,9 +48,8 @@ def halt_fn(rule: HaltingRule, readout: str = "log_probs") -> HaltFn:
 
 @dataclass
 class AdaptiveResult:
-    """What :func:`masked_forward` returns: ``exit_loop`` (B, T) long; ``logits`` (B, T, V) at each token's exit
-    loop (model dtype); ``avg_depth``, the mean exit loop; ``state`` (B, T, d), the final latent state (a halted
-    token's from its exit loop); ``rule``: ``str(rule)``."""
+    """What :func:`masked_forward` returns: ``exit_loop`` (B, T), ``logits`` (B, T, V) at each token's exit loop,
+    their mean ``avg_depth``, the final ``state`` (B, T, d) (a halted token's from its exit loop), ``str(rule)``."""
 
     exit_loop: Tensor
     logits: Tensor
@@ -67,15 +65,10 @@ class AdaptiveResult:
 @torch.no_grad()
 def masked_forward(model: RecurrentModel, idx: Tensor, rule: HaltingRule, *, generator: torch.Generator | None = None,
                    state: Tensor | None = None) -> AdaptiveResult:
-    """Run ``model`` on ``idx`` (B, T) with per-token halting by ``rule``, up to ``rule.max_loops`` loops.
-
-    After loop l the rule sees loop l's stats (log-probs ``log_softmax(logits.float())``); a token that halts at
-    loop e keeps s_e and at every later loop offers, in every core and coda block, its loop-e keys/values, so a
-    token active at loop l attends to each earlier token's loop-min(l, e) keys/values; its logits are its readout
-    at loop e. Every token is computed (the halted ones' results discarded);
-    :func:`~drc_core.halting.skipping.skip_forward` computes only the active ones. From the same ``generator``
-    state (or ``state`` s_0), ``Never(max_loops=r)`` and ``Uniform(r)`` give ``forward(idx, r)``. Runs under
-    no_grad."""
+    """Run ``model`` on ``idx`` (B, T) with per-token halting by ``rule``, up to ``rule.max_loops`` loops: a token
+    that halts at loop e keeps s_e and offers its loop-e keys/values in every core and coda block from then on, its
+    logits its readout at loop e. Every token is computed (the halted ones' results discarded); ``Uniform(r)``
+    gives ``forward(idx, r)`` from the same ``generator`` state (or ``state`` s_0)."""
     halt = halt_fn(rule, "logits")
     logits: Tensor | None = None
     last: LoopOutput | None = None
@@ -90,10 +83,8 @@ def masked_forward(model: RecurrentModel, idx: Tensor, rule: HaltingRule, *, gen
 
 
 def offline_exits(stats: Iterable[LoopStats], rules: Sequence[HaltingRule]) -> list[Tensor]:
-    """Each rule's per-token exit loop (B, T) long, the first loop where ``rule.decide`` is True, on the stats of
-    loops 1, 2, ... of a run without halting (e.g. :func:`~drc_core.analysis.loops.iterate_stats`, reaching every
-    rule's ``max_loops`` unless every token halts earlier): the decisions when halting changes no other token,
-    equal to :func:`masked_forward` for a token whose earlier tokens run at least as long as it does."""
+    """Each rule's per-token exit loop (B, T), its first loop deciding True, replayed on the stats of loops 1, 2, ...
+    of a run without halting: equal to :func:`masked_forward` for a token whose earlier tokens run as long."""
     rules = list(rules)
     for rule in rules:
         if not isinstance(rule, HaltingRule):
@@ -119,9 +110,8 @@ def offline_exits(stats: Iterable[LoopStats], rules: Sequence[HaltingRule]) -> l
 
 
 def measured_exits(m: Measurement, rules: Sequence[HaltingRule]) -> list[np.ndarray]:
-    """Each rule's exit loop per token of a stored measurement (``len(m)``,): :func:`offline_exits` on the
-    statistics ``m`` holds (a value undefined at loop 1 is NaN there, which never halts). Every rule must declare
-    what it reads (:attr:`HaltingRule.reads`), all of it among ``m.stats``, and stop by ``m.max_loops``."""
+    """Each rule's exit loop per token of a stored measurement: :func:`offline_exits` on its statistics, which must
+    hold everything the rules declare they read (NaN at loop 1 never halts)."""
     rules = list(rules)
     for rule in rules:
         missing = None if rule.reads is None else sorted(set(rule.reads) - set(m.stats))
@@ -144,9 +134,8 @@ def measured_exits(m: Measurement, rules: Sequence[HaltingRule]) -> list[np.ndar
 
 @dataclass
 class OracleResult:
-    """What :func:`oracle_exit` returns: ``exit_loop`` (B, T) long and ``avg_depth`` its mean; ``reached`` (B, T)
-    bool, whether the token came within ``eps`` of the reference (else it exits at the last loop considered,
-    ``reference_loop``); ``eps``."""
+    """What :func:`oracle_exit` returns: ``exit_loop`` (B, T), its mean ``avg_depth``, ``reached`` (B, T): whether the
+    token came within ``eps`` of the reference (else it exits at ``reference_loop``)."""
 
     exit_loop: Tensor
     avg_depth: float
@@ -161,9 +150,7 @@ class OracleResult:
 
 
 def first_within(kl_to_reference: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """The oracle's exits from ``kl_to_reference`` (L, B, T), KL(p_ref || p_l) for loops 1..L: ``exit_loop``
-    (B, T) long, the first loop with KL <= ``eps`` or L where there is none, and ``reached`` (B, T) bool, whether
-    any loop came within ``eps``."""
+    """The oracle's exits from KL(p_ref || p_l) (L, B, T): the first loop with KL <= ``eps`` (else L), ``reached``."""
     ok = kl_to_reference <= eps
     reached = ok.any(dim=0)
     exit_loop = torch.where(reached, ok.float().argmax(dim=0) + 1, kl_to_reference.shape[0])
@@ -173,13 +160,10 @@ def first_within(kl_to_reference: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 @torch.no_grad()
 def oracle_exit(log_probs_per_loop: Tensor | Iterable[Tensor], reference_loop: int | None, eps: float, *,
                 reference: Tensor | None = None, min_loops: int = 1) -> OracleResult:
-    """The offline oracle: each token's earliest loop l with ``KL(p_ref || p_l) = sum_v p_ref(v) (log p_ref(v) -
-    log p_l(v)) <= eps``, raised to ``min_loops``; tokens never within ``eps`` exit at the last loop considered.
-
-    ``log_probs_per_loop``: the uniform-depth log-probs of loops 1, 2, ..., stacked (L, B, T, V) or an iterable
-    of (B, T, V) consumed one at a time. ``reference_loop``: the last loop considered (None: all given);
-    ``reference``: the reference log-probs (B, T, V), by default (stacked input only) loop ``reference_loop``'s.
-    A lower bound on the average depth of any rule whose tokens end within ``eps`` of the reference."""
+    """The offline oracle: each token's earliest loop with ``KL(p_ref || p_l) <= eps`` (raised to ``min_loops``; else
+    the last loop considered), from the log-probs of loops 1, 2, ... stacked (L, B, T, V) or as an iterable of
+    (B, T, V). ``reference_loop``: the last loop considered (None: all); ``reference``: the reference log-probs
+    (default, stacked input only: loop ``reference_loop``'s)."""
     eps = need_float("eps", eps, 0.0, math.inf, owner="oracle_exit")
     need_int("min_loops", min_loops, 1, "oracle_exit")
     if reference_loop is not None:

@@ -1,14 +1,7 @@
-"""Learned halting routers, the trained baseline the paper compares the training-free KL rule with: the routers,
-their training, metrics, rule and files (the features, harvested examples and window split are
-:mod:`~drc_core.halting.router_data`'s, re-exported here).
-
-:func:`split_windows` splits the validation windows; :func:`harvest` records, per token and loop of a uniform run,
-the features a router can see at that loop (:class:`FeatureSpec`, by default the state s_l, the same
-:func:`router_features` at training and deployment) and the convergence label ``l >= D``, D the smallest l with
-``KL(p_{l'} || p_{l'-1}) < eps`` for every l' in l+1..L (as :func:`~drc_core.analysis.measure.convergence_depth`);
-:func:`train_router` fits a :class:`LinearRouter` or :class:`MLPRouter`; :class:`RouterRule` halts when the
-router's probability >= ``tau``, evaluated like every other rule.
-"""
+"""Learned halting routers, the trained baseline the paper compares the KL rule with: :func:`train_router` fits a
+:class:`LinearRouter` or :class:`MLPRouter` on :func:`harvest`'s features and convergence labels (``l >= D``, D the
+convergence depth; :mod:`~drc_core.halting.router_data`, re-exported here); :class:`RouterRule` halts when the
+router's probability >= ``tau``, evaluated like every other rule."""
 
 from __future__ import annotations
 
@@ -23,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from scipy.stats import rankdata
 from torch import Tensor, nn
 
 from drc_core.analysis.loops import LoopStats
@@ -42,8 +36,8 @@ ROUTER_WEIGHTS_FILE = "router.safetensors"
 
 
 class Router(nn.Module):
-    """Base class: standardises its input ``(x - mean) / std`` and maps it to one logit per row; ``spec`` (the
-    :class:`FeatureSpec` it reads) and ``info`` (e.g. the labels' ``eps``) are set by :func:`train_router`."""
+    """Base class: one logit per row of the standardised input ``(x - mean) / std``; ``spec`` (the
+    :class:`FeatureSpec` it reads) and ``info`` are set by :func:`train_router`."""
 
     kind = "router"
     title = "router"  # the family in words (family_title)
@@ -109,9 +103,7 @@ _KINDS: dict[str, type[Router]] = {cls.kind: cls for cls in (LinearRouter, MLPRo
 
 
 def family_title(family: str) -> str:
-    """A family of the sweeps in words: a rule's :attr:`~drc_core.halting.rules.HaltingRule.title` ("state change"
-    for ``state_delta``), a learned router's (``router_mlp``: "MLP router"), else the family with its underscores
-    read as spaces."""
+    """A family of the sweeps in words: a rule's or router's ``title``, else the family with "_" read as " "."""
     kind = family.removeprefix("router_")
     if family.startswith("router_") and kind in _KINDS:
         return _KINDS[kind].title
@@ -121,8 +113,7 @@ def family_title(family: str) -> str:
 
 @dataclass
 class TrainLog:
-    """What :func:`train_router` returns: per-epoch mean training and validation loss (class-weighted BCE; NaN
-    without a validation part), the epoch whose weights were kept (1-based), and sizes."""
+    """What :func:`train_router` returns: per-epoch training and validation loss, the epoch kept (1-based), sizes."""
 
     train_loss: list[float] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
@@ -144,31 +135,18 @@ def _val_rows(data: RouterData, val_fraction: float, gen: np.random.Generator) -
         return np.zeros(len(data), dtype=bool)
     win = data.window.numpy()
     uniq = np.unique(win)
-    if len(uniq) >= 2:
-        n_val = min(max(round(val_fraction * len(uniq)), 1), len(uniq) - 1)
-        return np.isin(win, gen.permutation(uniq)[:n_val])
-    n_val = min(max(round(val_fraction * len(data)), 1), len(data) - 1)
-    mask = np.zeros(len(data), dtype=bool)
-    mask[gen.permutation(len(data))[:n_val]] = True
-    return mask
-
-
-def _reset(router: Router, seed: int) -> None:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for m in router.modules():
-            if isinstance(m, nn.Linear):
-                m.reset_parameters()
+    if len(uniq) < 2:  # one window: hold out single rows
+        win = uniq = np.arange(len(data))
+    n_val = min(max(round(val_fraction * len(uniq)), 1), len(uniq) - 1)
+    return np.isin(win, gen.permutation(uniq)[:n_val])
 
 
 def train_router(router: Router, data: RouterData, *, epochs: int = 50, lr: float = 1e-2, weight_decay: float = 0.0,
                  batch_size: int = 1024, seed: int = 0, val_fraction: float = 0.2, patience: int = 5) -> TrainLog:
-    """Fit ``router`` in place on ``data`` (AdamW; BCE with ``pos_weight = n_negative / n_positive``) and return
-    the :class:`TrainLog`. ``seed`` re-initialises the router and draws the validation part and the minibatch
-    order (the global RNG is untouched). ``val_fraction`` of the windows (rows, with one window) are held out:
-    training stops after ``patience`` epochs without a lower validation loss, keeping the best epoch's weights
-    (``val_fraction=0``: all epochs, the last weights). The features are standardised with the training part's
-    mean and std (floored at 1e-6), stored in the router with ``data.spec``."""
+    """Fit ``router`` in place on ``data`` (AdamW, BCE with ``pos_weight = n_negative / n_positive``, features
+    standardised on the training part). ``seed`` re-initialises the router and draws the validation part (of the
+    windows) and the batch order; training stops after ``patience`` epochs without a lower validation loss,
+    keeping the best epoch's weights (``val_fraction=0``: all epochs, the last weights)."""
     owner = "train_router"
     if not isinstance(router, Router):
         raise DrcError(f"{owner}: router={router!r} is not a Router; pass LinearRouter(d) or MLPRouter(d)")
@@ -195,7 +173,11 @@ def train_router(router: Router, data: RouterData, *, epochs: int = 50, lr: floa
         which = "converged" if n_neg == 0 else "not converged"
         raise DrcError(f"{owner}: every training label is {which!r}; use another eps or more loops so both classes "
                        "occur")
-    _reset(router, seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in router.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
     device = router.mean.device
     with torch.no_grad():
         router.mean.copy_(x_tr.mean(0))
@@ -248,22 +230,14 @@ def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
     n_neg = len(labels) - n_pos
     if n_pos == 0 or n_neg == 0:
         return math.nan
-    order = np.argsort(scores, kind="stable")
-    s = scores[order]
-    ranks = np.empty(len(s), dtype=float)
-    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
-    ends = np.r_[starts[1:], len(s)]
-    avg = (starts + ends + 1) / 2.0  # ranks are 1-based: the group covers ranks starts+1..ends
-    ranks[order] = np.repeat(avg, ends - starts)
+    ranks = rankdata(scores)
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
 @torch.no_grad()
 def router_metrics(router: Router, data: RouterData, tau: float = 0.5) -> dict[str, float]:
-    """Classification quality of ``router`` on ``data`` at threshold ``tau``: ``n``, ``positive_rate``,
-    ``predicted_positive_rate``, ``accuracy``, ``balanced_accuracy`` (mean of the true-positive and true-negative
-    rates), ``auc`` (both NaN with one class), and the baselines ``majority_accuracy``,
-    ``chance_balanced_accuracy`` = ``chance_auc`` = 0.5."""
+    """Classification quality of ``router`` on ``data`` at threshold ``tau`` (accuracy, balanced accuracy, AUC) and
+    the baselines ``majority_accuracy``, ``chance_balanced_accuracy`` = ``chance_auc`` = 0.5."""
     if not isinstance(data, RouterData) or len(data) == 0:
         raise DrcError("router_metrics: data is empty; pass harvested rows (harvest(model, windows, ...))")
     tau = need_float("tau", tau, 0.0, 1.0, lo_open=True, hi_open=True, owner="router_metrics")
@@ -293,8 +267,8 @@ def router_metrics(router: Router, data: RouterData, tau: float = 0.5) -> dict[s
 
 @dataclass(eq=False)
 class RouterRule(HaltingRule):
-    """Halt once the router's P(converged) >= ``tau`` (``tau`` in (0, 1)) on :func:`router_features` of the loop
-    with the router's ``spec``; tested on the logit, ``logit >= log(tau / (1 - tau))``, which does not saturate."""
+    """Halt once the router's P(converged) >= ``tau`` in (0, 1) on the loop's :func:`router_features` (tested on
+    the logit, ``logit >= log(tau / (1 - tau))``, which does not saturate)."""
 
     router: Router
     tau: float = 0.5
@@ -364,10 +338,8 @@ ROUTER_TAUS = (0.3, 0.5, 0.7, 0.9, 0.97, 0.99)
 def trained_router_specs(model: RecurrentModel, windows: Tensor, max_loops: int, eps: float = DEFAULT_EPS, *,
                          positions: int | None = 64, seed: int = 0,
                          taus: Sequence[float] = ROUTER_TAUS) -> tuple[list, dict[str, dict[str, float]]]:
-    """The book's two learned routers trained on ``windows`` (labels: converged by loop l at ``eps``): ``linear`` on
-    the latent state (the paper's), ``mlp`` (64 hidden) on the state, the loop one-hot and the readout statistics.
-    Returns their sweep points (families ``router_linear``, ``router_mlp``, one per ``tau``) and each one's
-    :func:`router_metrics` with ``rows`` and ``positive_rate``."""
+    """The book's two routers trained on ``windows``: ``linear`` on the state (the paper's), ``mlp`` (64 hidden) on
+    the state, loop one-hot and readout statistics; their sweep points (one per ``tau``) and metrics."""
     specs, metrics = [], {}
     kinds = [("linear", lambda d: LinearRouter(d), FeatureSpec(max_loops=max_loops)),
              ("mlp", lambda d: MLPRouter(d, hidden=64), FeatureSpec(loop="onehot", readout_stats=True,

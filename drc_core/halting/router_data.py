@@ -1,8 +1,6 @@
 """What a learned halting router learns from: its features (:class:`FeatureSpec`, :func:`router_features`, the same
-numbers in training and deployment), the per-token, per-loop examples and convergence labels harvested from a
-uniform-depth run (:func:`harvest`, :class:`RouterData`) and the split of the windows into a router-training and
-a held-out part (:func:`split_windows`). The routers, their training and their rule are
-:mod:`drc_core.halting.router`, whose docstring defines the label and the features."""
+in training and deployment), the per-token, per-loop examples and convergence labels of a uniform-depth run
+(:func:`harvest`, :class:`RouterData`) and the split of the windows (:func:`split_windows`)."""
 
 from __future__ import annotations
 
@@ -29,21 +27,10 @@ _N_READOUT_STATS = len(_READOUT_STATS)
 _LOG_CLAMP = (-12.0, 4.0)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Validation
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Features
-
-
 @dataclass(frozen=True)
 class FeatureSpec:
-    """Which features a router reads at loop l (see the module docstring).
-
-    ``state``: the latent state s_l; ``loop``: "none", "scalar" (l as a number) or "onehot" (over
-    1..``max_loops``); ``readout_stats``: entropy, top probability, log10 KL, log10 state change, cosine.
-    """
+    """Which features a router reads at loop l: ``state`` s_l; ``loop``: "none", "scalar" (l) or "onehot" (over
+    1..``max_loops``); ``readout_stats``: entropy, top probability, log10 KL, log10 state change, cosine."""
 
     state: bool = True
     loop: str = "none"
@@ -61,15 +48,13 @@ class FeatureSpec:
 
     @property
     def reads(self) -> frozenset[str]:
-        """The statistics (:data:`~drc_core.analysis.loops.STATISTICS`) these features read (the state always
-        comes with a loop's stats)."""
+        """The statistics these features read (the state always comes with a loop's stats)."""
         return _READOUT_STATS if self.readout_stats else frozenset()
 
     def dim(self, d_model: int) -> int:
         """The number of features for a model with state size ``d_model``."""
-        n = d_model if self.state else 0
-        n += {"none": 0, "scalar": 1, "onehot": self.max_loops}[self.loop]
-        return n + (_N_READOUT_STATS if self.readout_stats else 0)
+        loop = {"none": 0, "scalar": 1, "onehot": self.max_loops}[self.loop]
+        return (d_model if self.state else 0) + loop + (_N_READOUT_STATS if self.readout_stats else 0)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -81,11 +66,6 @@ class FeatureSpec:
         if unknown:
             raise DrcError(f"FeatureSpec: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")
         return cls(**data)  # type: ignore[arg-type]
-
-
-def _log10_clamped(x: Tensor) -> Tensor:
-    lo, hi = _LOG_CLAMP
-    return torch.log10(x.float().clamp_min(10.0**lo)).clamp(lo, hi)
 
 
 def router_features(stats: LoopStats, spec: FeatureSpec) -> Tensor:
@@ -101,31 +81,18 @@ def router_features(stats: LoopStats, spec: FeatureSpec) -> Tensor:
         hot[..., min(stats.loop, spec.max_loops) - 1] = 1.0
         parts.append(hot)
     if spec.readout_stats:
+        lo, hi = _LOG_CLAMP
+        logs = [torch.log10(x.float().clamp_min(10.0**lo)).clamp(lo, hi) for x in (stats.kl, stats.state_delta)]
         cos = torch.nan_to_num(stats.cosine.float(), nan=-1.0, neginf=-1.0, posinf=1.0).clamp(-1.0, 1.0)
-        extra = [
-            stats.entropy.float(),
-            stats.top_prob.float(),
-            _log10_clamped(stats.kl),
-            _log10_clamped(stats.state_delta),
-            cos,
-        ]
-        parts.append(torch.stack(extra, dim=-1))
+        parts.append(torch.stack([stats.entropy.float(), stats.top_prob.float(), *logs, cos], dim=-1))
     return torch.cat(parts, dim=-1)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Harvesting convergence labels
 
 
 @dataclass
 class RouterData:
-    """Harvested router training rows, one per (window, pos, loop), sorted by window, pos, loop.
-
-    ``features`` (M, F) float32; ``labels`` (M,) bool: converged at this loop (``loop >= depth``); ``loop``,
-    ``window`` (row index into the windows given to :func:`harvest`), ``pos`` and ``depth`` (the token's
-    convergence depth, as :func:`drc_core.analysis.measure.convergence_depth`) are (M,) long. ``eps`` and
-    ``max_loops`` define the labels; ``spec`` the features.
-    """
+    """Harvested router rows, one per (window, pos, loop) in that order: ``features`` (M, F) float32, ``labels`` (M,)
+    bool (``loop >= depth``, the token's convergence depth at ``eps``), and (M,) long ``loop``, ``window``, ``pos``,
+    ``depth``; ``spec`` the features."""
 
     features: Tensor
     labels: Tensor
@@ -151,13 +118,9 @@ class RouterData:
     def subset(self, rows: Tensor | np.ndarray) -> RouterData:
         """The rows selected by a (M,) bool mask or an index array."""
         idx = torch.as_tensor(np.asarray(rows))
-        if idx.dtype == torch.bool:
-            idx = idx.nonzero().squeeze(-1)
-        idx = idx.long()
-        return RouterData(
-            features=self.features[idx], labels=self.labels[idx], loop=self.loop[idx], window=self.window[idx],
-            pos=self.pos[idx], depth=self.depth[idx], eps=self.eps, max_loops=self.max_loops, spec=self.spec,
-        )
+        idx = (idx.nonzero().squeeze(-1) if idx.dtype == torch.bool else idx).long()
+        return RouterData(self.features[idx], self.labels[idx], self.loop[idx], self.window[idx], self.pos[idx],
+                          self.depth[idx], self.eps, self.max_loops, self.spec)
 
     def take_windows(self, windows: Sequence[int] | np.ndarray | Tensor) -> RouterData:
         """The rows of the given window ids."""
@@ -165,32 +128,14 @@ class RouterData:
         return self.subset(torch.isin(self.window, wanted))
 
 
-def harvest(
-    model: RecurrentModel,
-    windows: Tensor,
-    max_loops: int = 32,
-    eps: float = DEFAULT_EPS,
-    *,
-    seed: int = EVAL_STATE_SEED,
-    batch_size: int = 16,
-    loop_feature: str = "none",
-    readout_stats: bool = False,
-    state_feature: bool = True,
-    loops: Sequence[int] | None = None,
-    positions: int | None = None,
-    subsample_seed: int = 0,
-) -> RouterData:
-    """Router features and convergence labels of ``model`` on ``windows`` (N, T+1) (inputs ``windows[:, :-1]``).
-
-    One uniform-depth ``iterate`` pass of ``max_loops`` loops per batch; the initial state of batch k is the
-    k-th draw of a generator seeded with ``seed`` (as :func:`drc_core.analysis.measure.measure_windows`, so with the
-    same ``batch_size`` the labels equal :func:`drc_core.analysis.measure.convergence_depth` of its result). Labels:
-    see the module docstring. ``loops``: the loops to keep (default 1..max_loops-1); ``positions``: keep this
-    many positions per window, drawn without replacement from a generator seeded with
-    ``(subsample_seed, window)`` (independent of ``batch_size``; None keeps all). The number of rows is
-    N * positions * len(loops); only those rows' features are stored. Runs in eval mode under no_grad.
-    Several feature sets from the same pass: :func:`harvest_specs`.
-    """
+def harvest(model: RecurrentModel, windows: Tensor, max_loops: int = 32, eps: float = DEFAULT_EPS, *,
+            seed: int = EVAL_STATE_SEED, batch_size: int = 16, loop_feature: str = "none", readout_stats: bool = False,
+            state_feature: bool = True, loops: Sequence[int] | None = None, positions: int | None = None,
+            subsample_seed: int = 0) -> RouterData:
+    """Router features and convergence labels of ``model`` on ``windows`` (N, T+1), from one uniform pass of
+    ``max_loops`` loops per batch seeded as :func:`~drc_core.analysis.measure.measure_windows` (so the labels equal
+    its convergence depth). ``loops``: the loops kept (default 1..max_loops-1); ``positions``: this many positions
+    per window, drawn with the seed ``(subsample_seed, window)`` (None: all)."""
     spec = FeatureSpec(state=state_feature, loop=loop_feature, readout_stats=readout_stats,
                        max_loops=need_int("max_loops", max_loops, 2, "harvest"))
     (data,) = harvest_specs(model, windows, [spec], max_loops, eps, seed=seed, batch_size=batch_size, loops=loops,
@@ -199,22 +144,11 @@ def harvest(
 
 
 @torch.no_grad()
-def harvest_specs(
-    model: RecurrentModel,
-    windows: Tensor,
-    specs: Sequence[FeatureSpec],
-    max_loops: int = 32,
-    eps: float = DEFAULT_EPS,
-    *,
-    seed: int = EVAL_STATE_SEED,
-    batch_size: int = 16,
-    loops: Sequence[int] | None = None,
-    positions: int | None = None,
-    subsample_seed: int = 0,
-) -> list[RouterData]:
-    """:func:`harvest` of several feature sets (each :class:`FeatureSpec`'s ``max_loops`` = ``max_loops``) in one
-    pass: the same rows, labels and initial states as one :func:`harvest` call each, one :class:`RouterData` per
-    spec in order."""
+def harvest_specs(model: RecurrentModel, windows: Tensor, specs: Sequence[FeatureSpec], max_loops: int = 32,
+                  eps: float = DEFAULT_EPS, *, seed: int = EVAL_STATE_SEED, batch_size: int = 16,
+                  loops: Sequence[int] | None = None, positions: int | None = None,
+                  subsample_seed: int = 0) -> list[RouterData]:
+    """:func:`harvest` of several feature sets (with ``max_loops``) in one pass: one :class:`RouterData` per spec."""
     owner = "harvest"
     windows = check_token_ids(model, windows)
     max_loops = need_int("max_loops", max_loops, 2, owner)
@@ -265,22 +199,14 @@ def harvest_specs(
     pos = pos_idx.view(n, n_pos, 1).expand(n, n_pos, n_keep).reshape(-1)
     loop = torch.tensor(keep).view(1, 1, n_keep).expand(n, n_pos, n_keep).reshape(-1)
     depth = torch.cat(depths).view(n, n_pos, 1).expand(n, n_pos, n_keep).reshape(-1).long()
-    return [
-        RouterData(
-            features=torch.cat(f).reshape(-1, f[0].shape[-1]).float().contiguous(), labels=loop >= depth,
-            loop=loop.clone(), window=window.clone(), pos=pos.clone(), depth=depth.clone(), eps=eps,
-            max_loops=max_loops, spec=sp,
-        )
-        for sp, f in zip(specs, feats, strict=True)
-    ]
+    return [RouterData(torch.cat(f).reshape(-1, f[0].shape[-1]).float().contiguous(), loop >= depth, loop.clone(),
+                       window.clone(), pos.clone(), depth.clone(), eps, max_loops, sp)
+            for sp, f in zip(specs, feats, strict=True)]
 
 
 def split_windows(n_windows: int, train_fraction: float = 0.5, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint sorted index arrays ``(train, held_out)`` covering 0..n_windows-1, both non-empty.
-
-    ``round(train_fraction * n_windows)`` windows (clamped to 1..n_windows-1) go to the router's training
-    part, drawn by a permutation seeded with ``seed``.
-    """
+    """Disjoint sorted index arrays ``(train, held_out)`` covering 0..n_windows-1, both non-empty, the first of
+    ``round(train_fraction * n_windows)`` windows drawn by a permutation seeded with ``seed``."""
     n_windows = need_int("n_windows", n_windows, 2, "split_windows")
     train_fraction = need_float("train_fraction", train_fraction, 0.0, 1.0, lo_open=True, hi_open=True,
                                 owner="split_windows")

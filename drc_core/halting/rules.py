@@ -1,16 +1,8 @@
 """Per-token halting rules: after loop l, :meth:`HaltingRule.decide` maps the loop's per-token statistics
-(:class:`LoopStats`, from loops l and l-1 only) to the (B, T) tokens that halt now.
-
-Rules: :class:`KLThreshold` (the paper's training-free rule), :class:`StateDelta`, :class:`EntropyDelta`,
-:class:`Cosine`, :class:`ArgmaxPatience`, :class:`SoftmaxConfidence`, :class:`MinPKL`, :class:`Acceleration`,
-:class:`Uniform`, :class:`Never`, and :class:`Oracle` (precomputed exits: an offline lower bound, not deployable).
-A rule class declares its short name (``family``) and default sweep grid (``grid``) in its body, and defining it
-registers it: :data:`RULE_FAMILIES`, :func:`make_rule`, the sweeps' families and ``drc_core``'s exports read the
-registry (:func:`unregister_rule` takes a class back).
-
-The successive KL at loop l is ``KL(p_l || p_{l-1})``. A token's depth is its exit loop (1-based); the average
-depth, the mean exit loop over all tokens, is the FLOP proxy (prelude and coda run once).
-"""
+(:class:`LoopStats`, from loops l and l-1 only) to the (B, T) tokens that halt now. A rule class declares its short
+name (``family``) and default sweep grid (``grid``) in its body, and defining it registers it: :data:`RULE_FAMILIES`,
+:func:`make_rule`, the sweeps' families and ``drc_core``'s exports read the registry. A token's depth is its exit
+loop (1-based); the average depth, the mean exit loop, is the FLOP proxy."""
 
 from __future__ import annotations
 
@@ -36,21 +28,17 @@ HALF_DECADES = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)  # the gri
 
 def _register(cls: type[HaltingRule]) -> None:
     """Enter ``cls`` under ``cls.family`` (a class defined again by the same module and name replaces itself)."""
-    family, grid = cls.family, cls.grid
+    family, grid, name = cls.family, cls.grid, (cls.__module__, cls.__qualname__)
     if not isinstance(family, str) or not family.isidentifier() or family != family.lower():
         raise DrcError(f"{cls.__name__}.family={family!r} is invalid; use a short lower-case name like 'kl'")
     if not isinstance(grid, tuple) or not all(isinstance(p, int | float) and not isinstance(p, bool) for p in grid):
         raise DrcError(f"{cls.__name__}.grid={grid!r} is invalid; use a tuple of thresholds (or () for none)")
-
-    def same(other: type) -> bool:
-        return (other.__module__, other.__qualname__) == (cls.__module__, cls.__qualname__)
-
     for other in _REGISTRY.values():
         taken = "family" if other.family == family else "class name" if other.__name__ == cls.__name__ else ""
-        if taken and not same(other):
+        if taken and (other.__module__, other.__qualname__) != name:
             raise DrcError(f"{cls.__name__}: the {taken} of {other.__module__}.{other.__qualname__} "
                            f"(family {other.family!r}) is taken; pick another, or unregister_rule({other.family!r})")
-    _REGISTRY.pop(next((f for f, c in _REGISTRY.items() if same(c)), ""), None)
+    _REGISTRY.pop(next((f for f, c in _REGISTRY.items() if (c.__module__, c.__qualname__) == name), ""), None)
     _REGISTRY[family] = cls
     _sync()
 
@@ -70,24 +58,18 @@ def unregister_rule(family: str) -> type[HaltingRule]:
 
 
 def rule_classes() -> dict[str, type[HaltingRule]]:
-    """Every registered rule class (:data:`RULE_FAMILIES` and :class:`Oracle`) by class name, in definition order:
-    the rule classes that ``drc_core`` exports."""
+    """Every registered rule class (:data:`RULE_FAMILIES` and :class:`Oracle`) by class name, in definition order."""
     return {cls.__name__: cls for cls in _REGISTRY.values()}
 
 
 @dataclass(kw_only=True)
 class HaltingRule:
-    """A per-token halting rule; ``decide(stats)`` -> (B, T) bool of the tokens that halt at ``stats.loop``.
-
-    :meth:`decide` forces False before ``min_loops`` and True from ``max_loops`` on, and applies :meth:`criterion`
-    (all a subclass implements) in between; the caller keeps each token's first True loop. :attr:`reads` names the
-    :class:`LoopStats` fields the criterion reads, for a rule whose decision for a token depends only on that
-    token's statistics: the skipping paths then compute only those, for the active tokens, in a (1, N) layout;
-    None (a router, a rule of your own) means any field in the (B, T) layout. :attr:`needs_log_probs` (derived
-    from it) says whether the rule reads a statistic of the loop's readout. Registry class attributes:
-    :attr:`family` (setting it registers the class), :attr:`grid` (the default sweep grid of the first
-    argument), :attr:`title` (the family in words), :attr:`deployable` (False: :func:`make_rule` cannot build it).
-    """
+    """A per-token halting rule; ``decide(stats)`` -> (B, T) bool of the tokens that halt at ``stats.loop``: False
+    before ``min_loops``, True from ``max_loops`` on, :meth:`criterion` (all a subclass implements) in between.
+    :attr:`reads` names the :class:`LoopStats` fields the criterion reads, for a rule that decides each token on its
+    own statistics (the skipping paths then compute only those, in a (1, N) layout); None means any field in the
+    (B, T) layout. Registry class attributes: :attr:`family`, :attr:`grid` (the default sweep grid of the first
+    argument), :attr:`title` (the family in words), :attr:`deployable` (False: :func:`make_rule` cannot build it)."""
 
     min_loops: int = 1
     max_loops: int = 32
@@ -222,8 +204,7 @@ class Cosine(_BelowThreshold):
 
 @dataclass
 class ArgmaxPatience(HaltingRule):
-    """Halt once the argmax has stayed unchanged for ``n`` successive loops, i.e. loops l-n..l share it
-    (``argmax_run >= n + 1``); the earliest possible halt is loop n + 1."""
+    """Halt once the argmax has stayed unchanged for ``n`` successive loops (``argmax_run >= n + 1``)."""
 
     family, grid = "argmax_patience", (1, 2, 3, 4, 6)
     n: int
@@ -250,32 +231,27 @@ class SoftmaxConfidence(_BelowThreshold):
 
 @dataclass
 class MinPKL(_BelowThreshold):
-    """Halt once the min-p filtered KL(q_{l-1} || q_l) < ``tau`` (Huginn's ``minp-kl`` criterion; see
-    :class:`~drc_core.analysis.loops.LoopStats`)."""
+    """Halt once the min-p filtered KL(q_{l-1} || q_l) < ``tau`` (Huginn's ``minp-kl`` criterion)."""
 
     family, grid, title = "minp_kl", (*HALF_DECADES, 3e-6, 1e-6), "min-p KL"
     _stat, _label = "minp_kl", "minp-kl"
 
 
 @dataclass
-class Acceleration(HaltingRule):
+class Acceleration(_BelowThreshold):
     """Halt once the relative second difference of the latent trajectory, ||Δs_l - Δs_{l-1}|| / ||s_l||, has been
-    below ``tau`` at loops l-1 and l (the "acceleration" exit of arXiv 2509.23314). Needs no readout; the earliest
-    possible halt is loop 4."""
+    below ``tau`` at loops l-1 and l (arXiv 2509.23314); needs no readout, earliest halt at loop 4."""
 
     family, grid = "acceleration", (3e-1, 1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4)
-    tau: float
     reads = frozenset({"accel", "accel_prev"})
-
-    def _validate(self, owner: str) -> None:
-        self.tau = need_float("tau", self.tau, 0.0, math.inf, owner=owner)
+    _label = "accel"
 
     def criterion(self, stats: LoopStats) -> Tensor:
         return (stats.accel < self.tau) & (stats.accel_prev < self.tau)
 
     @property
     def name(self) -> str:
-        return f"accel<{fmt_number(self.tau)}x2"
+        return f"{super().name}x2"
 
 
 @dataclass
@@ -321,9 +297,8 @@ class Never(HaltingRule):
 
 @dataclass(eq=False)
 class Oracle(HaltingRule):
-    """Precomputed per-token exit loops (B, T) (from :func:`~drc_core.halting.reference.oracle_exit`), replayed
-    as a rule: ``criterion`` is ``loop >= exit_loops``. Not deployable (the exits were found offline from the
-    reference depth's output); every exit loop must be <= ``max_loops``; ``eps`` only names it."""
+    """Precomputed per-token exit loops (B, T) (:func:`~drc_core.halting.reference.oracle_exit`) replayed as a rule,
+    ``loop >= exit_loops``: an offline lower bound, not deployable; ``eps`` only names it."""
 
     family, deployable = "oracle", False  # exported, but make_rule cannot build it by name
     exit_loops: Tensor
@@ -360,10 +335,8 @@ class Oracle(HaltingRule):
 
 
 def huginn_presets(max_loops: int = 32, min_loops: int = 1) -> dict[str, HaltingRule]:
-    """Huginn's exit criteria at its documented default thresholds (``exit_threshold="auto"`` of
-    ``generate_with_adaptive_compute``, and its paper's KL 5e-4) as rules on this model. Huginn's KL is
-    KL(p_{l-1} || p_l); :class:`KLThreshold`'s KL(p_l || p_{l-1}) equals it to first order near the fixed point;
-    its cosine criterion 1 - cos < 1e-3 is :class:`Cosine` 0.999."""
+    """Huginn's exit criteria at its documented default thresholds (and its paper's KL 5e-4) as rules on this model;
+    its KL(p_{l-1} || p_l) equals :class:`KLThreshold`'s to first order, its 1 - cos < 1e-3 is ``Cosine(0.999)``."""
     kw = {"min_loops": min_loops, "max_loops": max_loops}
     return {
         "huginn kl 1e-3": KLThreshold(1e-3, **kw),
@@ -378,8 +351,7 @@ def huginn_presets(max_loops: int = 32, min_loops: int = 1) -> dict[str, Halting
 
 def make_rule(name: str, *args: float, **kwargs: int) -> HaltingRule:
     """A halting rule by its short name (a key of :data:`RULE_FAMILIES`) and its class's arguments:
-    ``make_rule("kl", 1e-3, max_loops=16)`` is ``KLThreshold(1e-3, max_loops=16)``. The oracle is not here: it
-    needs the deepest outputs of the very batch it halts (:func:`~drc_core.halting.reference.oracle_exit`)."""
+    ``make_rule("kl", 1e-3, max_loops=16)`` is ``KLThreshold(1e-3, max_loops=16)`` (no oracle: it is not deployable)."""
     if not isinstance(name, str) or name not in RULE_FAMILIES:
         raise DrcError(f"unknown halting rule {name!r}: choose from {', '.join(RULE_FAMILIES)}")
     try:

@@ -1,27 +1,13 @@
 """Per-token halting that skips the halted tokens' compute: :func:`skip_forward` gives what the masked reference
-:func:`~drc_core.halting.reference.masked_forward` gives (to float tolerance, same exit loops) but runs loop l
-only on the tokens still active at loop l. A token that halts at loop e keeps s_e and offers its loop-e
-keys/values in every core and coda block, so an active token at loop l attends to each earlier token's
-loop-min(l, e) keys/values; its logits are its readout at its exit loop.
-
-The active tokens are kept compacted, (N,) (row, position) pairs with states and injections (N, d), shrunk only
-at a loop where some token halts; per block a key/value cache (B, H, T, hd) holds every token's last keys/values
-and the attention layout (:class:`~drc_core.halting.kvlayout.Attn`) is built once per active set: dense causal
-while every position is active (no cache copies at all: ``Uniform(r)`` runs as the dense forward), else queries
-padded per row with a mask. Host syncs: one per loop. Only the statistics the rule reads are computed
-(:mod:`~drc_core.halting.loopstats`): a rule with ``needs_log_probs`` runs the coda and head on the active tokens
-every loop; a rule on states only reads a token out once, at its exit loop (the coda on its row's active tokens
-up to the last exiting position, the last coda block and the head only on the exiting ones).
-
-Cost (matmul FLOPs per token, ``block`` and ``head = 2 d V`` as in
-:meth:`~drc_core.model.lm.DepthRecurrentLM.flops_per_token`, ``a`` the average exit loop; :class:`Work` counts
-what ran, :func:`drc_book.cost.honest_flops` prices it)::
+:func:`~drc_core.halting.reference.masked_forward` gives (to float tolerance, same exit loops) but runs loop l only
+on the tokens still active at loop l, kept compacted (N,) with per-block key/value caches (B, H, T, hd) and one
+attention layout per active set (dense while every position is active: ``Uniform(r)`` runs as the dense forward).
+A rule that reads the output runs coda and head every loop; a rule on states reads a token out once, at its exit.
+One host sync per loop. Matmul FLOPs per token (``a`` the average exit loop, :class:`Work` counts what ran)::
 
     uniform depth r (forward)             (P + C) * block + r * core + head              core = R * block + adapter
     skip_forward, rule with log-probs     P * block + a * (core + C * block + head)      + a * (softmax + stats) * V
     skip_forward, rule without            P * block + a * core + C' + head               C' <= coda context
-
-The FLOP proxy ``r / a`` counts only the core: what a rule without log-probs can realise.
 """
 
 from __future__ import annotations
@@ -54,10 +40,8 @@ class LoopResult:
 def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, window: tuple[int, int],
               caches: LoopCaches, *, work: Work | None = None, fused: bool = False) -> LoopResult:
     """Loops 1..``rule.max_loops`` with per-token halting on positions [t0, t1) of every row, computing only the
-    active tokens (earlier positions' caches must be filled). ``s`` (B, T, d) holds s_0 there and is updated in
-    place (a halted token keeps its exit state); ``e`` (B, T, d) is the prelude output. Stops once every token has
-    halted. ``work`` is incremented by the work done; ``fused``: the readout statistics through the compiled
-    kernel. One function: the active set, caches and statistics live in its locals across loops."""
+    active tokens (earlier positions' caches filled). ``s`` (B, T, d) holds s_0 there and is updated in place (a
+    halted token keeps its exit state); ``e`` is the prelude output; ``work`` is incremented by the work done."""
     t0, t1 = window
     B, width, d = s.shape[0], t1 - t0, s.shape[-1]
     V = model.cfg.vocab_size
@@ -130,9 +114,8 @@ def run_loops(model: DepthRecurrentLM, rule: HaltingRule, s: Tensor, e: Tensor, 
 
 
 def _put_rows(buf: Tensor | None, shape: tuple[int, int, int], lin: Tensor, gone: Tensor, rows: Tensor) -> Tensor:
-    """Write ``rows`` (G, k) of the exiting tokens ``gone`` (an index into the active tokens, at window indices
-    ``lin``) into ``buf`` (B, W, k), allocated on first use; ``rows`` is the buffer when the whole window exits.
-    (``index_put_``: on a CPU 3x faster than ``index_copy_`` for rows of V = 4096 floats.)"""
+    """Write ``rows`` (G, k) of the exiting tokens ``gone`` (at window indices ``lin[gone]``) into ``buf`` (B, W, k),
+    allocated on first use (``index_put_``: on a CPU 3x faster than ``index_copy_`` for rows of 4096 floats)."""
     if buf is None and rows.shape[0] == shape[0] * shape[1]:
         return rows.view(shape)
     if buf is None:
@@ -143,16 +126,13 @@ def _put_rows(buf: Tensor | None, shape: tuple[int, int, int], lin: Tensor, gone
 
 def _window_to_seq(lin: Tensor, width: int, seq_len: int, t0: int) -> Tensor:
     """Flat (B, W) window indices -> flat (B, T) sequence indices."""
-    if width == seq_len:
-        return lin
-    return (lin // width) * seq_len + lin % width + t0
+    return lin if width == seq_len else (lin // width) * seq_len + lin % width + t0
 
 
 def _exit_readout(model: DepthRecurrentLM, x: Tensor, attn: Attn, now: Tensor, gone: Tensor,
                   coda_kv: list[KVSlab], work: Work, *, full_context: bool) -> Tensor:
-    """The coda outputs (G, d) of the tokens exiting now (``now`` (N,) bool, ``gone`` its index) for a rule without
-    a per-loop readout. Context: the active tokens of their rows up to the last exiting position (every active
-    token with ``full_context``: generation, whose later tokens read these coda keys/values)."""
+    """The coda outputs (G, d) of the tokens exiting now (``now`` (N,) bool, ``gone`` its index), with the active
+    tokens of their rows up to the last exiting position as context (every active one with ``full_context``)."""
     if gone.numel() == now.numel():  # everyone exits: the whole layout, every token a query
         y = coda(model, x, attn, coda_kv, work=work)
     else:
@@ -186,13 +166,9 @@ class SkipResult(AdaptiveResult):
 @torch.no_grad()
 def skip_forward(model: DepthRecurrentLM, idx: Tensor, rule: HaltingRule, *, generator: torch.Generator | None = None,
                  state: Tensor | None = None, fused: bool = False) -> SkipResult:
-    """:func:`~drc_core.halting.reference.masked_forward` (same arguments, result and semantics), computing only
-    the active tokens at every loop; equal to it to float tolerance with the same exit loops (a decision can only
-    differ where a statistic lies within rounding of the threshold). A rule with declared ``reads`` decides on the
-    active tokens in a (1, N) layout, the fields it does not read being placeholders; one with ``reads=None`` gets
-    (B, T) stats whose active entries equal the reference's. ``fused=True``: the readout statistics in one
-    ``torch.compile`` kernel (needs a C++ compiler on a CPU; the first call compiles). Runs under no_grad (and the
-    caller's autocast); cost: see the module docstring."""
+    """:func:`~drc_core.halting.reference.masked_forward` (same arguments, result and semantics) computing only the
+    active tokens at every loop. ``fused=True``: the readout statistics in one ``torch.compile`` kernel (needs a
+    C++ compiler on a CPU; the first call compiles)."""
     if not isinstance(rule, HaltingRule):
         raise DrcError(f"rule={rule!r} is not a HaltingRule; pass e.g. KLThreshold(1e-3)")
     if idx.dim() != 2:

@@ -1,14 +1,10 @@
 """Quality versus average depth: threshold sweeps over halting rules, matching depths, and calibration.
 
-For every rule over a grid of thresholds, every uniform depth and the offline oracle, :func:`sweep` records per
-validation window the average exit loop and two qualities: ``ce``, the next-token cross-entropy at each token's
-exit loop (nats), and ``kl_ref``, ``KL(p_ref || p_exit)`` of the uniform reference-depth output (default 8, the
-training mean) against the token's output at its exit (the oracle's direction). Per batch one uniform pass from
-one s_0 (drawn as in :func:`~drc_core.training.evaluate.loss_by_depth`) gives every uniform depth and the oracle;
-rules run online (each its own halting run: its effect on later tokens included) or offline (replayed on that
-pass). :func:`summarize` gives one row per rule with bootstrap CIs over documents, :func:`matching_depth` the
-lowest average depth matching a target quality, :func:`calibrate` a threshold chosen on one split and checked on
-another.
+:func:`sweep` records per validation window, for every rule point, uniform depth and oracle point, the average exit
+loop and two qualities: ``ce`` (next-token cross-entropy at the exit, nats) and ``kl_ref`` (``KL(p_ref || p_exit)``
+against the uniform reference depth). Rules run online (each its own halting run) or offline (replayed on one
+uniform pass). :func:`summarize` adds bootstrap CIs over documents, :func:`matching_depth` finds the lowest depth
+matching a target quality, :func:`calibrate` chooses a threshold on one split and checks it on another.
 """
 
 from __future__ import annotations
@@ -51,20 +47,17 @@ class RuleSpec:
 
 
 def default_families() -> list[str]:
-    """The families :func:`default_rules` sweeps: every family of :data:`~drc_core.halting.rules.RULE_FAMILIES`
-    with a default grid (every training-free rule), in order."""
+    """The families :func:`default_rules` sweeps: every registered family with a default grid, in order."""
     return [family for family, cls in RULE_FAMILIES.items() if cls.grid]
 
 
 def state_families() -> list[str]:
-    """The families of :func:`default_families` whose rule reads only the latent state (a decoder runs it without
-    the per-loop head)."""
+    """The families of :func:`default_families` whose rule reads only the latent state (no per-loop head)."""
     return [f for f in default_families() if not RULE_FAMILIES[f](RULE_FAMILIES[f].grid[0]).needs_log_probs]
 
 
 def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
-    """One :class:`RuleSpec` per point of every :func:`default_families` family's ``grid`` (the rule's first
-    argument and :attr:`RuleSpec.param`), each rule with ``min_loops`` and ``max_loops``."""
+    """One :class:`RuleSpec` per point of every :func:`default_families` family's ``grid``."""
     kw = {"min_loops": min_loops, "max_loops": max_loops}
     return [RuleSpec(family, p, RULE_FAMILIES[family](p, **kw)) for family in default_families()
             for p in RULE_FAMILIES[family].grid]
@@ -72,13 +65,15 @@ def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
 
 def _token_quality(logp: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token CE against ``targets`` and KL(p_ref || p) for log-probs (B, T, V)."""
-    ce = -logp.gather(-1, targets[..., None]).squeeze(-1)
-    return ce, kl_successive(ref, logp)
+    return -logp.gather(-1, targets[..., None]).squeeze(-1), kl_successive(ref, logp)
 
 
 def _rows(family: str, param: float, rule: str, window0: int, depth: torch.Tensor, ce: torch.Tensor,
           kl: torch.Tensor) -> list[dict[str, object]]:
-    """Per-window means of (B, T) exit depth, CE and KL."""
+    """Per-window means of (B, T) exit depth, CE and KL; ``ce`` and ``kl`` (L, B, T) per loop are read at the exit."""
+    if ce.dim() == 3:
+        idx = (depth - 1)[None]
+        ce, kl = ce.gather(0, idx)[0], kl.gather(0, idx)[0]
     d, c, k = (t.double().mean(dim=1).tolist() for t in (depth, ce, kl))
     return [
         {"family": family, "param": param, "rule": rule, "window": window0 + i, "avg_depth": d[i], "ce": c[i],
@@ -106,14 +101,10 @@ def sweep(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec
           batch_size: int = 16, seed: int = EVAL_STATE_SEED, forward_fn: ForwardFn = masked_forward,
           mode: str = "online", progress: bool = False) -> pd.DataFrame:
     """Per-window quality and average depth of every rule, uniform depth and oracle point on ``windows`` (N, T+1):
-    a frame with columns ``family, param, rule, window, avg_depth, ce, kl_ref`` (means over the window's tokens).
-
-    ``uniform_loops`` (default 1..the deepest ``max_loops``, at least ``reference_loops``) are family
-    ``"uniform"``; the oracle (family ``"oracle"``, param eps) exits each token at its first loop <=
-    ``reference_loops`` with ``KL(p_ref || p_l) <= eps``. ``mode="online"`` runs every rule with ``forward_fn``
-    (true per-token halting); ``mode="offline"`` replays every rule on the uniform trajectory
-    (:func:`~drc_core.halting.reference.offline_exits`): one pass for all rules, exact for a token whose earlier
-    tokens run at least as long as it does. Runs in eval mode under no_grad."""
+    columns ``family, param, rule, window, avg_depth, ce, kl_ref``. ``uniform_loops`` default to 1..the deepest
+    ``max_loops``; the oracle (param eps) exits each token at its first loop <= ``reference_loops`` with
+    ``KL(p_ref || p_l) <= eps``. ``mode="online"`` runs every rule with ``forward_fn``; ``"offline"`` replays them on
+    the uniform trajectory (:func:`~drc_core.halting.reference.offline_exits`)."""
     if mode not in ("online", "offline"):
         raise DrcError(f"mode={mode!r} is invalid; pass 'online' (run each rule) or 'offline' (replay)")
     windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
@@ -130,7 +121,7 @@ def sweep(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec
     bar = tqdm(total=n_batches * (1 + len(rules)), desc=f"sweep ({mode})", disable=not progress)
     for batch in eval_batches(model, windows, batch_size, seed):
         s0, ref, ce_l, kl_l, _, _ = _trajectory(model, batch, reference_loops, max(uniform[-1], deepest), [])
-        rows += _uniform_and_oracle(ce_l, kl_l, batch.y, batch.start, uniform, reference_loops, oracle_eps)
+        rows += _uniform_and_oracle(ce_l, kl_l, batch.start, uniform, reference_loops, oracle_eps)
         bar.update()
         for spec in rules:
             res = forward_fn(model, batch.x, spec.rule, state=s0)
@@ -143,10 +134,8 @@ def sweep(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec
 
 @dataclass(frozen=True)
 class OfflinePass:
-    """One uniform trajectory per batch of windows (N, T+1) with every rule replayed on it (:func:`offline_pass`):
-    per loop every token's CE, ``KL(p_ref || p_l)`` and argmax, ``ce``/``kl_ref``/``argmax`` (loops, N, T), and
-    each rule's exit loops (N, T) keyed by ``str(rule)``; what the offline sweep, :func:`token_exits` and the risk
-    tables of :mod:`~drc_core.halting.calibrate` read."""
+    """One uniform trajectory per batch with every rule replayed on it (:func:`offline_pass`): per loop every
+    token's ``ce``, ``kl_ref`` and ``argmax`` (loops, N, T), and each rule's exit loops (N, T) by ``str(rule)``."""
 
     ce: torch.Tensor
     kl_ref: torch.Tensor
@@ -158,8 +147,7 @@ class OfflinePass:
 
     def frame(self, uniform_loops: Iterable[int] | None = None,
               oracle_eps: Sequence[float] = DEFAULT_ORACLE_EPS) -> pd.DataFrame:
-        """The offline :func:`sweep`'s frame, rows in its order (per batch the uniform depths, default 1..loops,
-        the oracle points, then every rule)."""
+        """The offline :func:`sweep`'s frame, rows in its order."""
         loops = self.ce.shape[0]
         uniform = sorted(set(range(1, loops + 1) if uniform_loops is None else uniform_loops))
         if not uniform or uniform[0] < 1 or uniform[-1] > loops:
@@ -168,10 +156,10 @@ class OfflinePass:
         for b0 in range(0, self.ce.shape[1], self.batch_size):
             sl = slice(b0, b0 + self.batch_size)
             ce_l, kl_l = self.ce[:, sl], self.kl_ref[:, sl]
-            rows += _uniform_and_oracle(ce_l, kl_l, ce_l[0], b0, uniform, self.reference_loops, oracle_eps)
+            rows += _uniform_and_oracle(ce_l, kl_l, b0, uniform, self.reference_loops, oracle_eps)
             for spec in self.specs:
-                rows += _exit_rows(spec.family, float(spec.param), str(spec.rule), b0,
-                                   self.exits[str(spec.rule)][sl], ce_l, kl_l)
+                rows += _rows(spec.family, float(spec.param), str(spec.rule), b0, self.exits[str(spec.rule)][sl],
+                              ce_l, kl_l)
         return pd.DataFrame(rows)
 
     @classmethod
@@ -202,7 +190,7 @@ def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[R
                  reference_loops: int = 8, loops: int | None = None, batch_size: int = 16,
                  seed: int = EVAL_STATE_SEED, progress: bool = False) -> OfflinePass:
     """The :class:`OfflinePass` of ``rules`` on ``windows``: ``loops`` uniform loops per batch (default the deepest
-    ``max_loops`` or ``reference_loops``), the reference output at ``reference_loops`` from the same s_0."""
+    needed), the reference output at ``reference_loops`` from the same s_0."""
     windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
                                                                    batch_size)
     loops = deepest if loops is None else need_int("loops", loops, deepest)
@@ -231,8 +219,8 @@ def token_exits(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[Ru
 
 def _trajectory(model: RecurrentModel, batch: Batch, reference_loops: int, loops: int, rules: Sequence[RuleSpec]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
-    """A batch's s_0 and reference log-probs (B, T, V) at ``reference_loops``, and one uniform pass of ``loops``
-    loops from s_0: per-loop CE, KL(p_ref || p_l) and argmax, each (loops, B, T), and each rule's exits on it."""
+    """A batch's s_0, reference log-probs, and from one uniform pass per-loop CE, KL(p_ref || p_l) and argmax
+    (loops, B, T), and each rule's exits on it."""
     x, y, s0 = batch.x, batch.y, batch.initial_state(model)
     ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
     ces, kls, args = [], [], []
@@ -254,29 +242,21 @@ def _trajectory(model: RecurrentModel, batch: Batch, reference_loops: int, loops
     return s0, ref, torch.stack(ces), torch.stack(kls), exits, torch.stack(args)
 
 
-def _uniform_and_oracle(ce_l: torch.Tensor, kl_l: torch.Tensor, y: torch.Tensor, b0: int, uniform: list[int],
-                        reference_loops: int, oracle_eps: Sequence[float]) -> list[dict]:
+def _uniform_and_oracle(ce_l: torch.Tensor, kl_l: torch.Tensor, b0: int, uniform: list[int], reference_loops: int,
+                        oracle_eps: Sequence[float]) -> list[dict]:
     """Every uniform depth's rows, and the oracle's (first loop <= reference with KL to it <= eps)."""
     rows: list[dict] = []
     for k in uniform:
-        depth = torch.full(y.shape, k, dtype=torch.long, device=y.device)
+        depth = torch.full(ce_l.shape[1:], k, dtype=torch.long, device=ce_l.device)
         rows += _rows("uniform", float(k), f"uniform({k})", b0, depth, ce_l[k - 1], kl_l[k - 1])
     for eps in oracle_eps:
         exit_loop, _ = first_within(kl_l[:reference_loops], eps)
-        rows += _exit_rows("oracle", float(eps), f"oracle(kl<={eps:g})", b0, exit_loop, ce_l, kl_l)
+        rows += _rows("oracle", float(eps), f"oracle(kl<={eps:g})", b0, exit_loop, ce_l, kl_l)
     return rows
 
 
-def _exit_rows(family: str, param: float, rule: str, b0: int, exit_loop: torch.Tensor, ce_l: torch.Tensor,
-               kl_l: torch.Tensor) -> list[dict]:
-    """Rows for exits (B, T) read off per-loop CE/KL (L, B, T) of one trajectory."""
-    idx = (exit_loop - 1)[None]
-    return _rows(family, param, rule, b0, exit_loop, ce_l.gather(0, idx)[0], kl_l.gather(0, idx)[0])
-
-
 def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Per-window cluster ids for :func:`summarize` from per-position doc ids (N, T)
-    (:func:`~drc_core.analysis.measure.val_windows_with_docs`): each window's most common document."""
+    """Per-window cluster ids for :func:`summarize` from per-position doc ids (N, T): each window's most common."""
     docs = np.asarray(doc_ids)
     if docs.ndim != 2:
         raise DrcError(f"doc_ids must be (N, T) per-position document ids; got shape {docs.shape}")
@@ -290,9 +270,8 @@ def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:
 def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None = None,
               clusters: np.ndarray | None = None, n_boot: int = 1000, seed: int = 0,
               level: float = 0.95) -> pd.DataFrame:
-    """One row per (family, param, rule): ``avg_depth``, ``ce``, ``kl_ref`` (means over windows, so over tokens)
-    and their ``_lo``/``_hi`` percentile bootstrap CIs over clusters, the same draws for every rule. ``windows``
-    restricts to those window ids (e.g. a split); ``clusters``: each window id's cluster (default: windows)."""
+    """One row per (family, param, rule): mean ``avg_depth``, ``ce``, ``kl_ref`` with ``_lo``/``_hi`` bootstrap CIs
+    over clusters (``clusters``: each window id's; default the windows), on the window ids ``windows`` (all)."""
     needed = {"family", "param", "rule", "window", "avg_depth", *QUALITIES}
     if missing := needed - set(frame.columns):
         raise DrcError(f"the frame lacks columns {sorted(missing)}; pass the output of sweep()")
@@ -314,9 +293,8 @@ def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None
 
 
 def matching_depth(summary: pd.DataFrame, family: str, target: float, *, quality: str = "ce") -> dict[str, float]:
-    """The lowest average depth at which ``family`` reaches ``quality <= target``: ``grid``, the smallest
-    ``avg_depth`` of the family's points that meet it (NaN if none does), with its ``param`` and ``quality``, and
-    ``interpolated``, where the family's curve (sorted by depth, linear between points) first crosses it."""
+    """The lowest average depth at which ``family`` reaches ``quality <= target``: ``grid`` (the shallowest point
+    meeting it, NaN if none) with its ``param`` and ``quality``, and ``interpolated`` (where the curve crosses)."""
     if quality not in QUALITIES:
         raise DrcError(f"quality={quality!r} is not supported; use one of {QUALITIES}")
     g = summary[summary.family == family].sort_values("avg_depth")
@@ -331,8 +309,8 @@ def matching_depth(summary: pd.DataFrame, family: str, target: float, *, quality
 
 
 def _crossing(depth: np.ndarray, q: np.ndarray, target: float) -> tuple[int, float]:
-    """Along a curve of points sorted by ``depth``: the index of the first point with ``q <= target`` (-1 if
-    none) and the depth where the curve, linear between neighbours, crosses ``target`` (NaN if none)."""
+    """The index of the first point (sorted by ``depth``) with ``q <= target`` (-1: none) and the interpolated
+    depth where the curve crosses ``target`` (NaN: none)."""
     ok = np.flatnonzero(q <= target)
     if not len(ok):
         return -1, float("nan")
@@ -347,11 +325,9 @@ def _crossing(depth: np.ndarray, q: np.ndarray, target: float) -> tuple[int, flo
 def matching_gap(frame: pd.DataFrame, family: str, *, reference: int, ce_tolerance: float,
                  clusters: np.ndarray | None = None, n_boot: int = 1000, seed: int = 0,
                  level: float = 0.95) -> dict[str, tuple[float, float, float]]:
-    """How many loops ``family`` saves against uniform depth at CE <= CE(uniform ``reference``) + ``ce_tolerance``,
-    with a bootstrap CI: both interpolated matching depths and the target recomputed on every resample of the
-    clusters of :func:`sweep`'s windows (``clusters`` as for :func:`summarize`). ``(point, lo, hi)`` of
-    ``family_depth``, ``uniform_depth``, ``saved`` (uniform - family) and ``saved_frac`` (saved / uniform); a
-    resample where a family never reaches the target is left out of the interval."""
+    """How many loops ``family`` saves against uniform depth at CE <= CE(uniform ``reference``) + ``ce_tolerance``:
+    ``(point, lo, hi)`` of ``family_depth``, ``uniform_depth``, ``saved`` and ``saved_frac``, matching depths and
+    target recomputed on every cluster resample (one where a family never reaches the target is left out)."""
     level = need_level(level)
     n_boot = need_int("n_boot", n_boot, 1)
     curves = {}
@@ -395,8 +371,7 @@ def matching_gap(frame: pd.DataFrame, family: str, *, reference: int, ce_toleran
 
 @dataclass
 class Calibration:
-    """What :func:`calibrate` returns: the chosen ``param`` (NaN if no point met the target), its depth and
-    quality on both splits, and whether the target ``holds`` on the held-out one."""
+    """What :func:`calibrate` returns: the chosen ``param`` (NaN: none), its depth and quality on both splits."""
 
     family: str
     quality: str
@@ -413,9 +388,8 @@ class Calibration:
 
 def calibrate(calib: pd.DataFrame, heldout: pd.DataFrame, family: str, target: float, *,
               quality: str = "ce", heldout_target: float | None = None) -> Calibration:
-    """``family``'s threshold chosen on the calibration summary (the shallowest point with ``quality <= target``)
-    and evaluated on the held-out one (:func:`summarize` on disjoint windows): ``holds`` if it meets
-    ``heldout_target`` there (default ``target``; differs when the target is relative to a split's baseline)."""
+    """``family``'s shallowest point with ``quality <= target`` on the summary ``calib``, checked on ``heldout``:
+    ``holds`` if it meets ``heldout_target`` (default ``target``) there."""
     m = matching_depth(calib, family, target, quality=quality)
     nan = float("nan")
     if np.isnan(m["param"]):
@@ -447,9 +421,8 @@ def uniform_ce(summary: pd.DataFrame, reference: int) -> float:
 
 
 def matching_table(summary: pd.DataFrame, reference: int, ce_tolerance: float, kl_target: float) -> pd.DataFrame:
-    """Per family, :func:`matching_depth` for CE <= CE(uniform ``reference``) + ``ce_tolerance`` (``ce_depth``,
-    ``ce_depth_interp``, ``ce_param``) and for ``kl_ref <= kl_target`` (``kl_*``), and the cut against
-    ``reference``, 1 - interpolated / reference (``cut_vs_8_ce``, ``cut_vs_8_kl``)."""
+    """Per family, :func:`matching_depth` for CE <= CE(uniform ``reference``) + ``ce_tolerance`` (``ce_*``) and for
+    ``kl_ref <= kl_target`` (``kl_*``), and the cuts 1 - interpolated / reference (``cut_vs_8_ce``, ``_kl``)."""
     ce_target = uniform_ce(summary, reference) + ce_tolerance
     rows = []
     for fam in summary.family.unique():
@@ -467,8 +440,7 @@ def matching_table(summary: pd.DataFrame, reference: int, ce_tolerance: float, k
 def gap_table(frame: pd.DataFrame, reference: int, ce_tolerance: float, *, families: Sequence[str] | None = None,
               windows: Sequence[int] | np.ndarray | None = None, clusters: np.ndarray | None = None,
               n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """:func:`matching_gap` of each family (default: every one but uniform) on ``windows``, one row per family with
-    each statistic and its ``_lo``/``_hi``."""
+    """:func:`matching_gap` of each family (default: all but uniform) on ``windows``, with ``_lo``/``_hi``."""
     if windows is not None:
         frame = frame[frame.window.isin(np.asarray(windows))]
     fams = [f for f in (families or frame.family.unique()) if f != "uniform"]
@@ -485,9 +457,8 @@ def gap_table(frame: pd.DataFrame, reference: int, ce_tolerance: float, *, famil
 
 def calibration_table(calib: pd.DataFrame, heldout: pd.DataFrame, reference: int, ce_tolerance: float,
                       kl_target: float, families: Sequence[str] | None = None) -> pd.DataFrame:
-    """:func:`calibrate` for each family (default: :func:`calibrated_families`) and both qualities, one row each
-    (:class:`Calibration` and ``heldout_target``). The CE target is CE(uniform ``reference``) + ``ce_tolerance``
-    of each split (to choose, to check); the KL target ``kl_target`` on both."""
+    """:func:`calibrate` for each family (default: :func:`calibrated_families`) and both qualities: CE within
+    ``ce_tolerance`` of each split's uniform ``reference`` (to choose, to check), ``kl_ref <= kl_target``."""
     families = calibrated_families() if families is None else families
     ce_heldout = uniform_ce(heldout, reference) + ce_tolerance
     ce_calib = uniform_ce(calib, reference) + ce_tolerance
@@ -503,9 +474,8 @@ def calibration_table(calib: pd.DataFrame, heldout: pd.DataFrame, reference: int
 def online_vs_offline(model: RecurrentModel, windows: torch.Tensor, frame: pd.DataFrame, specs: Sequence[RuleSpec],
                       match: pd.DataFrame, subset: Sequence[int] | np.ndarray, reference: int, *, seed: int = 0,
                       n_boot: int = 200) -> pd.DataFrame:
-    """Each family's CE-matched point (``match.ce_param``) run online on the windows ``subset`` beside its offline
-    replay in ``frame`` (the offline :func:`sweep` of ``windows``): ``avg_depth``, ``ce``, ``kl_ref`` with
-    suffixes ``_online``/``_offline``, and ``depth_diff``, ``ce_diff`` (online minus offline)."""
+    """Each family's CE-matched point run online on the windows ``subset`` beside its offline replay in ``frame``:
+    ``avg_depth``, ``ce``, ``kl_ref`` ``_online``/``_offline``, and ``depth_diff``, ``ce_diff`` (online - offline)."""
     by_param = {(sp.family, float(sp.param)): sp for sp in specs}
     check = [by_param[(fam, float(match.loc[fam, "ce_param"]))] for fam in match.index
              if (fam, float(match.loc[fam, "ce_param"])) in by_param]
