@@ -17,10 +17,8 @@ UNSETTLED = ("oscillating", "contracting", "drifting")  # the dynamics classes c
 
 def exits_by_class(exits: dict[str, np.ndarray], specs: Sequence[RuleSpec], dyn_class: np.ndarray,
                    classes: Sequence[str], near: float) -> pd.DataFrame:
-    """Per rule family, the threshold whose mean exit loop is closest to ``near`` (offline exits from
-    :func:`drc_core.token_exits`, keyed by rule): its mean exit loop overall and per dynamics class of ``classes``
-    (``dyn_class``, one per token, from :func:`drc_core.classify`), and each unsettled class's mean exit relative to
-    the settled tokens' (``<class>/settled``: > 1, stopped later)."""
+    """Per family, the threshold whose mean exit loop (of ``exits``) is nearest ``near``: its mean exit overall, per
+    dynamics class, and each unsettled class's against the settled tokens' (``<class>/settled``)."""
     rows = []
     for spec in specs:
         e = exits[str(spec.rule)].reshape(-1)
@@ -49,8 +47,7 @@ def exits_by_class_text(near_r: pd.DataFrame, dyn_class: np.ndarray) -> str:
 
 
 def commit_stats(commit: np.ndarray, depth: np.ndarray) -> dict[str, float]:
-    """The share of tokens whose commit loop (:func:`drc_core.commit_loop`) comes before / at their convergence
-    depth, and the median commit loop."""
+    """The share of tokens that commit before / at their convergence depth, and the median commit loop."""
     return {"commit_before_convergence": float(np.mean(commit < depth)),
             "commit_at_convergence": float(np.mean(commit == depth)),
             "commit_loop_median": float(np.median(commit))}

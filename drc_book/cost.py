@@ -1,7 +1,5 @@
-"""What a forward costs (the matmul-FLOP model of each path, from :meth:`drc_core.DepthRecurrentLM.flops_per_token`)
-and the interleaved timer the speed measurements and ``bench/`` share: each round starts one variant later, and
-medians over rounds keep load on a shared machine from favouring one variant.
-"""
+"""What a forward costs (the matmul-FLOP model of each path, from ``DepthRecurrentLM.flops_per_token``) and the
+interleaved timer the speed measurements and ``bench/`` share (medians over rounds that rotate the variants)."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ T = TypeVar("T")
 
 
 def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, path: str) -> float:
-    """Matmul FLOPs per token at (average) depth ``loops`` of ``path``: "forward" (uniform depth, one readout),
-    "skip_log_probs" (``skip_forward`` with a rule on log-probs: coda + head at every active loop) or "skip_states"
-    (a rule on the states: one readout; the coda context's k/v projections ignored)."""
+    """Matmul FLOPs per token at (average) depth ``loops`` of ``path``: "forward" (one readout), "skip_log_probs" (a
+    readout every active loop) or "skip_states" (one readout; the coda context's k/v projections ignored)."""
     parts = flop_parts(model, seq_len)
     prelude, core, coda, head = parts["prelude"], parts["core"], parts["coda"], parts["head"]
     base = prelude + coda + head
@@ -40,9 +37,8 @@ def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, 
 
 
 def flop_parts(model: DepthRecurrentLM, seq_len: int) -> dict[str, float]:
-    """Matmul FLOPs per token of each part of a forward: ``prelude``, ``core`` (one loop), ``coda``, ``head`` (2 d
-    V); ``vocab_stats`` (one per-loop readout statistic, ``VOCAB_STAT_FLOPS * V``) and ``readout`` = coda + head +
-    vocab_stats, what a rule on the output distribution pays per active token and loop."""
+    """Matmul FLOPs per token of ``prelude``, ``core`` (one loop), ``coda``, ``head``, ``vocab_stats`` (one readout
+    statistic) and ``readout`` (coda + head + vocab_stats: what a rule on the output pays per token and loop)."""
     c = model.cfg
     base = model.flops_per_token(0, seq_len)  # (P + C) * block + head
     core = model.flops_per_token(1, seq_len) - base
@@ -63,8 +59,7 @@ def flop_summary(model: DepthRecurrentLM, seq_len: int) -> str:
 
 
 def speedup_model(model: DepthRecurrentLM, reference: int, seq_len: int) -> pd.DataFrame:
-    """The matmul speed-up over uniform depth ``reference`` that each skipping path can reach at a few average
-    depths ``a`` (1, r/4, r/2, r), beside the FLOP proxy r / a."""
+    """The matmul speed-up over uniform depth r of each skipping path at average depths 1, r/4, r/2, r."""
     base = matmul_flops_per_token(model, reference, seq_len, "forward")
     return pd.DataFrame([
         {"avg loops a": a, "FLOP proxy r/a": reference / a,
@@ -78,10 +73,8 @@ VOCAB_STAT_FLOPS = 8  # per vocabulary entry and token-loop of a per-loop readou
 
 
 def honest_flops(model: DepthRecurrentLM, work: object, seq_len: int) -> float:
-    """Total FLOPs of the work a skipping run really did (a :class:`drc_core.halting.work.Work`): core token-loops,
-    full blocks, ``qkv``-only coda context projections (``6 d^2``), head readouts (``2 d V``) and vocabulary-sized
-    statistics (``VOCAB_STAT_FLOPS * V``), blocks attending over ``seq_len`` keys. For ``Uniform(r)``, divided by
-    ``work.tokens``, exactly ``flops_per_token(r, seq_len)``."""
+    """Total FLOPs of the work a skipping run really did (its ``work``: core token-loops, blocks, ``qkv``-only
+    projections, head readouts, vocabulary statistics); for ``Uniform(r)`` exactly ``flops_per_token(r)`` a token."""
     c = model.cfg
     d = c.d_model
     block = 2 * (4 * d * d + 3 * d * c.hidden_dim) + 4 * seq_len * d
@@ -92,9 +85,7 @@ def honest_flops(model: DepthRecurrentLM, work: object, seq_len: int) -> float:
 
 
 def train_flops_per_token(model: DepthRecurrentLM, n: int, k: int | None, seq_len: int) -> int:
-    """Matmul FLOPs per token of a training step at ``n`` loops with backprop through the last ``k`` (None: all): the
-    forward plus a backward of twice the forward's cost where the graph is built (prelude, last k loops, coda,
-    head)."""
+    """Matmul FLOPs per token of a training step at ``n`` loops, backprop (2x the forward) through the last ``k``."""
     k_eff = n if k is None else min(k, n)
     return model.flops_per_token(n, seq_len) + 2 * model.flops_per_token(k_eff, seq_len)
 
@@ -112,10 +103,8 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str,
                 clock: str = "wall", *, keep: Callable[[str, object], None] | None = None) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one call per round, the order rotating from round to round. ``keep(name,
-    output)`` gets each variant's first-round output after its clock stopped; ``clock`` is "wall"
-    (``perf_counter``) or "cpu" (``process_time``: with one torch thread on a shared machine, the time the work
-    would take alone)."""
+    """Seconds per call of each variant, one call per round in :func:`rotations`; ``keep(name, output)`` gets the
+    first round's outputs; ``clock`` "wall" (``perf_counter``) or "cpu" (``process_time``)."""
     if clock not in CLOCKS:
         raise DrcError(f"clock={clock!r} is not supported; use one of {', '.join(CLOCKS)}")
     tick = CLOCKS[clock]
@@ -143,9 +132,7 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log
     return times
 
 
-def median(xs: Sequence[float]) -> float:
-    """The median over rounds."""
-    return statistics.median(xs)
+median = statistics.median  # over rounds
 
 
 def spread(xs: Sequence[float]) -> float:
@@ -154,7 +141,7 @@ def spread(xs: Sequence[float]) -> float:
 
 
 def page_faults() -> int:
-    """Minor page faults of this process so far (``getrusage``; 0 where it is not available)."""
+    """Minor page faults of this process so far (0 where ``getrusage`` is not available)."""
     try:
         import resource
     except ImportError:  # not a Unix

@@ -27,9 +27,8 @@ from drc_core import PLAIN_ITERATION as PLAIN
 
 @dataclass
 class FixedPointCosts:
-    """``curves``: one row per (method, evals) with ce, kl_ref, kl_prev, residual; ``depths``: one row per
-    (method, eps) with the mean / median / 90th percentile evaluations to converge and the share of tokens that
-    converged within K evaluations."""
+    """``curves`` per (method, evals): ce, kl_ref, kl_prev, residual; ``depths`` per (method, eps): evaluations to
+    converge (mean, median, p90) and the share converged."""
 
     curves: pd.DataFrame
     depths: pd.DataFrame
@@ -38,10 +37,8 @@ class FixedPointCosts:
 def fixed_point_costs(model: RecurrentModel, windows: torch.Tensor, configs: dict[str, AndersonConfig],
                       max_evals: int = 32, ref_loops: int = 64, eps: tuple[float, ...] = (1e-3, 1e-5),
                       batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> FixedPointCosts:
-    """Every config of ``configs`` (by name) on ``windows`` (N, T+1), per core evaluation k = 1..``max_evals``:
-    ``ce`` of the readout, ``kl_ref`` KL(p_ref || p_k) to plain iteration's readout at ``ref_loops``, successive
-    ``kl_prev`` KL(p_k || p_{k-1}) and the median relative ``residual`` ||f(x) - x|| / ||f(x)||; and per ``eps`` the
-    evaluations after which a token's successive KL stays below it (as :func:`drc_core.convergence_depth`)."""
+    """Every config on ``windows`` per core evaluation: ``ce``, ``kl_ref`` (to plain iteration at ``ref_loops``),
+    successive ``kl_prev`` and median relative ``residual``; per ``eps``, the evaluations to converge."""
     curves = {name: np.zeros((max_evals, 4)) for name in configs}
     depths: dict[str, list[torch.Tensor]] = {name: [] for name in configs}
     n_tokens = 0

@@ -1,7 +1,5 @@
-"""The halting-with-a-guarantee pipeline that notebooks 04 (natural text) and 06 (task documents) both run on a
-table of per-document losses (:func:`drc_core.loss_tables` / :func:`drc_core.pass_loss_tables`): certificates per
-family and risk level, whether the guarantee holds over random halvings of the documents, and whether it holds
-under a shift of documents. Each returns its table and the lines a notebook prints."""
+"""Halting with a guarantee, as notebooks 04 and 06 run it on a table of per-document losses: certificates, and
+whether they hold over random halvings and under a shift of documents; each returns its table and printed lines."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ __all__ = ["certificates", "held_under_shift", "held_over_splits", "risk_by_grou
 
 def certificates(tables: Mapping[str, Any], families: Sequence[str], alphas: Sequence[float], delta: float
                  ) -> tuple[pd.DataFrame, str]:
-    """Every family (and uniform depth) certified on all the documents, per risk and level: the certificates as
-    rows, and the lines that print them (a family without a certificate says why, with one example)."""
+    """Every family and uniform depth certified on all the documents, per risk and level, and the lines."""
     certs, lines = [], []
     for risk_name, table in tables.items():
         for a in alphas:
@@ -40,9 +37,8 @@ def certificates(tables: Mapping[str, Any], families: Sequence[str], alphas: Seq
 
 def held_over_splits(table: Any, families: Sequence[str], alphas: Sequence[float], delta: float, *, n_splits: int,
                      seed: int, among: np.ndarray | None = None) -> tuple[pd.DataFrame, str]:
-    """``n_splits`` random halvings of the documents (of ``among``, default all): certify on one half, measure on the
-    other, per family and level (:func:`drc_core.validity`, summarized by :func:`drc_core.validity_summary`), and
-    the lines that say how often a certificate was possible and whether the violation rate stays within delta."""
+    """Certified on one half of the documents (of ``among``), measured on the other, over ``n_splits`` halvings
+    (:func:`drc_core.validity_summary`), and the lines."""
     rows = pd.concat([validity(table, fam, alphas, delta, n_splits=n_splits, seed=seed, among=among)
                       for fam in families])
     valid = validity_summary(rows, delta)
@@ -58,9 +54,8 @@ def held_over_splits(table: Any, families: Sequence[str], alphas: Sequence[float
 
 def held_under_shift(table: Any, families: Sequence[str], alphas: Sequence[float], delta: float,
                      directions: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> tuple[pd.DataFrame, str]:
-    """Certified on one set of documents, measured on another, per direction (name -> (calibration, test) document
-    indices; a direction with an empty side is left out, and said so): the rows and the lines that count how many
-    certified settings break their level on the other documents."""
+    """Certified on one set of documents, measured on another, per direction (name -> (calibration, test) indices),
+    and the lines."""
     rows, lines = [], []
     for name, (calib, test) in directions.items():
         if len(calib) == 0 or len(test) == 0:
@@ -80,8 +75,7 @@ def held_under_shift(table: Any, families: Sequence[str], alphas: Sequence[float
 
 
 def risk_by_group(table: Any, families: Sequence[str], groups: Mapping[str, np.ndarray]) -> pd.DataFrame:
-    """Per family and threshold of the table, the mean per-document risk and mean exit loop over each group of
-    documents (name -> document indices; an empty group is left out): the shift between groups, certified or not."""
+    """Per family and threshold, the mean per-document risk and exit loop over each (non-empty) group of documents."""
     rows = []
     for fam in families:
         for j, spec in enumerate(table.specs[fam]):

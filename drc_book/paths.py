@@ -1,10 +1,6 @@
-"""Where a notebook's path parameters point, from any working directory, and where its results may go.
-
-The parameters are relative to the repository root (``$DRC_BOOK_ROOT``, else the nearest directory at or above the
-working directory holding ``_config.yml`` and ``book/``; never where ``drc_core`` is installed): :func:`at_root` gives
-them relative to the working directory, so papermill (at the root) and JupyterLab (in ``book/``) read the same files.
-Only the book runner (which sets ``$DRC_BOOK_RUN``) writes the committed results; an interactive run writes under
-``runs/lab/`` (:func:`results_for`) and reads the committed results it has not written yet.
+"""A notebook's path parameters, relative to the repository root, resolved from any working directory (papermill
+runs at the root, JupyterLab in ``book/``). Only the book runner (``$DRC_BOOK_RUN``) writes the committed results; an
+interactive run writes under ``runs/lab/`` and reads the committed results it has not written yet.
 """
 
 from __future__ import annotations
@@ -22,12 +18,8 @@ RUN_ENV = "DRC_BOOK_RUN"  # set by the book runner (to the profile) for the kern
 LAB_RESULTS = Path("runs") / "lab"  # interactive runs' results, relative to the root (runs/ is gitignored)
 
 
-def _is_root(path: Path) -> bool:
-    return (path / "_config.yml").is_file() and (path / "book").is_dir()
-
-
 def repo_root(start: str | Path | None = None) -> Path:
-    """The repository root (absolute), searched from ``start`` (default: the working directory)."""
+    """``$DRC_BOOK_ROOT``, else the nearest directory with ``_config.yml`` and ``book/`` at or above ``start``."""
     env = os.environ.get(ROOT_ENV)
     if env:
         root = Path(env).expanduser().resolve()
@@ -36,7 +28,7 @@ def repo_root(start: str | Path | None = None) -> Path:
         return root
     here = Path(start if start is not None else os.getcwd()).resolve()
     for path in (here, *here.parents):
-        if _is_root(path):
+        if (path / "_config.yml").is_file() and (path / "book").is_dir():
             return path
     raise DrcError(f"no repository root (a directory with _config.yml and book/) at or above {here}: start from "
                    f"inside the repository or set ${ROOT_ENV}")
@@ -53,17 +45,7 @@ def _relative(path: Path) -> str:
 def at_root(*paths: str | Path) -> str | tuple[str, ...]:
     """Each relative path resolved against :func:`repo_root`, relative to the working directory; absolute and empty
     ("none") paths as they are. One argument gives one string, several a tuple."""
-    root = None
-    out = []
-    for p in paths:
-        if p is None or str(p) == "":
-            out.append("")
-            continue
-        if Path(p).is_absolute():
-            out.append(str(p))
-            continue
-        root = root or repo_root()
-        out.append(_relative(root / p))
+    out = [str(p or "") if not p or Path(p).is_absolute() else _relative(repo_root() / p) for p in paths]
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -73,8 +55,8 @@ def book_run() -> str | None:
 
 
 def results_for(results_dir: str | Path) -> str:
-    """Where this run writes its results: ``results_dir`` (as :func:`at_root` resolves it), moved under
-    ``runs/lab/`` in an interactive run when it lies in the repository outside ``runs/``."""
+    """``results_dir`` as :func:`at_root` resolves it, moved under ``runs/lab/`` in an interactive run when it lies
+    in the repository outside ``runs/``."""
     resolved = at_root(results_dir)
     if book_run() is not None or not resolved:
         return resolved

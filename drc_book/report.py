@@ -1,7 +1,5 @@
-"""The reproduction report: a model's headline numbers (:func:`headline_numbers`), their spread across seeds
-(:func:`across_seeds`), where depth stops paying (:func:`plateau_depth`), and the claim-by-claim comparison with the
-paper (:data:`PAPER`, :func:`reproduction_table`), each claim with its criterion for "agree" stated in advance.
-"""
+"""The reproduction report: headline numbers, their spread across seeds, where depth stops paying, and the
+claim-by-claim comparison with the paper (:data:`PAPER`), each with its criterion for "agree" stated in advance."""
 
 from __future__ import annotations
 
@@ -51,10 +49,8 @@ KL_GRID = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5)
 def headline_numbers(model: DepthRecurrentLM, windows, tokenizer, *, doc_ids=None, max_loops: int = 32,
                      reference_loops: int = 8, eps: float = 1e-3, ce_tolerance: float = 0.005,
                      rule_max_loops: int = 16, seed: int = 0, mode: str = "offline") -> dict[str, float | list[str]]:
-    """The paper's numbers for one model on ``windows`` (N, T+1): CE at 1, ``reference_loops`` and ``max_loops``
-    loops, the successive KL at loops 2 and 16, the median convergence depth and the share still updating at
-    ``reference_loops`` (at ``eps``), the token-class order, and the average depth at which the KL rule (swept in
-    ``mode``, :func:`drc_core.sweep`) and uniform depth reach CE(uniform ``reference_loops``) + ``ce_tolerance``."""
+    """The paper's numbers for one model on ``windows``: CE at 1, R and ``max_loops`` loops, successive KL at 2 and
+    16, convergence depth, the token-class order, and the depths at which the KL rule and uniform depth match CE(R)."""
     meas = measure_windows(model, windows, max_loops, doc_ids=doc_ids, kl_to_final=False)
     loops = per_loop_summary(meas, n_boot=1, seed=seed).set_index("loop")
     depths = convergence_depth(meas, eps)
@@ -79,8 +75,7 @@ def headline_numbers(model: DepthRecurrentLM, windows, tokenizer, *, doc_ids=Non
 
 
 def across_seeds(per_seed: Sequence[Mapping[str, object]], level: float = 0.95) -> pd.DataFrame:
-    """Per numeric key (the index): ``n``, ``mean``, ``std``, the Student-t interval ``lo``, ``hi`` at ``level`` (NaN
-    for one seed) and the per-seed ``values``."""
+    """Per numeric key: ``n``, ``mean``, ``std``, the Student-t interval ``lo``, ``hi`` and the ``values``."""
     if not per_seed:
         raise DrcError("per_seed is empty; pass one dict of headline numbers per seed")
     keys = [k for k, v in per_seed[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
@@ -96,8 +91,7 @@ def across_seeds(per_seed: Sequence[Mapping[str, object]], level: float = 0.95) 
 
 
 def plateau_depth(loss_by_loops: Mapping[int, float], tol: float = 0.005) -> int:
-    """The smallest depth (of ``loss_by_loops``: depth -> loss) whose loss is within ``tol`` nats of the best at it
-    or any deeper one: where more loops stop paying."""
+    """The smallest depth whose loss is within ``tol`` nats of the best at it or any deeper one."""
     if not loss_by_loops:
         raise DrcError("loss_by_loops is empty; pass {depth: validation loss}")
     depths = sorted(loss_by_loops)
@@ -107,9 +101,8 @@ def plateau_depth(loss_by_loops: Mapping[int, float], tol: float = 0.005) -> int
 
 def depth_curve(loss_by_loops: Mapping[int, float], train_mean_depth: float,
                 tol: float = 0.005) -> tuple[pd.DataFrame, dict[str, float]]:
-    """A run's loss against depth (``loss_by_loops``, every depth 1..L) as a curve (``loops``, ``loss``, ``series``
-    = "mean M") and its summary row: ``train_mean_depth``, ``plateau_depth``, ``ce_1``, ``ce_at_mean`` (at the
-    rounded training-mean depth), ``ce_max``, ``best_depth`` and ``best_ce``."""
+    """A run's loss at every depth 1..L as a curve (``loops``, ``loss``, ``series``) and its summary row (plateau,
+    CE at 1, at the training-mean depth and at L, the best depth and CE)."""
     loops = sorted(loss_by_loops)
     curve = pd.DataFrame({"loops": loops, "loss": [loss_by_loops[lp] for lp in loops],
                           "series": f"mean {train_mean_depth:g}"})
@@ -182,9 +175,8 @@ def _verdict(key: str, ours: Mapping[str, object]) -> tuple[str, bool]:
 def reproduction_table(ours: Mapping[str, object], seeds: pd.DataFrame | None = None,
                        notes: Mapping[str, str] | None = None,
                        intervals: Mapping[str, tuple[float, float]] | None = None) -> pd.DataFrame:
-    """One row per claim of :data:`PAPER`: the claim, the paper's value, ours (with ``intervals[key]``), the
-    across-seed mean and t-interval where ``seeds`` (:func:`across_seeds`) has the key, the criterion, the verdict
-    and why (``notes[key]``)."""
+    """One row per claim of :data:`PAPER`: the paper's value, ours (with ``intervals``), across ``seeds``, the
+    criterion, the verdict and why (``notes``)."""
     rows = []
     for c in PAPER:
         text, ok = _verdict(c.key, ours)
@@ -203,9 +195,7 @@ def reproduction_table(ours: Mapping[str, object], seeds: pd.DataFrame | None = 
 
 
 def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
-    """Per claim, a sentence on why ours agrees or differs, from the numbers (``ours`` as for
-    :func:`reproduction_table`, optionally with ``kl_end_same_parity`` / ``kl_end_other_parity``, ``uniform_depth``
-    and ``oracle_depth``); ``scale`` names our model and data."""
+    """Per claim, a sentence on why ours agrees or differs, from the numbers; ``scale`` names our model and data."""
     g, notes = ours.get, {}
     paper_scale = "the paper's 135M-parameter model trained on FineWeb-Edu"
     kl2, kl16 = float(g("kl_2")), float(g("kl_16"))
@@ -221,8 +211,7 @@ def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
                              "whose loop-2 KL is smaller also settles earlier")
     notes["frac_updating"] = "share of tokens whose convergence depth exceeds the training-mean depth"
     notes["class_order"] = ("mean convergence depth per class of decoded text (drc_core.analysis.tokens), CIs over "
-                            "documents; "
-                            "the document-boundary token (special) is left out of the comparison")
+                            "documents; the document-boundary token (special) is left out of the comparison")
     ud, kd = float(g("uniform_depth", math.nan)), float(g("kl_rule_depth"))
     od = g("oracle_depth")
     notes["kl_rule_depth"] = (
@@ -239,8 +228,8 @@ def explain(ours: Mapping[str, object], scale: str) -> dict[str, str]:
 
 
 def runs_table(root: str | Path) -> pd.DataFrame:
-    """One row per training run under ``root`` with a ``<run>/eval.json``: parameters, training tokens and minutes,
-    CE at 1, 8 and 32 loops and CE(1) - CE(8), successive KL at loops 2, 8 and 16, bits per byte per source at 8."""
+    """One row per training run under ``root`` with an ``eval.json``: size, tokens, minutes, CE and KL by loop, bits
+    per byte per source at 8."""
     root = Path(root)
     rows = []
     for f in sorted(root.glob("*/eval.json")):
@@ -268,9 +257,7 @@ def runs_table(root: str | Path) -> pd.DataFrame:
 
 def ours_from(training: Training, convergence: Convergence, token_types: TokenTypes, halting: Halting,
               max_loops: int) -> tuple[dict[str, object], dict[str, tuple[float, float]], str]:
-    """``(ours, intervals, scale)`` for :func:`reproduction_table` and :func:`explain` from notebooks 01-04: the
-    claims' values (matching depths NaN where absent), KL(p_L || p_l) at l = L-2 and L-1 (which tell a 2-cycle
-    from slow convergence), the bootstrap intervals of the first four, and the model's scale."""
+    """``(ours, intervals, scale)`` for :func:`reproduction_table` and :func:`explain` from notebooks 01-04."""
     kl_by, ce = convergence.kl_by_loop, convergence.ce_by_loop
     kl16 = min(16, max_loops)
     last = max(convergence.kl_final_by_loop)
@@ -295,9 +282,8 @@ def ours_from(training: Training, convergence: Convergence, token_types: TokenTy
 
 def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce: float,
                       previous: str = "the previous reference") -> pd.DataFrame:
-    """The targets for a reference model, from notebooks 02 and 04 (R: the reference depth): depth gain, a deep CE
-    0.1 nats below ``previous_ce`` (``previous``'s CE at 8 on the same windows), uniform depth needing loops, a fixed
-    point; then the headline (the KL rule against the uniform depth of equal quality), without a threshold."""
+    """A reference model's targets from notebooks 02 and 04 (depth gain, a deep CE 0.1 nats below ``previous_ce``,
+    uniform depth needing loops, a fixed point), then the headline."""
     R = halting.reference_loops
     ce = convergence.ce_by_loop
     ce1, ceR = ce[1].value, ce[R].value
@@ -327,9 +313,8 @@ def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce
 
 
 def scale_table(root: str | Path) -> pd.DataFrame:
-    """One row per run of ``scripts/depth_scale.py`` under ``root``, by name: its setting (width, R, backprop depth,
-    tokens, passes, minutes), validation CE at 1, 4, 8, R and 32 loops, the gain CE(1) - CE(R), the matching uniform
-    depth (also / R), successive KL at 2, 16 and 2R, train CE at R, validation - train, and the training gain."""
+    """One row per run of ``scripts/depth_scale.py`` under ``root``: its setting, CE and KL by loop, the gain CE(1) -
+    CE(R), the matching uniform depth and the train CE."""
     rows = []
     for f in sorted(Path(root).glob("*/summary.json")):
         r = json.loads(f.read_text())
@@ -364,10 +349,8 @@ SCALE_LEVERS: tuple[tuple[str, str, str], ...] = (
 
 
 def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = SCALE_LEVERS) -> pd.DataFrame:
-    """What each (lever, baseline, changed) of the depth-scale grid whose runs are both in ``grid`` changes: CE at 1
-    loop and at R, the gain CE(1) - CE(R), the matching depth / R, validation - train, and the changed run's
-    training gain. ``deep share`` = -``d CE@R`` / ``d gain``: the part of a grown gain due to a better deep model (>
-    1: the shallow model improved too; < 0.5: mostly a worse shallow one; NaN where the gain did not grow)."""
+    """What each (lever, baseline, changed) of the grid with both runs changes; ``deep share`` = -``d CE@R`` / ``d
+    gain`` is the part of a grown gain due to a better deep model (NaN where the gain did not grow)."""
     rows = []
     for lever, base, changed in levers:
         if base not in grid.index or changed not in grid.index:
@@ -397,29 +380,22 @@ def _saved_text(iv) -> str:
 
 def depth_gain_side_by_side(halting: Halting, known: KnownDepth | None,
                             families: Sequence[str] = GAIN_FAMILIES) -> pd.DataFrame:
-    """Loops saved per family against the uniform depth of equal quality, on natural text (notebook 04) beside the
-    known-depth model's window sets (notebook 06): the first row that uniform depth, then ``saved [95% CI]``."""
+    """Loops saved per family against the uniform depth of equal quality (first row), on natural text beside the
+    known-depth model's window sets."""
     sets = {"natural text": halting.gap_intervals}
     if known is not None:
         sets.update({f"controlled depth: {name}": g for name, g in known.gaps.items()})
-    rows = []
-    first = {}
-    for col, gaps in sets.items():
-        any_gap = next(iter(gaps.values()), None)
-        first[col] = f"{any_gap['uniform_depth'].value:.2f} loops" if any_gap else ""
-    rows.append({"family": "uniform depth of equal quality", **first})
+    uniform = {c: f"{next(iter(g.values()))['uniform_depth'].value:.2f} loops" if g else "" for c, g in sets.items()}
+    rows = [{"family": "uniform depth of equal quality", **uniform}]
     for fam in families:
-        row = {"family": f"{fam}: loops saved"}
-        for col, gaps in sets.items():
-            row[col] = _saved_text(gaps[fam]["saved_frac"]) if fam in gaps else ""
-        rows.append(row)
+        rows.append({"family": f"{fam}: loops saved",
+                     **{col: _saved_text(g[fam]["saved_frac"]) if fam in g else "" for col, g in sets.items()}})
     return pd.DataFrame(rows)
 
 
 def known_depth_targets(known: KnownDepth) -> pd.DataFrame:
-    """The controlled-depth targets, measured: Spearman(k, convergence depth) >= 0.6; on the mixed validation
-    windows the oracle saves >= 40% of the matched-uniform loops and the KL rule >= 25% (interval above 0); answer
-    accuracy >= 90% at R loops for every k."""
+    """The controlled-depth targets: depth follows k, the oracle and the KL rule save loops, the lookups are
+    learned."""
     mixed = known.gaps.get("mixed validation", {})
     nan = Interval(math.nan, math.nan, math.nan)
     orc = mixed.get("oracle", {}).get("saved_frac", nan)
@@ -440,14 +416,9 @@ def known_depth_targets(known: KnownDepth) -> pd.DataFrame:
                          for t, c, m, ok in rows])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Notebook 07's side experiments: seeds and mean depths of the small preset, two scales of the reference
-
-
 def side_run(runs_dir: str | Path, corpus_dir: str | Path, *, prefix: str, preset_name: str,
              overrides: Sequence[str], mean: float, seed: int) -> tuple[str, Any, Any]:
-    """``(name, model, config)`` of the side run ``<runs_dir>/<prefix>-mean<mean>-seed<seed>``, shipped or trained
-    there."""
+    """``(name, model, config)`` of the side run ``<runs_dir>/<prefix>-mean<mean>-seed<seed>``."""
     name = f"{prefix}-mean{mean:g}-seed{seed}"
     weights, cfg = provide_run(Path(runs_dir) / name, corpus_dir, preset_name=preset_name,
                                overrides=[*overrides, f"seed={seed}", f"recurrence.mean={mean:g}"])
@@ -456,8 +427,7 @@ def side_run(runs_dir: str | Path, corpus_dir: str | Path, *, prefix: str, prese
 
 def plateau_curves(models: Sequence[tuple[float, Any, Any]], corpus: Corpus, n_windows: int, max_loops: int,
                    tol: float) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Loss at every loop 1..``max_loops`` of each ``(training-mean depth, model, config)`` on the same windows, and
-    where each curve flattens: the curves (one frame) and the :func:`depth_curve` rows."""
+    """The loss curves of each ``(training-mean depth, model, config)`` and their :func:`depth_curve` rows."""
     curves, rows = [], []
     loops = list(range(1, max_loops + 1))
     for mean, model, cfg in models:
@@ -470,8 +440,7 @@ def plateau_curves(models: Sequence[tuple[float, Any, Any]], corpus: Corpus, n_w
 
 def two_scales(previous: str | Path, model: Any, convergence: Convergence, halting: Halting, windows: Any,
                max_loops: int, tol: float) -> tuple[list[tuple[pd.DataFrame, dict]], pd.DataFrame]:
-    """The previous reference (``previous``) beside this one at every loop on ``windows`` (notebook 02's CE by loop
-    reused when it covers them), and :func:`reference_targets`."""
+    """The previous reference beside this one at every loop on ``windows``, and :func:`reference_targets`."""
     loops = list(range(1, max_loops + 1))
     prev_curve = loss_by_depth(open_run(previous).load_model(), windows, loops)
     same = convergence.n_tokens == windows[:, 1:].numel()
@@ -489,8 +458,7 @@ def two_scales(previous: str | Path, model: Any, convergence: Convergence, halti
 
 
 def lever_summary(effects: pd.DataFrame, grid: pd.DataFrame) -> str:
-    """Which levers raise the gain from depth beyond seed noise mostly through a better deep model, and the grid's
-    largest gain and matching depth against their targets."""
+    """The levers that raise the gain from depth mostly through a better deep model, and the grid's best values."""
     both = effects[(effects["d gain"] > 0.03) & (effects["deep share"] > 0.5)]
     named = [f"{k} ({r['d CE@R']:+.3f} nats at R, gain {r.gain:.3f})" for k, r in both.iterrows()]
     top = grid["CE(1)-CE(R)"].idxmax()

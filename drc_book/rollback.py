@@ -18,11 +18,8 @@ MANIFEST_FORMAT = 2
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -31,17 +28,10 @@ def _inside(path: Path, root: Path) -> bool:
 
 
 class Rollback:
-    """What a notebook may change, kept so that a failed, interrupted or killed notebook changes nothing: every file
-    under its ``results_dir`` (results, figure JSON) and the files directly in its ``work_dir`` (frames), copied
-    before it runs; :meth:`undo` puts them back and removes the files it added there. (The directories below
-    ``work_dir`` -- the model, training runs -- are written atomically and under their own locks.) Symbolic links
-    and lock files (``.<name>.lock``) in those directories are neither kept nor removed.
-
-    The copies and a manifest (written last, atomically: each kept file by its directory, its path inside it and the
-    sha256 of its copy) stay on disk while the notebook runs, so that when the runner itself is killed (SIGKILL,
-    power) the next run of the profile finds them and undoes the notebook first (:meth:`recover`). A manifest is
-    untrusted input there: it is followed only when every directory it names is one of the profile's own output
-    directories, every path stays inside its directory and every copy inside the backup with the recorded hash."""
+    """Copies of what a notebook may change (every file under its ``results_dir``, the files directly in its
+    ``work_dir``; not links nor lock files), so that :meth:`undo` puts them back and removes what it added. The copies
+    and their manifest (written last: directory, path and sha256 of each) stay on disk while it runs, so that the next
+    run undoes a killed one (:meth:`recover`), trusting the manifest only as far as the checks of :meth:`_checked`."""
 
     MANIFEST = "manifest.json"
 
@@ -69,11 +59,8 @@ class Rollback:
 
     @classmethod
     def recover(cls, backup: Path, allowed: list[Path] | None = None) -> str | None:
-        """Undo the notebook a killed run left half done (the name of that notebook), or None when there is none.
-        Copies without a manifest were interrupted before their notebook started: nothing to undo. ``allowed``: the
-        directories the manifest may name (the profile's output directories); a manifest that names another, a path
-        outside its directory or a copy that is not the one recorded is a one-line :class:`DrcError` and nothing
-        is undone or removed."""
+        """Undo the notebook a killed run left half done and return its name (None: none). A manifest naming a
+        directory not in ``allowed``, a path outside its directory or another copy is a :class:`DrcError`."""
         manifest = backup / cls.MANIFEST
         name = None
         if manifest.exists() or manifest.is_symlink():
@@ -148,8 +135,7 @@ class Rollback:
 
     @staticmethod
     def _files(d: Path, recursive: bool) -> list[Path]:
-        """The regular files of ``d`` (and below it, when ``recursive``; links are not followed), lock files
-        excluded."""
+        """The regular files of ``d`` (and below it, when ``recursive``), lock files excluded."""
         if not d.is_dir():
             return []
         found = []

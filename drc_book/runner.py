@@ -1,13 +1,9 @@
 """Run the book at a profile's scale, and render it.
 
-``python -m drc_book run --profile P`` converts each notebook source the profiles file (``book/profiles.toml``) lists
-with jupytext, executes it with papermill, the profile's parameters injected (each notebook gets those it declares),
-and moves it to ``OUT/<profile>/<name>.ipynb`` once it has run to the end. A failing cell stops the run with one
-``error:`` line and exit 1, the partial notebook and its kernel's log kept in ``OUT/<profile>/failed/``; after a
-failure, Ctrl-C or SIGTERM what the notebook wrote under its ``results_dir`` and directly in its ``work_dir`` is put
-back (:class:`~drc_book.rollback.Rollback`). One runner per profile (a lock beside ``OUT/<profile>``). ``python -m
-drc_book build --profile P`` renders the executed notebooks with Jupyter Book v1 without re-executing them, with a
-local copy of plotly.js.
+``run --profile P`` executes each notebook ``book/profiles.toml`` lists with papermill, with the parameters it
+declares, into ``OUT/<profile>/<name>.ipynb``. A failing cell: one ``error:`` line, exit 1, the partial notebook and
+kernel log in ``OUT/<profile>/failed/``, and what it wrote undone (:class:`~drc_book.rollback.Rollback`), as after
+Ctrl-C or SIGTERM. One runner per profile. ``build --profile P`` renders the executed notebooks with Jupyter Book v1.
 """
 
 from __future__ import annotations
@@ -78,8 +74,8 @@ class NotebookFailed(DrcError):
 
 @dataclass(frozen=True)
 class Profile:
-    """One scale of the book: ``parameters`` go to every notebook that declares them, ``notebooks[name]``
-    adds or overrides parameters of one notebook; ``env`` is set for the kernels."""
+    """One scale of the book: ``parameters`` for every notebook that declares them, ``notebooks[name]`` for one;
+    ``env`` for the kernels."""
 
     name: str
     description: str = ""
@@ -218,10 +214,8 @@ def _merge_parameters(source: str, injected: str) -> str:
 
 
 def present(nb) -> bool:
-    """Prepare an executed notebook for readers of the book; True when it changed anything. papermill's
-    injected-parameters cell is tagged ``remove-cell`` after its values are written into the notebook's own
-    ``parameters`` cell (one copy of the parameters, with the source's comments and the values that ran), and
-    that cell is tagged ``hide-input`` (collapsed behind a toggle). Idempotent."""
+    """Merge papermill's injected values into the notebook's own ``parameters`` cell (tagged ``hide-input``) and tag
+    the injected cell ``remove-cell``; True when anything changed. Idempotent."""
     changed = False
     params = [c for c in nb.cells if c.cell_type == "code" and "parameters" in _tags(c)]
     for cell in nb.cells:
@@ -238,7 +232,6 @@ def present(nb) -> bool:
 
 
 def _failure_line(name: str, exc: Exception) -> str:
-    """One line for a failed notebook: the cell (index and execution count) and the exception."""
     cell = getattr(exc, "cell_index", None)
     count = getattr(exc, "exec_count", None)
     ename, evalue = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
@@ -250,8 +243,8 @@ def _failure_line(name: str, exc: Exception) -> str:
 
 
 def under_out(value: Any, out: str | Path) -> Any:
-    """A parameter value that names a path under the default output folder (``papermill_runs/...``, e.g. the
-    profile's ``results_dir``) moved under ``out``, so that ``--out`` governs every output; anything else as is."""
+    """A parameter value naming a path under ``papermill_runs/`` moved under ``out`` (``--out`` governs every
+    output); anything else as is."""
     if not isinstance(value, str) or Path(out) == DEFAULT_OUT:
         return value
     parts = Path(value).parts
@@ -267,9 +260,8 @@ OUTPUT_PARAMETERS = ("results_dir", "work_dir")  # where a notebook writes: its 
 
 
 def output_dirs(params: dict[str, Any], cwd: str | Path, notebook: str) -> list[tuple[Path, bool]]:
-    """The directories ``notebook`` writes with ``params`` (already moved under ``--out``): its ``results_dir``
-    (every file below it) and its ``work_dir`` (the files directly in it), each a relative path without ``..``
-    (an absolute one, named by the user, is used as given)."""
+    """``(directory, recursive)`` that ``notebook`` writes with ``params``: its ``results_dir`` (every file below)
+    and ``work_dir`` (the files directly in it); relative ones without ``..``."""
     dirs: dict[Path, tuple[Path, bool]] = {}  # by the resolved path: one directory named twice is one
     for k in OUTPUT_PARAMETERS:
         v = params.get(k)
@@ -286,14 +278,8 @@ def output_dirs(params: dict[str, Any], cwd: str | Path, notebook: str) -> list[
     return list(dirs.values())
 
 
-def _interrupted(name: str, how: str) -> Interrupted:
-    return Interrupted(f"{how} during notebook {name}: what it wrote was undone and the notebooks before it are "
-                       "kept; rerun the command (with --only to continue)")
-
-
 def _kernel_log_manager(log: Path) -> type:
-    """A kernel manager whose kernel writes its stderr to ``log`` instead of the runner's: jupyter's start-up
-    warnings and a kernel's own tracebacks when it is shut down (e.g. on Ctrl-C) stay out of the one-line error."""
+    """A kernel manager whose kernel writes its stderr to ``log``, out of the runner's one-line error."""
     from jupyter_client.manager import AsyncKernelManager
 
     class KernelLogManager(AsyncKernelManager):
@@ -308,9 +294,8 @@ def _kernel_log_manager(log: Path) -> type:
 def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, only: list[str] | None = None,
              overrides: dict[str, Any] | None = None, cwd: str | Path = ".", progress: bool = True,
              kernel: str = "python3") -> dict[str, float]:
-    """Execute the notebooks of ``spec`` (all, or ``only``) at ``profile``'s parameters (plus ``overrides``
-    for every notebook that declares them) into ``out/<profile>/``; returns seconds per notebook and writes
-    them to ``out/<profile>/timings.json``. A failing cell raises :class:`DrcError` (see the module doc)."""
+    """Execute the notebooks of ``spec`` (all, or ``only``) at ``profile``'s parameters plus ``overrides`` into
+    ``out/<profile>/``; returns (and writes to ``timings.json``) seconds per notebook."""
     import jupytext
 
     prof = spec.profile(profile)
@@ -400,16 +385,14 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
                 pm.execute_notebook(str(src), str(partial), parameters=params, kernel_name=kernel,
                                     cwd=str(cwd), progress_bar=progress, log_output=False,
                                     kernel_manager_class=_kernel_log_manager(kernel_log))
-            except KeyboardInterrupt as exc:
+            except (KeyboardInterrupt, PapermillExecutionError) as exc:
                 rollback.undo()
                 rollback.close()
-                raise _interrupted(name, "terminated (SIGTERM)" if isinstance(exc, Terminated) else
-                                   "interrupted (Ctrl-C)") from None
-            except PapermillExecutionError as exc:
-                rollback.undo()
-                rollback.close()
-                if getattr(exc, "ename", "") == "KeyboardInterrupt":  # the kernel got the Ctrl-C first
-                    raise _interrupted(name, "interrupted (Ctrl-C)") from None
+                # (a PapermillExecutionError of a KeyboardInterrupt: the kernel got the Ctrl-C first)
+                if isinstance(exc, KeyboardInterrupt) or getattr(exc, "ename", "") == "KeyboardInterrupt":
+                    how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+                    raise Interrupted(f"{how} during notebook {name}: what it wrote was undone and the notebooks "
+                                      "before it are kept; rerun the command (with --only to continue)") from None
                 failed_dir.mkdir(exist_ok=True)
                 kept = failed_dir / f"{name}.ipynb"
                 shutil.move(str(partial), kept)
@@ -454,8 +437,7 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
 
 
 def _read_timings(path: Path) -> dict[str, float]:
-    """``timings.json`` of a profile (notebook -> seconds), {} when there is none; a damaged one is a one-line
-    :class:`DrcError` (it only records durations: deleting it loses nothing else)."""
+    """``timings.json`` of a profile (notebook -> seconds), {} when there is none."""
     if not path.exists() and not path.is_symlink():
         return {}
     fix = f"delete {path} (it only records how long each notebook took) and rerun"
@@ -470,8 +452,7 @@ def _read_timings(path: Path) -> dict[str, float]:
 
 
 def slowest_cells(nb: Any, top: int = 3) -> list[tuple[int, float, str]]:
-    """The ``top`` code cells of an executed notebook that took longest (papermill's per-cell ``duration``):
-    ``(index among the notebook's cells, seconds, first source line)``, slowest first."""
+    """``(cell index, seconds, first source line)`` of the ``top`` slowest code cells of an executed notebook."""
     cells = [(i, float(c.metadata.get("papermill", {}).get("duration") or 0.0), c.source.strip().split("\n")[0][:60])
              for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     return sorted(cells, key=lambda c: -c[1])[:top]
@@ -493,8 +474,7 @@ def toc_for(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root_di
 
 
 def _copy_static(spec: BookSpec, root_dir: Path) -> None:
-    """The installed plotly's ``plotly.min.js`` and the book's stylesheet (beside the sources) into ``_static/``,
-    where ``_config.yml`` loads them."""
+    """plotly's ``plotly.min.js`` and the book's stylesheet into ``_static/``, where ``_config.yml`` loads them."""
     import plotly
 
     css = spec.source_dir / BOOK_CSS
@@ -512,8 +492,7 @@ def _md_cell(value: object) -> str:
 
 
 def reproduction_markdown(results_dir: str | Path) -> str:
-    """The reproduction table of ``results_dir/07_reproduction.json`` as a Markdown table (claim, paper, ours,
-    across seeds, verdict), or a sentence saying which notebook to run when there is none."""
+    """``results_dir/07_reproduction.json``'s table in Markdown, or a sentence naming the notebook to run."""
     path = Path(results_dir) / "07_reproduction.json"
     if not path.is_file():
         return f"*No reproduction table yet: {path} is written by notebook 07_reproduction of this profile.*\n"
@@ -546,7 +525,7 @@ def _write_landing(spec: BookSpec, profile: str, root_dir: Path, out: str | Path
 
 
 def _present_executed(spec: BookSpec, profile: str, out: str | Path) -> None:
-    """:func:`present` on executed notebooks made before the runner did it (a no-op on presented ones)."""
+    """:func:`present` on executed notebooks made before the runner did it."""
     import nbformat
 
     for name in spec.notebooks:
@@ -567,8 +546,8 @@ def _present_executed(spec: BookSpec, profile: str, out: str | Path) -> None:
 
 def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root_dir: str | Path = ".",
                config: str | Path | None = None, toc: str | Path | None = None) -> Path:
-    """Render ``profile``'s executed notebooks with Jupyter Book v1; returns the ``index.html`` path. Uses
-    ``toc`` when given (the ``reference`` profile's is the top-level ``_toc.yml``), else a generated one."""
+    """Render ``profile``'s executed notebooks with Jupyter Book v1 (``toc``, else a generated one); returns the
+    ``index.html`` path."""
     root_dir = Path(root_dir).resolve()
     missing = [n for n in spec.notebooks if not (Path(out) / profile / f"{n}.ipynb").is_file()]
     if missing:
@@ -604,8 +583,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def render_png(figure_json: str | Path, png: str | Path, width: int = 900, height: int = 500) -> Path:
-    """Draw a plotly figure saved as JSON (``fig.write_json``, e.g. by a notebook into its results) to a PNG with
-    headless Chromium (Debian ``chromium``): how the README's figures are made from the book's own output."""
+    """Draw a plotly figure saved as JSON (``fig.write_json``) to a PNG with headless Chromium."""
     import tempfile
 
     import plotly.io as pio

@@ -1,11 +1,7 @@
-"""Realized speed-up of per-token halting at matched quality: the FLOP proxy ``r / a`` (uniform depth r against a
-rule's average exit loop a) and the honest FLOPs (the work a run really did) beside the clock, in batched evaluation
-and in generation (the dense decoder, step-synchronous ``generate``, continuous depth batching, serving).
-
-Every comparison runs each variant once untimed (warm-up, and the quality of exactly what is timed), then ``rounds``
-interleaved rounds (:func:`drc_book.cost.interleaved`) reported as medians, under ``torch.inference_mode()``. A
-decoder's time per step is (time of n new tokens - time of 1) / (n - 1), so the prompt pass drops out. The other
-checks of notebook 05 are in :mod:`drc_book.speed_checks`, the cost model in :mod:`drc_book.cost`.
+"""Realized speed-up of per-token halting at matched quality: the FLOP proxy ``r / a``, the honest FLOPs (the work a
+run really did) and the clock, in batched evaluation and generation. Every variant runs once untimed (warm-up, and the
+quality of exactly what is timed), then ``rounds`` interleaved rounds (medians, :func:`drc_book.cost.interleaved`); a
+decode step takes (time of n new tokens - time of 1) / (n - 1), so that the prompt pass drops out.
 """
 
 from __future__ import annotations
@@ -81,11 +77,9 @@ Batch = tuple[Tensor, Tensor, Tensor]  # inputs, targets, initial state
 
 @dataclass(frozen=True)
 class SpeedConfig:
-    """What to measure and how (a bad value is a one-line :class:`DrcError`): ``reference_loops`` r is the uniform
-    depth to match (CE within ``ce_tolerance``) and beat; generation decodes ``new_tokens`` after ``prompt_len``
-    tokens of ``gen_rows`` (and each of ``more_gen_rows``) windows; the measurement pass runs ``measure_loops`` on
-    ``measure_windows`` windows; ``clock`` is "wall" or "cpu"; ``presets`` / ``profile`` add Huginn's presets / a
-    profile to :func:`~drc_book.speed_checks.run_speed`."""
+    """What to measure and how (a bad value is a one-line :class:`DrcError`): uniform depth ``reference_loops`` r is
+    the quality to match (CE within ``ce_tolerance``) and the time to beat; ``clock`` is "wall" or "cpu";
+    ``presets`` / ``profile`` add Huginn's presets / a profile to :func:`~drc_book.speed_checks.run_speed`."""
 
     reference_loops: int = 8
     rule_max_loops: int = 16
@@ -127,18 +121,13 @@ class SpeedConfig:
             keep_freed_memory()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Shared pieces
-
-
 def on_device(model: DepthRecurrentLM, ids: object, what: str = "windows", targets: bool = True) -> Tensor:
     """Token ids checked by :func:`drc_core.check_token_ids`, on the model's device."""
     return check_token_ids(model, ids, what, targets=targets).to(next(model.parameters()).device)
 
 
 def timing_batches(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig) -> list[Batch]:
-    """(inputs, targets, s_0) per batch, s_0 drawn as :func:`drc_core.sweep` and :func:`drc_core.loss_by_depth`
-    draw it for the same ``seed`` and ``batch_size``."""
+    """(inputs, targets, s_0) per batch, s_0 drawn as :func:`drc_core.sweep` draws it for the same seed and batch."""
     return [(b.x, b.y, b.initial_state(model)) for b in eval_batches(model, windows, cfg.batch_size, cfg.seed)]
 
 
@@ -151,8 +140,7 @@ def skip_path(rule: HaltingRule) -> str:
 
 
 def rule_specs(rules: Sequence[RuleSpec | HaltingRule], r: int) -> list[RuleSpec]:
-    """Rules as :class:`RuleSpec` (a bare rule: family = its class name, param NaN), distinct by name and from the
-    baseline."""
+    """Rules as :class:`RuleSpec` (a bare rule: its class name, param NaN), distinct and none the baseline."""
     specs = [s if isinstance(s, RuleSpec) else RuleSpec(type(s).__name__, math.nan, s) for s in rules]
     for spec in specs:
         if not isinstance(spec.rule, HaltingRule):
@@ -165,9 +153,8 @@ def rule_specs(rules: Sequence[RuleSpec | HaltingRule], r: int) -> list[RuleSpec
 
 def batched_variants(model: DepthRecurrentLM, rules: Sequence[RuleSpec | HaltingRule], cfg: SpeedConfig, *,
                      skip_uniform: bool = True) -> list[tuple[dict, Callable[[Tensor, Tensor], Any]]]:
-    """``(info, fn(x, s0))`` per variant of batched evaluation: the dense forward at depth r (the baseline),
-    ``skip_forward`` with ``Uniform(r)`` (unless not ``skip_uniform``) and with each rule; ``info`` names it
-    (``family``, ``param``, ``rule``, ``path``, ``baseline``, ``needs_log_probs``)."""
+    """``(info, fn(x, s0))``: the dense forward at depth r (the baseline), then ``skip_forward`` with ``Uniform(r)``
+    (if ``skip_uniform``) and each rule; ``info`` has ``family, param, rule, path, baseline, needs_log_probs``."""
     r = cfg.reference_loops
     uniform = RuleSpec("uniform", float(r), Uniform(r))
     out: list[tuple[dict, Callable[[Tensor, Tensor], Any]]] = [
@@ -182,6 +169,21 @@ def batched_variants(model: DepthRecurrentLM, rules: Sequence[RuleSpec | Halting
     return out
 
 
+def _untimed(model: DepthRecurrentLM, fn: Callable[[Tensor, Tensor], Any], batches: list[Batch], r: int,
+             t_len: int) -> tuple[float, float, float]:
+    """(average exit loop, mean CE, honest FLOPs per token) of one pass of ``fn`` (dense at depth r or skipping)."""
+    loops = ce = flops = 0.0
+    for x, y, s0 in batches:
+        out = fn(x, s0)
+        dense = isinstance(out, Tensor)
+        loops += r * x.numel() if dense else float(out.exit_loop.double().sum())
+        flops += model.flops_per_token(r, t_len) * x.numel() if dense else honest_flops(model, out.work, t_len)
+        ce += ce_sum(out if dense else out.logits, y)
+        del out
+    n = sum(x.numel() for x, _, _ in batches)
+    return loops / n, ce / n, flops / n
+
+
 def speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flops: float) -> dict:
     row["proxy_speedup"] = r / row["avg_loops"]
     row["flop_speedup"] = base_flops / flops
@@ -193,38 +195,20 @@ def speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flo
     return row
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Matched quality
-
-
 @dataclass
 class Matched:
-    """What :func:`matched_rules` returns: ``specs`` (the chosen :class:`RuleSpec` per family), ``table`` (one row
-    per family: the chosen point offline and online, or why none) and ``grid`` (the offline summary of every grid
-    point; ``chosen`` marks the picks)."""
+    """:func:`matched_rules`: the chosen :class:`RuleSpec` per family, one row per family (the chosen point offline
+    and online, or why none) and the offline ``grid`` (``chosen`` marks the picks)."""
 
     specs: list[RuleSpec]
     table: pd.DataFrame
     grid: pd.DataFrame
 
 
-def _online(model: DepthRecurrentLM, batches: list[Batch], rule: HaltingRule, fused: bool) -> tuple[float, float]:
-    """(average exit loop, mean CE) of ``skip_forward`` with ``rule`` over the batches."""
-    loops = ce = 0.0
-    n = 0
-    for x, y, s0 in batches:
-        res = skip_forward(model, x, rule, state=s0, fused=fused)
-        loops += float(res.exit_loop.double().sum())
-        ce += ce_sum(res.logits, y)
-        n += x.numel()
-    return loops / n, ce / n
-
-
 def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
                   log: Log = None) -> Matched:
-    """Each family's lowest-average-depth grid point with CE <= CE(uniform r) + ``ce_tolerance``, swept offline and
-    checked online with ``skip_forward`` (up to ``max_online_tries`` stricter points if it misses). A family with no
-    point within the target offline falls back to its lowest-CE point; ``within_tolerance`` and ``note`` say so."""
+    """Each family's lowest-average-depth grid point with CE <= CE(uniform r) + ``ce_tolerance`` offline, checked
+    online (up to ``max_online_tries`` stricter points if it misses); no point offline: the lowest-CE one."""
     cfg = cfg or SpeedConfig()
     windows = on_device(model, windows)
     r = cfg.reference_loops
@@ -254,7 +238,8 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
             tries = 0
             for _, point in points.head(cfg.max_online_tries).iterrows():
                 spec = by_param[(fam, float(point.param))]
-                loops, ce = _online(model, batches, spec.rule, cfg.fused)
+                loops, ce, _ = _untimed(model, lambda x, s, rule=spec.rule: skip_forward(
+                    model, x, rule, state=s, fused=cfg.fused), batches, r, windows.shape[1] - 1)
                 tries += 1
                 ok = ce <= target
                 if log:
@@ -275,24 +260,17 @@ def matched_rules(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | N
 
 
 def preset_specs(cfg: SpeedConfig, taken: Sequence[RuleSpec] = ()) -> list[RuleSpec]:
-    """Huginn's exit criteria at its default thresholds and ``rule_max_loops`` (family "huginn", param NaN), less
-    any already among ``taken`` (by rule name)."""
+    """Huginn's exit criteria at ``rule_max_loops`` (family "huginn", param NaN), less those among ``taken``."""
     names = {str(t.rule) for t in taken}
     return [RuleSpec("huginn", math.nan, rule) for rule in huginn_presets(cfg.rule_max_loops).values()
             if str(rule) not in names]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Batched evaluation
-
-
 def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                  cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
-    """The variants of :func:`batched_variants` on the same windows and initial states, one row each: ``setting``
-    and the variant's ``info``; ``avg_loops``, ``ce`` (of exactly the timed outputs), ``ce_gap``,
-    ``within_tolerance``; ``seconds``, ``spread``, ``page_faults_per_batch``, ``tokens_per_s``; and the speed-ups over
-    the baseline: ``proxy_speedup`` (r / avg_loops), ``flop_speedup`` (matmul model), ``honest_flops`` and
-    ``honest_speedup`` (the work it really did), ``wallclock_speedup``, ``wall_over_proxy``, ``wall_over_honest``."""
+    """One row per variant of :func:`batched_variants` on the same windows and states: ``setting``, its ``info``,
+    ``avg_loops``, ``ce``, ``ce_gap``, ``within_tolerance``, ``seconds``, ``spread``, ``page_faults_per_batch``,
+    ``tokens_per_s``, ``honest_flops`` and the speed-ups over the baseline (:func:`speed_columns`)."""
     cfg = cfg or SpeedConfig()
     cfg.start()
     windows = on_device(model, windows)
@@ -305,18 +283,8 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
         n_tok = sum(x.numel() for x, _, _ in batches)
         rows = []
         for info, fn in variants:  # untimed pass: warm-up and the quality of exactly what is timed
-            loops = ce = flops = 0.0
-            for x, y, s0 in batches:
-                out = fn(x, s0)
-                logits = out if isinstance(out, Tensor) else out.logits
-                loops += r * x.numel() if isinstance(out, Tensor) else float(out.exit_loop.double().sum())
-                flops += (model.flops_per_token(r, t_len) * x.numel() if isinstance(out, Tensor)
-                          else honest_flops(model, out.work, t_len))
-                ce += ce_sum(logits, y)
-                del out, logits
-            rows.append({"setting": "batched eval", **info, "avg_loops": loops / n_tok, "ce": ce / n_tok,
-                         "honest_flops": flops / n_tok})
-
+            loops, ce, flops = _untimed(model, fn, batches, r, t_len)
+            rows.append({"setting": "batched eval", **info, "avg_loops": loops, "ce": ce, "honest_flops": flops})
         faults: dict[str, list[int]] = {info["rule"]: [] for info, _ in variants}
 
         def run(name: str, fn: Callable[[Tensor, Tensor], Any]) -> Callable[[], None]:
@@ -344,13 +312,9 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
     return pd.DataFrame(rows)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Generation
-
-
 def decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
-    """The prompt (B, T0) on the model's device, checked against ``max_seq_len`` with ``new_tokens`` more, and the
-    initial states (B, T0 + n, d) every generation comparison starts from (seeded by ``cfg.seed``)."""
+    """The prompt (B, T0) on the model's device, checked to fit ``new_tokens`` more, and the seeded initial states
+    (B, T0 + n, d) every generation comparison starts from."""
     prompt = on_device(model, prompt, "prompt", targets=False)
     B, t0 = prompt.shape
     n = cfg.new_tokens
@@ -363,11 +327,16 @@ def decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> t
     return prompt, s0
 
 
+def check_batches(batches: Sequence[int], n: int, empty_ok: bool = False) -> None:
+    if (not batches and not empty_ok) or (batches and (min(batches) < 1 or max(batches) > n)):
+        raise DrcError(f"batches {list(batches)} must lie in 1..{n} (the prompts given); pass more prompts or "
+                       "smaller batches")
+
+
 def decoder_calls(model: DepthRecurrentLM, prompt: Tensor, s0: Tensor, specs: Sequence[RuleSpec], cfg: SpeedConfig,
                   continuous: Callable[[RuleSpec], bool]) -> dict[str, Callable[[int], Any]]:
-    """``call(new)`` decoding ``new`` greedy tokens after ``prompt`` from the first T0 + new initial states of
-    ``s0``, by name: the dense decoder at depth r (``"uniform=r dense decode"``), ``generate`` with each spec (its
-    rule's name), then ``generate_continuous`` with the specs ``continuous`` selects (``"continuous <rule>"``)."""
+    """``call(new)`` decoding ``new`` greedy tokens after ``prompt`` by name: the dense decoder at depth r
+    (``"uniform=r dense decode"``), ``generate`` with each spec, ``"continuous <rule>"`` for the specs selected."""
     r, t0 = cfg.reference_loops, prompt.shape[1]
     calls: dict[str, Callable[[int], Any]] = {
         f"uniform={r} dense decode": lambda new: generate_fixed(model, prompt, new, r, state=s0[:, : t0 + new])}
@@ -380,23 +349,14 @@ def decoder_calls(model: DepthRecurrentLM, prompt: Tensor, s0: Tensor, specs: Se
     return calls
 
 
-def _first_divergence(tokens: Tensor, reference: Tensor) -> float:
-    """Mean over rows of the index of the first new token that differs from ``reference`` (n if none does)."""
-    differ = tokens != reference
-    first = torch.where(differ.any(dim=1), differ.int().argmax(dim=1), tokens.shape[1])
-    return float(first.double().mean())
-
-
 def _step_seconds(full: Sequence[float], first: Sequence[float], n: int) -> float:
-    """Seconds per decode step: (median(full) - median(first)) / (n - 1), or median(full) / n (amortized) should
-    timer noise make that <= 0."""
+    """Seconds per decode step, or median(full) / n should timer noise make the difference <= 0."""
     decode = (median(full) - median(first)) / (n - 1)
     return decode if decode > 0 else median(full) / n
 
 
 def _summary(out: object) -> dict[str, Any]:
-    """What the tables read of a decoder's output: tokens and exit loops (one tensor, or one per request of the
-    continuous decoder), the work done, the mean exit loop of the new tokens and the core steps."""
+    """What the tables read of a decoder's output (a continuous decoder's per request)."""
     if isinstance(out, ContinuousResult):
         return {"tokens": [c.tokens for c in out.completions], "exit_loop": [c.exit_loop for c in out.completions],
                 "work": out.work, "avg_loops": out.new_avg_depth, "steps": out.steps}
@@ -407,8 +367,8 @@ def _summary(out: object) -> dict[str, Any]:
 
 @dataclass
 class DecodeTimes:
-    """One interleaved timing of the decoders (:func:`time_decoding`): ``generation`` (the :func:`time_generation`
-    table of every batch size, column ``rows``) and ``decoders`` (the :func:`time_decoders` table)."""
+    """:func:`time_decoding`: the :func:`time_generation` table of every batch size and the :func:`time_decoders`
+    table."""
 
     generation: pd.DataFrame
     decoders: pd.DataFrame
@@ -416,8 +376,7 @@ class DecodeTimes:
 
 @dataclass
 class _Timed:
-    """The timing of one batch size ``b``: what each call kept of its output, its round times; ``n`` new tokens after
-    a prompt, ``seq_len`` tokens in all."""
+    """One batch size ``b``'s timing: each call's kept output and round times, ``n`` new of ``seq_len`` tokens."""
 
     model: DepthRecurrentLM
     kept: dict[str, dict[str, Any]]
@@ -436,7 +395,6 @@ class _Timed:
 
 
 def _generation_rows(t: _Timed, specs: list[RuleSpec], r: int, t0: int) -> list[dict]:
-    """The :func:`time_generation` rows of one batch size."""
     dense = f"uniform={r} dense decode"
     dense_tokens = t.kept[f"{dense} [n]"]["tokens"][:, t0:]
     rows = [{"setting": "generation", "family": "uniform", "param": float(r), "rule": dense, "path": "dense decode",
@@ -445,12 +403,12 @@ def _generation_rows(t: _Timed, specs: list[RuleSpec], r: int, t0: int) -> list[
              "honest_flops": float(t.model.flops_per_token(r, t.seq_len))}]
     for spec in specs:
         out = t.kept[f"{spec.rule} [n]"]
-        new_tokens = out["tokens"][:, t0:]
+        differ = out["tokens"][:, t0:] != dense_tokens
+        first = torch.where(differ.any(dim=1), differ.int().argmax(dim=1), differ.shape[1])  # n where none differs
         rows.append({"setting": "generation", "family": spec.family, "param": float(spec.param),
                      "rule": str(spec.rule), "path": "generate", "baseline": False,
                      "needs_log_probs": spec.rule.needs_log_probs, "avg_loops": out["avg_loops"],
-                     "same_tokens": float((new_tokens == dense_tokens).double().mean()),
-                     "first_divergence": _first_divergence(new_tokens, dense_tokens),
+                     "same_tokens": float((~differ).double().mean()), "first_divergence": float(first.double().mean()),
                      # the loops a step runs while any row is active: the deepest exit among the rows
                      "loops_run": float(out["exit_loop"][:, t0 - 1 :].max(dim=0).values.double().mean()),
                      "honest_flops": t.work_per_token(str(spec.rule))})
@@ -469,7 +427,6 @@ def _generation_rows(t: _Timed, specs: list[RuleSpec], r: int, t0: int) -> list[
 
 
 def _decoder_rows(t: _Timed, specs: list[RuleSpec], r: int) -> list[dict]:
-    """The :func:`time_decoders` rows of one batch size (none without a continuous decoder)."""
     if not specs:
         return []
     dense = f"uniform={r} dense decode"
@@ -497,16 +454,13 @@ def _decoder_rows(t: _Timed, specs: list[RuleSpec], r: int) -> list[dict]:
 def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                   cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (1, 8, 32),
                   continuous: Sequence[str] | None = None, log: Log = None) -> DecodeTimes:
-    """One interleaved timing per batch size B of ``batches`` (the first B prompts) of greedy decoding by
-    :func:`decoder_calls` with ``Uniform(r)`` and each rule, continuous decoding for the families of ``continuous``
-    (None: all; empty: none): both tables at once (:class:`DecodeTimes`), so that each decoder is timed once. Tokens,
-    exit loops and work come from the first timed round."""
+    """One interleaved timing per batch size B (the first B prompts) of the :func:`decoder_calls` with
+    ``Uniform(r)`` and each rule, continuously for the families of ``continuous`` (None: all): both tables at once,
+    each decoder timed once. Tokens, exits and work come from the first round."""
     cfg = cfg or SpeedConfig()
     cfg.start()
     prompt, s0 = decode_setup(model, prompt, cfg)
-    if not batches or min(batches) < 1 or max(batches) > prompt.shape[0]:
-        raise DrcError(f"batches {list(batches)} must lie in 1..{prompt.shape[0]} (the prompts given); pass more "
-                       "prompts or smaller batches")
+    check_batches(batches, prompt.shape[0])
     n, r = cfg.new_tokens, cfg.reference_loops
     t0 = prompt.shape[1]
     uniform = RuleSpec("uniform", float(r), Uniform(r))
@@ -536,10 +490,9 @@ def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
 
 def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
-    """Greedy ``generate`` with each rule against the dense decoder at depth r (``path`` "dense decode", the
-    baseline) and ``generate`` with ``Uniform(r)``, after the whole ``prompt`` (B, T0): the columns of
-    :func:`time_batched` (no CE) plus ``rows``, ``ms_per_token``, ``prompt_ms``, ``same_tokens`` and
-    ``first_divergence`` (against the dense decoder's tokens) and ``loops_run`` (mean deepest exit per step)."""
+    """``generate`` with ``Uniform(r)`` and each rule against the dense decoder at depth r (the baseline) after the
+    whole ``prompt``: :func:`time_batched`'s columns (no CE), ``rows``, ``ms_per_token``, ``prompt_ms``,
+    ``same_tokens``, ``first_divergence`` (against the dense tokens) and ``loops_run`` (deepest exit per step)."""
     prompt = on_device(model, prompt, "prompt", targets=False)
     return time_decoding(model, prompt, rules, cfg, batches=[prompt.shape[0]], continuous=(), log=log).generation
 
@@ -547,20 +500,17 @@ def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
 def time_decoders(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                   cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (1, 8, 32), log: Log = None
                   ) -> pd.DataFrame:
-    """One row per (batch, rule, path) of the dense decoder, ``generate`` and ``generate_continuous`` with
-    ``Uniform(r)`` and each rule (:func:`time_decoding`): ``avg_loops``, ``ms_per_step``, ``tokens_per_s``,
-    ``x_dense`` (speed-up over the dense decoder), ``honest_flops``, ``flop_speedup``, ``realization`` (x_dense /
-    flop_speedup), ``same_as_generate``, ``spread`` and ``steps``."""
+    """One row per (batch, rule, path) of the dense, ``generate`` and continuous decoders (:func:`time_decoding`):
+    ``avg_loops``, ``ms_per_step``, ``tokens_per_s``, ``x_dense``, ``honest_flops``, ``flop_speedup``,
+    ``realization`` (x_dense / flop_speedup), ``same_as_generate``, ``spread`` and ``steps``."""
     return time_decoding(model, prompt, rules, cfg, batches=batches, log=log).decoders
 
 
 def time_decoder_sets(model: DepthRecurrentLM, prompts: Tensor, rules: Sequence[RuleSpec], cfg: SpeedConfig, *,
                       gen_batches: Sequence[int], decoder_batches: Sequence[int],
                       continuous: Sequence[str]) -> DecodeTimes:
-    """Notebook 05's decoder timings, each decoder timed once: every rule on ``generate`` and the ``continuous``
-    families on both decoders at ``gen_batches``, those families only at the other ``decoder_batches``; batch sizes
-    beyond the prompts left out. The generation table of ``gen_batches``, the decoder table of ``decoder_batches``
-    by batch."""
+    """Notebook 05's decoder timings, each decoder timed once: every rule at ``gen_batches``, the ``continuous``
+    families also at the other ``decoder_batches`` (batch sizes beyond the prompts left out)."""
     gen = [b for b in gen_batches if b <= len(prompts)]
     dec = [b for b in decoder_batches if b <= len(prompts)]
     decoding = [time_decoding(model, prompts, rules, cfg, batches=gen, continuous=continuous)]
@@ -575,9 +525,8 @@ def time_decoder_sets(model: DepthRecurrentLM, prompts: Tensor, rules: Sequence[
 
 def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig | None = None, *,
                      rows: Sequence[int] = (1, 2, 4, 8, 16), log: Log = None) -> pd.DataFrame:
-    """What one core loop of a decode step costs with B rows active, per B of ``rows``: the ``generate_fixed`` step
-    at depth r and at depth 1, ``loop_ms`` = their difference / (r - 1), and the least-squares line loop_ms =
-    ``fixed_ms`` + ``per_row_ms`` x B with ``fixed_share`` (the part that does not shrink when rows exit)."""
+    """What one core loop of a decode step costs with B of ``rows`` active: ``loop_ms`` = (step at depth r - step at
+    depth 1) / (r - 1), and its least-squares line ``fixed_ms`` + ``per_row_ms`` x B with ``fixed_share``."""
     cfg = cfg or SpeedConfig()
     cfg.start()
     n, r = cfg.new_tokens, cfg.reference_loops
@@ -613,10 +562,8 @@ def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig |
 
 
 def decode_prediction(generation: pd.DataFrame, cost: pd.DataFrame) -> pd.DataFrame:
-    """The core-loop speed-up each rule of a generation frame can expect at the decode loop cost (loop = f + p x
-    active rows; a step costs f x its deepest exit + p x the sum of its rows' exits): ``loop_cost_speedup`` = r (f +
-    p B) / (f loops_run + p B avg_loops), an upper bound for rules that also read out every loop. One row per (rows,
-    rule), baselines and ``Uniform(r)`` left out."""
+    """Per (rows, rule) of a generation frame, the core-loop speed-up at the decode loop cost (a step costs f x its
+    deepest exit + p x its rows' exits): ``loop_cost_speedup`` = r (f + p B) / (f loops_run + p B avg_loops)."""
     fixed, per_row = float(cost.fixed_ms.iloc[0]), float(cost.per_row_ms.iloc[0])
     rows = []
     for g in generation[generation.family != "uniform"].itertuples():
@@ -631,11 +578,9 @@ def decode_prediction(generation: pd.DataFrame, cost: pd.DataFrame) -> pd.DataFr
 
 def serving_latency(model: DepthRecurrentLM, prompt: Tensor, rule: HaltingRule, *, slots: int,
                     new_tokens: Sequence[int], cfg: SpeedConfig | None = None, log: Log = None) -> pd.DataFrame:
-    """Requests (the prompts; request i asks for ``new_tokens[i % len(new_tokens)]`` tokens) arriving at once and
-    served ``slots`` at a time: by continuous depth batching (a freed slot takes the next request) and by
-    ``generate`` (batches of ``slots`` requests, each as long as its longest). One row per path with per-request
-    latency percentiles ``p50``, ``p90``, ``p99`` (seconds to the last token), ``seconds`` (all requests) and
-    ``tokens_per_s`` (new tokens asked for); medians over ``rounds`` interleaved rounds."""
+    """Requests (request i asks for ``new_tokens[i % len]`` tokens) arriving at once, served ``slots`` at a time by
+    continuous depth batching and by ``generate`` (batches as long as their longest): per path the latency
+    percentiles ``p50, p90, p99``, ``seconds`` and ``tokens_per_s``."""
     cfg = cfg or SpeedConfig()
     n_max = max(new_tokens)
     prompt, s0 = decode_setup(model, prompt, replace(cfg, new_tokens=n_max))
@@ -673,13 +618,8 @@ def serving_latency(model: DepthRecurrentLM, prompt: Tensor, rule: HaltingRule, 
     return pd.DataFrame(rows)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Targets and tables
-
-
 def skip_overhead(batched: pd.DataFrame) -> float:
-    """The wall-clock speed-up of ``skip_forward`` with ``Uniform(r)`` over the dense forward in a
-    :func:`time_batched` frame: the skipping machinery's cost at equal depth (< 1 is a slowdown)."""
+    """The wall-clock speed-up of ``skip_forward`` with ``Uniform(r)`` over the dense forward (< 1: a slowdown)."""
     row = batched[(batched.family == "uniform") & ~batched.baseline]
     if row.empty:
         raise DrcError("the batched frame has no skip_forward Uniform(r) row: pass the frame of time_batched")
@@ -687,28 +627,22 @@ def skip_overhead(batched: pd.DataFrame) -> float:
 
 
 def targets_met(*frames: pd.DataFrame) -> dict[str, bool]:
-    """``"<setting>: <rule>"`` -> whether that matched rule's wall-clock speed-up reaches ``TARGET_RATIO`` x its FLOP
-    proxy, over :func:`time_batched` / :func:`time_generation` frames."""
+    """``"<setting>: <rule>"`` -> whether its wall-clock speed-up reaches ``TARGET_RATIO`` x its FLOP proxy."""
     rules = pd.concat(frames)
     rules = rules[rules.family != "uniform"]
     return {f"{r.setting}: {r.rule}": bool(r.wall_over_proxy >= TARGET_RATIO) for r in rules.itertuples()}
 
 
 def speed_summary(batched: pd.DataFrame, generation: pd.DataFrame) -> dict[str, Any]:
-    """:func:`skip_overhead`, :func:`targets_met` (Huginn's presets left out) and ``TARGET_RATIO``, as the
-    :class:`~drc_book.handoff.Compute` record names them."""
+    """:func:`skip_overhead`, :func:`targets_met` (Huginn's presets left out) and ``TARGET_RATIO``."""
     return {"skip_overhead_at_equal_depth": skip_overhead(batched),
             "target_met": targets_met(batched[batched.family != "huginn"], generation),
             "target_wall_over_proxy": TARGET_RATIO}
 
 
 def speed_targets(*frames: pd.DataFrame) -> pd.DataFrame:
-    """The speed targets at matched quality, one row per (setting, rule, target) of :func:`time_batched` /
-    :func:`time_generation` frames: the skipping path at equal depth takes <= 1.05 x the dense time; every rule
-    beats uniform depth r and reaches >= 0.9 x its honest-FLOP speed-up; the state-change rule >= 0.9 x its proxy;
-    the KL rule >= 1.5 x in batched evaluation. ``ceiling`` is the value were the clock to follow the honest FLOPs,
-    ``reachable`` whether that meets the threshold (a missed target that is reachable is bound by the
-    implementation, else by the work)."""
+    """One row per (setting, rule, target) of :func:`time_batched` / :func:`time_generation` frames, with the
+    ``ceiling`` (the value were the clock to follow the honest FLOPs) and whether it is ``reachable``."""
     rows = []
 
     def add(setting: str, rule: str, target: str, value: float, threshold: float,
@@ -738,32 +672,31 @@ def speed_targets(*frames: pd.DataFrame) -> pd.DataFrame:
 
 def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] | None = None,
                     batches: Sequence[int] = (8, 32)) -> pd.DataFrame:
-    """The targets on a :func:`time_decoders` table at each batch of ``batches``: every state rule's continuous
-    decoder beats the dense decoder (``x_dense`` > 1) and realizes >= 0.9 of its honest-FLOP speed-up, and
-    continuous batching at equal depth costs <= 1.05 x the dense decoder. One row per check: ``value``, ``target``,
-    ``met``. ``state_families``: default :func:`drc_core.state_families`."""
+    """The targets on a :func:`time_decoders` table at each of ``batches``: each state rule's continuous decoder
+    beats the dense one and realizes >= 0.9 of its honest-FLOP speed-up; at equal depth it costs <= 1.05 x."""
     families = drc_core.state_families() if state_families is None else state_families
     out = []
+
+    def check(b: int, name: str, value: float, target: str, met: bool) -> None:
+        out.append({"batch": b, "check": name, "value": value, "target": target, "met": bool(met)})
+
     cont = table[table.path == "continuous"]
     for b in batches:
         at = cont[cont.batch == b]
         for fam in families:
             for _, row in at[at.family == fam].iterrows():
-                out.append({"batch": b, "check": f"{row.rule}: faster than the dense decoder", "value": row.x_dense,
-                            "target": "> 1", "met": bool(row.x_dense > 1)})
-                out.append({"batch": b, "check": f"{row.rule}: realization", "value": row.realization,
-                            "target": f">= {TARGET_REALIZATION}", "met": bool(row.realization >= TARGET_REALIZATION)})
+                check(b, f"{row.rule}: faster than the dense decoder", row.x_dense, "> 1", row.x_dense > 1)
+                check(b, f"{row.rule}: realization", row.realization, f">= {TARGET_REALIZATION}",
+                      row.realization >= TARGET_REALIZATION)
         for _, row in at[at.family == "uniform"].iterrows():
-            cost = 1 / row.x_dense
-            out.append({"batch": b, "check": "continuous at equal depth: time / dense decoder", "value": cost,
-                        "target": f"<= {TARGET_OVERHEAD}", "met": bool(cost <= TARGET_OVERHEAD)})
+            check(b, "continuous at equal depth: time / dense decoder", 1 / row.x_dense, f"<= {TARGET_OVERHEAD}",
+                  1 / row.x_dense <= TARGET_OVERHEAD)
     return pd.DataFrame(out)
 
 
 def speedup_table(*frames: pd.DataFrame) -> pd.DataFrame:
-    """The non-baseline rows of :func:`time_batched` / :func:`time_generation` frames: ``setting``, ``rule``,
-    ``avg_loops``, ``proxy_speedup``, ``flop_speedup``, ``wallclock_speedup``, ``wall_over_proxy`` (what
-    :func:`drc_book.viz.speedup_bars` draws)."""
+    """The non-baseline rows of :func:`time_batched` / :func:`time_generation` frames, as
+    :func:`drc_book.viz.speedup_bars` draws them."""
     cols = ["setting", "rule", "avg_loops", "proxy_speedup", "flop_speedup", "wallclock_speedup", "wall_over_proxy"]
     rows = pd.concat([f[~f.baseline] for f in frames], ignore_index=True)
     return rows[cols].assign(rule=rows.rule.astype(str)).reset_index(drop=True)

@@ -1,6 +1,5 @@
-"""What notebook 05 and ``bench/adaptive_speed.py`` measure beside the timings of :mod:`drc_book.speed`: the cost of
-the measurement pass, where the time goes (``torch.profiler``), bf16 autocast against fp32, Anderson acceleration of
-the core iteration, and everything of the benchmark in one call (:func:`run_speed`).
+"""Notebook 05's other checks beside :mod:`drc_book.speed`: the measurement pass's cost, where the time goes
+(``torch.profiler``), bf16 against fp32, Anderson acceleration, and the whole benchmark in one call (:func:`run_speed`).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from drc_book.speed import (
     SpeedConfig,
     batched_variants,
     ce_sum,
+    check_batches,
     decode_setup,
     decoder_calls,
     matched_rules,
@@ -53,10 +53,6 @@ __all__ = ["SpeedReport", "anderson_configs", "anderson_summary", "anderson_tabl
            "profile_batched", "profile_generation", "run_speed", "self_cpu_ms"]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The measurement pass
-
-
 def _pass_names(loops: int) -> dict[str, str]:
     """The ``pass`` labels of :func:`measurement_cost`'s rows at ``loops`` loops, by kind."""
     return {"forward": f"forward, depth {loops}", "readout": f"readout every loop, {loops} loops",
@@ -65,10 +61,9 @@ def _pass_names(loops: int) -> dict[str, str]:
 
 def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
                      log: Log = None) -> pd.DataFrame:
-    """The per-token, per-loop measurement pass (``measure_windows`` without and with ``kl_to_final``) against one
-    forward at the same depth and a bare every-loop readout pass (the floor of any per-loop statistic), on the first
-    ``measure_windows`` windows: ``seconds``, ``spread``, ``x_forward``, ``x_readout_pass`` and
-    ``target_as_worded`` (<= 1.2 x the forward)."""
+    """``measure_windows`` (without and with ``kl_to_final``) against one forward at the same depth and a bare
+    every-loop readout pass, on the first ``measure_windows`` windows: ``seconds``, ``spread``, ``x_forward``,
+    ``x_readout_pass`` and ``target_as_worded`` (<= 1.2 x the forward)."""
     cfg = cfg or SpeedConfig()
     cfg.start()
     windows = on_device(model, windows)[: cfg.measure_windows]
@@ -105,8 +100,8 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
 
 
 def measurement_pass(measurement: pd.DataFrame, kind: str) -> pd.Series:
-    """The row of one pass of a :func:`measurement_cost` frame: ``kind`` "forward", "readout" (every loop),
-    "measure" or "measure_kl_final" (``measure_windows`` without / with the deepest-output KL, as notebook 02)."""
+    """The row of ``kind`` ("forward", "readout", "measure" or "measure_kl_final") of a :func:`measurement_cost`
+    frame."""
     names = _pass_names(int(measurement.loops.iloc[0]))
     if kind not in names:
         raise DrcError(f"kind={kind!r} is not a measurement pass; use one of {', '.join(names)}")
@@ -114,15 +109,11 @@ def measurement_pass(measurement: pd.DataFrame, kind: str) -> pd.Series:
 
 
 def measurement_summary(measurement: pd.DataFrame) -> dict[str, float]:
-    """The measurement pass (with the deepest-output KL) against one forward and the bare every-loop readout pass,
-    and that readout pass against one forward."""
+    """The measurement pass (``kl_to_final``) and the readout pass against one forward, and the one against the
+    other."""
     full, floor = measurement_pass(measurement, "measure_kl_final"), measurement_pass(measurement, "readout")
     return {"measurement_x_forward": float(full.x_forward), "measurement_x_readout_pass": float(full.x_readout_pass),
             "readout_pass_x_forward": float(floor.x_forward)}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Where the time goes
 
 
 _OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
@@ -133,17 +124,9 @@ _OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
                                    "aten::nonzero", "aten::scatter", "aten::masked_fill", "aten::bincount")))
 
 
-def _op_kind(name: str) -> str:
-    for kind, prefixes in _OP_KINDS:
-        if any(p in name for p in prefixes):
-            return kind
-    return "other (norms, RoPE, MLP activation, adds, copies)"
-
-
 @contextmanager
 def _quiet_fd2() -> Iterator[None]:
-    """File descriptor 2 to /dev/null for the block: torch's C++ profiler writes a ``USDT: ... profiler_start`` /
-    ``profiler_stop`` line there, which would land in a notebook's output."""
+    """File descriptor 2 to /dev/null: torch's C++ profiler writes a ``USDT`` line there, into a notebook's output."""
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -157,9 +140,8 @@ def _quiet_fd2() -> Iterator[None]:
 
 
 def self_cpu_ms(prof: object) -> dict[str, tuple[float, int]]:
-    """``{op name: (self CPU ms, calls)}`` of a finished CPU ``torch.profiler.profile``: what
-    ``prof.key_averages()`` gives as ``self_cpu_time_total`` and ``count`` (an op's duration less that of the ops
-    nested directly in it on its thread), read from the raw events without building the Python event tree."""
+    """``{op name: (self CPU ms, calls)}`` of a finished CPU profile, as ``prof.key_averages()`` counts them, read
+    from the raw events without building the Python event tree."""
     from torch.autograd import DeviceType
 
     threads: dict[int, list[tuple[int, int, str]]] = {}
@@ -191,8 +173,7 @@ def self_cpu_ms(prof: object) -> dict[str, tuple[float, int]]:
 
 
 def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``torch.profiler`` over one call of each variant after an untimed one: ``(kinds, ops)`` of
-    :func:`profile_batched`."""
+    """``torch.profiler`` over one call of each variant after an untimed one: :func:`profile_batched`'s result."""
     from torch.profiler import ProfilerActivity, profile
 
     kinds, ops = [], []
@@ -204,7 +185,9 @@ def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.Da
         total = sum(ms for ms, _ in events.values())
         by_op_kind: dict[str, list[float]] = {}
         for op, (ms, calls) in events.items():
-            acc = by_op_kind.setdefault(_op_kind(op), [0.0, 0.0])
+            kind = next((k for k, prefixes in _OP_KINDS if any(p in op for p in prefixes)),
+                        "other (norms, RoPE, MLP activation, adds, copies)")
+            acc = by_op_kind.setdefault(kind, [0.0, 0.0])
             acc[0] += ms
             acc[1] += calls
         for kind, (ms, calls) in sorted(by_op_kind.items(), key=lambda kv: -kv[1][0]):
@@ -218,10 +201,8 @@ def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.Da
 
 def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, top: int = 8) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``torch.profiler`` over one batch (the first ``batch_size`` windows) of each variant of
-    :func:`drc_book.speed.batched_variants`. ``(kinds, ops)``: per variant and kind of op (matmul, attention, readout
-    statistics, gather / scatter, other, and a ``total`` row) ``ms`` (self CPU time), ``calls`` and ``share``; and the
-    ``top`` ops of each variant by self CPU time (``op``, ``ms``, ``calls``, ``share``)."""
+    """``torch.profiler`` over one batch of each :func:`~drc_book.speed.batched_variants`: ``(kinds, ops)``, self CPU
+    ``ms``, ``calls`` and ``share`` per variant and kind of op (and a ``total`` row), and per op of the ``top``."""
     cfg = cfg or SpeedConfig()
     cfg.start()
     windows = on_device(model, windows)
@@ -235,9 +216,8 @@ def profile_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[Ru
 def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                        cfg: SpeedConfig | None = None, *, top: int = 8,
                        continuous: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """As :func:`profile_batched`, over ``new_tokens`` greedy tokens after ``prompt`` (B, T0) by the decoders of
-    :func:`drc_book.speed.decoder_calls`: the dense decoder at depth r, ``generate`` with ``Uniform(r)`` and each
-    rule, and with ``continuous`` also ``generate_continuous`` with each rule."""
+    """As :func:`profile_batched`, over ``new_tokens`` tokens by each :func:`~drc_book.speed.decoder_calls` (the
+    continuous decoders with ``continuous``)."""
     cfg = cfg or SpeedConfig()
     cfg.start()
     prompt, s0 = decode_setup(model, prompt, cfg)
@@ -250,16 +230,14 @@ def profile_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[
 
 
 def by_kind(kinds: pd.DataFrame) -> pd.DataFrame:
-    """A profile's ``kinds`` as one row per variant: self CPU ms by kind of op, ``matmul_calls`` and ``ops`` (all
-    calls)."""
+    """A profile's ``kinds``, one row per variant: self CPU ms by kind of op, ``matmul_calls`` and ``ops``."""
     ms = kinds.pivot_table(index="variant", columns="kind", values="ms", sort=False)
     calls = kinds.pivot_table(index="variant", columns="kind", values="calls", sort=False)
     return ms.round(0).assign(matmul_calls=calls["matmul"], ops=calls["total"])
 
 
 def aten_calls(fn: Callable[[], object]) -> int:
-    """The aten operator calls of one call of ``fn`` under ``torch.profiler`` (CPU), counted as :func:`self_cpu_ms`
-    counts them (a redispatch to an op of its own name is one call), whatever their time: a count, not a timing."""
+    """The aten operator calls of one call of ``fn``, counted as :func:`self_cpu_ms` counts them."""
     from torch.profiler import ProfilerActivity, profile
 
     with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -269,19 +247,13 @@ def aten_calls(fn: Callable[[], object]) -> int:
 
 def decode_op_calls(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                     cfg: SpeedConfig | None = None, *, batches: Sequence[int] = (8, 32)) -> pd.DataFrame:
-    """Aten operator calls per generated token of the step-synchronous decoder (``generate``) and the continuous one
-    (``generate_continuous``) with each rule, per batch size B of ``batches`` (the first B prompts; the decoders,
-    initial states and ``cfg.fused`` of :func:`drc_book.speed.decoder_calls`): the calls of a generation of
-    ``cfg.new_tokens`` n tokens minus those of one, over B (n - 1), so that the prompt pass drops out, each counted
-    after an uncounted warm-up call (:func:`aten_calls`). A count, not a time: the per-step overhead that bounds the
-    decoders at small batches, whatever the machine's load. One row per (batch, rule): ``generate``, ``continuous``
-    and ``ratio`` (continuous / generate); no rows for no batch sizes."""
+    """Aten operator calls per new token of ``generate`` and ``generate_continuous`` with each rule at each batch
+    size B (the first B prompts): (calls for n tokens - calls for 1) / (B (n - 1)), after a warm-up. A count, not a
+    time: the per-step overhead, whatever the machine's load. One row per (batch, rule) with their ``ratio``."""
     cfg = cfg or SpeedConfig()
     prompt, s0 = decode_setup(model, prompt, cfg)
     n, r = cfg.new_tokens, cfg.reference_loops  # (SpeedConfig holds new_tokens >= 2)
-    if batches and (min(batches) < 1 or max(batches) > len(prompt)):
-        raise DrcError(f"batches {list(batches)} must lie in 1..{len(prompt)} (the prompts given); pass more "
-                       "prompts or smaller batches")
+    check_batches(batches, len(prompt), empty_ok=True)
     rows = []
     with torch.inference_mode():
         model.eval()
@@ -299,27 +271,16 @@ def decode_op_calls(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[Rul
     return pd.DataFrame(rows, columns=["batch", "rule", "family", "generate", "continuous", "ratio"])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# bf16 and Anderson acceleration
-
-
 def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                cfg: SpeedConfig | None = None, *, log: Log = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The dense forward and ``skip_forward`` with each rule in fp32 and under bf16 autocast, same windows and
-    states. ``(variants, kl)``: per (rule, precision) ``avg_loops``, ``ce``, ``same_exit`` (share of exits equal to
-    fp32's), ``seconds`` and ``x_fp32_time``; per loop 2..r the relative error of the successive KL under bf16
-    (median, 90th percentile) beside the fp32 median KL."""
+    """The dense forward and ``skip_forward`` with each rule in fp32 and under bf16 autocast: ``(variants, kl)``, per
+    (rule, precision) ``avg_loops``, ``ce``, ``same_exit`` (share of fp32's exits), ``seconds``, ``x_fp32_time``;
+    per loop 2..r the relative error of the successive KL under bf16 beside the fp32 median KL."""
     cfg = cfg or SpeedConfig()
     cfg.start()
     windows = on_device(model, windows)
     r = cfg.reference_loops
     device = windows.device
-
-    def under(bf16: bool, fn: Callable[[], object]) -> Callable[[], object]:
-        def go() -> object:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                return fn()
-        return go
 
     rows, variants = [], {}
     with torch.inference_mode():
@@ -330,9 +291,10 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
         for info, fn in batched_variants(model, rules, cfg, skip_uniform=False):
             name = info["rule"]
             for bf16 in (False, True):
-                def run(fn: Callable[[Tensor, Tensor], object] = fn) -> list:
-                    return [fn(x, s0) for x, _, s0 in batches]
-                outs = under(bf16, run)()
+                def run(fn: Callable[[Tensor, Tensor], object] = fn, bf16: bool = bf16) -> list:
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                        return [fn(x, s0) for x, _, s0 in batches]
+                outs = run()
                 ce = sum(ce_sum(o if isinstance(o, Tensor) else o.logits, y)
                          for o, (_, y, _) in zip(outs, batches, strict=True)) / n_tok
                 exits = [torch.full(x.shape, r) if isinstance(o, Tensor) else o.exit_loop
@@ -344,7 +306,7 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
                 rows.append({"rule": name, "precision": "bf16" if bf16 else "fp32",
                              "avg_loops": sum(float(e.double().sum()) for e in exits) / n_tok, "ce": ce,
                              "same_exit": same / n_tok, "label": label})
-                variants[label] = under(bf16, run)
+                variants[label] = run
                 del outs
         times = interleaved(variants, cfg.rounds, log, "bf16 check", cfg.clock)
         x, _, s0 = batches[0]
@@ -365,9 +327,8 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
 
 def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: str = "sequence",
                      damped: Sequence[float] = (0.85,)) -> dict[str, AndersonConfig]:
-    """By label, plain first: plain iteration, damped plain iteration ``x' = b f(x) + (1 - b) x`` for each ``b`` of
-    ``damped`` (same fixed points, no mixing; it turns a period-2 oscillation into a contraction) and Anderson
-    acceleration with each window ``m`` of ``ms`` (damping ``beta``, ``scope``)."""
+    """By label: plain iteration, damped ``x' = b f(x) + (1 - b) x`` for each ``b`` of ``damped`` (it turns a
+    period-2 oscillation into a contraction) and Anderson acceleration with each window of ``ms``."""
     configs = [PLAIN, *(AndersonConfig(m=0, beta=b) for b in damped),
                *(AndersonConfig(m=m, beta=beta, scope=scope) for m in ms)]
     return {c.label: c for c in configs}
@@ -376,11 +337,9 @@ def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: st
 def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, AndersonConfig], *,
                    max_evals: int = 16, ref_loops: int = 32, at_evals: int = 8, batch_size: int = 16,
                    time_rounds: int = 3) -> pd.DataFrame:
-    """One row per config: mean core evaluations per token until the successive KL stays below 1e-3 and 1e-5
-    within ``max_evals`` (:func:`drc_book.fixed_point.fixed_point_costs`, reference: plain iteration at
-    ``ref_loops``), CE and KL to the reference after ``at_evals`` <= ``max_evals`` evaluations, the mean successive KL
-    at the last evaluation (``kl_prev_at_<max_evals>``, the KL floor) and seconds per core evaluation on the first
-    batch (no readout)."""
+    """One row per config (:func:`drc_book.fixed_point.fixed_point_costs`): mean core evaluations until the
+    successive KL stays below 1e-3 and 1e-5, CE and KL to the reference after ``at_evals``, the successive KL at
+    ``max_evals`` (the floor) and seconds per core evaluation (no readout)."""
     if not 1 <= at_evals <= max_evals:
         raise DrcError(f"at_evals={at_evals} must lie in 1..max_evals={max_evals}: compare the methods at an "
                        "evaluation count the pass reaches")
@@ -408,9 +367,8 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
 
 
 def anderson_summary(anderson: pd.DataFrame) -> str:
-    """What an :func:`anderson_table` says, in lines: each damped plain iteration against plain iteration, then the
-    Anderson windows' range and the time to 1e-5 of the best of them (evaluations x time per evaluation) against
-    plain iteration's."""
+    """An :func:`anderson_table` in lines: each damped iteration against plain, then the Anderson windows' range and
+    the best one's time to 1e-5 against plain iteration's."""
     plain = anderson.iloc[0]
     acc = anderson[anderson.method.str.startswith("anderson")]
     lines = [f"{row.method}: evaluations to 1e-5 {row['evals_kl_1e-5']:.2f} (plain {plain['evals_kl_1e-5']:.2f}), "
@@ -427,15 +385,10 @@ def anderson_summary(anderson: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Everything in one call
-
-
 @dataclass
 class SpeedReport:
-    """What :func:`run_speed` returns: the config, the matching, the batched frame (matched rules, then Huginn's
-    presets if asked), the generation frame (one block of rows per batch size), the measurement pass, the speed
-    targets and, if asked, the profile of one batch (``profile_kinds``, ``profile_ops``)."""
+    """:func:`run_speed`'s result: the config, the matching, the batched, generation (by ``rows``) and measurement
+    frames, the speed targets and, if asked, the profile of one batch."""
 
     config: SpeedConfig
     matched: Matched
@@ -463,10 +416,9 @@ class SpeedReport:
 
 def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None = None, *,
               log: Log = None) -> SpeedReport:
-    """:func:`~drc_book.speed.matched_rules`, then :func:`~drc_book.speed.time_batched` with the matched rules (and
-    Huginn's presets with ``presets``), :func:`~drc_book.speed.time_generation` with them for ``gen_rows`` and each
-    of ``more_gen_rows`` prompts (the first ``prompt_len`` tokens of the first windows), :func:`measurement_cost`,
-    :func:`~drc_book.speed.speed_targets` and, with ``profile``, :func:`profile_batched`."""
+    """Matching, then :func:`~drc_book.speed.time_batched` (Huginn's presets too with ``presets``) and
+    :func:`~drc_book.speed.time_generation` for ``gen_rows`` and each of ``more_gen_rows`` prompts,
+    :func:`measurement_cost`, the speed targets and, with ``profile``, :func:`profile_batched`."""
     cfg = cfg or SpeedConfig()
     windows = on_device(model, windows)
     most = max((cfg.gen_rows, *cfg.more_gen_rows))

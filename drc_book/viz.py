@@ -23,11 +23,6 @@ HEIGHT, LOG_FLOOR, NAN_COLOR = plotting.HEIGHT, plotting.LOG_FLOOR, plotting.NAN
 CONVERGED_COLOR, UPDATING_COLOR = plotting.CONVERGED_COLOR, plotting.UPDATING_COLOR
 
 
-def _rgba(color: str, alpha: float) -> str:
-    r, g, b = pcolors.hex_to_rgb(color) if color.startswith("#") else pcolors.unlabel_rgb(color)
-    return f"rgba({int(r)}, {int(g)}, {int(b)}, {alpha})"
-
-
 def _floats(values) -> np.ndarray:
     return np.asarray(values, dtype=float)
 
@@ -51,7 +46,9 @@ def _band(fig: go.Figure, x, lo, hi, color: str, name: str, *, log: bool = False
         return
     common = {"mode": "lines", "line": {"width": 0}, "legendgroup": name, "showlegend": False, "hoverinfo": "skip"}
     fig.add_trace(go.Scatter(x=x[ok], y=hi[ok], **common), **where)
-    fig.add_trace(go.Scatter(x=x[ok], y=lo[ok], fill="tonexty", fillcolor=_rgba(color, 0.2), **common), **where)
+    r, g, b = pcolors.hex_to_rgb(color) if color.startswith("#") else pcolors.unlabel_rgb(color)
+    fig.add_trace(go.Scatter(x=x[ok], y=lo[ok], fill="tonexty", fillcolor=f"rgba({int(r)}, {int(g)}, {int(b)}, 0.2)",
+                             **common), **where)
 
 
 def _reference_line(fig: go.Figure, x_min: float, x_max: float, y: float, label: str) -> None:
@@ -61,19 +58,9 @@ def _reference_line(fig: go.Figure, x_min: float, x_max: float, y: float, label:
                              hovertemplate=f"{html.escape(label)}: {y:.4g}<extra></extra>"))
 
 
-def _pow2_ticks(values) -> list[int]:
-    lo, hi = float(np.nanmin(values)), float(np.nanmax(values))
-    return [2**k for k in range(0, 12) if lo <= 2**k <= hi]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Training and depth curves
-
-
 def number_table(df: pd.DataFrame, digits: int = 3):
-    """``df`` as a styled table for a page: columns whose name starts with "KL" (quantities spanning orders of
-    magnitude) in scientific notation, integer-valued columns as integers, other numbers with ``digits``
-    decimals (``DataFrame.round`` would print a KL of 3e-5 as 0.0000)."""
+    """``df`` styled for a page: "KL..." columns in scientific notation, integer-valued ones as integers, other
+    numbers with ``digits`` decimals."""
     fmt: dict[str, str] = {}
     for c in df.columns:
         col = df[c]
@@ -89,13 +76,8 @@ def number_table(df: pd.DataFrame, digits: int = 3):
 
 
 def loss_curves(metrics: pd.DataFrame) -> go.Figure:
-    """Training loss per step (raw, faint, and a rolling mean) and validation loss per step at each eval depth.
-
-    ``metrics`` is ``metrics.jsonl`` as a frame: rows ``kind="train"`` (``step``, ``loss``, ...) and
-    ``kind="eval"`` (``step``, ``loops``, ``loss``); without a ``kind`` column every row is a training row.
-    Each training step ran at its own sampled depth; the validation lines are fixed depths. When there are
-    validation rows the y range is zoomed to them (the first training steps lie above; autoscale shows all).
-    """
+    """Training loss per step (raw and a rolling mean) and validation loss at each eval depth, from
+    ``metrics.jsonl`` as a frame (rows of ``kind`` "train" and "eval"); the y range zoomed to the validation rows."""
     _need_columns(metrics, ("step", "loss"), "metrics.jsonl as a frame (drc_book.workspace.open_model)")
     kind = metrics["kind"] if "kind" in metrics.columns else pd.Series("train", index=metrics.index)
     train = metrics[kind == "train"].dropna(subset=["step", "loss"]).sort_values("step")
@@ -123,8 +105,7 @@ def loss_curves(metrics: pd.DataFrame) -> go.Figure:
 
 
 def loss_vs_depth(table: pd.DataFrame, reference: float | None = None, reference_label: str = "") -> go.Figure:
-    """Loss against the number of loops (log-2 x axis): one line per ``series`` (one line without that column),
-    an interval band where ``lo``/``hi`` are given, and an optional dashed horizontal ``reference`` line."""
+    """Loss against loops (log-2 axis), one line per ``series``, with ``lo``/``hi`` bands and a ``reference`` line."""
     _need_columns(table, ("loops", "loss"), "a table with columns loops, loss (optional series, lo, hi)")
     df = table.reset_index(drop=True)
     series = df["series"].astype(str) if "series" in df.columns else pd.Series("loss", index=df.index)
@@ -140,20 +121,15 @@ def loss_vs_depth(table: pd.DataFrame, reference: float | None = None, reference
     if reference is not None:
         _reference_line(fig, float(df["loops"].min()), float(df["loops"].max()), float(reference),
                         reference_label or "reference")
-    fig.update_xaxes(type="log", tickvals=_pow2_ticks(df["loops"]))
+    lo, hi = float(np.nanmin(df["loops"])), float(np.nanmax(df["loops"]))
+    fig.update_xaxes(type="log", tickvals=[2**k for k in range(0, 12) if lo <= 2**k <= hi])
     return _style(fig, "Validation loss versus loops", xaxis_title="loops at inference",
                   yaxis_title="cross-entropy (nats/token)")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Convergence
-
-
 def per_loop_figure(summary: pd.DataFrame) -> go.Figure:
-    """Two log-scale panels from :func:`drc_core.analysis.measure.per_loop_summary`: the successive KL
-    ``KL(p_l ‖ p_{l−1})`` (and, dashed, the KL to the deepest output ``KL(p_L ‖ p_l)`` when measured), and the
-    relative state change, each with its bootstrap band. Loops where a value is NaN (loop 1) or not positive
-    (``kl_final`` at loop L) are left out."""
+    """Two log-scale panels of :func:`drc_core.per_loop_summary`: the successive KL (and, dashed, the KL to the
+    deepest output) and the relative state change, with bootstrap bands; NaN and non-positive values left out."""
     _need_columns(summary, ("loop", "kl", "state_delta"),
                   "the output of drc_core.analysis.measure.per_loop_summary")
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
@@ -185,9 +161,8 @@ def per_loop_figure(summary: pd.DataFrame) -> go.Figure:
 
 
 def depth_histogram(depths: pd.DataFrame) -> go.Figure:
-    """Share of tokens per convergence depth (one bar per loop 1..L, tokens that never settled shown apart at
-    depth L) and, on the right axis, the cumulative share converged by loop l; from
-    :func:`drc_core.analysis.measure.convergence_depth`."""
+    """Share of tokens per convergence depth (those that never settled apart) and the cumulative share converged,
+    from :func:`drc_core.convergence_depth`."""
     _need_columns(depths, ("depth",), "the output of drc_core.analysis.measure.convergence_depth")
     d = depths["depth"].to_numpy(np.int64)
     conv = depths["converged"].to_numpy(bool) if "converged" in depths.columns else np.ones(len(d), bool)
@@ -219,14 +194,11 @@ def depth_histogram(depths: pd.DataFrame) -> go.Figure:
 
 
 def class_depth_bars(by_class: pd.DataFrame) -> go.Figure:
-    """Mean convergence depth per token class with its bootstrap interval, shallowest first; from
-    :func:`drc_core.analysis.tokens.class_depth_summary` (bar labels: each class's share of tokens)."""
+    """Mean convergence depth per token class with its interval, shallowest first, from ``class_depth_summary``."""
     _need_columns(by_class, ("class", "mean_depth"), "the output of drc_core.analysis.tokens.class_depth_summary")
     df = by_class.sort_values("mean_depth", kind="stable")
     mean = _floats(df["mean_depth"])
-    error = None
-    if {"ci_low", "ci_high"} <= set(df.columns):
-        error = _error(mean, df["ci_low"], df["ci_high"])
+    error = _error(mean, df["ci_low"], df["ci_high"]) if {"ci_low", "ci_high"} <= set(df.columns) else None
     share = _floats(df["share"]) if "share" in df.columns else np.full(len(df), math.nan)
     count = df["count"].to_numpy() if "count" in df.columns else np.full(len(df), math.nan)
     fig = go.Figure(go.Bar(
@@ -239,30 +211,16 @@ def class_depth_bars(by_class: pd.DataFrame) -> go.Figure:
                   xaxis_title="token class (shallow → deep)", yaxis_title="mean convergence depth (loops)")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Halting and compute
-
-
-def _rule_column(df: pd.DataFrame) -> pd.Series:
-    """The ``rule`` column; when a rename left two (``family`` renamed onto an existing ``rule``), the one with
-    fewer distinct values (the family)."""
-    col = df["rule"]
-    if isinstance(col, pd.DataFrame):
-        col = min((col.iloc[:, j] for j in range(col.shape[1])), key=lambda s: s.nunique())
-    return col.astype(str)
-
-
 def quality_vs_depth(df: pd.DataFrame, reference: float | None = None, quality_label: str = "quality",
                      log_y: bool = False, reference_label: str = "reference") -> go.Figure:
-    """Quality against average exit loop, one line per rule family (``rule``), points sorted by ``avg_depth``.
-
-    Columns: ``rule``, ``param``, ``avg_depth``, ``quality`` and optionally ``quality_lo``/``quality_hi``
-    (error bars). Uniform depth is drawn black, the oracle dashed grey; hover shows each point's ``param``.
-    ``reference`` adds a dashed horizontal line; ``log_y`` a log quality axis (non-positive points vanish).
-    """
+    """Quality against average exit loop, one line per ``rule`` (uniform black, the oracle dashed grey), error bars
+    from ``quality_lo``/``quality_hi``, a dashed ``reference`` line, a log axis with ``log_y``."""
     _need_columns(df, ("rule", "param", "avg_depth", "quality"),
                   "a drc_core.halting.sweep.summarize table with columns rule, param, avg_depth, quality")
-    rule = _rule_column(df)
+    rule = df["rule"]
+    if isinstance(rule, pd.DataFrame):  # two (``family`` renamed onto ``rule``): the one with fewer distinct values
+        rule = min((rule.iloc[:, j] for j in range(rule.shape[1])), key=lambda s: s.nunique())
+    rule = rule.astype(str)
     names = sorted(set(rule), key=lambda r: (r != "uniform", r == "oracle", r))
     fig = go.Figure()
     color_i = 0
@@ -276,9 +234,8 @@ def quality_vs_depth(df: pd.DataFrame, reference: float | None = None, quality_l
         else:
             line, marker = {"color": _color(color_i)}, {"size": 6}
             color_i += 1
-        error = None
-        if {"quality_lo", "quality_hi"} <= set(g.columns):
-            error = _error(q, g["quality_lo"], g["quality_hi"], thickness=1, width=0)
+        error = (_error(q, g["quality_lo"], g["quality_hi"], thickness=1, width=0)
+                 if {"quality_lo", "quality_hi"} <= set(g.columns) else None)
         params = [f"{p:g}" if isinstance(p, int | float | np.number) else str(p) for p in g["param"]]
         fig.add_trace(go.Scatter(
             x=g["avg_depth"], y=q, mode="lines+markers", name=name, line=line, marker=marker, error_y=error,
@@ -295,9 +252,7 @@ def quality_vs_depth(df: pd.DataFrame, reference: float | None = None, quality_l
 
 
 def speedup_bars(table: pd.DataFrame) -> go.Figure:
-    """FLOP-proxy and wall-clock speed-ups side by side per (``setting``, ``rule``), a marker at 0.9 x the proxy
-    and a dotted line at 1 (no speed-up). Columns: ``setting``, ``rule``, ``avg_loops``, ``proxy_speedup``,
-    ``wallclock_speedup`` (NaN where not measured)."""
+    """FLOP-proxy and wall-clock speed-ups per (``setting``, ``rule``), a marker at 0.9 x the proxy, a line at 1."""
     _need_columns(table, ("setting", "rule", "avg_loops", "proxy_speedup", "wallclock_speedup"),
                   "a table with columns setting, rule, avg_loops, proxy_speedup, wallclock_speedup")
     x = [table["setting"].astype(str).tolist(), table["rule"].astype(str).tolist()]
@@ -306,14 +261,12 @@ def speedup_bars(table: pd.DataFrame) -> go.Figure:
     hover = "%{x}<br>%{y:.2f}x<br>avg loops %{customdata:.2f}<extra>%{fullData.name}</extra>"
     fig = go.Figure([
         go.Bar(x=x, y=proxy, name="FLOP proxy", marker_color=_PALETTE[0], customdata=loops, hovertemplate=hover,
-               offsetgroup="proxy",
-               text=[f"{v:.2f}x" for v in proxy], textposition="outside"),
+               offsetgroup="proxy", text=[f"{v:.2f}x" for v in proxy], textposition="outside"),
         go.Bar(x=x, y=wall, name="wall-clock", marker_color=_PALETTE[1], customdata=loops, hovertemplate=hover,
-               offsetgroup="wall",
-               text=[f"{v:.2f}x" if np.isfinite(v) else "" for v in wall], textposition="inside"),
+               offsetgroup="wall", text=[f"{v:.2f}x" if np.isfinite(v) else "" for v in wall], textposition="inside"),
         go.Scatter(x=x, y=0.9 * proxy, mode="markers", name="0.9 x proxy", customdata=loops, hovertemplate=hover,
-                   offsetgroup="wall",
-                   marker={"symbol": "line-ew-open", "size": 28, "color": "black", "line": {"width": 2}}),
+                   offsetgroup="wall", marker={"symbol": "line-ew-open", "size": 28, "color": "black",
+                                               "line": {"width": 2}}),
     ])
     fig.add_hline(y=1, line_dash="dot", line_color="grey")
     return _style(fig, "Speed-up over uniform depth: FLOP proxy vs wall-clock", barmode="group", scattermode="group",
@@ -321,9 +274,7 @@ def speedup_bars(table: pd.DataFrame) -> go.Figure:
 
 
 def commit_vs_convergence(commit, depth, max_loops: int) -> go.Figure:
-    """The joint histogram of each token's commit loop (its argmax no longer changes from there on) and its
-    convergence depth (its successive KL stays below eps from there on), share of tokens per cell, log colour; the
-    diagonal marks "commits when it converges"."""
+    """The joint histogram of the tokens' commit loop and convergence depth (share per cell, log colour)."""
     c, d = np.asarray(commit, dtype=np.int64).reshape(-1), np.asarray(depth, dtype=np.int64).reshape(-1)
     if len(c) != len(d) or len(c) == 0:
         raise DrcError(f"commit and depth must be per token and aligned; got {len(c)} and {len(d)} values")
@@ -347,8 +298,7 @@ def commit_vs_convergence(commit, depth, max_loops: int) -> go.Figure:
 
 
 def norm_by_loop(percentiles: pd.DataFrame) -> go.Figure:
-    """The state norm's percentiles over tokens against the loop (columns ``loop`` and ``p<q>``, as from
-    :func:`drc_core.analysis.dynamics.norm_percentiles`)."""
+    """The state norm's percentiles over tokens (columns ``p<q>``) against the ``loop``."""
     _need_columns(percentiles, ("loop",), "norm_percentiles(...)")
     cols = [c for c in percentiles.columns if c.startswith("p") and c[1:].replace(".", "").isdigit()]
     fig = go.Figure([go.Scatter(x=percentiles["loop"], y=percentiles[c], mode="lines+markers", name=c,
@@ -359,10 +309,8 @@ def norm_by_loop(percentiles: pd.DataFrame) -> go.Figure:
 
 
 def risk_validity(summary: pd.DataFrame) -> go.Figure:
-    """Risk-controlled halting over random document splits, per family against ``alpha``: left, the share of splits
-    whose certified threshold's test risk exceeds alpha (Clopper-Pearson interval) beside the promised ``delta``;
-    right, the loops it saves against the certified uniform depth. Columns of
-    :func:`drc_core.halting.calibrate.validity_summary`."""
+    """Per family against ``alpha`` (:func:`drc_core.validity_summary`): the share of splits whose test risk exceeds
+    alpha beside ``delta``, and the loops saved against the certified uniform depth."""
     _need_columns(summary, ("family", "alpha", "violation", "violation_lo", "violation_hi", "delta", "saved_frac",
                             "certified"), "validity_summary(...) rows")
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
@@ -390,20 +338,13 @@ def risk_validity(summary: pd.DataFrame) -> go.Figure:
     return _style(fig, "Is the guarantee kept? Random halvings of the documents", height=HEIGHT + 40)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The known-depth chapter: answers of drc_core.data.depth_tasks, measured by drc_book.known_depth
-
-
 def accuracy_heatmap(acc: pd.DataFrame, value: str = "acc", title: str = "") -> go.Figure:
-    """Rows ``k`` (lookups the answer needs), columns loops; each cell the answers' ``value`` (``acc`` or ``ce``)
-    at that loop, from :func:`drc_book.known_depth.accuracy_by_k`. Hover shows the 95% interval."""
+    """The answers' ``value`` (``acc`` or ``ce``) by ``k`` and loop, from :func:`drc_book.known_depth.accuracy_by_k`."""
     _need_columns(acc, ("k", "loop", value, f"{value}_lo", f"{value}_hi", "n"),
                   "the output of drc_book.known_depth.accuracy_by_k")
     grid = acc.pivot(index="k", columns="loop", values=value)
-    lo = acc.pivot(index="k", columns="loop", values=f"{value}_lo").to_numpy()
-    hi = acc.pivot(index="k", columns="loop", values=f"{value}_hi").to_numpy()
-    n = acc.pivot(index="k", columns="loop", values="n").to_numpy()
-    custom = np.stack([lo, hi, n], axis=-1)
+    custom = np.stack([acc.pivot(index="k", columns="loop", values=v).to_numpy()
+                       for v in (f"{value}_lo", f"{value}_hi", "n")], axis=-1)
     is_acc = value == "acc"
     fig = go.Figure(go.Heatmap(
         z=grid.to_numpy(), x=grid.columns.to_numpy(), y=[str(k) for k in grid.index], customdata=custom,
@@ -417,9 +358,7 @@ def accuracy_heatmap(acc: pd.DataFrame, value: str = "acc", title: str = "") -> 
 
 
 def depth_by_k_figure(table: pd.DataFrame, title: str = "") -> go.Figure:
-    """One line per ``series`` of ``table`` (columns ``series, k, value, lo, hi``): a loop count for the answers of
-    each ``k`` (e.g. convergence depth, commit loop, a rule's exit loop), with its 95% interval as a band, and the
-    diagonal ``loops = k`` for reference."""
+    """A loop count per ``k``, one line per ``series`` with its ``lo``/``hi`` band, beside ``loops = k``."""
     _need_columns(table, ("series", "k", "value", "lo", "hi"), "a table with series, k, value, lo, hi")
     fig = go.Figure()
     ks = np.sort(table["k"].unique()).astype(float)
@@ -442,9 +381,8 @@ _PATH_ORDER = ("dense decode", "generate", "continuous")
 
 
 def decoder_bars(table: pd.DataFrame) -> go.Figure:
-    """Wall-clock speed-up over the dense decoder (bars, one colour per path) for each (batch, rule) of a
-    :func:`~drc_book.speed.time_decoders` table; a marker at the honest-FLOP speed-up
-    (what the clock would give if it followed the work) and a dotted line at 1."""
+    """Speed-up over the dense decoder per (batch, rule) and path of a :func:`~drc_book.speed.time_decoders` table,
+    a marker at the honest-FLOP speed-up."""
     _need_columns(table, ("batch", "rule", "path", "x_dense", "flop_speedup", "avg_loops", "tokens_per_s"),
                   "the output of drc_book.speed.time_decoders")
     rows = table[table.path != "dense decode"]

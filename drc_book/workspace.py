@@ -1,7 +1,5 @@
-"""The book's artifacts, the one place that knows their layout: the prepared corpus (``corpus_dir``), the studied
-model in ``work_dir/model/`` (with ``source.json``: a shipped checkpoint or a training run in ``work_dir/train/``),
-and each notebook's numbers in ``results_dir/<notebook>.json`` (committed only from a book-runner run,
-:mod:`drc_book.paths`).
+"""The book's artifacts, the one place that knows their layout: the corpus, the studied model in ``work_dir/model/``
+(a shipped checkpoint or a run trained in ``work_dir/train/``) and each notebook's ``results_dir/<notebook>.json``.
 """
 
 from __future__ import annotations
@@ -49,9 +47,8 @@ __all__ = ["Study", "ensure_corpus", "load_results", "open_model", "open_study",
 def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_docs: int | None = None,
                   seq_len: int = 256, data_files: Sequence[str | Path] = (), tasks: DepthTaskConfig | None = None,
                   tokenizer: str | Path = "", progress: bool = True) -> Corpus:
-    """``corpus_dir`` prepared from ``source`` unless it is up to date. ``data_files``: local parquet shards in place of
-    FineWeb-Edu's Hub stream; ``tasks``: what the ``depth-tasks`` source generates; ``tokenizer``: reuse that of a
-    run, a shipped copy or a corpus instead of training one."""
+    """``corpus_dir`` prepared from ``source`` unless it is up to date (``data_files``: local parquet shards;
+    ``tasks``: the ``depth-tasks`` source's; ``tokenizer``: one to reuse)."""
     spec = SourceSpec(name=source, max_docs=max_docs, data_files=tuple(str(f) for f in data_files),
                       tasks=tasks or DepthTaskConfig())
     prepare(PrepareConfig(source=spec, out=str(corpus_dir), vocab_size=vocab_size, seq_len=seq_len,
@@ -61,8 +58,8 @@ def ensure_corpus(corpus_dir: str | Path, source: str, vocab_size: int, *, max_d
 
 def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *, progress: bool = True,
                    init: str | Path | None = None) -> Path:
-    """``out`` holding ``cfg`` trained (a partial run resumed, a finished one with this config and corpus reused,
-    another an error). ``init``: start from another run's weights (a second training stage)."""
+    """``out`` holding ``cfg`` trained (a partial run resumed, a finished one with this config and corpus reused);
+    ``init``: start from another run's weights."""
     out = Path(out)
     run = open_run(out) if out.is_dir() else None
     if run is not None and run.weights == out / FINAL_DIR:
@@ -80,9 +77,8 @@ def train_or_reuse(cfg: TrainConfig, corpus_dir: str | Path, out: str | Path, *,
 
 def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, overrides: list[str],
                   checkpoint: str = "", retrain: bool = False, init: str = "", progress: bool = True) -> dict[str, Any]:
-    """Put the studied model in ``work_dir/model``, a copy of ``checkpoint`` (e.g. ``data/reference``) or, when that
-    is empty or ``retrain`` is set, a run of ``preset_name`` + ``overrides`` trained here (from ``init``'s weights
-    where given); returns ``source.json``'s content."""
+    """Put the studied model in ``work_dir/model``: a copy of ``checkpoint`` or (none, or ``retrain``) a run of
+    ``preset_name`` + ``overrides`` trained here; returns ``source.json``'s content."""
     work = Path(work_dir)
     model_dir = work / "model"
     if checkpoint and not retrain:
@@ -109,8 +105,7 @@ def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, ove
 
 def provide_run(run_dir: str | Path, corpus_dir: str | Path, *, preset_name: str, overrides: list[str],
                 progress: bool = False) -> tuple[Path, TrainConfig]:
-    """A side experiment's weights directory and training config: ``run_dir`` when it is a shipped copy (as under
-    ``data/experiments``), else ``run_dir/final`` of a run of ``preset_name`` + ``overrides`` trained there."""
+    """A side experiment's weights directory and config: ``run_dir`` if shipped, else its ``final/``, trained there."""
     run = open_run(run_dir) if Path(run_dir).is_dir() else None
     if run is not None and run.weights == run.path and run.train_config_path is not None:
         return run.path, run.train_config()
@@ -138,8 +133,7 @@ class CheckpointConfig:
 
 
 def open_study(work_dir: str | Path, corpus_dir: str | Path, n_windows: int, checkpoint: str | Path = "") -> Study:
-    """The notebooks' shared opening: the studied model (:func:`open_model`), its corpus and ``n_windows``
-    validation windows with their documents."""
+    """The studied model (:func:`open_model`), its corpus and ``n_windows`` validation windows with documents."""
     model, cfg, _ = open_model(work_dir, checkpoint)
     corpus = Corpus.open(corpus_dir)
     windows, docs = val_windows_with_docs(corpus, cfg.seq_len, n_windows)
@@ -147,8 +141,8 @@ def open_study(work_dir: str | Path, corpus_dir: str | Path, n_windows: int, che
 
 
 def open_model(work_dir: str | Path, checkpoint: str | Path = "") -> tuple[Any, Any, pd.DataFrame]:
-    """The studied model (eval mode), its training config and ``metrics.jsonl`` as a frame; with ``checkpoint`` (any
-    directory :func:`drc_core.load` reads) that model, its config or a :class:`CheckpointConfig`, and no metrics."""
+    """The studied model, its training config and metrics; with ``checkpoint``, that model, its config or a
+    :class:`CheckpointConfig`, and no metrics."""
     if checkpoint:
         m = load(checkpoint)
         if m.config is not None:  # one of this project's runs, given by path
@@ -186,8 +180,7 @@ def save_results(results_dir: str | Path, name: str, results: dict[str, Any]) ->
 
 
 def load_results(results_dir: str | Path, name: str) -> dict[str, Any]:
-    """Read ``results_dir/<name>.json`` (for an interactive run, the committed one until this session writes it); a
-    missing file names the notebook to run."""
+    """``results_dir/<name>.json`` (an interactive run's, else the committed one); missing, it names the notebook."""
     path = Path(results_dir) / f"{name}.json"
     committed = committed_counterpart(results_dir)
     if not path.is_file() and committed is not None and (committed / f"{name}.json").is_file():
