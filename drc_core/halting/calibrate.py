@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import torch
 from scipy import stats as sps
 
@@ -240,7 +241,6 @@ def loss_table(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, 
                risk: str = "top1", tolerance: float = 0.0, reference_loops: int = 8, max_loops: int = 16,
                batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> LossTable:
     """:func:`loss_tables` for one ``risk``."""
-    _need_risks((risk,))
     return loss_tables(model, windows, units, families, risks=(risk,), tolerance=tolerance,
                        reference_loops=reference_loops, max_loops=max_loops, batch_size=batch_size, seed=seed)[risk]
 
@@ -264,12 +264,10 @@ def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, f
 
 def validity(table: LossTable, family: str, alphas: Sequence[float], delta: float, *, n_splits: int = 100,
              seed: int = 0, calib: np.ndarray | None = None, test: np.ndarray | None = None,
-             among: np.ndarray | None = None):
+             among: np.ndarray | None = None) -> pd.DataFrame:
     """Is the guarantee kept? Per ``alpha`` and split (``n_splits`` random halvings of the units, of ``among`` if
     given, or the one split ``calib``/``test``): certify ``family`` and ``uniform`` on one half, measure the test
     risk, ``violated``, loops and ``saved_frac`` against the certified uniform depth on the other."""
-    import pandas as pd
-
     pool = np.arange(len(table.units)) if among is None else np.asarray(among, dtype=np.int64)
     if pool.ndim != 1 or len(pool) < 2 or pool.min() < 0 or pool.max() >= len(table.units):
         raise DrcError(f"among must be at least 2 unit indices in 0..{len(table.units) - 1}; got {len(pool)} of them")
@@ -297,11 +295,9 @@ def validity(table: LossTable, family: str, alphas: Sequence[float], delta: floa
     return pd.DataFrame(rows)
 
 
-def validity_summary(rows, delta: float, level: float = 0.95):
+def validity_summary(rows: pd.DataFrame, delta: float, level: float = 0.95) -> pd.DataFrame:
     """Per family and ``alpha`` of :func:`validity`'s rows: the shares ``certified`` and ``violation`` of splits, its
     standard error and Clopper-Pearson interval, ``kept`` (its lower end <= ``delta``), means over certified ones."""
-    import pandas as pd
-
     out = []
     for (fam, alpha), g in rows.groupby(["family", "alpha"], sort=False):
         n, k = len(g), int(g.violated.sum())

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from scipy import stats as sps
 from tqdm.auto import tqdm
 
 from drc_core.analysis.intervals import bootstrap_ci, cluster_codes, cluster_draws, percentile_interval
@@ -260,11 +261,7 @@ def window_clusters(doc_ids: torch.Tensor | np.ndarray) -> np.ndarray:
     docs = np.asarray(doc_ids)
     if docs.ndim != 2:
         raise DrcError(f"doc_ids must be (N, T) per-position document ids; got shape {docs.shape}")
-    out = np.empty(len(docs), dtype=np.int64)
-    for i, row in enumerate(docs):
-        vals, counts = np.unique(row, return_counts=True)
-        out[i] = vals[np.argmax(counts)]
-    return out
+    return sps.mode(docs, axis=1, keepdims=False).mode.astype(np.int64)  # ties: the smallest id
 
 
 def summarize(frame: pd.DataFrame, *, windows: Sequence[int] | np.ndarray | None = None,
