@@ -1,8 +1,7 @@
 """Each notebook's results as a typed record, written once as JSON and read back the same way by notebook 07, the
-README and the docs tables. A :class:`Record` (01-05, 07) is the whole file: the notebook builds it, writes it with
-:meth:`Record.save` and states its findings with :meth:`Record.findings`; a :class:`Handoff` (06) holds the fields a
-later reader takes. Both are parsed from the JSON by their fields' types; a missing field is a one-line
-:class:`~drc_core.DrcError` naming the notebook to re-run.
+README and the docs tables. A :class:`Record` is the whole file: the notebook builds it, writes it with
+:meth:`Record.save` and states its findings with :meth:`Record.findings`. It is parsed from the JSON by its fields'
+types; a missing field is a one-line :class:`~drc_core.DrcError` naming the notebook to re-run.
 """
 
 from __future__ import annotations
@@ -10,10 +9,11 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
+from dataclasses import MISSING, asdict, astuple, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
+import numpy as np
 import pandas as pd
 
 from drc_book.workspace import load_results, save_results
@@ -296,6 +296,17 @@ def gap_intervals(rows: list[Mapping[str, Any]]) -> dict[str, dict[str, Interval
             for g in rows}
 
 
+def gap_rows(gaps: Mapping[str, Mapping[str, Interval]]) -> list[dict[str, Any]]:
+    """The inverse of :func:`gap_intervals`: family -> stat -> :class:`Interval` as :func:`drc_core.gap_table` rows."""
+    rows = []
+    for family, by_stat in gaps.items():
+        row: dict[str, Any] = {"family": family}
+        for stat, iv in by_stat.items():
+            row.update({stat: iv.value, f"{stat}_lo": iv.lo, f"{stat}_hi": iv.hi})
+        rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True)
 class Halting(Record):
     """Notebook 04's results: the reference depth and the matched-quality targets; per family the (interpolated)
@@ -423,21 +434,72 @@ class Compute(Record):
                 f"{self.readout_pass_x_forward:.2f}x the forward).")
 
 
+def _rows(value: Any) -> Any:
+    """As the JSON holds it: a frame as a list of rows, a series as a dict, a tuple as a list, inside dicts too."""
+    if isinstance(value, dict):
+        return {k: _rows(v) for k, v in value.items()}
+    if isinstance(value, pd.DataFrame):
+        return value.to_dict("records")
+    if isinstance(value, pd.Series):
+        return value.to_dict()
+    return list(value) if isinstance(value, tuple) else value
+
+
 @dataclass(frozen=True)
-class KnownDepth(Handoff):
-    """From 06_known_depth (the model trained on natural text mixed with depth tasks): its training-mean depth
-    ``reference_loops``, the share of its training tokens that are tasks, the range of lookups ``k_range``, the
-    lowest answer accuracy over ``k`` at ``reference_loops`` loops, Spearman's correlation of ``k`` with the
-    answers' convergence depth, and the loops each family saves against the uniform depth of equal quality
-    (``gaps``: window set -> family -> stat, as in :class:`Halting`)."""
+class KnownDepth(Record):
+    """Notebook 06's results, the model trained on natural text mixed with depth tasks: the model, its training-mean
+    depth ``reference_loops``, the share of its training tokens that are tasks and the lookups ``k_range``; the
+    answers' accuracy (by ``k`` and loop, and by family), the loops they need, their convergence depth, overthinking
+    and dynamics by ``k``; the loops each family saves against the uniform depth of equal quality (``gaps``: window
+    set -> family -> stat, :func:`drc_core.gap_table` rows in the file) and the answers' exits; the guarantee on the
+    task documents and its shift to natural text; the extrapolation, the ``lever`` model (None when skipped),
+    copying and the cost of mixing. Tables are lists of rows; the correlations ``[value, lo, hi]`` in the file."""
 
     NOTEBOOK: ClassVar[str] = "06_known_depth"
+    profile: str
+    model_source: dict[str, Any]
+    n_params: int
     reference_loops: int
     task_share: float
     k_range: list[int]
+    n_answers: int
+    n_documents: int
+    accuracy: list[dict[str, Any]]
+    accuracy_by_family: list[dict[str, Any]]
+    accuracy_at_R: dict[int, float]
+    accuracy_at_1: dict[int, float]
     min_accuracy_at_R: float
+    growth: list[dict[str, Any]]
+    growth_fit: dict[str, float]
     spearman_depth: Interval
+    spearman_commit: Interval
+    depth_by_k: list[dict[str, Any]]
+    overthinking: list[dict[str, Any]]
+    answer_dynamics: list[dict[str, Any]]
+    risk_validity: list[dict[str, Any]]
+    risk_shift: list[dict[str, Any]]
+    norm_growth_by_k: dict[int, float]
     gaps: dict[str, dict[str, dict[str, Interval]]]
+    exits_by_k: list[dict[str, Any]]
+    routers: dict[str, Any]
+    extrapolation: list[dict[str, Any]]
+    lever: dict[str, Any] | None
+    natural_cost_bpb: list[dict[str, Any]]
+    copying: list[dict[str, Any]]
+    notebook_seconds: float
+
+    @classmethod
+    def build(cls, *, accuracy: pd.DataFrame, growth: pd.DataFrame, gaps: Mapping[str, pd.DataFrame],
+              **values: Any) -> KnownDepth:
+        """The record from the notebook's values (frames as lists of rows, the correlations as ``(value, lo, hi)``,
+        ``gaps`` as :func:`drc_core.gap_table` frames per window set); the accuracy at 1 and ``reference_loops``
+        loops and the fits of ``growth`` (its ``attrs``) are read from the tables."""
+        at = {lp: accuracy[accuracy.loop == lp].set_index("k").acc for lp in (1, values["reference_loops"])}
+        return cls.from_results({**_rows(values), "accuracy": _rows(accuracy), "growth": _rows(growth),
+                                 "growth_fit": dict(growth.attrs), "accuracy_at_1": at[1].to_dict(),
+                                 "accuracy_at_R": at[values["reference_loops"]].to_dict(),
+                                 "min_accuracy_at_R": float(at[values["reference_loops"]].min()),
+                                 "gaps": {name: g.reset_index().to_dict("records") for name, g in gaps.items()}})
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> KnownDepth:
@@ -445,6 +507,46 @@ class KnownDepth(Handoff):
         if "gaps" in r:
             r = {**r, "gaps": {name: gap_intervals(rows) for name, rows in r["gaps"].items()}}
         return super().from_results(r)
+
+    def save(self, results_dir: str | Path) -> Path:
+        """Write the record in its file's shape: the correlations as ``[value, lo, hi]``, ``gaps`` as rows."""
+        values = {**asdict(self), "spearman_depth": list(astuple(self.spearman_depth)),
+                  "spearman_commit": list(astuple(self.spearman_commit)),
+                  "gaps": {name: gap_rows(g) for name, g in self.gaps.items()}}
+        return save_results(results_dir, self.NOTEBOOK, values)
+
+    def lowest_accuracy(self) -> tuple[int, Interval]:
+        """The ``k`` whose answers are least accurate at ``reference_loops`` loops, and that accuracy."""
+        k = min(self.accuracy_at_R, key=self.accuracy_at_R.__getitem__)
+        row = next(a for a in self.accuracy if int(a["k"]) == k and a["loop"] == self.reference_loops)
+        return k, Interval(_num(row["acc"]), _num(row["acc_lo"]), _num(row["acc_hi"]))
+
+    def findings(self) -> str:
+        lo_k, hi_k = self.k_range
+        k, acc = self.lowest_accuracy()
+        deep = max(self.accuracy_at_1)
+        needed = ", ".join(f"{g['loops_needed']:g}" for g in self.growth)
+        depth = {int(d["k"]): d["value"] for d in self.depth_by_k if d["series"] == "depth"}
+        rho = self.spearman_depth
+        tasks = self.gaps.get("task documents", {})
+
+        def saved(family: str) -> str:
+            g = tasks[family]["saved_frac"] if family in tasks else Interval(math.nan, math.nan, math.nan)
+            return f"{family_title(family)} {g.value:.0%} [{g.lo:.0%}, {g.hi:.0%}]"
+
+        lever = ("" if self.lever is None else
+                 " A model trained on chains of up to {} links gives Spearman(k, convergence depth) {:.2f} "
+                 "[{:.2f}, {:.2f}] on chains of up to twice that.".format(self.lever["trained_k"],
+                                                                        *self.lever["spearman_depth"]))
+        cost = [c["difference"] for c in self.natural_cost_bpb]
+        return (f"**Found.** Answers needing k = {lo_k}..{hi_k} lookups: at {self.reference_loops} loops the least "
+                f"accurate are those of k = {k}, {acc.value:.1%} [{acc.lo:.1%}, {acc.hi:.1%}]; at one loop those of "
+                f"k = {deep} are {self.accuracy_at_1[deep]:.1%} accurate. The first loop at the accuracy level is "
+                f"{needed} for k = {', '.join(str(g['k']) for g in self.growth)}. The mean convergence depth goes "
+                f"{' → '.join(f'{v:.2f}' for v in depth.values())} loops over k, Spearman(k, convergence depth) "
+                f"{rho.value:.2f} [{rho.lo:.2f}, {rho.hi:.2f}]. On the task documents, loops saved against the "
+                f"uniform depth of equal quality: {saved('oracle')}, {saved('kl')}, {saved('state_delta')}.{lever} "
+                f"Mixing in the tasks costs the natural text {np.mean(cost):+.3f} bits per byte (mean over sources).")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import drc_core
-from drc_book.handoff import Compute, Convergence, Halting, Handoff, Training
+from drc_book.handoff import Compute, Convergence, Halting, Handoff, KnownDepth, Training
 from drc_book.report import GAIN_FAMILIES
 from drc_core import KLThreshold, Oracle
 
@@ -185,26 +185,26 @@ def reference_model(res: Results) -> str:
 @section
 def controlled_depth(res: Results) -> str | None:
     """Natural text beside the model trained with tokens whose required depth is known (data/depth-tasks)."""
-    known, halt = res.get("06_known_depth"), res.get("04_halting_and_routers")
-    if known is None or halt is None:
+    if res.get(KnownDepth.NOTEBOOK) is None or res.get(Halting.NOTEBOOK) is None:
         return None
-    sets = {"natural text (reference)": {g["family"]: g for g in halt["gaps"]}}
-    sets.update({f"controlled depth: {w}": {g["family"]: g for g in rows} for w, rows in known["gaps"].items()})
+    known, halt = res.record(KnownDepth), res.record(Halting)
+    sets = {"natural text (reference)": halt.gap_intervals}
+    sets.update({f"controlled depth: {w}": gaps for w, gaps in known.gaps.items()})
 
     def cell(gaps: dict, family: str) -> str:
         if family not in gaps:
             return "—"
-        g = gaps[family]
-        return f"{pct(g['saved_frac'])} [{pct(g['saved_frac_lo'])}, {pct(g['saved_frac_hi'])}]"
+        g = gaps[family]["saved_frac"]
+        return f"{pct(g.value)} [{pct(g.lo)}, {pct(g.hi)}]"
 
     first = next(iter(sets.values()))
     rows = [("uniform depth of equal quality, loops",
-             *(f"{next(iter(g.values()))['uniform_depth']:.2f}" for g in sets.values()))]
+             *(f"{next(iter(g.values()))['uniform_depth'].value:.2f}" for g in sets.values()))]
     rows += [(f"{name(f)}: loops saved against it", *(cell(g, f) for g in sets.values()))
-             for f in GAIN_FAMILIES if f in first or f in known["gaps"]]
-    rho = known["spearman_depth"]
-    lo, hi = known["k_range"]
-    shipped = ROOT / known["model_source"]["path"]
+             for f in GAIN_FAMILIES if f in first or f in known.gaps]
+    rho = known.spearman_depth
+    lo, hi = known.k_range
+    shipped = ROOT / known.model_source["path"]
     source = json.loads((shipped / "source.json").read_text()) if (shipped / "source.json").is_file() else {}
     if "step" in source and "of_steps" in source:  # a staged recipe stops its last stage at a met probe
         step, planned = int(source["step"]), int(source["of_steps"])
@@ -215,20 +215,16 @@ def controlled_depth(res: Results) -> str | None:
     if "train_wall_minutes" in source:
         stage += ("; " if stage else "") + f"{source['train_wall_minutes']:.0f} minutes of training in all"
     stage = f" ({stage})" if stage else ""
-    k_low = min(known["accuracy_at_R"], key=known["accuracy_at_R"].get)
-    at_r = next(a for a in known["accuracy"] if str(a["k"]) == k_low and a["loop"] == known["reference_loops"])
-    verdict = (f"k = {k_low}, [{at_r['acc_lo'] * 100:.1f}%, {at_r['acc_hi'] * 100:.1f}%]; the target is 90%"
-               + (": met" if known["min_accuracy_at_R"] >= 0.9 else ": missed"))
+    k_low, at_r = known.lowest_accuracy()
+    verdict = (f"k = {k_low}, [{at_r.lo * 100:.1f}%, {at_r.hi * 100:.1f}%]; the target is 90%"
+               + (": met" if known.min_accuracy_at_R >= 0.9 else ": missed"))
     head = (f"Controlled depth (`06_known_depth.json`): a second model{stage} trained on the same text mixed with "
-            f"generated documents ({pct(known['task_share'])} of its training tokens) whose answers need k = "
-            f"{lo}..{hi} lookups. Answer accuracy at {known['reference_loops']} loops, lowest over k: "
-            f"{known['min_accuracy_at_R'] * 100:.1f}% ({verdict}); Spearman(k, convergence depth) {rho[0]:.2f} "
-            f"[{rho[1]:.2f}, {rho[2]:.2f}]. Loops saved against the uniform depth of equal quality "
+            f"generated documents ({pct(known.task_share)} of its training tokens) whose answers need k = "
+            f"{lo}..{hi} lookups. Answer accuracy at {known.reference_loops} loops, lowest over k: "
+            f"{known.min_accuracy_at_R * 100:.1f}% ({verdict}); Spearman(k, convergence depth) {rho.value:.2f} "
+            f"[{rho.lo:.2f}, {rho.hi:.2f}]. Loops saved against the uniform depth of equal quality "
             "(`04_halting_and_routers.json`, `06_known_depth.json`: `gaps`):")
     return head + "\n\n" + table(("", *sets), rows)
-
-
-# --------------------------------------------------------------------------------------------------- the block
 
 
 # ------------------------------------------------------------------------------------------------- docs blocks

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from drc_book.handoff import HANDOFFS, Compute, Convergence, Halting, Record, TokenTypes, Training
+from drc_book.handoff import HANDOFFS, Compute, Convergence, Halting, KnownDepth, Record, TokenTypes, Training
 from drc_book.report import ours_from
 from drc_core.errors import DrcError
 
@@ -110,3 +110,14 @@ def test_compute_findings_follow_the_record():
     for rows in {e["rows"] for e in record.generation}:
         assert f"with {rows} row" in text
     assert f"{record.measurement_x_forward:.2f}x one forward" in text
+
+
+def test_known_depth_findings_follow_the_record():
+    record = KnownDepth.load(RESULTS)
+    text = record.findings()
+    k, acc = record.lowest_accuracy()
+    assert acc.value == record.min_accuracy_at_R and f"k = {k}, {acc.value:.1%}" in text
+    rho = record.spearman_depth
+    assert f"Spearman(k, convergence depth) {rho.value:.2f} [{rho.lo:.2f}, {rho.hi:.2f}]" in text
+    assert f"{record.lever['trained_k']} links" in text
+    assert "links" not in dataclasses.replace(record, lever=None).findings()
