@@ -19,7 +19,7 @@ import pandas as pd
 from drc_book.workspace import load_results, save_results
 from drc_core import DrcError, family_title
 
-__all__ = ["HANDOFFS", "ClassDepth", "Compute", "Convergence", "Cycles", "Halting", "Handoff", "Interval", "KnownDepth",
+__all__ = ["RECORDS", "ClassDepth", "Compute", "Convergence", "Cycles", "Halting", "Interval", "KnownDepth",
            "Record", "Reproduction", "TokenTypes", "Training"]
 
 
@@ -53,8 +53,9 @@ def _parse(tp: Any, value: Any) -> Any:
     return value  # Any
 
 
-class Handoff:
-    """What a later reader takes from one notebook's results file: a frozen dataclass parsed from the JSON."""
+class Record:
+    """A notebook's whole results: a frozen dataclass whose fields are the JSON file's keys, written by one call and
+    parsed back by its fields' types."""
 
     NOTEBOOK: ClassVar[str]
 
@@ -71,10 +72,6 @@ class Handoff:
     def load(cls, results_dir: str | Path) -> Any:
         """The record a run of its notebook wrote to ``results_dir``."""
         return cls.from_results(load_results(results_dir, cls.NOTEBOOK))
-
-
-class Record(Handoff):
-    """A notebook's whole results: a frozen dataclass whose fields are the JSON file's keys, written by one call."""
 
     def save(self, results_dir: str | Path) -> Path:
         """Write the record as ``results_dir/<NOTEBOOK>.json``; an optional field (default None) left None is not
@@ -503,7 +500,7 @@ class KnownDepth(Record):
 
     @classmethod
     def from_results(cls, r: Mapping[str, Any]) -> KnownDepth:
-        """As :meth:`Handoff.from_results`, with ``gaps`` given as :func:`drc_core.gap_table` rows per window set."""
+        """As :meth:`Record.from_results`, with ``gaps`` given as :func:`drc_core.gap_table` rows per window set."""
         if "gaps" in r:
             r = {**r, "gaps": {name: gap_intervals(rows) for name, rows in r["gaps"].items()}}
         return super().from_results(r)
@@ -587,4 +584,4 @@ class Reproduction(Record):
                 f"training-mean depth: {plateaus} loops.")
 
 
-HANDOFFS = (Training, Convergence, TokenTypes, Halting, Compute, KnownDepth, Reproduction)
+RECORDS = (Training, Convergence, TokenTypes, Halting, Compute, KnownDepth, Reproduction)

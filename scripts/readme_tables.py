@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import drc_core
-from drc_book.handoff import Compute, Convergence, Halting, Handoff, KnownDepth, Training
+from drc_book.handoff import Compute, Convergence, Halting, KnownDepth, Record, Training
 from drc_book.report import GAIN_FAMILIES
 from drc_core import KLThreshold, Oracle
 
@@ -57,7 +57,7 @@ class Results:
             self._cache[name] = json.loads(path.read_text()) if path.is_file() else None
         return self._cache[name]
 
-    def record(self, cls: type[Handoff]) -> Any:
+    def record(self, cls: type[Record]) -> Any:
         """The typed record of ``cls.NOTEBOOK`` in this directory (a missing file raises as :meth:`need`)."""
         return cls.from_results(self.need(cls.NOTEBOOK))
 
