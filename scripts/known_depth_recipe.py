@@ -160,9 +160,7 @@ class Driver:
         else:
             tw = corpus_task_windows(Corpus.open(corpus), m.model.max_seq_len, n_docs=PROBE_DOCS, split="val",
                                      seed=1)
-            traj = answer_trajectories(m.model, tw, max(8, st.probe_loop))
-            acc = accuracy_by_k(traj[traj.loop.isin({1, 2, 4, 8, st.probe_loop})], n_boot=200)
-            by = {f"k{k}": {int(r.loop): float(r.acc) for r in g.itertuples()} for k, g in acc.groupby("k")}
+            by = skill_accuracy(m.model, tw, sorted({1, 2, 4, 8, st.probe_loop}))
             met = all(by[f"k{k}"][st.probe_loop] >= st.target for k in map(int, st.skill.split(",")))
         return {"checkpoint": str(ckpt), "met": met, "accuracy": by}
 
@@ -261,6 +259,13 @@ def checkpoints(run: Path) -> list[Path]:
     if (final / WEIGHTS_FILE).is_file() and step_of(final) not in map(step_of, found):
         found.append(final)
     return found
+
+
+def skill_accuracy(model, tw, loops: list[int]) -> dict[str, dict[int, float]]:
+    """Answer accuracy per ``k`` (``"k1"``, ...) at each of ``loops``, on the task windows ``tw``."""
+    acc = accuracy_by_k(answer_trajectories(model, tw, max(loops)), n_boot=200)
+    acc = acc[acc.loop.isin(loops)]
+    return {f"k{k}": {int(r.loop): float(r.acc) for r in g.itertuples()} for k, g in acc.groupby("k")}
 
 
 def fmt(acc: dict) -> str:

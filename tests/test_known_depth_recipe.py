@@ -4,10 +4,14 @@ the slowest earlier stage's seconds per step, fixed once written, and a spent bu
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from drc_core.errors import DrcError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +53,20 @@ def test_train_command_carries_the_stage_settings(recipe, tmp_path):
     last = recipe.PLANS["copy-first"][-1]  # the preset's depth, a decaying rate, from random weights
     cmd = recipe.train_command(last, tmp_path / "corpus", tmp_path / "run", None)
     assert not any(a.startswith("recurrence.") for a in cmd) and "min_lr_ratio=0.1" in cmd and "--init" not in cmd
+
+
+def test_skill_accuracy_reads_each_k_at_the_probed_loops(recipe, one_thread):
+    """The probe's numbers: accuracy per k at the asked loops only, each a share of that k's answers."""
+    from tokenizers import Tokenizer
+
+    from drc_book.known_depth import generated_task_windows
+    from drc_core import DepthRecurrentLM, DepthTaskConfig, ModelConfig
+
+    tok = Tokenizer.from_file(str(ROOT / "data" / "depth-tasks" / "tokenizer.json"))
+    tw = generated_task_windows(tok, DepthTaskConfig(docs=6, min_k=1, max_k=3), 128, 0)
+    torch.manual_seed(0)
+    model = DepthRecurrentLM(ModelConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_heads=2, n_prelude=1,
+                                         n_core=1, n_coda=1, max_seq_len=128)).eval()
+    by = recipe.skill_accuracy(model, tw, [1, 4])
+    assert set(by) == {f"k{k}" for k in sorted(set(tw.answers.k))}
+    assert all(set(v) == {1, 4} and all(0.0 <= a <= 1.0 for a in v.values()) for v in by.values())
