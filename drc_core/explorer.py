@@ -1,30 +1,22 @@
-"""The per-token depth explorer, for one window of a :class:`~drc_core.analysis.measure.Measurement` (from
-:func:`~drc_core.analysis.measure.measure_windows`, or a :class:`~drc_core.api.Trace`): :func:`depth_slider_figure`
-(static-safe: plotly frames + slider + play button, works in exported HTML without a kernel),
-:func:`token_strip_html` (the passage as coloured ``<span>`` s at one loop) and :class:`DepthExplorer` (the live
-ipywidgets version: loop slider, metric toggle, coloured text, token selector and that token's trajectory).
+"""The per-token depth explorer for one window of a :class:`~drc_core.analysis.measure.Measurement` (or a
+:class:`~drc_core.api.Trace`): :func:`depth_slider_figure` (plotly frames and a slider, works in static HTML),
+:func:`token_strip_html` (the passage as coloured spans at one loop) and :class:`DepthExplorer` (live, ipywidgets).
 
-Shared pieces: token text (:func:`drc_core.analysis.tokens.token_texts`, each id decoded on its own with
-``tokenizer.decode([id])``; a partial UTF-8 byte shows as U+FFFD), and private helpers below: the wrapped passage
-layout (:func:`_wrap`), the per-window matrices (:class:`_Passage`) and the colour mapping (:func:`_color_range`,
-:func:`_css_colors`). Colours are fixed across loops for a passage, so moving the slider compares like with like.
-The successive KL is coloured by ``log10`` on a diverging scale whose middle (yellow) is ``eps``: green tokens are
-below the convergence threshold at that loop, red ones above. At loop 1 the successive KL and the state change are
-undefined (NaN: there is no previous loop); those tokens are drawn grey
-(:data:`~drc_core.plotting.NAN_COLOR`). Values below :data:`~drc_core.plotting.LOG_FLOOR` (and exact zeros) are
-drawn at the floor. "Converged at loop l" means the token's convergence depth
-(:func:`drc_core.analysis.measure.convergence_depth`, the loop after which its successive KL stays below ``eps``) is
-<= l and the token did settle within the measured loops. The live explorer renders its trajectory figure into an
-``ipywidgets.Output``.
+Colours are fixed across a passage's loops. The successive KL is coloured by log10 on a diverging scale whose yellow
+middle is ``eps``; values undefined at a loop (KL and state change at loop 1) are grey, values below
+:data:`~drc_core.plotting.LOG_FLOOR` drawn at the floor. "Converged at loop l": the token's
+:func:`~drc_core.analysis.measure.convergence_depth` is <= l and it settled within the measured loops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import plotly.colors as pcolors
@@ -45,48 +37,42 @@ _TRAJECTORY_HEIGHT = 340  # px, the live explorer's trajectory figure
 __all__ = ["CLASS_COLORS", "DepthExplorer", "depth_slider_figure", "token_strip_html"]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The per-token depth explorer: shared pieces
-
-
-@dataclass(frozen=True)
-class _Mode:
+class _Mode(NamedTuple):
     key: str
-    column: str | None  # statistic coloured (None: converged / still updating)
+    button: str  # its colour-by option in the live explorer
+    column: str | None  # statistic coloured (None: by category, not on a scale)
     label: str
-    unit: str
-    log: bool
+    unit: str = ""
+    log: bool = False
+    needs: str | None = None  # what only a drc_core.trace has (its per-token dynamics)
 
 
-_MODES = {
-    "kl": _Mode("kl", "kl", "KL(p_l ‖ p_{l−1})", "nats", True),
-    "state": _Mode("state", "state_delta", "state change ‖s_l − s_{l−1}‖/‖s_l‖", "relative", True),
-    "entropy": _Mode("entropy", "entropy", "entropy H(p_l)", "nats", False),
-    "contraction": _Mode("contraction", "contraction", "contraction ‖s_l − s_{l−1}‖/‖s_{l−1} − s_{l−2}‖", "ratio",
-                         True),
-    "commit": _Mode("commit", "commit_loop", "commit loop (the argmax no longer changes from it on)", "loop", False),
-    "class": _Mode("class", None, "dynamics class (settled / oscillating / contracting / drifting)", "", False),
-    "converged": _Mode("converged", None, "converged / still updating", "", False),
-}
+_MODES = {m.key: m for m in (
+    _Mode("kl", "KL", "kl", "KL(p_l ‖ p_{l−1})", "nats", True),
+    _Mode("state", "state change", "state_delta", "state change ‖s_l − s_{l−1}‖/‖s_l‖", "relative", True),
+    _Mode("entropy", "entropy", "entropy", "entropy H(p_l)", "nats"),
+    _Mode("contraction", "contraction", "contraction", "contraction ‖s_l − s_{l−1}‖/‖s_{l−1} − s_{l−2}‖", "ratio",
+          True, "contraction"),
+    _Mode("commit", "commit loop", "commit_loop", "commit loop (the argmax no longer changes from it on)", "loop",
+          needs="commit_loop"),
+    _Mode("class", "class", None, "dynamics class (settled / oscillating / contracting / drifting)", needs="dyn_class"),
+    _Mode("converged", "converged?", None, "converged / still updating"),
+)}
 _ALIASES = {"kl_prev": "kl", "state_delta": "state", "commit_loop": "commit", "dyn_class": "class"}
-_CATEGORICAL = ("class", "converged")  # colours by category, not on a scale
-# the dynamics of a drc_core.trace (analysis.dynamics); a measurement without them has no such modes
-_DYNAMICS_MODES = {"contraction": "contraction", "commit": "commit_loop", "class": "dyn_class"}
 CLASS_COLORS = {"settled": "#1a9850", "contracting": "#a6d96a", "oscillating": "#8073ac", "drifting": "#d73027"}
 
 
 def _mode(mode: str, allow_converged: bool = True) -> _Mode:
     key = _ALIASES.get(mode, mode) if isinstance(mode, str) else mode
-    options = [k for k in _MODES if allow_converged or k not in _CATEGORICAL]
+    options = [k for k, m in _MODES.items() if allow_converged or m.column is not None]
     if key not in options:
         raise DrcError(f"unknown metric/mode {mode!r}; use one of {options} (or 'state_delta')")
     return _MODES[key]
 
 
 def _need_mode(p: _Passage, mode: _Mode) -> None:
-    column = _DYNAMICS_MODES.get(mode.key)
-    if column is not None and column not in p.values and not (mode.key == "class" and p.classes is not None):
-        raise DrcError(f"colour by {mode.key!r} needs {column!r}: trace with drc_core.trace "
+    if not p.offers(mode):
+        raise DrcError(f"colour by {mode.key!r} needs {mode.needs!r}: trace with drc_core.trace "
                        "(it keeps the per-token dynamics)")
 
 
@@ -120,7 +106,6 @@ class _Passage:
     window: int
     eps: float
     pos: np.ndarray  # (n,)
-    ids: np.ndarray  # (n,)
     texts: list[str]  # decoded text per token
     loops: np.ndarray  # (L,) sorted
     values: dict[str, np.ndarray]  # column -> (n, L)
@@ -132,10 +117,13 @@ class _Passage:
         if isinstance(loop, bool) or not isinstance(loop, int | np.integer) or int(loop) not in self.loops:
             raise DrcError(f"loop={loop!r} is out of range; window {self.window} has loops "
                            f"{int(self.loops[0])}..{int(self.loops[-1])}")
-        return int(np.searchsorted(self.loops, int(loop)))
+        return int(loop) - 1  # loops are 1..L
 
     def converged_at(self, loop: int) -> np.ndarray:
         return self.settled & (self.depth <= loop)
+
+    def offers(self, mode: _Mode) -> bool:
+        return mode.needs is None or mode.needs in self.values or (mode.key == "class" and self.classes is not None)
 
 
 def _passage(m: Measurement, window: object, tokenizer, eps: float, max_tokens: object) -> _Passage:
@@ -154,9 +142,8 @@ def _passage(m: Measurement, window: object, tokenizer, eps: float, max_tokens: 
     if "commit_loop" in sub.meta.columns:  # per token: the same at every loop
         values["commit_loop"] = np.repeat(sub.meta["commit_loop"].to_numpy(float)[:, None], n_loops, axis=1)
     classes = sub.meta["dyn_class"].to_numpy(object) if "dyn_class" in sub.meta.columns else None
-    ids = sub.meta["token"].to_numpy(np.int64)
     depths = convergence_depth(sub, float(eps))
-    return _Passage(int(window), float(eps), sub.meta["pos"].to_numpy(), ids, token_texts(tokenizer, ids),
+    return _Passage(int(window), float(eps), sub.meta["pos"].to_numpy(), token_texts(tokenizer, sub.meta["token"]),
                     np.arange(1, n_loops + 1), values, depths["depth"].to_numpy(np.int64),
                     depths["converged"].to_numpy(bool), classes)
 
@@ -228,23 +215,25 @@ def _strip_parts(p: _Passage, loop: int, mode: _Mode) -> tuple[str, list[str], l
                   + "; grey: undefined at this loop")
     titles = []
     for i, text in enumerate(p.texts):
-        status = "converged" if conv[i] else "still updating"
-        dyn = ""
-        if "contraction" in p.values:
-            dyn += f", contraction {_fmt(p.values['contraction'][i, j])}"
-        if "commit_loop" in p.values:
-            dyn += f", commits at loop {_fmt(p.values['commit_loop'][i, j])}"
-        if p.classes is not None:
-            dyn += f", {p.classes[i]}"
+        dyn = "".join(f", {what} {_fmt(p.values[k][i, j])}" for k, what in
+                      (("contraction", "contraction"), ("commit_loop", "commits at loop")) if k in p.values)
+        dyn += "" if p.classes is None else f", {p.classes[i]}"
         titles.append(f"pos {int(p.pos[i])} {text!r}: KL {_fmt(kl[i])} nats, state change {_fmt(sd[i])}, "
-                      f"entropy {_fmt(ent[i])} nats, depth {int(p.depth[i])}, {status}{dyn}")
+                      f"entropy {_fmt(ent[i])} nats, depth {int(p.depth[i])}, "
+                      f"{'converged' if conv[i] else 'still updating'}{dyn}")
     header = (f"<div style='font-size:90%;margin-bottom:4px'>window {p.window}, loop {int(loop)} of "
               f"{int(p.loops[-1])}: {legend}</div>")
     return header, colors, titles
 
 
-def _strip_html(p: _Passage, loop: int, mode: _Mode) -> str:
-    header, colors, titles = _strip_parts(p, loop, mode)
+def token_strip_html(m: Measurement, window: int, loop: int, tokenizer, eps: float = DEFAULT_EPS,
+                     mode: str = "kl", max_tokens: int = 96) -> str:
+    """The first ``max_tokens`` tokens of ``window`` as HTML, one ``<span>`` per token coloured at ``loop`` (its
+    values in the ``title``). ``mode``: ``"kl"``, ``"state"``, ``"entropy"``, ``"converged"``, and for a
+    :func:`drc_core.trace` the dynamics ``"contraction"`` (yellow at 1), ``"commit"`` and ``"class"``
+    (:data:`CLASS_COLORS`)."""
+    p = _passage(m, window, tokenizer, eps, max_tokens)
+    header, colors, titles = _strip_parts(p, loop, _mode(mode))
     spans = []
     for text, color, title in zip(p.texts, colors, titles, strict=True):
         body = html.escape(text.replace("\r", "␍").replace("\t", "⇥")).replace("\n", "↵<br>")
@@ -254,38 +243,12 @@ def _strip_html(p: _Passage, loop: int, mode: _Mode) -> str:
             f"line-height:1.7'>{''.join(spans)}</div></div>")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The per-token depth explorer: public API
-
-
-def token_strip_html(m: Measurement, window: int, loop: int, tokenizer, eps: float = DEFAULT_EPS,
-                     mode: str = "kl", max_tokens: int = 96) -> str:
-    """The first ``max_tokens`` tokens of ``window`` as HTML, one ``<span>`` per token coloured at ``loop``.
-
-    ``mode``: ``"kl"`` (successive KL, log scale, yellow at ``eps``), ``"state"`` (state change, log scale),
-    ``"entropy"`` or ``"converged"`` (green: converged by ``loop``, red: still updating); for a
-    :func:`drc_core.trace` also the per-token dynamics: ``"contraction"`` (the factor by which the step
-    into loop l shrank, log scale, yellow at 1), ``"commit"`` (the commit loop) and ``"class"``
-    (:data:`CLASS_COLORS`). Colour ranges are
-    fixed over the passage's loops. Each span's ``title`` gives the token's values; text is HTML-escaped and
-    newlines show as ↵ plus a line break.
-    """
-    p = _passage(m, window, tokenizer, eps, max_tokens)
-    return _strip_html(p, loop, _mode(mode))
-
-
 def depth_slider_figure(m: Measurement, window: int, tokenizer, eps: float = DEFAULT_EPS, max_tokens: int = 96,
                         metric: str = "kl", line_chars: int = _LINE_CHARS) -> go.Figure:
-    """The first ``max_tokens`` tokens of ``window`` laid out as wrapped text, each a box coloured by ``metric``
-    at loop l, with a slider over loops and a play button (plotly frames: interactive in static HTML).
-
-    ``metric``: ``"kl"`` (log10 of the successive KL; the scale's yellow middle is ``eps``),
-    ``"state_delta"`` (log10) or ``"entropy"``. The colour range is fixed across loops; tokens without a value
-    at a loop (loop 1 for KL and state change) are grey. The figure opens at the first loop where some token
-    has a value. Hover: the token, its KL and state change at that loop and whether it has converged.
-    Frame ``l`` (named ``str(l)``) holds ``marker.color`` (the colour values, rounded to 3 decimals, or
-    NAN_COLOR) and ``customdata`` (KL, state change, status as text).
-    """
+    """The first ``max_tokens`` tokens of ``window`` as wrapped text, each a box coloured by ``metric`` (a
+    :func:`token_strip_html` mode but ``converged`` and ``class``) at loop l, with a slider over loops and a play
+    button. It opens at the first loop with a value; frame ``str(l)`` holds ``marker.color`` (values rounded to 3
+    decimals, or NAN_COLOR) and ``customdata`` (KL, state change, status)."""
     mode = _mode(metric, allow_converged=False)
     need_int("line_chars", line_chars, 8)
     p = _passage(m, window, tokenizer, eps, max_tokens)
@@ -305,12 +268,10 @@ def depth_slider_figure(m: Measurement, window: int, tokenizer, eps: float = DEF
 
     has_value = np.isfinite(v).any(axis=0)
     start = int(np.argmax(has_value)) if has_value.any() else 0
+    colorbar = {"title": {"text": f"{mode.key} ({mode.unit})"}}
     if mode.log:
         ticks = list(range(math.ceil(lo), math.floor(hi) + 1))
-        colorbar = {"title": {"text": f"{mode.key} ({mode.unit})"}, "tickvals": ticks,
-                    "ticktext": [f"1e{k}" for k in ticks]}
-    else:
-        colorbar = {"title": {"text": f"{mode.key} ({mode.unit})"}}
+        colorbar |= {"tickvals": ticks, "ticktext": [f"1e{k}" for k in ticks]}
     marker = {"color": colors(start), "colorscale": scale, "cmin": lo, "cmax": hi, "showscale": True,
               "colorbar": colorbar, "line": {"width": 1, "color": "white"}}
     hover = [f"pos {int(q)}: {t!r}" for q, t in zip(p.pos, p.texts, strict=True)]
@@ -341,33 +302,17 @@ def depth_slider_figure(m: Measurement, window: int, tokenizer, eps: float = DEF
 
 
 class DepthExplorer:
-    """The live per-token depth explorer (JupyterLab): ``explorer.widget`` is an ipywidgets ``VBox`` with
-
-    - ``input`` (a ``Text`` box) and ``trace_button``, present when a ``tracer`` is given: any text typed there
-      (Enter or the button) is traced through the model by ``tracer(text)`` (a function returning that text's
-      :class:`~drc_core.api.Trace`, e.g. ``lambda s: drc_core.trace(model, s, 32, tokenizer=tok)``) and
-      shown in this same explorer; :meth:`show_text` does the same from code, and ``text=`` does it at once;
-    - ``slider`` (``IntSlider`` over the passage's loops, the full width of the output, one step per loop) and
-      ``metric`` (``ToggleButtons``, colour by: ``"kl"``, ``"state"``, ``"entropy"``, and where the measurement comes
-      from :func:`drc_core.trace` the per-token dynamics ``"contraction"``, ``"commit"`` (commit loop) and
-      ``"class"`` (settled / oscillating / contracting / drifting), then ``"converged"``), which redraw
-      ``text`` (an ``HTML`` header: window, loop and colour legend) and recolour ``token_buttons``;
-    - ``tokens``: the passage itself, one ``Button`` per token (``token_buttons``) coloured as
-      :func:`token_strip_html` colours its spans, with that token's values as tooltip; clicking one selects it;
-    - ``token`` (a ``BoundedIntText`` of the selected position, also settable), which redraws ``trajectory``: a
-      ``go.Figure`` (KL(p_l ‖ p_{l−1}), KL(p_L ‖ p_l) when measured and the state change against the loop, log
-      scale, values below :data:`LOG_FLOOR` drawn at that floor (a dotted line marks it), the ε line and the
-      current loop) rendered into ``output`` (an ``ipywidgets.Output``) when an IPython kernel is running.
-
-    Everything updates through ``.observe`` callbacks, so setting ``explorer.slider.value = 5`` (or
-    ``metric.value`` / ``token.value``) from code updates the passage and ``trajectory`` at once.
-    """
+    """The live per-token depth explorer (JupyterLab), ``explorer.widget``: with a ``tracer`` (text -> its
+    :class:`~drc_core.api.Trace`) an ``input`` box and ``trace_button`` (:meth:`show_text`; ``text=`` at once); a loop
+    ``slider`` and a colour-by ``metric`` (the :func:`token_strip_html` modes the measurement has), which redraw the
+    ``text`` header and recolour ``token_buttons`` (one per token of the passage; clicking one selects it); the
+    selected ``token``, whose ``trajectory`` figure (successive KL, KL to the deepest output, state change; log
+    scale) is rendered into ``output`` under a kernel. Setting any widget's value from code updates the rest."""
 
     def __init__(self, m: Measurement, tokenizer, window: int = 0, eps: float = DEFAULT_EPS,
                  max_tokens: int = 96, *, tracer=None, text: str | None = None) -> None:
         import ipywidgets as widgets
 
-        self._widgets = widgets
         self.tokenizer, self.eps, self.max_tokens, self.tracer = tokenizer, eps, max_tokens, tracer
         if text is not None and tracer is None:
             raise DrcError("text= needs tracer=: a function from a text to its Trace (drc_core.trace)")
@@ -401,8 +346,7 @@ class DepthExplorer:
             self.status = widgets.HTML()
             self.input.observe(self._on_input, names="value")
             self.trace_button.on_click(lambda _b: self.show_text(self.input.value))
-            rows.append(widgets.HBox([self.input, self.trace_button], layout=full()))
-            rows.append(self.status)
+            rows += [widgets.HBox([self.input, self.trace_button], layout=full()), self.status]
         # JupyterLab's plotly renderer leaves the trajectory's output 0 px high after its tab was hidden (another
         # tab in front, then back): a fixed height for the figure's box keeps it drawn
         self._css = widgets.HTML(f"<style>.drc-depth-explorer .widget-output .jp-RenderedPlotly "
@@ -411,9 +355,9 @@ class DepthExplorer:
                  self.output, self._css]
         self.widget = widgets.VBox(rows, layout=full())
         self.widget.add_class("drc-depth-explorer")
-        self.slider.observe(self._on_loop, names="value")
-        self.metric.observe(self._on_metric, names="value")
-        self.token.observe(self._on_token, names="value")
+        for widget, redraw in ((self.slider, self._redraw_loop), (self.metric, self.update_text),
+                               (self.token, self.update_trajectory)):
+            widget.observe(lambda _change, redraw=redraw: None if self._quiet else redraw(), names="value")
         self._show(self.passage)
         if text is not None:
             self.show_text(text)
@@ -434,50 +378,32 @@ class DepthExplorer:
         except DrcError as exc:
             self.status.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
             return
-        self._quiet = True
-        try:
+        with self._quietly():
             self.input.value = text
-        finally:
-            self._quiet = False
         self.status.value = (f"traced {len(passage.pos)} token(s) of your text through "
                              f"{int(passage.loops[-1])} loops")
         self._show(passage)
 
     @staticmethod
     def _metric_options(p: _Passage) -> list[tuple[str, str]]:
-        """The colour-by choices: the statistics, then the per-token dynamics where measured."""
-        options = [("KL", "kl"), ("state change", "state"), ("entropy", "entropy")]
-        dynamics = [("contraction", "contraction"), ("commit loop", "commit"), ("class", "class")]
-        present = {"contraction": "contraction" in p.values, "commit": "commit_loop" in p.values,
-                   "class": p.classes is not None}
-        return [*options, *(o for o in dynamics if present[o[1]]), ("converged?", "converged")]
+        return [(m.button, m.key) for m in _MODES.values() if p.offers(m)]
 
     def _show(self, passage: _Passage) -> None:
         """Make ``passage`` the explorer's: slider range, one button per token, first token selected, redraw."""
-        widgets = self._widgets
+        import ipywidgets as widgets
+
         self.passage = p = passage
         options = self._metric_options(p)
-        if list(self.metric.options) != options:
-            self._quiet = True
-            try:
+        first = p.loops[1] if len(p.loops) > 1 else p.loops[0]
+        with self._quietly():
+            if list(self.metric.options) != options:
                 value = self.metric.value if self.metric.value in dict(options).values() else "kl"
                 self.metric.options = options
                 self.metric.value = value
-            finally:
-                self._quiet = False
-        first = int(p.loops[1]) if len(p.loops) > 1 else int(p.loops[0])
-        self._quiet = True
-        try:
-            self.slider.max = max(int(p.loops[-1]), self.slider.min)
-            self.slider.min = int(p.loops[0])
-            self.slider.max = int(p.loops[-1])
-            self.slider.value = first
-            self.token.max = max(int(p.pos[-1]), self.token.min)
-            self.token.min = int(p.pos[0])
-            self.token.max = int(p.pos[-1])
-            self.token.value = int(p.pos[0])
-        finally:
-            self._quiet = False
+            for w, lo, hi, value in ((self.slider, p.loops[0], p.loops[-1], first),
+                                     (self.token, p.pos[0], p.pos[-1], p.pos[0])):
+                w.max = max(int(hi), w.min)  # never below min on the way
+                w.min, w.max, w.value = int(lo), int(hi), int(value)
         buttons, children = [], []
         for q, text in zip(p.pos, p.texts, strict=True):
             label = _visible(text).replace(" ", "\u00a0") or "\u00a0"
@@ -496,24 +422,23 @@ class DepthExplorer:
         self.update_trajectory()
 
     # callbacks (the widgets' observers) ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _quietly(self) -> Iterator[None]:
+        """While the explorer sets its own widgets, their observers do nothing."""
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self._quiet = False
+
     def _on_input(self, change) -> None:
         if not self._quiet and change["new"].strip():
             self.show_text(change["new"])
 
-    def _on_loop(self, _change) -> None:
-        if self._quiet:
-            return
+    def _redraw_loop(self) -> None:
         self.update_text()
         self._mark_loop()
         self._render()
-
-    def _on_metric(self, _change) -> None:
-        if not self._quiet:
-            self.update_text()
-
-    def _on_token(self, _change) -> None:
-        if not self._quiet:
-            self.update_trajectory()
 
     # updates, also callable directly ------------------------------------------------------------------
     def update_text(self) -> None:
@@ -525,18 +450,13 @@ class DepthExplorer:
             b.style.text_color = _ink(color)
             b.tooltip = title
 
-    def _token_index(self) -> int:
+    def update_trajectory(self) -> None:
+        """Rebuild the selected token's trajectory figure, mark its button, and render it."""
         p = self.passage
         i = int(np.searchsorted(p.pos, int(self.token.value)))
         if i >= len(p.pos) or int(p.pos[i]) != int(self.token.value):
             raise DrcError(f"token={self.token.value} is not a position of the passage ({int(p.pos[0])}.."
                            f"{int(p.pos[-1])})")
-        return i
-
-    def update_trajectory(self) -> None:
-        """Rebuild the selected token's trajectory figure, mark its button, and render it."""
-        p = self.passage
-        i = self._token_index()
         for k, b in enumerate(self.token_buttons):
             b.layout.border = "2px solid #000" if k == i else ""
             b.style.font_weight = "bold" if k == i else ""

@@ -1,14 +1,10 @@
-"""How glibc hands out and takes back the large temporaries of a pass, for the whole process (a ``mallopt`` call).
+"""How glibc hands out and takes back a pass's large temporaries, for the whole process (``mallopt``).
 
-A pass frees vocabulary-sized temporaries at every loop; under glibc's defaults its mmap threshold then grows, the
-temporaries come from a heap that cannot shrink, and a 256-token trace at 1,024 loops peaked at 9.8 GB. Two policies:
-
-- :func:`bound_freed_memory` (what :func:`drc_core.trace` applies unless the process chose otherwise): buffers above
-  ``threshold`` are always mapped and returned when freed, so memory stays proportional to loops x tokens (0.65 GB);
-- :func:`keep_freed_memory`: buffers up to ``max_bytes`` come from the heap and are kept for reuse, no page faults on
-  fresh buffers (what timing wants), at the cost of a resident size that stays at its peak.
-
-Both return False and change nothing where the C library is not glibc.
+Under glibc's defaults the mmap threshold grows as a pass frees vocabulary-sized temporaries, which then come from a
+heap that cannot shrink (a 256-token trace at 1,024 loops peaked at 9.8 GB). :func:`bound_freed_memory` (what
+:func:`drc_core.trace` applies unless the process chose otherwise) maps buffers above ``threshold`` and returns them
+when freed (0.65 GB); :func:`keep_freed_memory` keeps buffers up to ``max_bytes`` on the heap for reuse (no page
+faults, what timing wants; resident size stays at its peak). Both return False and change nothing outside glibc.
 """
 
 from __future__ import annotations

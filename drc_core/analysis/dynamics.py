@@ -1,22 +1,11 @@
-"""What each token's latent state does on its way to the fixed point: contraction, 2-cycles, drift, norm growth,
-the loop where the prediction commits, and overthinking.
+"""What each token's latent state does on its way to the fixed point, from one uniform-depth pass
+(:func:`token_dynamics`, or a measurement: :meth:`Dynamics.of`): the contraction factor
+``rho_l = ||s_{l+1} - s_l|| / ||s_l - s_{l-1}||``, a class per token (:func:`classify`), the commit loop (the first
+loop from which the argmax never changes again) and overthinking (right at some loop, wrong at a later one).
 
-One uniform-depth pass (:func:`token_dynamics`, or a measurement: :meth:`Dynamics.of`) keeps, per
-token and loop, the state norm ``||s_l||``, the step ``||s_l - s_{l-1}||``, the two-loop step ``||s_l - s_{l-2}||``
-and the argmax. From them:
-
-- the empirical **contraction factor** ``rho_l = ||s_{l+1} - s_l|| / ||s_l - s_{l-1}||`` (:meth:`Dynamics.contraction`);
-- a **class** per token (:func:`classify`), read over the last ``tail`` loops of the pass:
-
-  * ``settled``: the relative step ``||s_L - s_{L-1}|| / ||s_L||`` is below ``tol`` (the state has stopped moving);
-  * ``oscillating``: not settled, and the two-loop step is below ``cycle_ratio`` times the one-loop step at L
-    (the state alternates between two points: a 2-cycle);
-  * ``contracting``: neither, and the geometric-mean contraction factor over the tail is below ``rho_max``
-    (still moving, but converging geometrically);
-  * ``drifting``: none of these (steps that do not shrink, and no 2-cycle);
-
-- the **commit loop** (:func:`commit_loop`): the first loop from which the argmax never changes again up to L;
-- **overthinking** (:func:`overthinks`): a prediction that is right at some loop and wrong at a later one.
+:func:`classify`, at the last loop L: ``settled`` when ``||s_L - s_{L-1}|| / ||s_L|| < tol``; else ``oscillating``
+(a 2-cycle) when ``||s_L - s_{L-2}|| < cycle_ratio * ||s_L - s_{L-1}||``; else ``contracting`` when the
+geometric-mean contraction factor over the last ``tail`` loops is below ``rho_max``; else ``drifting``.
 """
 
 from __future__ import annotations
@@ -40,15 +29,12 @@ CLASSES = ("settled", "oscillating", "contracting", "drifting")
 
 
 def commit_loop(argmax: np.ndarray) -> np.ndarray:
-    """Per row of ``argmax`` (n, L): the first loop (1-based) from which the argmax equals its value at loop L for
-    every later loop."""
+    """Per row of ``argmax`` (n, L): the first loop (1-based) from which the argmax stays at its value at loop L."""
     a = np.asarray(argmax)
     if a.ndim != 2 or a.shape[1] < 1:
         raise DrcError(f"argmax must be (tokens, loops); got shape {a.shape}")
-    differs = a != a[:, -1:]
-    n_loops = a.shape[1]
-    last_diff = np.where(differs.any(1), n_loops - np.argmax(differs[:, ::-1], axis=1), 0)
-    return last_diff + 1
+    differs = a != a[:, -1:]  # the last loop that differs from loop L, or 0
+    return np.where(differs.any(1), a.shape[1] - np.argmax(differs[:, ::-1], axis=1), 0) + 1
 
 
 def overthinks(correct: np.ndarray) -> np.ndarray:
@@ -90,17 +76,12 @@ class Dynamics:
         with np.errstate(divide="ignore", invalid="ignore"):
             return self.step[..., 2:] / self.step[..., 1:-1]
 
-    def relative_step(self) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return self.step / self.norm
-
 
 def token_dynamics(model: RecurrentModel, windows: torch.Tensor, max_loops: int = 32, *, batch_size: int = 16,
                    seed: int = EVAL_STATE_SEED, positions: torch.Tensor | np.ndarray | None = None) -> Dynamics:
-    """One uniform pass of ``max_loops`` loops over ``windows`` (N, T+1; inputs ``[:, :-1]``): the measurement pass
-    (:func:`~drc_core.analysis.measure.measure_windows` with ``dynamics=True``; same ``seed`` and ``batch_size``
-    give the same trajectories), arrays (N, T, L); with ``positions`` ((N, T) bool) those tokens only, (n, L). A
-    notebook that measures anyway reads :meth:`Dynamics.of` its measurement instead."""
+    """The dynamics of one uniform pass over ``windows`` (N, T+1), the measurement pass of
+    :func:`~drc_core.analysis.measure.measure_windows` with ``dynamics=True``: arrays (N, T, L), or (n, L) for the
+    tokens of ``positions`` ((N, T) bool)."""
     max_loops = need_int("max_loops", max_loops, 3)
     dyn = Dynamics.of(measure_windows(model, windows, max_loops, batch_size=batch_size, seed=seed,
                                       kl_to_final=False, positions=positions, dynamics=True))
@@ -112,13 +93,12 @@ def token_dynamics(model: RecurrentModel, windows: torch.Tensor, max_loops: int 
 
 def classify(dyn: Dynamics, *, tol: float = 1e-3, cycle_ratio: float = 0.1, rho_max: float = 0.95,
              tail: int = 8) -> np.ndarray:
-    """Each token's class (N, T) of :data:`CLASSES` by the rule in the module docstring, read at the last loop L
-    and over the last ``tail`` contraction factors."""
+    """Each token's class (N, T) of :data:`CLASSES` by the rule in the module docstring."""
     if dyn.max_loops < tail + 2:
         raise DrcError(f"classify needs at least tail + 2 = {tail + 2} loops; the pass has {dyn.max_loops}")
-    rel = dyn.relative_step()[..., -1]
-    settled = rel < tol
     with np.errstate(divide="ignore", invalid="ignore"):
+        rel = (dyn.step / dyn.norm)[..., -1]
+        settled = rel < tol
         cycle = dyn.step2[..., -1] < cycle_ratio * dyn.step[..., -1]
         rho = np.exp(np.nanmean(np.log(dyn.contraction()[..., -tail:]), axis=-1))
     out = np.full(rel.shape, "drifting", dtype=object)
@@ -130,9 +110,8 @@ def classify(dyn: Dynamics, *, tol: float = 1e-3, cycle_ratio: float = 0.1, rho_
 
 def group_shares(flags: dict[str, np.ndarray], groups: np.ndarray | None = None, clusters: np.ndarray | None = None,
                  *, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
-    """The share of tokens with each flag (``flags``: name -> bool per token, flat and aligned), overall (group
-    ``"all"``) and per value of ``groups`` (e.g. token type), with percentile bootstrap intervals that resample
-    ``clusters`` (e.g. documents; the same draws for every flag and group). Rows: ``group``, ``flag``,
+    """The share of tokens with each flag (``flags``: name -> bool per token), overall (group ``"all"``) and per value
+    of ``groups``, with bootstrap intervals over ``clusters`` (the same draws for all). Rows: ``group``, ``flag``,
     ``n_tokens``, ``share``, ``ci_low``, ``ci_high``."""
     names = list(flags)
     if not names:
@@ -157,16 +136,15 @@ def group_shares(flags: dict[str, np.ndarray], groups: np.ndarray | None = None,
 
 def class_shares(classes: np.ndarray, groups: np.ndarray | None = None, clusters: np.ndarray | None = None,
                  **kwargs) -> pd.DataFrame:
-    """The share of each class of :data:`CLASSES` (:func:`classify`'s output, any shape), overall and per group:
-    :func:`group_shares` with one flag per class (the column is named ``class``)."""
+    """:func:`group_shares` with one flag per class of :data:`CLASSES` (the column named ``class``)."""
     c = np.asarray(classes, dtype=object).reshape(-1)
     out = group_shares({k: c == k for k in CLASSES}, groups, clusters, **kwargs)
     return out.rename(columns={"flag": "class"})
 
 
 def norm_percentiles(dyn: Dynamics, q: tuple[float, ...] = (5, 25, 50, 75, 95, 99)) -> pd.DataFrame:
-    """Per loop: the ``q`` percentiles of the state norm ||s_l|| over tokens (columns ``p5``, ...), and the median of
-    each token's norm relative to its loop-1 norm (``median_growth``): does the state grow with depth?"""
+    """Per loop: the ``q`` percentiles of the state norm over tokens (``p5``, ...) and the median norm relative to
+    loop 1 (``median_growth``)."""
     norm = dyn.norm.reshape(-1, dyn.max_loops).astype(np.float64)
     pct = np.percentile(norm, q, axis=0)
     out = pd.DataFrame({"loop": np.arange(1, dyn.max_loops + 1)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -15,13 +16,10 @@ def percentile_interval(boot: np.ndarray, level: float) -> tuple[np.ndarray, np.
     """The central ``level`` percentile interval of each column of bootstrap replicates ``boot`` (n_boot, k),
     NaN replicates ignored; a column with no value at all (e.g. ``kl`` at loop 1) gives NaN."""
     alpha = (1.0 - level) / 2.0
-    k = boot.shape[1]
-    lo, hi = np.full(k, math.nan), np.full(k, math.nan)
-    some = ~np.isnan(boot).all(axis=0)
-    if some.any():
-        lo[some], hi[some] = np.nanquantile(boot[:, some], [alpha, 1.0 - alpha], axis=0)
+    with warnings.catch_warnings():  # an all-NaN column
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lo, hi = np.nanquantile(boot, [alpha, 1.0 - alpha], axis=0)
     return lo, hi
-
 
 
 def cluster_codes(clusters, n: int) -> tuple[np.ndarray, int]:
@@ -46,24 +44,13 @@ def cluster_draws(n_clusters: int, n_boot: int, seed: int, chunk: int):
                               size=min(chunk, n_boot - b)).astype(float)
 
 
-def _weighted_lower_median(sorted_x: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Per row of ``weights`` (m, n) over ``sorted_x`` (n,): the smallest x whose cumulative weight reaches
-    half the total (the lower median; with unit weights ``sorted_x[ceil(n/2) - 1]``)."""
-    cum = np.cumsum(weights, axis=1)
-    idx = (cum < cum[:, -1:] / 2.0).sum(axis=1)
-    return sorted_x[np.minimum(idx, len(sorted_x) - 1)]
-
-
 def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 1000, seed: int = 0,
                  level: float = 0.95) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Point estimate and percentile bootstrap CI of each column of ``values`` (n,) or (n, k).
+    """Point estimate and percentile bootstrap CI ``(point, low, high)`` of each column of ``values`` (n,) or (n, k).
 
-    The bootstrap resamples *clusters* with replacement: ``clusters`` (n,) gives each row's cluster (e.g. its
-    document); None makes every row its own cluster. A replicate draws as many clusters as there are, and all
-    k columns use the same draws. ``stat``: "mean" -- the pooled mean over the drawn rows (the ratio of the
-    drawn clusters' sums to their counts; NaN values are ignored) -- or "median" -- the lower weighted median
-    (each row weighted by how often its cluster was drawn; the point estimate is the plain lower median).
-    Returns ``(point, low, high)``, arrays of shape (k,) (or (1,) for 1-D input). Deterministic by ``seed``.
+    A replicate draws as many ``clusters`` (one per row; None: each row its own) as there are, with replacement, the
+    same draws for every column. ``stat``: "mean", the pooled mean over the drawn rows (NaN ignored), or "median",
+    the lower median with each row weighted by its cluster's draws. Deterministic by ``seed``.
     """
     x = np.asarray(values, dtype=float)
     if x.ndim not in (1, 2) or x.shape[0] == 0:
@@ -76,11 +63,6 @@ def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 100
     level = need_level(level)
     codes, n_c = cluster_codes(clusters, n)
     chunk = max(1, 4_000_000 // n)  # replicates per block of cluster counts, so a block stays ~32 MB
-
-    def draws():  # the same sequence of (m, n_clusters) count blocks for every column and both statistics
-        return cluster_draws(n_c, n_boot, seed, chunk)
-
-    boot = np.empty((n_boot, k))
     with np.errstate(invalid="ignore", divide="ignore"):
         if stat == "mean":
             ok = ~np.isnan(x)
@@ -88,12 +70,9 @@ def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 100
             sums = np.stack([np.bincount(codes, weights=xz[:, j], minlength=n_c) for j in range(k)], axis=1)
             cnts = np.stack([np.bincount(codes, weights=ok[:, j], minlength=n_c) for j in range(k)], axis=1)
             point = sums.sum(0) / cnts.sum(0)
-            row = 0
-            for w in draws():
-                boot[row : row + len(w)] = (w @ sums) / (w @ cnts)
-                row += len(w)
+            boot = np.concatenate([(w @ sums) / (w @ cnts) for w in cluster_draws(n_c, n_boot, seed, chunk)])
         else:
-            point = np.full(k, math.nan)
+            point, boot = np.full(k, math.nan), np.empty((n_boot, k))
             for j in range(k):
                 valid = ~np.isnan(x[:, j])
                 if not valid.any():
@@ -102,9 +81,10 @@ def bootstrap_ci(values, clusters=None, *, stat: str = "mean", n_boot: int = 100
                 order = np.argsort(x[valid, j], kind="stable")
                 xs, cs = x[valid, j][order], codes[valid][order]
                 point[j] = xs[(len(xs) + 1) // 2 - 1]
-                row = 0
-                for w in draws():
-                    boot[row : row + len(w), j] = _weighted_lower_median(xs, w[:, cs])
-                    row += len(w)
+                medians = []
+                for w in cluster_draws(n_c, n_boot, seed, chunk):  # the smallest x whose cumulative weight is half
+                    cum = np.cumsum(w[:, cs], axis=1)
+                    medians.append(xs[np.minimum((cum < cum[:, -1:] / 2.0).sum(axis=1), len(xs) - 1)])
+                boot[:, j] = np.concatenate(medians)
     lo, hi = percentile_interval(boot, level)
     return point, lo, hi

@@ -1,18 +1,9 @@
-"""Per-token statistics of one loop against the previous one: the quantities every measurement, halting
-rule and router reads.
+"""Per-token statistics of one loop against the previous one: what every measurement, halting rule and router reads.
 
-Direction convention: the successive KL at loop l is ``KL(p_l || p_{l-1})`` (the new output against the
-previous one); the relative state change is ``||s_l - s_{l-1}|| / ||s_l||``. See :class:`LoopStats`.
-
-:data:`STATISTICS` is the one list of these statistics: each :class:`Statistic` names a quantity once (the
-:class:`LoopStats` attribute, the key of a measurement's ``stats`` and a
-rule's ``reads`` entry are that name), says what it reads (the loop's readout or only its state), what it needs of
-the previous loop and its value at the first loop. The built-in statistics are computed together, sharing one
-softmax, by :func:`loop_stats` here and by the skipping paths' compact layout
-(:mod:`drc_core.halting.loopstats`); a statistic added with :func:`register_statistic` carries its own
-``compute``, which both layouts call, and then appears in :class:`LoopStats` (as an attribute), in
-:func:`~drc_core.analysis.measure.measure_windows`' frame, in :func:`~drc_core.api.trace` and on the skipping
-paths.
+:data:`STATISTICS` lists each :class:`Statistic` once, by the name that is its :class:`LoopStats` attribute, its
+key in a measurement and in a rule's ``reads``. The built-ins are computed together (one softmax) by
+:func:`loop_stats` and by the skipping paths' compact layout (:mod:`drc_core.halting.loopstats`); one added with
+:func:`register_statistic` carries its own ``compute``, and then appears in both, in measurements and in traces.
 """
 
 from __future__ import annotations
@@ -36,19 +27,12 @@ __all__ = ["BUILTIN_STATISTICS", "MIN_P", "STATISTICS", "LoopStats", "Statistic"
 
 @dataclass(frozen=True)
 class Statistic:
-    """One per-token statistic of a loop (see the module docstring).
-
-    ``reads``: ``"output"`` when it needs the loop's readout (the log-probs), ``"state"`` when the latent state
-    suffices (a skipping path then computes it without a readout at loops whose output nobody reads);
-    ``needs``: the statistics of the *previous* loop it is computed from (what a compact layout must keep per
-    token); ``first``: its value at loop 1 where it compares with the previous loop (+inf or -inf: a value that
-    never halts), None when it is defined at loop 1; ``kind``: ``"float"`` (B, T), ``"long"`` (B, T),
-    ``"vector"`` (B, T, d) or ``"distribution"`` (B, T, V); ``frame``: a statistic of every measurement (NaN
-    where ``first`` is not None, at loop 1). ``compute(log_probs, state, prev)`` -> (B, T) (or (1, N) on a
-    compact layout: it works on the last dimension only) is given for a registered statistic; ``log_probs`` is
-    None when ``reads`` is "state", ``prev`` maps the previous loop's ``log_probs``/``state`` and every statistic
-    to its values (None at loop 1, where ``first`` is used instead when set). The built-ins have no ``compute``:
-    :func:`loop_stats` and the compact layout compute them together."""
+    """One per-token statistic of a loop. ``reads``: ``"output"`` (needs the log-probs) or ``"state"``; ``needs``:
+    the previous loop's statistics it is computed from; ``first``: its value at loop 1 when it compares with the
+    previous loop (a value that never halts), else None; ``frame``: kept by every measurement (NaN at loop 1 where
+    ``first`` is set); ``missing``: the placeholder where a skipping path did not compute it. ``compute(log_probs,
+    state, prev)`` -> one value per token (last dimension only) is given for a registered statistic: ``log_probs``
+    is None when it reads the state, ``prev`` the previous loop's values by name (None at loop 1)."""
 
     name: str
     doc: str
@@ -120,33 +104,13 @@ def extra_statistics() -> tuple[Statistic, ...]:
     return tuple(s for s in STATISTICS.values() if s.name not in BUILTIN_STATISTICS)
 
 
-
 @dataclass
 class LoopStats:
-    """Per-token statistics of a batch after loop ``loop`` (1-based); every statistic is (B, T).
-
-    ``log_probs`` (B, T, V) float32 and ``state`` (B, T, d) are loop l's readout and latent state. The
-    statistics that compare with loop l-1 are undefined at the first loop and hold a value that never
-    halts there: ``kl``, ``state_delta`` and ``entropy_delta`` are +inf and ``cosine`` is -inf.
-
-    - ``kl`` = KL(p_l || p_{l-1}) (:func:`drc_core.model.passes.kl_successive`);
-    - ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l|| (L2 over d);
-    - ``entropy`` = H(p_l) in nats, ``entropy_delta`` = |H_l - H_{l-1}|;
-    - ``cosine`` = cos(s_l, s_{l-1});
-    - ``argmax`` = argmax_v p_l(v) (long), ``argmax_run`` = the length of the current run of loops with this
-      same argmax (1 at the first loop and after every change; long);
-    - ``top_prob`` = max_v p_l(v);
-    - ``minp_kl`` = KL(q_{l-1} || q_l) of the min-p filtered outputs q (Huginn's ``minp-kl`` exit criterion: every
-      probability below 0.1 * max_v p(v) is replaced by 1/V, then renormalised; note the direction, previous ||
-      current, as Huginn computes it), +inf at the first loop;
-    - ``state_step`` = s_l - s_{l-1} (B, T, d) (zeros at the first loop), ``accel`` = ||Δs_l - Δs_{l-1}|| /
-      ||s_l|| with Δs_l = ``state_step`` (the second-order "acceleration" of the latent trajectory, +inf at
-      loops 1 and 2) and ``accel_prev`` the previous loop's ``accel`` (+inf through loop 3).
-
-    Statistics added with :func:`register_statistic` are in ``extra`` and read as attributes too
-    (``stats.my_stat``). Build it with :func:`loop_stats`, which keeps no reference to the previous loop's stats,
-    so a loop-by-loop caller holds at most two loops' (B, T, V) tensors at once.
-    """
+    """Per-token statistics (B, T) of a batch after loop ``loop`` (1-based), each as :data:`STATISTICS` defines it,
+    with loop l's readout ``log_probs`` (B, T, V) and ``state`` (B, T, d). At loop 1 the comparisons hold a value
+    that never halts (+inf; ``cosine`` -inf; ``state_step`` zeros); ``accel`` is +inf through loop 2, ``accel_prev``
+    through loop 3. ``minp_kl`` is Huginn's exit criterion, KL(q_{l-1} || q_l) of the min-p filtered outputs.
+    Registered statistics are in ``extra`` and read as attributes too. Built by :func:`loop_stats`."""
 
     loop: int
     log_probs: Tensor
@@ -179,8 +143,7 @@ class LoopStats:
     def values(self) -> dict[str, Tensor]:
         """Every statistic by name (the built-ins, ``extra``, and ``state``): what a registered statistic's
         ``compute`` gets as ``prev``."""
-        out = {name: getattr(self, name) for name in BUILTIN_STATISTICS}
-        return {**out, **self.extra, "state": self.state}
+        return {**{name: getattr(self, name) for name in BUILTIN_STATISTICS}, **self.extra, "state": self.state}
 
     @property
     def shape(self) -> torch.Size:
@@ -189,19 +152,9 @@ class LoopStats:
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
-    """``(a * b).sum(-1)`` as one batched dot product, without the (..., V) product (several times faster on
-    CPU than multiply-then-sum for vocabulary-sized rows)."""
+    """``(a * b).sum(-1)`` as one batched dot product, without the (..., V) product (faster on CPU)."""
     v = a.shape[-1]
     return torch.einsum("bnv,bnv->bn", a.reshape(1, -1, v), b.reshape(1, -1, v)).reshape(a.shape[:-1])
-
-
-def _entropy(log_probs: Tensor, p: Tensor | None = None) -> Tensor:
-    """H(p) in nats from log-probs (and their exp ``p``, if already computed); 0 * log 0 counts as 0."""
-    p = log_probs.exp() if p is None else p
-    h = -_dot(p, log_probs)
-    if bool(torch.isnan(h).any()):  # a -inf log-prob (p = 0) makes 0 * -inf = NaN: redo without it
-        h = -torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(-1)
-    return h
 
 
 def state_change(state: Tensor, prev_state: Tensor) -> tuple[Tensor, Tensor]:
@@ -228,8 +181,7 @@ def trajectory_step(state: Tensor, prev: LoopStats | None) -> tuple[Tensor, Tens
     """``(state_step, accel, accel_prev)`` of ``state`` (..., d) after ``prev`` (see :class:`LoopStats`); the
     second-order statistics need no readout."""
     s = state.float()
-    shape = s.shape[:-1]
-    inf = torch.full(shape, math.inf, device=s.device)
+    inf = torch.full(s.shape[:-1], math.inf, device=s.device)
     if prev is None:
         return torch.zeros_like(s), inf, inf
     step = s - prev.state.float()
@@ -249,18 +201,16 @@ def with_needs(names: Iterable[str], needs: Callable[[str], Iterable[str]] | Non
     step = needs or (lambda name: set(STATISTICS[name].needs) - {"state"})
     todo = list(out)
     while todo:
-        for more in step(todo.pop()):
-            if more not in out:
-                out.add(more)
-                todo.append(more)
+        more = set(step(todo.pop())) - out
+        out |= more
+        todo += more
     return frozenset(out)
 
 
 def with_placeholders(values: Mapping[str, Tensor], shape: tuple[int, ...], device: torch.device | str
                       ) -> dict[str, Tensor]:
-    """``values`` and, for every statistic missing from it, its :meth:`Statistic.placeholder` of ``shape`` (an empty
-    (..., 0) tensor for a vector or a distribution): one tensor shared by the statistics of one kind and value, which
-    a caller that computed only what it reads never looks at."""
+    """``values`` and, for every statistic missing from it, its :meth:`Statistic.placeholder` of ``shape`` (empty
+    (..., 0) for a vector or distribution), one tensor shared per kind and value."""
     out = dict(values)
     shared: dict[tuple[str, float | None], Tensor] = {}
     for name, stat in STATISTICS.items():
@@ -276,30 +226,25 @@ def with_placeholders(values: Mapping[str, Tensor], shape: tuple[int, ...], devi
 
 def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tensor, *,
                only: Iterable[str] | None = None) -> LoopStats:
-    """The :class:`LoopStats` of loop ``loop`` from its log-probs (B, T, V) and state (B, T, d), given the
-    previous loop's stats ``prev`` (None at the first loop).
-
-    ``only``: the statistics the caller reads (e.g. a rule's :attr:`~drc_core.halting.rules.HaltingRule.reads`);
-    those, what they are computed from (:func:`with_needs`) and what comes free with them are computed, the others
-    are placeholders (:func:`with_placeholders`). The values computed are the same as with ``only=None`` (every
-    statistic), as long as the same ``only`` is given at every loop."""
+    """The :class:`LoopStats` of loop ``loop`` from its log-probs (B, T, V) and state (B, T, d), after ``prev``
+    (None at loop 1). ``only``: the statistics the caller reads; those and what they need are computed (the same
+    values as with ``only=None`` when given at every loop), the others are placeholders."""
     if log_probs.dim() != 3 or state.dim() != 3 or log_probs.shape[:2] != state.shape[:2]:
-        raise DrcError(
-            f"log_probs must be (B, T, V) and state (B, T, d) with the same (B, T); got log_probs "
-            f"{tuple(log_probs.shape)} and state {tuple(state.shape)}"
-        )
+        raise DrcError(f"log_probs must be (B, T, V) and state (B, T, d) with the same (B, T); got log_probs "
+                       f"{tuple(log_probs.shape)} and state {tuple(state.shape)}")
     if prev is not None and (prev.log_probs.shape != log_probs.shape or prev.state.shape != state.shape):
-        raise DrcError(
-            f"loop {loop}'s log_probs {tuple(log_probs.shape)} / state {tuple(state.shape)} do not match the "
-            f"previous loop's {tuple(prev.log_probs.shape)} / {tuple(prev.state.shape)}"
-        )
+        raise DrcError(f"loop {loop}'s log_probs {tuple(log_probs.shape)} / state {tuple(state.shape)} do not match "
+                       f"the previous loop's {tuple(prev.log_probs.shape)} / {tuple(prev.state.shape)}")
     want = frozenset(STATISTICS) if only is None else with_needs(only)
     log_probs = log_probs.float()
     res: dict[str, Tensor] = {"log_probs": log_probs}
     shape, device = tuple(state.shape[:2]), state.device
     p = log_probs.exp() if want & {"kl", "entropy", "entropy_delta", "minp_kl"} else None
     if want & {"entropy", "entropy_delta"}:
-        res["entropy"] = _entropy(log_probs, p)
+        assert p is not None
+        res["entropy"] = -_dot(p, log_probs)
+        if bool(torch.isnan(res["entropy"]).any()):  # a -inf log-prob (p = 0) makes 0 * -inf = NaN: redo without it
+            res["entropy"] = -torch.where(p > 0, p * log_probs, torch.zeros_like(p)).sum(-1)
     if want & {"argmax", "argmax_run", "top_prob"}:
         top_logp, res["argmax"] = log_probs.max(dim=-1)
         res["top_prob"] = top_logp.exp()
@@ -337,9 +282,8 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
 
 def extra_values(log_probs: Tensor | None, state: Tensor, prev: Mapping[str, Tensor] | None,
                  only: frozenset[str] | None = None) -> dict[str, Tensor]:
-    """The registered statistics (those in ``only``, when given) of one loop, in either layout: ``log_probs``
-    (..., V) (None when no statistic read needs it), ``state`` (..., d), ``prev`` the previous loop's values by
-    name (None at loop 1, where a statistic with a ``first`` value takes it)."""
+    """The registered statistics (those in ``only``, when given) of one loop, in either layout; ``prev``: the
+    previous loop's values by name (None at loop 1)."""
     out: dict[str, Tensor] = {}
     for stat in extra_statistics():
         if only is not None and stat.name not in only:
@@ -357,20 +301,11 @@ def extra_values(log_probs: Tensor | None, state: Tensor, prev: Mapping[str, Ten
 
 
 @torch.no_grad()
-def iterate_stats(
-    model: RecurrentModel,
-    idx: Tensor,
-    max_loops: int,
-    *,
-    generator: torch.Generator | None = None,
-    state: Tensor | None = None,
-    where: Tensor | None = None,
-    only: Iterable[str] | None = None,
-) -> Iterator[LoopStats]:
-    """:class:`LoopStats` after each loop 1..max_loops of a run without halting (uniform depth). ``where``:
-    a (B, T) bool mask; the statistics are then those of its n tokens only, shaped (1, n) in row-major order
-    (every token still runs through core and coda: attention reads them all; only the head and the statistics
-    are skipped). ``only``: the statistics the caller reads (:func:`loop_stats`); None computes every one."""
+def iterate_stats(model: RecurrentModel, idx: Tensor, max_loops: int, *, generator: torch.Generator | None = None,
+                  state: Tensor | None = None, where: Tensor | None = None,
+                  only: Iterable[str] | None = None) -> Iterator[LoopStats]:
+    """:class:`LoopStats` after each loop 1..max_loops at uniform depth. ``where``: a (B, T) bool mask of the tokens
+    whose statistics are kept, shaped (1, n) (all tokens still run); ``only``: as :func:`loop_stats`."""
     if where is not None and (where.dtype != torch.bool or tuple(where.shape) != tuple(idx.shape)):
         raise DrcError(f"where must be a bool mask shaped like idx {tuple(idx.shape)}; got {where.dtype} "
                        f"{tuple(where.shape)}")

@@ -1,31 +1,13 @@
 """Per-token, per-loop convergence measurements and their summaries.
 
-Direction conventions, used everywhere in this project:
-
-- the *successive-output KL* at loop l is ``KL(p_l || p_{l-1}) = sum_v p_l(v) (log p_l(v) - log p_{l-1}(v))``,
-  the new output measured against the previous one; it is defined for l >= 2 (NaN at loop 1);
-- the *KL to the deepest output* at loop l is ``KL(p_L || p_l)``, the deepest output p_L (L = ``max_loops``)
-  measured against loop l's output -- the same direction as the oracle of :func:`drc_core.halting.reference.oracle_exit`
-  (reference first); it is 0 at loop L.
-
-The relative state change is ``||s_l - s_{l-1}|| / ||s_l||`` (L2 over the model dimension; NaN at loop 1),
-the entropy ``H(p_l)`` in nats, ``ce`` the next-token cross-entropy ``-log p_l(target)`` in nats (its mean at
-loop l is the validation loss at uniform depth l). All per-loop statistics come from
-:func:`drc_core.analysis.loops.loop_stats`, the same code the halting rules see.
-
-Measurement (:func:`measure_windows`, a :class:`Measurement` of (tokens, loops) arrays by statistic). Per batch
-of windows the main pass is ONE ``iterate`` pass of ``max_loops`` loops (readout at every loop), keeping the
-(B, T) statistics of every loop and at most two loops' (B, T, V) log-probs; the L x T x V log-probs are never
-stored. ``kl_to_final=True`` needs p_L first: where a batch's L loops of log-probs fit in :data:`ONE_PASS_BYTES`
-(a few ``positions`` per window, e.g. a task's answers) they are kept and compared with the last one after the
-pass; otherwise a first, cheaper pass per batch (about one depth-L ``forward``, +7% wall time on one CPU thread
-for d=256, V=8192, T=128, L=32) gives p_L from the same replayed initial state, so both ways give the same
-numbers. With ``kl_to_final=False`` the statistic is NaN and the cost is one pass.
-
-Summaries (:func:`per_loop_summary`, :func:`convergence_depth`, :func:`depth_summary`, :func:`eps_sensitivity`)
-read the arrays and carry percentile bootstrap CIs from :func:`drc_core.analysis.intervals.bootstrap_ci`, which
-resamples *clusters* with replacement: documents where measured (``doc``), else windows; deterministic for a
-given ``seed``.
+Conventions used everywhere in this project: the *successive KL* at loop l is ``KL(p_l || p_{l-1})`` (NaN at
+loop 1); the *KL to the deepest output* is ``KL(p_L || p_l)`` (L = ``max_loops``, reference first as in
+:func:`drc_core.halting.reference.oracle_exit`; 0 at loop L); the relative state change is
+``||s_l - s_{l-1}|| / ||s_l||`` (NaN at loop 1); ``entropy`` and ``ce`` (``-log p_l(target)``) are in nats. All come
+from :func:`drc_core.analysis.loops.loop_stats`, the code the halting rules see. :func:`measure_windows` never keeps
+more than two loops' (B, T, V) log-probs, unless every loop's fit in :data:`ONE_PASS_BYTES` (``kl_to_final``; else a
+cheaper first pass from the same initial state gives p_L, with the same numbers). The summaries carry cluster
+(document, else window) bootstrap CIs.
 """
 
 from __future__ import annotations
@@ -66,20 +48,15 @@ _TOKEN_COLUMNS = ("window", "pos", "token", "target", "doc")  # per token in a s
 
 def _int_dtype(max_value: int) -> np.dtype:
     """The smallest signed integer dtype that holds 0..max_value."""
-    for dt in (np.int8, np.int16, np.int32):
-        if max_value <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    return np.dtype(np.int64)
+    return next(np.dtype(dt) for dt in (np.int8, np.int16, np.int32, np.int64) if max_value <= np.iinfo(dt).max)
 
 
 @dataclass
 class Measurement:
     """Per-token, per-loop statistics: ``stats`` maps a statistic's name to an (n, L) array (row = token, column =
-    loop - 1; float32, ``argmax`` a small integer), in :data:`FRAME_COLUMNS` order; ``meta`` has one row per token,
-    in the same order (``window``, ``pos``, ``token``, ``target``, ``doc`` where measured, and what a caller adds:
-    ``text``, a class, ...); ``attrs`` what it was measured with (``max_loops``, ``seed``, ``kl_to_final``, ...).
-
-    The long table (one row per token and loop) is made only at the edge: :meth:`to_frame`, :meth:`save`."""
+    loop - 1), in :data:`FRAME_COLUMNS` order; ``meta`` one row per token (``window``, ``pos``, ``token``,
+    ``target``, ``doc`` where measured, and what a caller adds); ``attrs`` what it was measured with. The long table
+    is made only at the edge: :meth:`to_frame`, :meth:`save`."""
 
     stats: dict[str, np.ndarray]
     meta: pd.DataFrame
@@ -132,8 +109,8 @@ class Measurement:
     @classmethod
     def from_frame(cls, df: pd.DataFrame, stats: Sequence[str] | None = None) -> Measurement:
         """A long table back to arrays (the inverse of :meth:`to_frame`; rows in any order, every token with loops
-        1..L once). ``stats``: the per-loop columns (default: the frame's ``stats`` record, else every column but
-        ``loop`` and the per-token ``window``, ``pos``, ``token``, ``target``, ``doc``)."""
+        1..L once). ``stats``: the per-loop columns (default: the frame's ``stats`` record, else all but the per-token
+        ones)."""
         if not isinstance(df, pd.DataFrame) or len(df) == 0 or "loop" not in df.columns:
             raise DrcError("expected a non-empty long frame with a loop column (Measurement.to_frame)")
         keys = [c for c in ("window", "pos") if c in df.columns]
@@ -148,9 +125,8 @@ class Measurement:
         return cls({k: df[k].to_numpy().reshape(-1, n_loops) for k in names}, meta, attrs)
 
     def save(self, path: str | Path, made_with: Mapping[str, object] | None = None) -> Path:
-        """Write :meth:`to_frame` to parquet (parent directories created); returns the path. ``made_with``: what it
-        was computed from (e.g. the corpus's fingerprint), kept in the file, so that :meth:`load` can refuse a
-        measurement made from something else (``expect``)."""
+        """Write :meth:`to_frame` to parquet; returns the path. ``made_with`` (what it was computed from) is kept in
+        the file, so that :meth:`load` can refuse a measurement made from something else."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         df = self.to_frame()
@@ -160,8 +136,7 @@ class Measurement:
 
     @classmethod
     def load(cls, path: str | Path, expect: Mapping[str, object] | None = None) -> Measurement:
-        """Read a file of :meth:`save` (or of ``save_frame`` before it). Each key of ``expect`` must be in its
-        ``made_with`` record with that value, else a one-line :class:`DrcError` (re-run what writes it)."""
+        """Read a file of :meth:`save`; each key of ``expect`` must be in its ``made_with`` record with that value."""
         p = Path(path)
         if not p.is_file():
             raise DrcError(f"{p} not found; pass a parquet file written by Measurement.save")
@@ -177,46 +152,22 @@ class Measurement:
         return cls.from_frame(df)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Measurement
-
 
 @torch.no_grad()
-def measure_windows(
-    model: RecurrentModel,
-    windows: torch.Tensor,
-    max_loops: int = 32,
-    *,
-    doc_ids: torch.Tensor | np.ndarray | None = None,
-    batch_size: int = 16,
-    seed: int = EVAL_STATE_SEED,
-    kl_to_final: bool = True,
-    positions: torch.Tensor | np.ndarray | None = None,
-    dynamics: bool = False,
-    progress: bool = False,
-) -> Measurement:
-    """Per-token, per-loop statistics of ``model`` on ``windows`` (N, T+1): a :class:`Measurement`, tokens in
-    (window, pos) order.
+def measure_windows(model: RecurrentModel, windows: torch.Tensor, max_loops: int = 32, *,
+                    doc_ids: torch.Tensor | np.ndarray | None = None, batch_size: int = 16,
+                    seed: int = EVAL_STATE_SEED, kl_to_final: bool = True,
+                    positions: torch.Tensor | np.ndarray | None = None, dynamics: bool = False,
+                    progress: bool = False) -> Measurement:
+    """Per-token, per-loop statistics of ``model`` on ``windows`` (N, T+1; inputs ``[:, :-1]``, targets ``[:, 1:]``),
+    tokens in (window, pos) order.
 
-    Inputs are ``windows[:, :-1]`` and targets ``windows[:, 1:]``. Meta: ``window``, ``pos`` (0..T-1), ``token``
-    (input id at pos), ``target`` (next id), plus ``doc`` when ``doc_ids`` is given, either one id per window (N,)
-    or one per input position (N, T) (as :func:`val_windows_with_docs` returns). Statistics, (tokens, loops):
-    ``kl`` = KL(p_l || p_{l-1}) (NaN at loop 1), ``kl_final`` = KL(p_L || p_l) (NaN when ``kl_to_final=False``),
-    ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l|| (NaN at loop 1), ``entropy`` (nats), ``argmax``, ``ce`` =
-    -log p_l(target); plus one per statistic registered with ``frame=True``
-    (:func:`~drc_core.analysis.loops.register_statistic`; NaN at loop 1 where it compares with the previous
-    loop). The names are the statistics' in :data:`~drc_core.analysis.loops.STATISTICS`. Floats are float32, ids
-    small signed integers.
-
-    ``dynamics=True`` adds ``state_norm`` = ||s_l|| and ``state_step2`` = ||s_l - s_{l-2}|| (NaN at loops 1-2),
-    what :meth:`drc_core.analysis.dynamics.Dynamics.of` reads with ``state_delta`` and ``argmax``.
-    ``positions``: an (N, T) bool mask; the measurement then has those tokens only (the same values as the
-    full one's: every token still runs through core and coda, only the head and the statistics are limited to
-    them), e.g. the answers of a task.
-
-    Batch k starts from the k-th draw of a generator seeded with ``seed``, as in
-    :func:`drc_core.training.evaluate.loss_by_depth` (same ``batch_size``: the mean ``ce`` at loop l is its loss at
-    depth l). Runs in eval mode under ``torch.no_grad()``; memory and cost: see the module docstring.
+    Meta: ``window``, ``pos``, ``token``, ``target``, and ``doc`` from ``doc_ids`` ((N,) or (N, T)). Statistics:
+    ``kl``, ``kl_final`` (NaN when ``kl_to_final=False``), ``state_delta``, ``entropy``, ``argmax``, ``ce`` and
+    every statistic registered with ``frame=True``; float32, ids small signed integers. ``dynamics=True`` adds
+    ``state_norm`` = ||s_l|| and ``state_step2`` = ||s_l - s_{l-2}|| (NaN at loops 1-2). ``positions``: an (N, T)
+    bool mask of the tokens to keep (same values as the full measurement). Batch k starts from the k-th draw of a
+    generator seeded with ``seed``, as :func:`drc_core.training.evaluate.loss_by_depth` does.
     """
     windows = check_token_ids(model, windows)
     max_loops = need_int("max_loops", max_loops, 2)
@@ -237,12 +188,11 @@ def measure_windows(
             raise DrcError(f"positions must be a bool mask (N, T) = ({n}, {t_len}); got {keep.dtype} "
                            f"{tuple(keep.shape)}")
 
-    extras = [STATISTICS[name] for name in frame_statistics() if name not in BUILTIN_STATISTICS]
-    names = ("kl", "kl_final", "state_delta", "entropy", "argmax", "ce", *(x.name for x in extras),
-             *(DYNAMICS_COLUMNS if dynamics else ()))
+    frame = frame_statistics()  # kl, state_delta, entropy, argmax and the registered ones
+    names = ("kl", "kl_final", "state_delta", "entropy", "argmax", "ce",
+             *(k for k in frame if k not in BUILTIN_STATISTICS), *(DYNAMICS_COLUMNS if dynamics else ()))
     parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
-    reads = {"kl", "state_delta", "entropy", "argmax", *(x.name for x in extras),
-             *(("state_step",) if dynamics else ())}  # what the statistics are made of
+    reads = {*frame, *(("state_step",) if dynamics else ())}  # what the statistics are made of
     for b, batch in enumerate(eval_batches(model, windows, batch_size, seed)):
         x, y, gen = batch.x, batch.y, batch.generator
         where = None if keep is None else keep[batch.start : batch.start + len(x)].to(x.device)
@@ -266,13 +216,9 @@ def measure_windows(
                 per_loop["state_norm"].append(st.state.float().norm(dim=-1))
                 per_loop["state_step2"].append(nan if st.loop < 3 else (st.state_step + prev_step).norm(dim=-1))
                 prev_step = st.state_step
-            per_loop["kl"].append(nan if first else st.kl)
-            per_loop["state_delta"].append(nan if first else st.state_delta)
-            for x_stat in extras:
-                value = st.extra[x_stat.name].float()
-                per_loop[x_stat.name].append(nan if first and x_stat.first is not None else value)
-            per_loop["entropy"].append(st.entropy)
-            per_loop["argmax"].append(st.argmax)
+            for k in frame:  # NaN at loop 1 where a statistic compares with the previous loop
+                value = getattr(st, k) if k == "argmax" else getattr(st, k).float()
+                per_loop[k].append(nan if first and STATISTICS[k].first is not None else value)
             per_loop["ce"].append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
             if one_pass:
                 kept.append(st.log_probs)
@@ -307,14 +253,9 @@ def measure_windows(
 
 def val_windows_with_docs(corpus: Corpus, seq_len: int, max_windows: int | None = None,
                           spread: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The validation windows of :func:`drc_core.data.sampler.eval_windows` (N, seq_len+1) and, for every
-    input position, the row number in ``corpus.docs`` of the document that holds that token (N, seq_len);
-    -1 where a token lies in no validation document. With ``spread`` (the default) the ``max_windows``
-    windows are evenly spaced over the whole validation split, so that they sample every source and many
-    documents (the first windows of the split lie in its first few documents); window i covers val tokens
-    slot_i*seq_len .. slot_i*seq_len+seq_len, and ``docs.tok_start``/``tok_end`` are offsets into the val
-    split, so the lookup is a sorted search.
-    """
+    """The validation windows of :func:`drc_core.data.sampler.eval_windows` (N, seq_len+1) and, per input
+    position, the row in ``corpus.docs`` of the document holding that token (N, seq_len; -1 for none). ``spread``:
+    the windows are evenly spaced over the validation split, so they sample every source and many documents."""
     seq_len = need_int("seq_len", seq_len, 1)
     if max_windows is not None:
         max_windows = need_int("max_windows", max_windows, 1)
@@ -350,48 +291,33 @@ def _tokens(m: Measurement) -> pd.DataFrame:
 
 
 def per_loop_summary(m: Measurement, *, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
-    """Per loop: the mean over tokens of ``kl`` (KL(p_l || p_{l-1})), ``state_delta``, ``entropy``,
-    ``ce`` (= the validation loss at uniform depth l) and ``kl_final`` (KL(p_L || p_l)), each with a
-    bootstrap CI over documents (windows without a ``doc``): columns ``loop``, ``n_tokens``, and for
-    each metric m ``m``, ``m_ci_low``, ``m_ci_high``. Metrics not measured, or all NaN, are NaN.
-    """
+    """Per loop: the mean over tokens of ``kl``, ``state_delta``, ``entropy``, ``ce`` (the loss at uniform depth l)
+    and ``kl_final``, each with a bootstrap CI over documents: columns ``loop``, ``n_tokens``, and per metric m
+    ``m``, ``m_ci_low``, ``m_ci_high`` (NaN where not measured)."""
     metrics = [k for k in _METRICS if k in _need(m).stats]
     n_loops = m.max_loops
     stacked = np.concatenate([m.matrix(k) for k in metrics], axis=1)
-    point, lo, hi = bootstrap_ci(stacked, m.clusters(), n_boot=n_boot, seed=seed, level=level)
+    ci = [a.reshape(len(metrics), n_loops) for a in bootstrap_ci(stacked, m.clusters(), n_boot=n_boot, seed=seed,
+                                                                  level=level)]  # point, low, high per metric
     out = pd.DataFrame({"loop": np.arange(1, n_loops + 1), "n_tokens": np.full(n_loops, len(m))})
     for k in _METRICS:
-        if k in metrics:
-            sl = slice(metrics.index(k) * n_loops, (metrics.index(k) + 1) * n_loops)
-            out[k], out[f"{k}_ci_low"], out[f"{k}_ci_high"] = point[sl], lo[sl], hi[sl]
-        else:
-            out[k] = out[f"{k}_ci_low"] = out[f"{k}_ci_high"] = math.nan
+        j = metrics.index(k) if k in metrics else None
+        out[k], out[f"{k}_ci_low"], out[f"{k}_ci_high"] = (math.nan,) * 3 if j is None else (a[j] for a in ci)
     return out
 
 
 def depth_from_successive_kl(kl: np.ndarray, eps: float) -> np.ndarray:
-    """Convergence depth from the successive KL of loops 2..L along the last axis of ``kl`` (..., L-1): the
-    last loop l >= 2 whose ``KL(p_l || p_{l-1})`` is not below ``eps`` (NaN counts as not below), or 1 if there
-    is none; int64 of shape ``kl.shape[:-1]``. Compared in float64 (a float32 KL against a float64 eps), as
-    :func:`convergence_depth` defines it."""
+    """Convergence depth (:func:`convergence_depth`, int64) from the successive KL of loops 2..L along the last axis
+    of ``kl`` (..., L-1), compared with ``eps`` in float64."""
     above = ~(np.asarray(kl, dtype=np.float64) < eps)
     last = (above.shape[-1] - 1) - np.argmax(above[..., ::-1], axis=-1)  # index into loops 2..L
     return np.where(above.any(axis=-1), last + 2, 1)
 
 
 def convergence_depth(m: Measurement, eps: float = DEFAULT_EPS) -> pd.DataFrame:
-    """Per token, the first loop after which the successive KL stays below ``eps``.
-
-    Definition: with L the deepest loop measured, a token's depth is the smallest l >= 1 such that
-    ``KL(p_{l'} || p_{l'-1}) < eps`` (strict, as :class:`drc_core.halting.rules.KLThreshold`) for every l' in
-    l+1..L. Equivalently it is the last loop l' >= 2 whose KL is >= eps (NaN counts as >= eps), or 1 if there
-    is none: a KL that dips below ``eps`` and rises again does not count, only the last rise does. A token
-    whose KL at loop L is still >= eps never settled; it gets depth L and ``converged=False`` (every
-    converged token has depth <= L-1).
-
-    Returns one row per token: ``window``, ``pos`` (and ``doc`` where measured), ``depth`` (int16)
-    and ``converged`` (bool), sorted by window and pos.
-    """
+    """Per token, the smallest loop l such that ``KL(p_{l'} || p_{l'-1}) < eps`` (strict; NaN counts as not below)
+    for every l' in l+1..L: the last loop whose KL is >= eps, or 1. A token still >= eps at loop L gets depth L and
+    ``converged=False``. Rows: ``window``, ``pos`` (``doc`` where measured), ``depth`` (int16), ``converged``."""
     eps = need_eps(eps)
     n_loops = _need(m, ("kl",)).max_loops
     if n_loops < 2:
@@ -406,12 +332,9 @@ def convergence_depth(m: Measurement, eps: float = DEFAULT_EPS) -> pd.DataFrame:
 
 def depth_summary(depths: pd.DataFrame, train_mean_depth: float = 8, *, n_boot: int = 1000, seed: int = 0,
                   level: float = 0.95) -> pd.DataFrame:
-    """Headline numbers of a :func:`convergence_depth` frame, with bootstrap CIs over documents (windows
-    without a ``doc`` column): ``median_depth`` (lower median), ``mean_depth``, ``frac_updating`` (the
-    fraction of tokens with depth > ``train_mean_depth``, i.e. still updating at the training-mean depth) and
-    ``frac_unconverged`` (never settled within L). Returns rows ``stat``, ``value``, ``ci_low``, ``ci_high``,
-    plus ``n_tokens`` and ``n_clusters``.
-    """
+    """Headline numbers of a :func:`convergence_depth` frame with bootstrap CIs over documents: ``median_depth``
+    (lower median), ``mean_depth``, ``frac_updating`` (depth > ``train_mean_depth``) and ``frac_unconverged``;
+    columns ``stat``, ``value``, ``ci_low``, ``ci_high``, ``n_tokens``, ``n_clusters``."""
     if not isinstance(depths, pd.DataFrame) or len(depths) == 0 or not {"depth", "converged"} <= set(depths.columns):
         raise DrcError("expected a non-empty convergence_depth table (columns depth, converged)")
     need_float("train_mean_depth", train_mean_depth, 1.0)
@@ -422,21 +345,17 @@ def depth_summary(depths: pd.DataFrame, train_mean_depth: float = 8, *, n_boot: 
     med = bootstrap_ci(d, clusters, stat="median", **kw)
     means = bootstrap_ci(np.column_stack([d, d > train_mean_depth, ~depths["converged"].to_numpy(bool)]),
                          clusters, **kw)
-    rows = [("median_depth", med[0][0], med[1][0], med[2][0])]
-    for j, name in enumerate(("mean_depth", "frac_updating", "frac_unconverged")):
-        rows.append((name, means[0][j], means[1][j], means[2][j]))
-    out = pd.DataFrame(rows, columns=["stat", "value", "ci_low", "ci_high"])
-    out["n_tokens"] = len(d)
-    out["n_clusters"] = len(d) if clusters is None else len(np.unique(clusters))
+    value, low, high = (np.concatenate(parts) for parts in zip(med, means, strict=True))
+    out = pd.DataFrame({"stat": ["median_depth", "mean_depth", "frac_updating", "frac_unconverged"], "value": value,
+                        "ci_low": low, "ci_high": high, "n_tokens": len(d),
+                        "n_clusters": len(d) if clusters is None else len(np.unique(clusters))})
     out.attrs.update({"train_mean_depth": float(train_mean_depth), **depths.attrs})
     return out
 
 
 def kl_concentration(m: Measurement, loops: Sequence[int], shares: Sequence[float] = (0.01, 0.001)) -> pd.DataFrame:
-    """How the mean successive KL at each of ``loops`` is made up: its mean and median over tokens, the 99th
-    percentile, the share of the mean carried by the top ``shares`` fraction of tokens (``top_1%``, ...), and
-    the mean without the top 1%. A mean far above the median, carried by a handful of tokens, is a few tokens
-    that never settle (e.g. a 2-cycle), not a slow common decay."""
+    """How the mean successive KL at each of ``loops`` is made up: mean, median, 99th percentile, the share carried
+    by the top ``shares`` fraction of tokens (``top_1%``, ...) and the mean without the top 1%."""
     all_kl = _need(m, ("kl",)).matrix("kl")
     rows = []
     for loop in loops:
@@ -457,13 +376,9 @@ def kl_concentration(m: Measurement, loops: Sequence[int], shares: Sequence[floa
 
 def oscillating_tokens(m: Measurement, *, min_kl: float = 1e-6, ratio: float = 10.0,
                        share_at: Sequence[int] = ()) -> tuple[pd.DataFrame, dict[int, float]]:
-    """The tokens caught in a 2-cycle at the deepest loop L instead of at a fixed point: their output at L is far
-    from the one a loop earlier but close to the one two loops earlier -- ``KL(p_L || p_{L-1}) >= min_kl`` and
-    ``>= ratio * KL(p_L || p_{L-2})`` (``kl_final``; needs L >= 3 and ``kl_to_final=True``).
-
-    Returns the tokens (``window``, ``pos``, ``doc`` where measured, ``token``, ``kl_other`` = KL(p_L || p_{L-1}),
-    ``kl_same`` = KL(p_L || p_{L-2}); largest ``kl_other`` first) and, for each loop l of ``share_at``, the share
-    of the mean successive KL at l that these tokens carry (how much of a KL floor the cycle explains)."""
+    """The tokens in a 2-cycle at the deepest loop L: ``kl_other`` = KL(p_L || p_{L-1}) >= ``min_kl`` and >= ``ratio``
+    * ``kl_same`` = KL(p_L || p_{L-2}) (needs L >= 3 and ``kl_final``), largest ``kl_other`` first; and per loop of
+    ``share_at`` the share of the mean successive KL these tokens carry."""
     n_loops = _need(m, ("kl_final", "kl")).max_loops
     if n_loops < 3:
         raise DrcError(f"the measurement has {n_loops} loops; a 2-cycle needs at least 3 (measure to max_loops >= 3)")
@@ -487,8 +402,7 @@ def oscillating_tokens(m: Measurement, *, min_kl: float = 1e-6, ratio: float = 1
 def eps_sensitivity(m: Measurement, eps_grid: Sequence[float] = (1e-2, 1e-3, 1e-4, 1e-5),
                     train_mean_depth: float = 8, *, n_boot: int = 1000, seed: int = 0,
                     level: float = 0.95) -> pd.DataFrame:
-    """:func:`depth_summary` of :func:`convergence_depth` for every ``eps`` in ``eps_grid``, stacked: the
-    columns of :func:`depth_summary` with ``eps`` first."""
+    """:func:`depth_summary` of :func:`convergence_depth` for every ``eps`` in ``eps_grid``, stacked, ``eps`` first."""
     grid = [need_eps(e) for e in eps_grid]
     if not grid:
         raise DrcError("eps_grid is empty; pass at least one eps > 0")

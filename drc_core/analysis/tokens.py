@@ -1,53 +1,25 @@
 """Token classes from decoded text, and mean convergence depth per class with bootstrap CIs.
 
-Every token gets exactly one :class:`TokenClass`. The rules are applied in this order (the first that
-matches wins); "text" is the token's decoded text, "core" the text with surrounding whitespace stripped:
+Every token gets one :class:`TokenClass`, by the first rule that matches its decoded text ("core": the text with
+surrounding whitespace stripped):
 
-1. ``special``      -- an added *special* token of the tokenizer (``<|endoftext|>``), or a token whose
-                       text decodes to the empty string.
-2. ``whitespace``   -- the text is whitespace only (spaces, tabs, newlines: ``" "``, ``"\\n\\n"``).
-                       The paper's "whitespace" class is exactly this one class (no space/newline split).
-3. ``number``       -- optional leading whitespace followed by digits only (``"17"``, ``" 1790"``).
-                       The GPT-2 pre-tokenizer never merges digits with letters or punctuation, so
-                       ``"1,000"`` arrives as number, punctuation, number.
-4. ``punctuation``  -- the core is non-empty and has no letter or digit (``","``, ``" ."``, ``"$"``,
-                       ``"--"``; symbols count as punctuation).
-5. ``continuation`` -- a *word piece* (anything left: the core contains a letter, or the token holds
-                       a partial UTF-8 sequence) that has no leading whitespace, starts with a word
-                       character (a letter or digit, or a partial UTF-8 byte), and directly follows a
-                       token whose text ends in a word character (``"ong"`` in ``" C|ong|ress"``,
-                       ``"s"`` in ``"1790|s"``).
-6. ``function``     -- a word piece that starts a word, when the *whole word* (this piece plus the
-                       continuation pieces after it), lower-cased and stripped, is in
-                       :data:`FUNCTION_WORDS`. Only the word's first piece is ``function``; its later
-                       pieces stay ``continuation``.
-7. ``content``      -- every other word piece that starts a word.
+1. ``special``: an added special token (``<|endoftext|>``), or a text that decodes to "";
+2. ``whitespace``: whitespace only (the paper's one class);
+3. ``number``: optional leading whitespace, then digits only (``"1,000"`` arrives as three tokens);
+4. ``punctuation``: a non-empty core without letters or digits (symbols included);
+5. ``continuation``: a *word piece* (anything left) without leading whitespace that starts with a word character
+   (letter, digit or partial UTF-8 byte) right after a token ending in one (``"ong"`` in ``" C|ong|ress"``);
+6. ``function``: the first piece of a word whose whole text (with its continuation pieces), lower-cased and
+   stripped, is in :data:`FUNCTION_WORDS`; its later pieces stay ``continuation``;
+7. ``content``: every other word piece that starts a word.
 
-Context (``classify_sequence``). Rule 5 looks at the previous token: a piece without a leading space is
-a continuation only after a word character, so ``"The"`` after ``"\\n"``, after ``<|endoftext|>``, at the
-start of a sequence (or of a row of a 2-D batch), or ``"N"`` after a lone ``" "`` token starts a new
-word and goes through rules 6-7. Rule 6 looks ahead: ``" the"`` followed by ``"ory"`` is the first
-piece of ``" theory"``, so it is ``content``, not ``function``.
-
-Context-free (``classify_vocab``, one class per id). There is no previous token, so every word piece
-without leading whitespace that starts with a word character is ``continuation``, and rule 6 looks up
-the piece's own text (``" the"`` is ``function``).
-
-Letters mixed with punctuation. Byte-level GPT-2 pre-tokenization only mixes them in the English
-clitics ``'s 't 're 've 'm 'll 'd``. Such a token is a word piece that never counts as a continuation
-(it starts with an apostrophe); it is looked up as is, and the clitics are in :data:`FUNCTION_WORDS`
-(category ``clitics``). When the clitic arrives split (``"'"`` then ``"s"``) after a word character,
-``classify_sequence`` looks up ``"'" + piece`` for the letters, so ``"s"`` in ``"Nation|'|s"`` is
-``function``. Any other mix (from other tokenizers, e.g. ``"-based"``) is a word piece looked up with
-its surrounding punctuation removed. Curly apostrophes (U+2019) are normalised to ``'`` for lookups.
-
-Partial UTF-8. A byte-level id can hold part of a multi-byte character (the three bytes of an em dash
-may be three tokens); on its own it decodes to U+FFFD. ``classify_vocab`` treats such an id as a word
-piece: ``continuation`` without a leading space, else ``content``. ``classify_sequence`` first decodes
-each maximal run of consecutive partial tokens together: if the run's text has no letter or digit
-(em dash, curly quotes) every token of the run is ``punctuation``; otherwise (``"ï"`` in
-``"naïvely"``) its tokens are word pieces, a partial byte counts as a word character, and rules 5-7
-apply as usual (so ``" na|\\xc3|\\xaf|ve|ly"`` is content then four continuations).
+:func:`classify_sequence` uses context: a piece starts a new word at the start of a row or after a non-word
+character (rule 5); rule 6 looks ahead (``" the|ory"`` is content); a clitic split as ``"'"`` then ``"s"`` after a
+word character is ``function``; each maximal run of partial UTF-8 tokens is decoded together and is
+``punctuation`` when it has no letter or digit (em dash), else word pieces. :func:`classify_vocab` has no context:
+rule 5 needs no previous token, rule 6 reads the piece alone and a partial UTF-8 id is a word piece. Clitics
+(``'s``, ...) are function words; other mixes of letters and punctuation (``"-based"``) are looked up without their
+surrounding punctuation; curly apostrophes count as ``'``.
 """
 
 from __future__ import annotations
@@ -74,10 +46,8 @@ class TokenClass(StrEnum):
 
 
 # Codes used internally; the order is that of TokenClass.
-_CLASSES = list(TokenClass)
-_CODE = {c: i for i, c in enumerate(_CLASSES)}
-_SPECIAL, _WS, _NUM, _PUNCT, _CONT, _FUNC, _CONTENT = range(len(_CLASSES))
-_NAMES = np.array([c.value for c in _CLASSES], dtype=object)
+_SPECIAL, _WS, _NUM, _PUNCT, _CONT, _FUNC, _CONTENT = range(len(TokenClass))
+_NAMES = np.array([c.value for c in TokenClass], dtype=object)
 
 # ------------------------------------------------------------------------------------ closed classes
 
@@ -86,46 +56,35 @@ def _words(text: str) -> frozenset[str]:
     return frozenset(text.split())
 
 
-DETERMINERS = _words(
-    "the a an this that these those my your his her its our their whose which what whatever whichever "
-    "some any no every each either neither all both half several many much more most few fewer fewest "
-    "little less least enough such another other thy"
-)
-PRONOUNS = _words(
-    "i me mine myself you yours yourself yourselves he him himself she hers herself it itself we us "
-    "ours ourselves they them theirs themselves one oneself who whom whoever whomever someone somebody "
-    "something anyone anybody anything everyone everybody everything nobody nothing none thee thou ye "
-    "thine"
-)
-PREPOSITIONS = _words(
-    "about above across after against along amid amidst among amongst around as at before behind below "
-    "beneath beside besides between beyond by concerning despite down during except for from in inside "
-    "into like near of off on onto out outside over past per regarding since than through throughout "
-    "till to toward towards under underneath unlike until unto up upon via with within without "
-    "versus"
-)
-CONJUNCTIONS = _words(
-    "and or but nor so yet for because although though while whilst whereas if unless whether lest once "
-    "when whenever where wherever whereby why how"
-)
-AUXILIARIES = _words(
-    # primary auxiliaries, modals, and the stems that GPT-2 pre-tokenization cuts off before "'t"
-    # ("don't" -> "don" + "'t"); "won" (won't) and "ain" are left out: "won" is usually the verb.
-    "be am is are was were been being have has had having do does did will would shall should can "
-    "could may might must ought don doesn didn isn aren wasn weren hasn haven hadn wouldn shouldn "
-    "couldn mustn cannot"
-)
-PARTICLES = _words("to not there")
-CLITICS = _words("'s 't 're 've 'm 'll 'd n't")
-
+# the closed classes of English; auxiliaries include the stems GPT-2 pre-tokenization cuts off before "'t"
+# ("don't" -> "don" + "'t"), but not "won" (usually the verb) and "ain"
 FUNCTION_WORD_CATEGORIES: dict[str, frozenset[str]] = {
-    "determiners": DETERMINERS,
-    "pronouns": PRONOUNS,
-    "prepositions": PREPOSITIONS,
-    "conjunctions": CONJUNCTIONS,
-    "auxiliaries": AUXILIARIES,
-    "particles": PARTICLES,
-    "clitics": CLITICS,
+    "determiners": _words(
+        "the a an this that these those my your his her its our their whose which what whatever whichever some any no "
+        "every each either neither all both half several many much more most few fewer fewest little less least enough "
+        "such another other thy"
+    ),
+    "pronouns": _words(
+        "i me mine myself you yours yourself yourselves he him himself she hers herself it itself we us ours ourselves "
+        "they them theirs themselves one oneself who whom whoever whomever someone somebody something anyone anybody "
+        "anything everyone everybody everything nobody nothing none thee thou ye thine"
+    ),
+    "prepositions": _words(
+        "about above across after against along amid amidst among amongst around as at before behind below beneath "
+        "beside besides between beyond by concerning despite down during except for from in inside into like near of "
+        "off on onto out outside over past per regarding since than through throughout till to toward towards under "
+        "underneath unlike until unto up upon via with within without versus"
+    ),
+    "conjunctions": _words(
+        "and or but nor so yet for because although though while whilst whereas if unless whether lest once when "
+        "whenever where wherever whereby why how"
+    ),
+    "auxiliaries": _words(
+        "be am is are was were been being have has had having do does did will would shall should can could may might "
+        "must ought don doesn didn isn aren wasn weren hasn haven hadn wouldn shouldn couldn mustn cannot"
+    ),
+    "particles": _words("to not there"),
+    "clitics": _words("'s 't 're 've 'm 'll 'd n't"),
 }
 FUNCTION_WORDS: frozenset[str] = frozenset().union(*FUNCTION_WORD_CATEGORIES.values())
 _MAX_FUNCTION_BYTES = max(len(w.encode()) for w in FUNCTION_WORDS) + 4  # room for leading whitespace
@@ -136,32 +95,11 @@ _APOSTROPHES = ("'", "\u2019")
 # --------------------------------------------------------------------------------- byte-level pieces
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """The GPT-2 byte-level map from the printable stand-in character back to its byte.
-
-    Bytes that are printable and not space map to themselves; the remaining bytes, in increasing
-    order, map to code points 256, 257, ...
-    """
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out: dict[str, int] = {}
-    extra = 0
-    for b in range(256):
-        if b in printable:
-            out[chr(b)] = b
-        else:
-            out[chr(256 + extra)] = b
-            extra += 1
-    return out
-
-
-_BYTE_OF = _byte_level_alphabet()
-
-
-def _special_ids(tokenizer) -> set[int]:
-    getter = getattr(tokenizer, "get_added_tokens_decoder", None)
-    if getter is None:
-        return set()
-    return {int(i) for i, tok in getter().items() if getattr(tok, "special", False)}
+# The GPT-2 byte-level map from the stand-in character back to its byte: printable bytes (not space) stand for
+# themselves, the others, in increasing order, for code points 256, 257, ...
+_PRINTABLE = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+_BYTE_OF = {chr(b): b for b in _PRINTABLE} | {
+    chr(256 + k): b for k, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
 
 
 def _token_bytes(tokenizer, i: int, special: bool) -> tuple[bytes, str]:
@@ -182,15 +120,9 @@ def _is_word_char(ch: str) -> bool:
     return ch.isalnum() or ch == _REPLACEMENT
 
 
-def _lookup_key(text: str) -> str:
-    key = text.strip().lower().replace("\u2019", "'")
-    if key in FUNCTION_WORDS:
-        return key
-    return key.strip("\"()[]{}<>.,;:!?-_*/\\|`~")
-
-
 def _is_function(text: str) -> bool:
-    return _lookup_key(text) in FUNCTION_WORDS
+    key = text.strip().lower().replace("\u2019", "'")
+    return key in FUNCTION_WORDS or key.strip("\"()[]{}<>.,;:!?-_*/\\|`~") in FUNCTION_WORDS
 
 
 def _classify_text(text: str, partial: bool) -> int:
@@ -199,11 +131,9 @@ def _classify_text(text: str, partial: bool) -> int:
         return _SPECIAL
     if text.isspace():
         return _WS
-    core = text.lstrip()
-    if core.isdigit():
+    if text.lstrip().isdigit():
         return _NUM
-    stripped = text.strip()
-    if not partial and not any(ch.isalnum() for ch in stripped):
+    if not partial and not any(ch.isalnum() for ch in text.strip()):
         return _PUNCT
     if not text[0].isspace() and _is_word_char(text[0]):
         return _CONT
@@ -229,22 +159,16 @@ class VocabFeatures:
 def vocab_features(tokenizer) -> VocabFeatures:
     """Decode every id once and derive the features the classifiers use."""
     n = tokenizer.get_vocab_size(with_added_tokens=True)
-    specials = _special_ids(tokenizer)
+    added = getattr(tokenizer, "get_added_tokens_decoder", dict)()
+    specials = {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
     base = np.empty(n, np.int8)
     lead_ws, first_word, last_word, partial, function_self, apostrophe = (np.zeros(n, bool) for _ in range(6))
-    nbytes = np.zeros(n, np.int64)
     raw_all: list[bytes] = []
     for i in range(n):
         special = i in specials
         raw, text = _token_bytes(tokenizer, i, special)
         raw_all.append(raw)
-        nbytes[i] = len(raw)
-        try:
-            raw.decode("utf-8")
-            part = False
-        except UnicodeDecodeError:
-            part = True
-        partial[i] = part
+        partial[i] = part = text.encode() != raw  # the bytes are no valid UTF-8 (text has U+FFFD in their place)
         if special:
             base[i] = _SPECIAL
             continue
@@ -257,7 +181,7 @@ def vocab_features(tokenizer) -> VocabFeatures:
             apostrophe[i] = text.strip() in _APOSTROPHES
     wordpiece = (base == _CONT) | (base == _FUNC) | (base == _CONTENT)
     return VocabFeatures(base, raw_all, lead_ws, first_word, last_word, partial, wordpiece, function_self,
-                         apostrophe, nbytes)
+                         apostrophe, np.array([len(r) for r in raw_all], np.int64))
 
 
 def classify_vocab(tokenizer) -> list[str]:
@@ -266,12 +190,8 @@ def classify_vocab(tokenizer) -> list[str]:
 
 
 def classify_sequence(tokenizer, ids, features: VocabFeatures | None = None) -> list:
-    """Classes of a token sequence, using the previous and following tokens (see the module docstring).
-
-    ``ids`` is 1-D (one stream; ``<|endoftext|>`` separates documents) or 2-D (independent rows, e.g.
-    windows; each row starts fresh). Returns a list of class names of the same shape (nested for 2-D).
-    Pass ``features=vocab_features(tokenizer)`` to reuse the per-id decoding across calls.
-    """
+    """Class names of ``ids`` (1-D: one stream; 2-D: rows that each start fresh), same shape, using the previous and
+    following tokens. ``features=vocab_features(tokenizer)`` reuses the per-id decoding across calls."""
     arr = np.asarray(ids)
     if arr.ndim not in (1, 2):
         raise DrcError(f"ids must be 1-D or 2-D, got shape {arr.shape}")
@@ -328,9 +248,7 @@ def _classify_flat(f: VocabFeatures, ids: np.ndarray, row_len: int) -> np.ndarra
         group_bytes = np.bincount(group, weights=f.nbytes[ids])
         short = multi[group_bytes[group[multi]] <= _MAX_FUNCTION_BYTES]
         for s in short:
-            e = s + 1
-            while e < n and cont[e] and not row_start[e]:
-                e += 1
+            e = np.searchsorted(group, group[s], side="right")  # the word's pieces: its group, s..e-1
             text = b"".join(f.raw[i] for i in ids[s:e]).decode("utf-8", errors="replace")
             if _REPLACEMENT not in text and _is_function(text):
                 codes[s] = _FUNC
@@ -339,10 +257,9 @@ def _classify_flat(f: VocabFeatures, ids: np.ndarray, row_len: int) -> np.ndarra
     idx = np.arange(2, n)
     ok = (single[idx] & ~f.lead_ws[ids[idx]] & f.apostrophe[ids[idx - 1]] & last_word[idx - 2]
           & ~row_start[idx] & ~row_start[idx - 1])
-    after_apos = idx[ok]
-    for i in after_apos:
+    for i in idx[ok]:
         text = f.raw[ids[i]].decode("utf-8", errors="replace")
-        if ("'" + text.strip().lower()) in CLITICS:
+        if ("'" + text.strip().lower()) in FUNCTION_WORD_CATEGORIES["clitics"]:
             codes[i] = _FUNC
     return codes
 
@@ -351,11 +268,7 @@ def _classify_flat(f: VocabFeatures, ids: np.ndarray, row_len: int) -> np.ndarra
 
 
 def _token_boot_means(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> np.ndarray:
-    """Bootstrap means resampling the values of ``x`` with replacement.
-
-    With few distinct values (integer depths) a resample is a multinomial draw over the distinct
-    values, which has exactly the same distribution and needs no per-token indices.
-    """
+    """Bootstrap means of ``x`` resampled with replacement (a multinomial draw over few distinct values)."""
     n = x.size
     values, counts = np.unique(x, return_counts=True)
     if values.size <= 4096:
@@ -371,18 +284,10 @@ def _token_boot_means(x: np.ndarray, n_boot: int, rng: np.random.Generator) -> n
 
 def class_depth_summary(classes: Sequence[str], depths, doc_ids=None, n_boot: int = 1000, seed: int = 0,
                         level: float = 0.95) -> pd.DataFrame:
-    """Mean convergence depth per token class, with a percentile bootstrap CI of the mean.
-
-    ``classes`` and ``depths`` (finite numbers) are per token, flat and aligned. With ``doc_ids`` (one
-    per token) the bootstrap resamples whole documents with replacement -- the same documents for every
-    class in a replicate -- and a class's replicate mean is its pooled mean over the drawn documents'
-    tokens; this respects the correlation of tokens within a document. Without ``doc_ids`` it resamples
-    tokens within each class. Deterministic for a given ``seed``.
-
-    Returns one row per class, sorted by mean depth (shallowest first), with columns ``class``,
-    ``count``, ``share`` (of all tokens), ``n_docs`` (documents holding the class; NaN without
-    ``doc_ids``), ``mean_depth``, ``median_depth``, ``ci_low`` and ``ci_high``.
-    """
+    """Mean convergence depth per token class (``classes``, ``depths``: per token, aligned), with a percentile
+    bootstrap CI that resamples documents (``doc_ids``; the same draws for every class), else tokens within each
+    class. Rows by mean depth: ``class``, ``count``, ``share``, ``n_docs`` (NaN without ``doc_ids``),
+    ``mean_depth``, ``median_depth``, ``ci_low``, ``ci_high``."""
     cls = np.asarray(classes).reshape(-1).astype(str)
     d = np.asarray(depths, dtype=float).reshape(-1)
     if cls.size != d.size:
@@ -407,23 +312,14 @@ def class_depth_summary(classes: Sequence[str], depths, doc_ids=None, n_boot: in
     else:
         docs = np.asarray(doc_ids).reshape(-1)
         if docs.size != d.size:
-            raise DrcError(f"doc_ids and depths differ in length ({docs.size} vs {d.size}): pass one doc id "
-                             "per token")
+            raise DrcError(f"doc_ids and depths differ in length ({docs.size} vs {d.size}): pass one doc id per token")
         by_class = np.full((d.size, k), np.nan)  # column c: the depths of class c's tokens, NaN elsewhere
         by_class[np.arange(d.size), cls_code] = d
         n_docs = np.array([np.unique(docs[cls_code == c]).size for c in range(k)], dtype=float)
         _, lo, hi = bootstrap_ci(by_class, docs, n_boot=n_boot, seed=seed, level=level)
 
-    out = pd.DataFrame({
-        "class": names,
-        "count": counts,
-        "share": counts / counts.sum(),
-        "n_docs": n_docs,
-        "mean_depth": means,
-        "median_depth": medians,
-        "ci_low": lo,
-        "ci_high": hi,
-    })
+    out = pd.DataFrame({"class": names, "count": counts, "share": counts / counts.sum(), "n_docs": n_docs,
+                        "mean_depth": means, "median_depth": medians, "ci_low": lo, "ci_high": hi})
     return out.sort_values(["mean_depth", "class"], kind="stable").reset_index(drop=True)
 
 
