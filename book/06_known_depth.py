@@ -90,6 +90,9 @@ extrapolation_docs = 150
 lever_checkpoint = "data/known-depth-k4"  # chains of 1..lever_trained_k links; empty: skip
 lever_trained_k = 4
 lever_docs = 200  # fresh documents with chains of 1..2 * lever_trained_k links
+law_checkpoint = ""  # trained on another family (known_depth_recipe.py --plan hops); empty: skip
+law_family = "hops"  # the family law_checkpoint was trained on (k from 1 to law_trained_k)
+law_trained_k = 4
 overthinking_alpha = 0.1  # the calibrated rule's level on those documents (delta: risk_delta)
 router_positions = 64
 risk_alphas = [0.01, 0.02, 0.05, 0.1]  # share of a document's tokens off depth R's argmax
@@ -120,6 +123,7 @@ work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_ini
     work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_init
 )
 lever_checkpoint = lever_checkpoint and at_root(lever_checkpoint)
+law_checkpoint = law_checkpoint and at_root(law_checkpoint)
 task_work = str(Path(work_dir) / "depth_tasks")
 task_corpus = task_corpus_dir or str(Path(task_work) / "corpus")
 data_files = [at_root(f) for f in data_files]
@@ -398,6 +402,32 @@ if lever is not None:
     display(lever["halting_against_overthinking"].round(3))
 
 # %% [markdown]
+# ## A second depth law
+# Chains of links need one lookup per link, so a model that does one lookup per loop needs loops growing
+# linearly in `k`; pointer jumping (`hops`: jump `k` times through a letter sequence) allows pointer doubling, a
+# depth that grows like log k. `law_checkpoint` is the shipped model trained further on `law_family` problems of
+# k = 1..`law_trained_k` (`scripts/known_depth_recipe.py --plan hops`; its record is in the model's README), read
+# here as the links model is above. The table sets both families side by side: the mean convergence depth against
+# `k` and `log2 k` with r² and intervals over documents, and the same fits of the loops each `k` needs for 90%
+# accuracy (missing where fewer than three `k` reach it).
+
+# %%
+second = None
+if law_checkpoint:
+    second = dt.lever_study(law_checkpoint, family=law_family, trained_k=law_trained_k,
+                            docs=lever_docs, max_loops=max_loops, eps=eps,
+                            alpha=overthinking_alpha, delta=risk_delta, seed=seed)
+    display(viz.accuracy_heatmap(second["accuracy"], title=f"{law_family}: accuracy by k"))
+    display(second["best"].round(3))
+display(dt.law_table({"links": lever, law_family: second}).round(3))
+
+# %% [markdown]
+# Read the table by family: the law with the higher r² (and an interval that stays above the other's) is the one
+# the family's convergence depth follows. A model that needs about one loop per lookup puts `linear` first on
+# both measures; one that doubles its pointers puts `log` first. With fewer than three `k` reaching 90% accuracy
+# the loops-needed fits are missing, and only the convergence depth speaks.
+
+# %% [markdown]
 # ## In-context copying
 # Every lookup above rests on one step: finding an earlier occurrence of a word and reading what came with it.
 # Generated `repeats` paragraphs (a random word sequence said twice, never trained on) measure it directly: the
@@ -462,7 +492,7 @@ record = KnownDepth.build(
     spearman_depth=rho, spearman_commit=rho_commit, depth_by_k=by_k, overthinking=over, gaps=gaps,
     answer_dynamics=dyn_by_k, risk_validity=risk_valid, risk_shift=risk_shift, copying=copying,
     norm_growth_by_k=growth_by_k, exits_by_k=exits, routers=router_info, extrapolation=acc_extra,
-    natural_cost_bpb=cost.reset_index(), notebook_seconds=time.time() - t0)
+    natural_cost_bpb=cost.reset_index(), second_law=second, notebook_seconds=time.time() - t0)
 record.save(results_dir)
 display(Markdown(record.findings()))
 

@@ -449,8 +449,9 @@ class KnownDepth(Record):
     answers' accuracy (by ``k`` and loop, and by family), the loops they need, their convergence depth, overthinking
     and dynamics by ``k``; the loops each family saves against the uniform depth of equal quality (``gaps``: window
     set -> family -> stat, :func:`drc_core.gap_table` rows in the file) and the answers' exits; the guarantee on the
-    task documents and its shift to natural text; the extrapolation, the ``lever`` model (None when skipped),
-    copying and the cost of mixing. Tables are lists of rows; the correlations ``[value, lo, hi]`` in the file."""
+    task documents and its shift to natural text; the extrapolation, the ``lever`` model and the ``second_law``
+    family's model (None when skipped), copying and the cost of mixing. Tables are lists of rows; the correlations
+    ``[value, lo, hi]`` in the file."""
 
     NOTEBOOK: ClassVar[str] = "06_known_depth"
     profile: str
@@ -484,6 +485,7 @@ class KnownDepth(Record):
     natural_cost_bpb: list[dict[str, Any]]
     copying: list[dict[str, Any]]
     notebook_seconds: float
+    second_law: dict[str, Any] | None = None
 
     @classmethod
     def build(cls, *, accuracy: pd.DataFrame, growth: pd.DataFrame, gaps: Mapping[str, pd.DataFrame],
@@ -510,6 +512,8 @@ class KnownDepth(Record):
         values = {**asdict(self), "spearman_depth": list(astuple(self.spearman_depth)),
                   "spearman_commit": list(astuple(self.spearman_commit)),
                   "gaps": {name: gap_rows(g) for name, g in self.gaps.items()}}
+        if self.second_law is None:  # a file from before the second family reads and writes back the same
+            del values["second_law"]
         return save_results(results_dir, self.NOTEBOOK, values)
 
     def lowest_accuracy(self) -> tuple[int, Interval]:
@@ -535,6 +539,15 @@ class KnownDepth(Record):
                  " A model trained on chains of up to {} links gives Spearman(k, convergence depth) {:.2f} "
                  "[{:.2f}, {:.2f}] on chains of up to twice that.".format(self.lever["trained_k"],
                                                                         *self.lever["spearman_depth"]))
+        for study in (self.lever, self.second_law):
+            if study is not None and "depth_law" in study:
+                fits = {r["law"]: r for r in study["depth_law"]}
+                best = max(fits, key=lambda name: fits[name]["r2"])
+                lever += (" On {} (trained k <= {}) the mean convergence depth follows a line in {} better "
+                          "(r² {:.2f} [{:.2f}, {:.2f}] against {:.2f} for the other law).").format(
+                    study.get("family", "links"), study["trained_k"], "log2 k" if best == "log" else "k",
+                    fits[best]["r2"], fits[best]["r2_lo"], fits[best]["r2_hi"],
+                    min(r["r2"] for r in fits.values()))
         cost = [c["difference"] for c in self.natural_cost_bpb]
         return (f"**Found.** Answers needing k = {lo_k}..{hi_k} lookups: at {self.reference_loops} loops the least "
                 f"accurate are those of k = {k}, {acc.value:.1%} [{acc.lo:.1%}, {acc.hi:.1%}]; at one loop those of "

@@ -64,6 +64,7 @@ __all__ = [
     "corpus_task_windows",
     "depth_growth",
     "depth_law",
+    "law_table",
     "exits_by_k",
     "generated_task_windows",
     "halting_against_overthinking",
@@ -342,6 +343,23 @@ def depth_law(depths: pd.DataFrame, column: str = "depth", *, n_boot: int = 1000
     return pd.DataFrame(rows)
 
 
+def law_table(studies: dict[str, dict[str, Any] | None]) -> pd.DataFrame:
+    """Per family (the key) and law (``linear``, ``log``): slope and r² of the mean convergence depth against ``k``
+    (with intervals over documents, :func:`depth_law`) and of the loops needed for 90% accuracy (point fits over
+    the ``k`` that reach it, :func:`depth_growth`) of each :func:`lever_study` result; skipped studies (None) have
+    no rows."""
+    rows = []
+    for family, study in studies.items():
+        if study is None:
+            continue
+        fits = study["loops_needed_law"]
+        for r in study["depth_law"].to_dict("records"):
+            rows.append({"family": family, "trained_k": study["trained_k"], **r,
+                         "loops_needed_slope": fits.get(f"slope_{r['law']}", np.nan),
+                         "loops_needed_r2": fits.get(f"r2_{r['law']}", np.nan)})
+    return pd.DataFrame(rows)
+
+
 def halting_against_overthinking(traj: Measurement, *, reference_loops: int, eps: float, alpha: float,
                                  delta: float, trained_k: int, family: str = "kl", seed: int = 0,
                                  n_boot: int = 1000) -> pd.DataFrame:
@@ -397,15 +415,18 @@ def halting_against_overthinking(traj: Measurement, *, reference_loops: int, eps
 
 
 def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, eps: float, alpha: float,
-                delta: float, seed: int = 0) -> dict[str, Any]:
-    """The model at ``checkpoint`` (trained on chains of 1..``trained_k`` links) on ``docs`` fresh documents whose
-    chains have 1..2 ``trained_k`` links, at up to ``max_loops`` loops: accuracy by ``k``, per ``k`` its best loop
-    (``beyond``: k > trained_k) beside accuracy at the training-mean depth and at the last loop, Spearman(k,
-    convergence depth), the :func:`depth_law` of the convergence depth and :func:`halting_against_overthinking`;
-    keyed as notebook 06's ``lever`` record (tables as frames)."""
+                delta: float, seed: int = 0, family: str = "links") -> dict[str, Any]:
+    """The model at ``checkpoint`` (trained on ``family`` problems of k = 1..``trained_k``) on ``docs`` fresh
+    documents of k = 1..2 ``trained_k`` (chains: every object asked, shuffled), at up to ``max_loops`` loops:
+    accuracy by ``k``, per ``k`` its best loop (``beyond``: k > trained_k) beside accuracy at the training-mean depth
+    and at the last loop, the loops needed for 90% accuracy (:func:`depth_growth`, its fits in ``loops_needed_law``),
+    Spearman(k, convergence depth), the :func:`depth_law` of the convergence depth and
+    :func:`halting_against_overthinking`; keyed as notebook 06's ``lever`` record (tables as frames)."""
     lm = load(checkpoint)
     depth = int(round(lm.config.recurrence.mean))  # its training-mean depth
-    tasks = DepthTaskConfig(docs=docs, min_k=1, max_k=2 * trained_k, families=("links",), ask_every=True,
+    if max_loops < depth:
+        raise DrcError(f"max_loops={max_loops} is below the model's training-mean depth {depth}: raise max_loops")
+    tasks = DepthTaskConfig(docs=docs, min_k=1, max_k=2 * trained_k, families=(family,), ask_every=True,
                             ask_order="shuffled", seed=seed + 2000, repeat_share=0.0)
     tw = generated_task_windows(lm.tokenizer, tasks, lm.model.max_seq_len, pad_id=eot_id(lm.tokenizer))
     traj = answer_trajectories(lm.model, tw, max_loops)
@@ -415,12 +436,14 @@ def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, e
         top, at = g.loc[g.acc.idxmax()], g.set_index("loop").acc
         best.append({"k": int(k), "beyond": bool(k > trained_k), "best_loop": int(top.loop), "best_acc": top.acc,
                      f"acc_at_{depth}": at.get(depth, np.nan), "acc_at_last": at.iloc[-1]})
+    growth = depth_growth(acc)
     depths = answer_depths(traj, eps)
     rho = spearman_ci(depths.k, depths.depth, depths.doc, seed=seed)
     law = depth_law(depths, seed=seed)
     halting = halting_against_overthinking(traj, reference_loops=depth, eps=eps, alpha=alpha, delta=delta,
                                            trained_k=trained_k, seed=seed)
-    return {"checkpoint": checkpoint, "trained_k": trained_k, "n_answers": len(tw.answers),
-            "n_documents": len(tw.windows), "accuracy": acc, "best": pd.DataFrame(best), "spearman_depth": list(rho),
+    return {"checkpoint": checkpoint, "family": family, "trained_k": trained_k, "n_answers": len(tw.answers),
+            "n_documents": len(tw.windows), "accuracy": acc, "best": pd.DataFrame(best), "loops_needed": growth,
+            "loops_needed_law": dict(growth.attrs), "spearman_depth": list(rho),
             "depth_law": law, "halting_against_overthinking": halting,
             "overthinking_certificate": dict(halting.attrs)}

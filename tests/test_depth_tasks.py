@@ -408,3 +408,22 @@ def test_halting_against_overthinking_on_made_up_trajectories():
     assert out.loc[("kl(0.001)", "k <= 4"), "mean_exit"] == 3 and out.loc[("kl(0.001)", "k > 4"), "mean_exit"] == 4
     assert out.loc[("oracle (first right loop)", "all"), "acc"] == 1
     assert out.attrs["calibration_documents"] + out.attrs["test_documents"] == 40
+
+
+@pytest.mark.parametrize("family", ["links", "hops"])
+def test_lever_study_reads_a_family_at_twice_its_trained_k(family, one_thread):
+    """The study of a shipped model on fresh problems of one family, k = 1..2 trained_k, and its row of the law
+    table: each family's fits of convergence depth and loops needed against k and log2 k."""
+    from pathlib import Path
+
+    study = dt.lever_study(str(Path(__file__).resolve().parents[1] / "data" / "known-depth-k4"), trained_k=2,
+                           docs=4, max_loops=8, eps=1e-3, alpha=0.2, delta=0.1, family=family)
+    assert study["family"] == family and set(study["accuracy"].k) <= {1, 2, 3, 4}
+    assert study["best"].beyond.tolist() == [k > 2 for k in study["best"].k]
+    assert set(study["loops_needed"].k) == set(study["accuracy"].k)
+    table = dt.law_table({"links": None, family: study})
+    assert table.family.tolist() == [family, family] and table.law.tolist() == ["linear", "log"]
+    assert ((table.r2 >= 0) & (table.r2 <= 1)).all()
+    with pytest.raises(DrcError, match="raise max_loops"):
+        dt.lever_study(str(Path(__file__).resolve().parents[1] / "data" / "known-depth-k4"), trained_k=2, docs=1,
+                       max_loops=4, eps=1e-3, alpha=0.2, delta=0.1, family=family)
