@@ -1,16 +1,6 @@
-"""The researcher's entry points, re-exported by ``drc_core``: open a model, trace a text through its loops,
-generate with per-token halting.
-
-    import drc_core
-    lm = drc_core.load("data/reference")               # model + tokenizer + training config
-    tr = lm.trace("The president spoke to Congress.", max_loops=16)
-    tr.convergence_depth(eps=1e-3)                      # per token: text, depth, converged
-    tr.stats["kl"]                                      # (tokens, loops) arrays by name; tr.to_frame() long
-    lm.generate("The president", max_new_tokens=8, rule=drc_core.make_rule("kl", 1e-3)).text
-    drc_core.calibrate(lm, documents, "kl", alpha=0.1, delta=0.1).certificate  # a threshold with a guarantee
-
-A trace is one :func:`drc_core.analysis.measure.measure_windows` pass (plus its deepest-output pre-pass): memory
-O(L x T) for the statistics and at most three (T, V) distributions at a time, never the L x T x V outputs.
+"""The researcher's entry points, re-exported by ``drc_core`` (see the README's "From Python"): :func:`load` a model,
+:func:`trace` a text through its loops (one :func:`~drc_core.analysis.measure.measure_windows` pass: O(L x T) numbers,
+never the L x T x V outputs), :func:`generate` with per-token halting, :func:`calibrate` a threshold with a guarantee.
 """
 
 from __future__ import annotations
@@ -56,22 +46,13 @@ TOKENIZER_FILE = "tokenizer.json"
 
 @dataclass(kw_only=True)
 class Trace(Measurement):
-    """Per token and loop statistics of one sequence (T tokens, loops 1..L), from :func:`trace`: a
+    """Per token and loop statistics of one sequence from :func:`trace`: a
     :class:`~drc_core.analysis.measure.Measurement` (``window`` 0) with the input ``ids``, each token's string
-    (``tokens``; also ``meta["text"]``) and the ``tokenizer``.
-
-    Statistics (``stats``, :meth:`matrix`): ``kl`` = KL(p_l || p_{l-1}) (NaN at loop 1), ``kl_final`` = KL(p_L ||
-    p_l) (0 at loop L), ``state_delta`` = ||s_l - s_{l-1}|| / ||s_l||, ``entropy`` (nats), ``argmax``, ``ce`` =
-    -log p_l(next token) -- NaN at the last position, whose next token is unknown, and everywhere when
-    ``targets=False``.
-
-    The per-token dynamics (:mod:`drc_core.analysis.dynamics`, from a pass with the same initial state): per loop
-    ``norm`` = ||s_l|| and ``contraction`` = ||s_l - s_{l-1}|| / ||s_{l-1} - s_{l-2}|| (the factor rho_{l-1} by which
-    the step into loop l shrank; NaN at loops 1-2); per token (``meta``) ``dyn_class``, one of settled / oscillating
-    / contracting / drifting (:func:`~drc_core.analysis.dynamics.classify` over the last ``min(8, L - 2)``
-    factors), and ``commit_loop``, the loop from which its argmax no longer changes up to L. :meth:`dynamics`
-    gives them one row per token.
-    """
+    (``tokens``, also ``meta["text"]``) and the ``tokenizer``. ``stats``: ``kl`` = KL(p_l || p_{l-1}), ``kl_final``
+    = KL(p_L || p_l), ``state_delta``, ``entropy``, ``argmax``, ``ce`` (NaN where the next token is unknown), and the
+    dynamics ``norm`` = ||s_l|| and ``contraction`` (the step into loop l over the one before; NaN at loops 1-2);
+    ``meta``: ``dyn_class`` (:func:`~drc_core.analysis.dynamics.classify` over the last ``min(8, L - 2)`` factors)
+    and ``commit_loop`` (from which the argmax no longer changes)."""
 
     ids: np.ndarray
     tokens: list[str]
@@ -79,8 +60,7 @@ class Trace(Measurement):
 
     def dynamics(self) -> pd.DataFrame:
         """Per token: ``pos``, ``text``, ``dyn_class``, ``commit_loop``, ``contraction`` (the geometric mean of the
-        contraction factors over the last ``min(8, L - 2)`` loops, as :func:`~drc_core.analysis.dynamics.classify`
-        reads them), ``norm_first`` and ``norm_last`` (||s_1||, ||s_L||)."""
+        last ``min(8, L - 2)`` factors), ``norm_first`` and ``norm_last`` (||s_1||, ||s_L||)."""
         tail = min(8, self.max_loops - 2)
         gm = np.full(len(self.ids), np.nan)
         if tail > 0:
@@ -95,16 +75,14 @@ class Trace(Measurement):
                              "norm_first": norm[:, 0], "norm_last": norm[:, -1]})
 
     def convergence_depth(self, eps: float = DEFAULT_EPS) -> pd.DataFrame:
-        """Per token: ``pos``, ``text``, ``depth`` (the first loop after which KL(p_l || p_{l-1}) stays below
-        ``eps``; see :func:`drc_core.analysis.measure.convergence_depth`) and ``converged`` (False when it was
-        still >= eps at loop L; its depth is then L)."""
+        """Per token: ``pos``, ``text``, ``depth`` (:func:`drc_core.analysis.measure.convergence_depth`) and
+        ``converged`` (False when the KL was still >= eps at loop L; the depth is then L)."""
         depth = convergence_depth(self, eps)
         depth.insert(2, "text", [self.tokens[int(p)] for p in depth["pos"]])
         return depth.drop(columns="window")
 
     def explorer(self, eps: float = DEFAULT_EPS) -> DepthExplorer:
-        """The live per-token depth explorer (JupyterLab widgets; display ``.widget``). Needs the book extras
-        (``pip install drc-book[book]``: plotly, ipywidgets)."""
+        """The live per-token depth explorer (display ``.widget``); needs the book extras."""
         try:
             from drc_core.explorer import DepthExplorer
         except ImportError as exc:
@@ -114,9 +92,8 @@ class Trace(Measurement):
 
 @dataclass
 class Generation:
-    """What :func:`generate` returns: the ``prompt``, the generated ``text`` (the continuation only), the new
-    tokens' strings and ids, ``exit_loops`` (n,): the exit loop of the position whose output chose each new
-    token, and ``avg_depth``: their mean."""
+    """What :func:`generate` returns: the continuation's ``text``, its tokens' strings and ids, ``exit_loops`` (the
+    exit loop of the position whose output chose each new token) and their mean ``avg_depth``."""
 
     prompt: str
     text: str
@@ -153,10 +130,9 @@ def _module(model: object, what: str) -> RecurrentModel:
 
 def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int = 32, *,
           tokenizer: Tokenizer | None = None, targets: bool = True, seed: int = EVAL_STATE_SEED) -> Trace:
-    """Run a text (with ``tokenizer``) or token ids through ``max_loops`` loops of ``model`` and keep, per
-    token and loop, the statistics of :class:`Trace`. Every token of the input is traced (none is dropped to
-    serve as a target); with ``targets`` the next input token is each position's target for ``ce``. The
-    initial latent state comes from a generator seeded with ``seed``, as in every evaluation pass."""
+    """Run a text (with ``tokenizer``) or token ids through ``max_loops`` loops of ``model``: the per token and loop
+    statistics of :class:`Trace`, every input token traced (with ``targets``, the next one is its ``ce`` target),
+    the initial state drawn from ``seed``."""
     model = _module(model, "trace")
     max_loops = need_int("max_loops", max_loops, 2)
     if heap_policy() is None:  # memory O(loops x tokens) unless the process chose a policy (drc_core.heap)
@@ -188,11 +164,9 @@ def trace(model: RecurrentModel, text_or_ids: str | Sequence[int] | torch.Tensor
 
 def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 32, *,
              rule: HaltingRule | str = "kl", temperature: float = 0.0, seed: int = 0) -> Generation:
-    """Continue ``prompt`` by ``max_new_tokens`` tokens, halting every token by ``rule`` (a
-    :class:`~drc_core.halting.rules.HaltingRule`, or a short name of :func:`~drc_core.halting.rules.make_rule`
-    with its default threshold: ``"kl"`` is KL < 1e-3 within 32 loops) on the compute-skipping path
-    (:func:`drc_core.halting.generate.generate`). Greedy at ``temperature`` 0; ``seed`` fixes the initial
-    latent states (and the sampling)."""
+    """Continue ``prompt`` by ``max_new_tokens`` tokens on the compute-skipping path, halting every token by ``rule``
+    (a :class:`~drc_core.halting.rules.HaltingRule`, or ``"kl"`` (KL < 1e-3 within 32 loops) or ``"never"``); greedy
+    at ``temperature`` 0; ``seed`` fixes the initial states and the sampling."""
     model = _module(model, "generate")
     if isinstance(rule, str):
         defaults = {KLThreshold.family: (DEFAULT_EPS,), Never.family: ()}  # the rules with a default by name
@@ -215,9 +189,8 @@ def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new
 
 def document_windows(tokenizer: Tokenizer | None, documents: Sequence[str | Path | Sequence[int]], seq_len: int,
                      windows_per_doc: int = 1) -> tuple[torch.Tensor, np.ndarray]:
-    """``windows_per_doc`` windows of ``seq_len + 1`` tokens from each document (a text, a text file's path or token
-    ids), evenly spaced over it; a document shorter than one window is left out. Returns the windows (N, seq_len+1)
-    and each input position's document number (N, seq_len), the unit of :func:`calibrate`."""
+    """``windows_per_doc`` evenly spaced windows (N, seq_len+1) of each document (a text, a text file's path or ids;
+    one shorter than a window is left out) and each input position's document number (N, seq_len)."""
     seq_len = need_int("seq_len", seq_len, 1)
     windows_per_doc = need_int("windows_per_doc", windows_per_doc, 1)
     if isinstance(documents, str | Path) or not isinstance(documents, Sequence) or not documents:
@@ -246,15 +219,12 @@ def calibrate(model: Model | RecurrentModel, documents: Sequence[str | Path | Se
               alpha: float = 0.05, delta: float = 0.1, risk: str = "top1", tolerance: float = 0.0,
               reference_loops: int | None = None, max_loops: int = 16, tokenizer: Tokenizer | None = None,
               seq_len: int | None = None, windows_per_doc: int = 1, seed: int = EVAL_STATE_SEED) -> CalibratedRule:
-    """A halting threshold of ``family`` with a stated guarantee: with probability ``1 - delta`` over the draw of
-    the calibration ``documents``, the expected share of a new document's tokens whose top prediction differs from
-    depth ``reference_loops`` (``risk="top1"``; ``"ce"``: whose CE exceeds it by more than ``tolerance``) is at most
-    ``alpha`` (Learn then Test, :mod:`drc_core.halting.calibrate`). The documents are the test's units: each gives
-    ``windows_per_doc`` windows of ``seq_len`` tokens (default the model's ``max_seq_len``, at most 256), so certifying
-    a small ``alpha`` needs many documents (the certificate says when none of the grid could be certified).
-    ``model``: a loaded :class:`Model` (its tokenizer, its training mean depth as ``reference_loops``) or any
-    :class:`~drc_core.model.lm.RecurrentModel` with ``tokenizer`` (``reference_loops`` then defaults to 8).
-    Returns the rule (None if nothing was certified) and its printable ``certificate``."""
+    """A halting threshold of ``family`` such that, with probability ``1 - delta`` over the calibration
+    ``documents`` (the units of Learn then Test), the expected share of a new document's tokens whose top prediction
+    differs from depth ``reference_loops`` (``risk="ce"``: whose CE exceeds it by more than ``tolerance``) is at most
+    ``alpha``. ``model``: a :class:`Model` (its tokenizer and training mean depth) or a
+    :class:`~drc_core.model.lm.RecurrentModel` with ``tokenizer`` (reference 8 loops); windows of ``seq_len`` tokens
+    (default ``max_seq_len``, at most 256). The rule is None where nothing was certified."""
     if isinstance(model, Model):
         tokenizer = tokenizer or model.tokenizer
         if reference_loops is None and model.config is not None:
@@ -273,9 +243,8 @@ def calibrate(model: Model | RecurrentModel, documents: Sequence[str | Path | Se
 
 @dataclass
 class Model:
-    """A loaded model with its tokenizer and training config (None for a bare weights copy); see :func:`load`.
-    A Huginn checkpoint (:class:`~drc_core.model.huginn.HuginnLM`) has no training config, and no tokenizer when
-    its directory holds no tokenizer.json (token ids then work, text does not)."""
+    """A loaded model with its tokenizer (None for a Huginn checkpoint without one) and training config (None for a
+    bare weights copy or a Huginn checkpoint); see :func:`load`."""
 
     model: DepthRecurrentLM | HuginnLM
     tokenizer: Tokenizer | None
@@ -290,8 +259,7 @@ class Model:
 
     def trace(self, text_or_ids: str | Sequence[int] | torch.Tensor, max_loops: int | None = None,
               **kwargs) -> Trace:
-        """:func:`trace` with this model and tokenizer; ``max_loops`` defaults to 32, or to a Huginn checkpoint's
-        trained mean depth (``mean_recurrence``)."""
+        """:func:`trace` with this model and tokenizer; ``max_loops`` defaults to 32 (Huginn: its mean depth)."""
         self._need_tokenizer(text_or_ids)
         if max_loops is None:
             max_loops = self.model.mean_recurrence if isinstance(self.model, HuginnLM) else 32
@@ -310,17 +278,10 @@ class Model:
 
 def load(path: str | Path, *, corpus: str | Path | None = None, map_location: str = "cpu",
          dtype: torch.dtype | str | None = None) -> Model:
-    """Open a training run, its ``final/`` or a shipped copy (:func:`drc_core.training.rundir.open_run`): the model in
-    eval mode, the tokenizer (the directory's ``tokenizer.json``, else the prepared ``corpus``'s) and the
-    training config. A directory without a tokenizer and no ``corpus`` is a one-line error, and so is a tokenizer
-    other than the one recorded (its sha256 against the run's or the corpus's record) or one with more ids than the
-    model's vocabulary.
-
-    A Huginn-0125 checkpoint directory (config.json with ``model_type: huginn_raven``, model.safetensors or its
-    shards, optionally tokenizer.json) opens too (:func:`drc_core.model.huginn_checkpoint.load_huginn`): weights
-    memory-mapped, in ``dtype`` (default: the stored dtype, so nothing is copied; float32 for a bf16 checkpoint is a
-    converted copy), no training config, ``tokenizer`` None without a tokenizer.json. ``dtype`` applies to Huginn
-    checkpoints only; any other Hugging Face checkpoint (another ``model_type``) is a one-line error; docs/huginn.md."""
+    """Open a training run, its ``final/`` or a shipped copy: the model in eval mode, the tokenizer (the directory's,
+    else the prepared ``corpus``'s, its sha256 checked against the record) and the training config. A Huginn-0125
+    checkpoint directory opens too (:func:`~drc_core.model.huginn_checkpoint.load_huginn`, weights memory-mapped in
+    ``dtype``, which applies to Huginn only; docs/huginn.md)."""
     if not isinstance(path, str | os.PathLike) or not str(path):
         raise DrcError(f"path={path!r} is not a path: pass a training run, its final/, a shipped copy like "
                        "data/reference or a Huginn checkpoint directory")

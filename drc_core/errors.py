@@ -30,8 +30,7 @@ MB = 1 << 20
 
 
 def need_disk(path: str | Path, nbytes: int, what: str) -> None:
-    """A :class:`DrcError` unless the filesystem of ``path`` (or its nearest existing parent) has ``nbytes`` + 1 MB
-    free; ``what`` names what is about to be written."""
+    """A :class:`DrcError` unless the filesystem of ``path`` has ``nbytes`` + 1 MB free for ``what``."""
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -61,8 +60,8 @@ def _os_error_line(exc: OSError) -> str:
 
 
 def need_int(name: str, value: object, minimum: int, owner: str = "", maximum: int | None = None) -> int:
-    """``value`` as an int, or a one-line :class:`DrcError` unless it is an integer (not a bool) >= ``minimum`` and
-    <= ``maximum`` when given; ``owner`` (e.g. a rule's name) prefixes the message."""
+    """``value`` as an int, or a one-line :class:`DrcError` unless it is an integer (not a bool) in
+    ``minimum..maximum``; ``owner`` (e.g. a rule's name) prefixes the message."""
     prefix = f"{owner}: " if owner else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise DrcError(f"{prefix}{name}={value!r} is invalid; it must be an integer >= {minimum}")
@@ -72,13 +71,11 @@ def need_int(name: str, value: object, minimum: int, owner: str = "", maximum: i
 
 
 def check_fields(cls: type, data: object, where: str) -> dict:
-    """``data`` as a dict holding exactly the fields of the dataclass ``cls``, or a one-line :class:`DrcError`
-    naming the first missing or unknown one (stored configs are whole: a default would load another model)."""
+    """``data`` as a dict holding exactly the fields of the dataclass ``cls``, or a one-line :class:`DrcError`."""
     names = [f.name for f in fields(cls)]
     if not isinstance(data, dict):
         raise DrcError(f"{where} is not a JSON object of {cls.__name__} fields: restore the file")
-    unknown = sorted(set(data) - set(names))
-    if unknown:
+    if unknown := sorted(set(data) - set(names)):
         raise DrcError(f"{where} has unknown {cls.__name__} key {unknown[0]!r}: remove it (valid keys: "
                        f"{', '.join(names)})")
     missing = [n for n in names if n not in data]
@@ -89,10 +86,8 @@ def check_fields(cls: type, data: object, where: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------------ limits
-# Every size that a file, a config, a parameter or an argument can ask for is bounded here, once, and checked
-# before anything is allocated or read (docs/bad-input.md, "Limits"): a small input never costs unbounded memory
-# or time. The bounds lie far above the project's largest preset (paper-135m: d_model 768, 8 blocks, seq_len 1024,
-# batch 256 x 1024 tokens, vocab 49152, 124 M parameters).
+# Every size an input can ask for is bounded here and checked before anything is allocated (docs/bad-input.md),
+# far above the largest preset (paper-135m).
 MAX_LOOPS = 1024  # the most core loops any call runs; the state converges in tens of loops
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes at most a 64-bit integer
 MAX_VOCAB = 1 << 20  # token ids of a vocabulary
@@ -122,7 +117,6 @@ def fmt_number(x: float) -> str:
     """A short number for names and messages: 0.001 -> '1e-3', 0.5 -> '0.5'."""
     if x == 0 or not math.isfinite(x) or 1e-2 <= abs(x) < 1e5:
         return f"{x:g}"
-    text = f"{x:.6e}"
     for digits in range(7):
         text = f"{x:.{digits}e}"
         if float(text) == x:
@@ -134,11 +128,10 @@ def fmt_number(x: float) -> str:
 def need_float(name: str, value: object, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False,
                hi_open: bool = False, owner: str = "") -> float:
     """``value`` as a float, or a one-line :class:`DrcError` unless it is a finite real number (not a bool) in
-    [lo, hi] (``lo_open`` / ``hi_open`` exclude an end; an infinite end is open); ``owner`` prefixes the message."""
+    [lo, hi] (``lo_open`` / ``hi_open`` exclude an end)."""
     lo_text = f"({fmt_number(lo)}" if lo_open or not math.isfinite(lo) else f"[{fmt_number(lo)}"
     hi_text = f"{fmt_number(hi)})" if hi_open or not math.isfinite(hi) else f"{fmt_number(hi)}]"
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
-    if ok:
+    if ok := isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
         v = float(value)
         ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     if not ok:
@@ -169,8 +162,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
-    """Run a CLI entry point: one ``error:`` line and exit 2 for bad input or the disk, exit 1 for an interrupt;
-    ``--debug`` (removed from ``argv``) adds the traceback."""
+    """Run a CLI entry point: one ``error:`` line and exit 2 for bad input or the disk, exit 1 for an interrupt
+    (``--debug``: with the traceback)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("DRC_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]

@@ -1,14 +1,7 @@
-"""What a writer may replace, and one writer at a time: the rules every writer of this project goes through.
-
-- :func:`exclusive`: an exclusive ``flock`` on ``.<name>.lock`` beside a directory a process writes (and on the
-  directory itself), holding the owner's pid; a second writer gets one :class:`~drc_core.errors.DrcError` line. A
-  lock file that is a link or not a regular file is refused (locking would truncate what it points at).
-- :func:`owned_file`: a user-named output file is written only when new or written by this tool (:data:`OWNER_KEY`).
-- :func:`remove_leftovers`: the ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings a killed writer left, under the lock.
-- Untrusted files: :func:`read_regular` / :func:`read_json` read only regular files up to a size limit;
-  :func:`write_file` and :func:`write_dir` write a new sibling and rename it over the target, :func:`open_append`
-  opens ``O_NOFOLLOW``, so no write goes through a symbolic link; :func:`refuse_links` names one before writing.
-"""
+"""What a writer may replace, and one writer at a time: :func:`exclusive` (an ``flock`` beside the target),
+:func:`owned_file` (an output is new or ours), :func:`remove_leftovers` (what a killed writer left); size-bounded reads
+of regular files only (:func:`read_regular`, :func:`read_json`) and writes that never go through a symbolic link
+(:func:`write_file`, :func:`write_dir`, :func:`open_append`, :func:`refuse_links`)."""
 
 from __future__ import annotations
 
@@ -26,10 +19,29 @@ from typing import IO, Any
 
 from drc_core.errors import MAX_JSON_BYTES, MB, DrcError, first_line
 
-__all__ = ["OWNER_KEY", "exclusive", "lock_path", "open_append", "owned_file", "parse_json", "read_json",
-           "read_regular", "refuse_links", "remove_leftovers", "write_dir", "write_file", "write_owned_json"]
+__all__ = ["OWNER_KEY", "exclusive", "file_kind", "lock_path", "open_append", "owned_file", "parse_json",
+           "read_json", "read_regular", "refuse_links", "remove_leftovers", "remove_path", "write_dir", "write_file",
+           "write_owned_json"]
 
 OWNER_KEY = "written_by"  # the key a JSON output of this project carries, naming the writer
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular ``st_mode`` is, for a message: "a directory", "a FIFO", "a device" or "not a regular file"."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
+
+
+def remove_path(p: Path, *, strict: bool = False) -> None:
+    """Remove ``p``: a directory with what it holds, anything else (a link included) as itself; ``strict`` raises
+    what the removal meets instead of leaving what it could not remove."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=not strict)
+    else:
+        p.unlink(missing_ok=not strict)
 
 
 def lock_path(target: str | Path) -> Path:
@@ -38,17 +50,8 @@ def lock_path(target: str | Path) -> Path:
     return t.parent / f".{t.name}.lock"
 
 
-def _holder(lock: Path) -> str:
-    try:
-        pid = read_regular(lock, "a lock file", 64).decode(errors="replace").strip()
-    except (OSError, DrcError):
-        pid = ""
-    return f"pid {pid}" if pid.isdigit() else "a process that is just starting"
-
-
 def _open_lock(lock: Path) -> int:
-    """The lock file's descriptor, opened without following a link; a link, a hard link or a non-regular file is
-    refused."""
+    """The lock file's descriptor, opened without following a link; a link, a hard link or not a file is refused."""
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
@@ -72,9 +75,8 @@ def _busy(what: str, target: str | Path, lock: Path, why: str) -> DrcError:
 
 @contextmanager
 def exclusive(target: str | Path, what: str) -> Iterator[Path]:
-    """Hold the exclusive lock of ``target`` (a directory, existing or not; ``what`` names it in the error) while the
-    block runs. An existing directory is locked too, so a writer whose lock file was deleted keeps others out; the
-    OS drops the lock when the process dies."""
+    """Hold the exclusive lock of ``target`` (a directory, existing or not, locked too; ``what`` names it in the
+    error) while the block runs; the OS drops it when the process dies."""
     lock = lock_path(target)
     made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # removed again if left empty
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -86,13 +88,15 @@ def exclusive(target: str | Path, what: str) -> Iterator[Path]:
             os.close(fd)
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise _busy(what, target, lock, _holder(lock)) from None
-        try:  # the holder before us may have removed the file after we opened it: lock the one at the path
-            same = os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
+            try:
+                pid = read_regular(lock, "a lock file", 64).decode(errors="replace").strip()
+            except (OSError, DrcError):
+                pid = ""
+            raise _busy(what, target, lock, f"pid {pid}" if pid.isdigit() else "a process that is just starting"
+                        ) from None
+        with suppress(FileNotFoundError):  # the holder before us may have removed the file we opened: retry then
+            if os.fstat(fd).st_ino == os.stat(lock, follow_symlinks=False).st_ino:
+                break
         os.close(fd)
     dir_fd = None
     try:
@@ -123,8 +127,8 @@ def exclusive(target: str | Path, what: str) -> Iterator[Path]:
 
 
 def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
-    """Remove the ``.<name>.<kind>-*`` siblings an interrupted writer of ``target`` left (call under its lock), links
-    as links; where ``target`` was swapped out and not back, the newest ``.old-*`` is renamed back first."""
+    """Remove the ``.<name>.<kind>-*`` siblings a killed writer of ``target`` left (under its lock); where ``target``
+    was swapped out and not back, the newest ``.old-*`` is renamed back first."""
     t = Path(target).absolute()
     if not t.parent.is_dir():
         return []
@@ -135,10 +139,7 @@ def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")
     removed = []
     for kind in kinds:
         for p in t.parent.glob(f".{t.name}.{kind}-*"):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            remove_path(p)
             removed.append(p)
     return removed
 
@@ -153,20 +154,18 @@ def refuse_links(paths: Iterable[Path], owner: str) -> None:
 
 
 def read_regular(path: str | Path, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else a one-line :class:`DrcError`
-    naming ``what`` (opened without blocking: a FIFO never hangs). A missing file raises ``FileNotFoundError``."""
+    """The bytes of the regular file ``path`` of at most ``limit`` bytes (opened without blocking), else a one-line
+    :class:`DrcError` naming ``what``; a missing file raises ``FileNotFoundError``."""
     p = Path(path)
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
-                    "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
-            raise DrcError(f"'{p}' is {kind}, not a regular file: {what} must be a file; pass the real file")
+            raise DrcError(f"'{p}' is {file_kind(st.st_mode)}, not a regular file: {what} must be a file; pass the "
+                           "real file")
         chunks, size = [], 0
         while size <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
-            if not chunk:
+            if not (chunk := os.read(fd, min(1 << 20, limit + 1 - size))):
                 break
             chunks.append(chunk)
             size += len(chunk)
@@ -192,8 +191,7 @@ def parse_json(raw: bytes) -> Any:
 
 
 def read_json(path: str | Path, what: str, fix: str, limit: int = MAX_JSON_BYTES) -> Any:
-    """The JSON value in ``path`` (:func:`read_regular`, :func:`parse_json`); a damaged file is a one-line
-    :class:`DrcError` ``<what> '<path>' is damaged (<why>): <fix>``; the caller checks the value's type."""
+    """The JSON value in ``path``; a damaged file is a one-line ``<what> '<path>' is damaged (<why>): <fix>``."""
     raw = read_regular(path, what, limit)
     try:
         return parse_json(raw)
@@ -202,8 +200,7 @@ def read_json(path: str | Path, what: str, fix: str, limit: int = MAX_JSON_BYTES
 
 
 def write_file(path: str | Path, data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` atomically, never through a link: into a new sibling ``.<name>.tmp-*``, renamed over
-    ``path`` (a link there is replaced, its target untouched)."""
+    """Write ``data`` to ``path`` atomically through a new sibling ``.<name>.tmp-*`` (a link there is replaced)."""
     p = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.tmp-", dir=p.parent)
     try:
@@ -219,8 +216,8 @@ def write_file(path: str | Path, data: str | bytes) -> Path:
 
 
 def write_dir(path: str | Path, fill: Callable[[Path], object], prefix: str | None = None) -> Path:
-    """Make the directory ``path`` atomically, never through a link: ``fill`` writes a new sibling (``prefix``, by
-    default ``.<name>.tmp-``), which then replaces ``path`` (a link there is removed, its target untouched)."""
+    """Make the directory ``path`` atomically: ``fill`` writes a new sibling (``prefix``, by default
+    ``.<name>.tmp-``), which then replaces ``path`` (a link there is removed, its target untouched)."""
     p = Path(path)
     tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{p.name}.tmp-", dir=p.parent))
     try:
@@ -255,9 +252,8 @@ def open_append(path: str | Path) -> IO[str]:
 
 
 def owned_file(path: str | Path, writer: str, flag: str, legacy_keys: frozenset[str] = frozenset()) -> Path:
-    """``path`` if a JSON output of ``writer`` may be written there: a new file in an existing directory, or one whose
-    :data:`OWNER_KEY` is ``writer`` (or, written before the mark, whose keys are exactly ``legacy_keys``). Anything
-    else, a link included, is a one-line :class:`DrcError` naming ``flag`` (e.g. ``--json``)."""
+    """``path`` if a JSON output of ``writer`` may go there: new, or one whose :data:`OWNER_KEY` is ``writer`` (or
+    whose keys are exactly ``legacy_keys``); else a one-line :class:`DrcError` naming ``flag`` (e.g. ``--json``)."""
     p = Path(path)
     if p.is_dir():
         raise DrcError(f"{flag} '{p}' is a directory: pass a file path, e.g. {p / 'eval.json'}")

@@ -20,15 +20,12 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--data-files", action="append", default=[],
                    help="fineweb-edu: local parquet shards with FineWeb-Edu's schema instead of the Hub (repeat)")
     p.add_argument("--max-docs", type=int, default=None, help="first N documents per source (fineweb-edu: required)")
-    p.add_argument("--task-docs", type=int, default=DepthTaskConfig.docs,
-                   help=f"depth-tasks: documents to generate (default: {DepthTaskConfig.docs})")
-    p.add_argument("--task-min-k", type=int, default=DepthTaskConfig.min_k,
-                   help=f"depth-tasks: fewest lookups an answer (a chain) needs (default: {DepthTaskConfig.min_k})")
-    p.add_argument("--task-max-k", type=int, default=DepthTaskConfig.max_k,
-                   help=f"depth-tasks: most lookups an answer needs (default: {DepthTaskConfig.max_k})")
-    p.add_argument("--task-repeat-share", type=float, default=DepthTaskConfig.repeat_share,
-                   help="depth-tasks: share of problems that are unlabelled repeats (default: "
-                        f"{DepthTaskConfig.repeat_share})")
+    for field, kind, what in (("docs", int, "documents to generate"),
+                              ("min_k", int, "fewest lookups an answer (a chain) needs"),
+                              ("max_k", int, "most lookups an answer needs"),
+                              ("repeat_share", float, "share of problems that are unlabelled repeats")):
+        p.add_argument(f"--task-{field.replace('_', '-')}", type=kind, default=getattr(DepthTaskConfig, field),
+                       help=f"depth-tasks: {what} (default: {getattr(DepthTaskConfig, field)})")
     p.add_argument("--task-families", default=",".join(DepthTaskConfig.families),
                    help=f"depth-tasks: labelled families, comma-separated, from {','.join(FAMILIES)} (default: "
                         f"{','.join(DepthTaskConfig.families)})")
@@ -56,11 +53,10 @@ def build_parser() -> ArgumentParser:
 
 def describe(res: PrepareResult) -> str:
     m = res.meta
-    if res.cached:
-        head = f"{res.out}: up to date (same inputs as the prepared corpus), nothing to do"
-    else:
-        head = f"{res.out}: prepared in {res.seconds:.1f} s"
-    lines = [head, f"  source {m['source']}, vocab {m['vocab_size']}, seed {m['seed']}, dtype {m['dtype']}"]
+    head = "up to date (same inputs as the prepared corpus), nothing to do" if res.cached else \
+        f"prepared in {res.seconds:.1f} s"
+    lines = [f"{res.out}: {head}",
+             f"  source {m['source']}, vocab {m['vocab_size']}, seed {m['seed']}, dtype {m['dtype']}"]
     for split in ("train", "val"):
         lines.append(f"  {split:5s} {m['documents'][split]:7d} docs {m['characters'][split]:11,d} chars "
                      f"{m['tokens'][split]:11,d} tokens")

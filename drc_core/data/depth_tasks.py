@@ -1,36 +1,14 @@
-"""Documents whose answer tokens need a known number of sequential lookups (the ``depth-tasks`` source).
+"""Documents whose answer tokens need a known number ``k`` of sequential lookups (the ``depth-tasks`` source).
 
-Each document is a few *problems* (paragraphs separated by a blank line), each from one of three families:
-
-``containers`` (reference chains in prose)
-    ``The lamp is in the box. The key is in the bag. The box is in the garden. ... Where is the lamp? It is in
-    the garden.`` Objects sit in objects; a chain ends at a place (a word never used as an object). The answer
-    to a question about an object ``k`` links from its place needs ``k`` lookups; the other chains are
-    distractors, statements are shuffled, and every chain is asked about once.
-``swaps`` (state tracking)
-    ``Ann has the red ball. ... Ann and Bob swap balls. ... Which ball does Ann have now? It is the blue ball.``
-    Following the asked person backwards through the swaps that involve them, then reading the ball they
-    started with, is ``k = 1 + (relevant swaps)`` lookups.
-``hops`` (p-hop induction, arXiv 2502.17416)
-    ``Letters: c a d b a c d b . Jump 3 times from the last letter: a.`` A jump goes from a position to the
-    one after the previous occurrence of its letter; the answer is the letter after ``k`` jumps.
-
-Documents also hold unlabelled ``repeats`` paragraphs (``Repeat: harbor lamp Ann ... . Again: harbor lamp Ann
-...``): a random word sequence said twice, whose second half is predictable only by copying from context. They
-carry no ``k``; they are there because in-context copying (an induction head) is the step every lookup builds on,
-and a model of this size trained on natural text alone never learns it (a repeated random sequence is no easier
-the second time for the natural-text reference model).
-
-Every answer is one word that the byte-level BPE keeps as one token (a place, a colour or a letter, each
-after a space). The label ``k`` of an answer is the fewest lookups that reach it from what the text says before
-its question: the statements, and the answers of earlier questions (an answered question states where its object
-is, a shortcut for a later question about an object above it in the same chain). It is computed by :func:`solve`,
-a parser that reads only the document's text (never the generator's bookkeeping);
-:func:`generate_problem` records its own ``k`` too, and the tests check that the two agree.
-:func:`token_labels` maps the labels onto token positions.
-
-All randomness is a pure function of ``(seed, document index)``: document ``i`` is the same text whatever
-the number of documents asked for.
+A document is a few problems (paragraphs), each of a labelled family: ``containers`` (``The lamp is in the box. ...
+Where is the lamp? It is in the garden.``: a reference chain, ``k`` links), ``links`` (the same chains in compact
+notation), ``swaps`` (``Ann and Bob swap balls. ... Which ball does Ann have now?``: ``k = 1 +`` the swaps on the
+asked person's path) or ``hops`` (p-hop induction, arXiv 2502.17416: the letter after ``k`` jumps); or an unlabelled
+``repeats`` paragraph (a random word sequence said twice: the in-context copying every lookup builds on). Every
+answer is one word the byte-level BPE keeps as one token. A label is the fewest lookups that reach the answer from
+the text before its question (an answered question is a shortcut for later ones), computed by :func:`solve` from the
+text alone; :func:`generate_problem` records its own ``k`` and the tests check that the two agree. All randomness is
+a pure function of ``(seed, document index)``.
 """
 
 from __future__ import annotations
@@ -49,22 +27,22 @@ REPEATS = "repeats"  # unlabelled in-context copying
 SOURCE_NAME = "depth-tasks"
 
 OBJECTS = (
-    "lamp", "box", "key", "bag", "cup", "book", "coin", "ring", "shoe", "hat", "coat", "pen", "card", "bowl",
-    "jar", "map", "clock", "bell", "rope", "basket", "bottle", "letter", "brush", "comb", "drum", "flag",
-    "glove", "knife", "ladder", "mirror", "needle", "pillow", "plate", "purse", "shell", "spoon", "stone",
-    "table", "towel", "trunk", "vase", "wallet", "watch", "wheel", "whistle", "candle", "chair", "blanket",
-    "bucket", "button", "camera", "carpet", "crown", "desk", "doll", "egg", "fan", "fork", "hammer", "helmet",
-    "jacket", "kettle", "lock", "mask", "medal", "nail", "net", "paper", "pipe", "pot", "radio", "ribbon",
-    "saddle", "scarf", "shirt", "sock", "stamp", "sword", "ticket", "toy", "tray", "umbrella", "violin", "wire",
+    "lamp", "box", "key", "bag", "cup", "book", "coin", "ring", "shoe", "hat", "coat", "pen", "card", "bowl", "jar",
+    "map", "clock", "bell", "rope", "basket", "bottle", "letter", "brush", "comb", "drum", "flag", "glove", "knife",
+    "ladder", "mirror", "needle", "pillow", "plate", "purse", "shell", "spoon", "stone", "table", "towel", "trunk",
+    "vase", "wallet", "watch", "wheel", "whistle", "candle", "chair", "blanket", "bucket", "button", "camera",
+    "carpet", "crown", "desk", "doll", "egg", "fan", "fork", "hammer", "helmet", "jacket", "kettle", "lock", "mask",
+    "medal", "nail", "net", "paper", "pipe", "pot", "radio", "ribbon", "saddle", "scarf", "shirt", "sock", "stamp",
+    "sword", "ticket", "toy", "tray", "umbrella", "violin", "wire",
 )
 PLACES = (
     "garden", "kitchen", "attic", "cellar", "barn", "office", "library", "hall", "shed", "garage", "church",
     "school", "market", "station", "harbor", "forest", "tower", "bridge", "castle", "museum",
 )
 PEOPLE = (
-    "Ann", "Bob", "Cara", "Dan", "Eve", "Fred", "Grace", "Hugo", "Ida", "Jack", "Kate", "Leo", "Mia", "Ned",
-    "Olga", "Paul", "Rose", "Sam", "Tina", "Victor", "Will", "Zoe", "Alice", "Ben", "Clara", "David", "Emma",
-    "Frank", "Helen", "Henry",
+    "Ann", "Bob", "Cara", "Dan", "Eve", "Fred", "Grace", "Hugo", "Ida", "Jack", "Kate", "Leo", "Mia", "Ned", "Olga",
+    "Paul", "Rose", "Sam", "Tina", "Victor", "Will", "Zoe", "Alice", "Ben", "Clara", "David", "Emma", "Frank",
+    "Helen", "Henry",
 )
 COLOURS = ("red", "blue", "green", "yellow", "white", "black", "brown", "pink")
 LETTERS = tuple("abcdefghijklmnop")  # 16: a path of k <= 15 jumps meets k + 1 distinct letters
@@ -78,20 +56,11 @@ ASK_ORDERS = ("shuffled", "deepest-first")
 
 @dataclass(frozen=True)
 class DepthTaskConfig:
-    """What the ``depth-tasks`` source generates.
-
-    ``min_k..max_k``: the range of lookups an answer needs (uniform over the range in every family);
-    ``problems``: problems per document; ``families``: which labelled families to draw from (uniformly);
-    ``repeat_share``: the probability that a problem is an unlabelled ``repeats`` paragraph instead;
-    ``docs``: how many documents; ``seed``: the generator's seed; ``ask_every``: in the chain families ask
-    about every object of each asked chain, not only about its first; ``ask_order`` (with ``ask_every``): the
-    questions' order, ``shuffled``, or ``deepest-first`` (still interleaved across chains, but each chain's
-    objects asked from its first to its last). An answered question states where its object is, so a question
-    asked after one about an object further down the same chain needs fewer lookups than the chain's length
-    (``cup box . box bag . bag barn . ? box barn . ? cup barn .``: ``cup`` is two lookups away from ``barn``, not
-    three); ``deepest-first`` leaves no such shortcut, so every chain of length ``n`` is asked with
-    ``k = n, n-1, .., 1``.
-    """
+    """What the ``depth-tasks`` source generates: ``docs`` documents of ``problems`` problems, each a ``repeats``
+    paragraph with probability ``repeat_share``, else of one of ``families`` with ``k`` uniform in ``min_k..max_k``.
+    ``ask_every``: ask about every object of each asked chain, not only its first; ``ask_order`` (with it):
+    ``shuffled`` (a question after one about an object further down its chain needs fewer lookups) or
+    ``deepest-first`` (each chain's objects from first to last: ``k = n, n-1, .., 1``, no shortcut)."""
 
     docs: int = 20_000
     min_k: int = 1
@@ -131,8 +100,6 @@ class DepthTaskConfig:
         if unknown or not (self.families or self.repeat_share == 1):
             raise DrcError(f"depth-tasks families {list(self.families)} must be a subset of {', '.join(FAMILIES)} "
                            "(empty only with repeat_share=1)")
-        if not 0 <= self.repeat_share <= 1:
-            raise DrcError(f"depth-tasks repeat_share={self.repeat_share} must lie in [0, 1]: e.g. 0.5")
         if self.seed < 0:
             raise DrcError(f"depth-tasks seed={self.seed} must be >= 0")
         if not isinstance(self.ask_every, bool):
@@ -165,10 +132,8 @@ class Problem:
 
 def _containers(rng: np.random.Generator, ks: list[int], objects: list[str], family: str = "containers",
                 ask_every: bool = False, ask_order: str = "shuffled") -> Problem:
-    """One chain per requested k (plus one distractor chain), shuffled statements, one question per chain; in
-    prose (``containers``) or in the compact ``links`` notation (``Links: cup box . box barn . ? cup barn .``), where
-    each statement puts an object right before its container and each question the asked object right before the
-    answer: one hop is then one in-context lookup of the token after a name (what an induction head does)."""
+    """One chain per requested k plus a distractor chain, shuffled statements, one question per chain; in prose
+    (``containers``) or as ``links`` (``Links: cup box . box barn . ? cup barn .``: one hop, one induction lookup)."""
     lengths = list(ks) + [int(rng.integers(1, max(ks) + 1))]
     places = rng.choice(len(PLACES), size=len(lengths), replace=True)
     statements, chains = [], []
@@ -200,10 +165,8 @@ def _containers(rng: np.random.Generator, ks: list[int], objects: list[str], fam
 
 
 def _swaps(rng: np.random.Generator, k: int, people: list[str]) -> Problem:
-    """Three or four people with balls, then swaps; one question whose backward path crosses ``k - 1`` swaps.
-
-    Built backwards from the asked person: ``k - 1`` of the swaps (at random places in the list) involve whoever
-    holds the asked person's final ball at that point, the others do not."""
+    """Three or four people with balls, then swaps; one question whose backward path crosses ``k - 1`` swaps (built
+    backwards from the asked person)."""
     n = int(rng.integers(3, 5))
     names = people[-n:]
     del people[-n:]
@@ -243,12 +206,8 @@ def _hop_path(seq: list[str], jumps: int) -> int | None:
 
 
 def _hops(rng: np.random.Generator, k: int) -> Problem:
-    """A letter sequence in which ``k`` jumps from the last letter land on the answer.
-
-    Built from the path: the letters met at jumps ``0..k`` are distinct (so no shorter path gives the answer),
-    the path's positions fall by 2..5 per jump, the letter before each landing is the one jumped from, and every
-    other position holds a letter that does not break a jump (the jumped-from letter never occurs between its
-    previous occurrence and the position it is jumped from)."""
+    """A letter sequence in which ``k`` jumps from the last letter land on the answer, built from the path: distinct
+    letters at jumps ``0..k`` (no shorter path), and no filler letter that breaks a jump."""
     letters = [LETTERS[int(i)] for i in rng.choice(len(LETTERS), size=k + 1, replace=False)]
     gaps = rng.integers(2, 6, size=k)
     first = 1 + int(rng.integers(0, 4))  # position of the answer
@@ -292,8 +251,7 @@ def generate_problem(rng: np.random.Generator, family: str, cfg: DepthTaskConfig
 
 
 def generate_document(cfg: DepthTaskConfig, index: int) -> tuple[str, list[Problem]]:
-    """Document ``index``: ``cfg.problems`` problems joined by blank lines. Names are drawn without replacement
-    within a document (pools refill when used up), so a name means one thing per problem."""
+    """Document ``index``: ``cfg.problems`` problems joined by blank lines (names drawn without replacement)."""
     rng = np.random.default_rng([cfg.seed, index, 0x6B])
     objects: list[str] = []
     people: list[str] = []
@@ -333,9 +291,8 @@ class SolveError(ValueError):
 
 
 def _follow(inside: dict[str, str], start: str, answered: dict[str, str] | None = None) -> tuple[str, int]:
-    """Where the chain of containers from ``start`` ends, and after how few lookups: along the chain's
-    statements, or along them down to an object whose place an earlier question ``answered`` and then that
-    answer (one lookup more)."""
+    """Where the chain of containers from ``start`` ends, and the fewest lookups: along the statements, or down to an
+    object an earlier question ``answered`` and then that answer."""
     answered = answered or {}
     cur, k, seen = start, 0, set()
     fewest = None
@@ -420,9 +377,8 @@ _SOLVERS = {"containers": _solve_containers, "swaps": _solve_swaps, "hops": _sol
 
 
 def solve(text: str) -> list[Answer]:
-    """Every answer in ``text`` with its family and ``k``, read from the text alone: each paragraph (problem) is
-    parsed, the answer is recomputed from the statements *before* its question, and a stated answer that
-    differs is a :class:`SolveError`."""
+    """Every answer in ``text`` with its family and ``k``, recomputed from the statements before its question; a
+    stated answer that differs is a :class:`SolveError`."""
     answers = []
     offset = 0
     for p_index, par in enumerate(text.split("\n\n")):
@@ -441,10 +397,8 @@ def solve(text: str) -> list[Answer]:
 
 def token_labels(text: str, encoding, strict: bool = True,
                  answers: list[Answer] | None = None) -> list[tuple[int, Answer]]:
-    """``(token index, answer)`` for each answer of ``text``, given its ``tokenizers`` encoding: the answer must
-    be exactly one token (its word, with the space before it). A split answer is a :class:`DrcError`, or, with
-    ``strict=False``, left out (a small vocabulary may not hold every answer word as one token). ``answers``:
-    ``solve(text)``, where the caller has it already."""
+    """``(token index, answer)`` for each answer (``solve(text)`` unless given) that is one token of ``encoding``; a
+    split answer is a :class:`DrcError`, or left out with ``strict=False``."""
     starts = {}
     for i, (a, b) in enumerate(encoding.offsets):
         starts.setdefault(b, []).append((i, a))

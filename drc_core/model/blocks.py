@@ -45,9 +45,8 @@ KVFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (k, v) -> the (k, v)
 
 
 class FrozenKV:
-    """One cached (k, v) per block: ``hook(j, frozen)`` returns block j's ``kv_fn``, which gives attention
-    ``where(frozen, cached_j, fresh)`` and caches that, so a frozen token keeps offering its last computed keys and
-    values. The first pass through block j only stores them."""
+    """One cached (k, v) per block: ``hook(j, frozen)`` gives attention ``where(frozen, cached_j, fresh)`` and caches
+    that, so a frozen token keeps offering its last computed keys and values."""
 
     def __init__(self) -> None:
         self.kv: dict[int, tuple[Tensor, Tensor]] = {}
@@ -93,11 +92,8 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """``x + post(attn(norm(x)))`` then ``x + post(mlp(norm(x)))``; ``post`` is identity unless sandwich.
-
-    :meth:`forward` is :meth:`qkv`, attention, then :meth:`finish`; the compute-skipping paths
-    (:mod:`drc_core.halting.kvlayout`) run the same two on a flat list of tokens and swap only the attention.
-    """
+    """``x + post(attn(norm(x)))`` then ``x + post(mlp(norm(x)))`` (``post``: identity unless sandwich), as
+    :meth:`qkv`, attention, :meth:`finish` (the compute-skipping paths swap only the attention)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -130,8 +126,8 @@ class Block(nn.Module):
 
 
 class BlockStack(nn.Module):
-    """The pass of a looped model over its ``prelude``, ``core`` and ``coda`` blocks, ``norm`` + ``lm_head`` and RoPE
-    tables ``rope_cos``/``rope_sin``; a subclass builds them and defines ``token_embedding`` and ``inject``."""
+    """The pass of a looped model over its ``prelude``, ``core`` and ``coda`` blocks, ``norm``, ``lm_head`` and RoPE
+    tables; a subclass builds them and defines ``token_embedding`` and ``inject``."""
 
     max_seq_len: int
 
@@ -162,15 +158,13 @@ class BlockStack(nn.Module):
 
     def core_step(self, s: Tensor, e: Tensor, *, frozen_kv: FrozenKV | None = None,
                   frozen: Tensor | None = None) -> Tensor:
-        """One loop with the shared core weights: s_l = core(inject(s_{l-1}, e)); with ``frozen_kv`` and ``frozen``
-        (B, T) the frozen tokens offer their cached keys/values in every core block."""
+        """One loop: s_l = core(inject(s_{l-1}, e)); ``frozen`` tokens offer their ``frozen_kv`` keys/values."""
         return self._run(self.core, self.inject(s, e), frozen_kv, frozen)
 
     def readout(self, state: Tensor, positions: slice | Tensor | None = None, *, frozen_kv: FrozenKV | None = None,
                 frozen: Tensor | None = None) -> Tensor:
-        """Coda + head: state (B, T, d) -> logits (B, T', V). The coda runs on all T positions; ``positions`` (a
-        slice or 1-D index along time) then selects the tokens read out, or a (B, T) bool mask single tokens
-        (logits (n, V), row-major). ``frozen_kv``/``frozen``: as in :meth:`core_step`, for the coda."""
+        """Coda + head: state (B, T, d) -> logits of the tokens ``positions`` selects (a slice or 1-D index along
+        time: (B, T', V); a (B, T) bool mask: (n, V)); ``frozen_kv``/``frozen`` as in :meth:`core_step`."""
         x = self._run(self.coda, state, frozen_kv, frozen)
         if isinstance(positions, Tensor) and positions.dim() == 2:
             x = x[positions]

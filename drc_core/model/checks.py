@@ -20,7 +20,7 @@ class _Reads(Protocol):
 
 def check_token_ids(model: _Reads, ids: object, what: str = "windows", *, targets: bool = True) -> Tensor:
     """``ids`` unchanged if it is a non-empty integer tensor of ids in 0..vocab_size-1 whose T positions fit
-    ``max_seq_len``: (N, T+1) windows with ``targets`` (inputs ``[:, :-1]``, targets ``[:, 1:]``), else (N, T)."""
+    ``max_seq_len``: (N, T+1) windows with ``targets``, else (N, T)."""
     shape, least = ("(N, T+1)", 2) if targets else ("(N, T)", 1)
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < least:
         shown = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__

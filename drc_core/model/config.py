@@ -30,12 +30,8 @@ def _valid_heads(d_model: int) -> str:
 
 @dataclass
 class ModelConfig:
-    """Hyper-parameters of :class:`DepthRecurrentLM`; a bad value is a one-line :class:`DrcError`.
-
-    ``mlp_hidden=None``: the SwiGLU hidden size is ``8/3 * d_model`` rounded up to a multiple of 8.
-    ``norm="sandwich"`` also normalises each sublayer's output; ``init_state="random"`` draws s_0 from
-    ``N(0, init_state_scale**2)``.
-    """
+    """Hyper-parameters of :class:`DepthRecurrentLM`, a bad value a one-line :class:`DrcError`; ``mlp_hidden=None``:
+    ``8/3 * d_model`` rounded up to a multiple of 8."""
 
     vocab_size: int
     d_model: int = 256
@@ -63,15 +59,11 @@ class ModelConfig:
             if name != "mlp_hidden" or self.mlp_hidden is not None:
                 need_int(name, getattr(self, name), lo, maximum=hi)
         if self.d_model % self.n_heads != 0:
-            raise DrcError(
-                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
-                f"choose n_heads in {_valid_heads(self.d_model)}"
-            )
+            raise DrcError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; choose n_heads in "
+                           f"{_valid_heads(self.d_model)}")
         if (self.d_model // self.n_heads) % 2 != 0:
-            raise DrcError(
-                f"head_dim = d_model/n_heads = {self.d_model // self.n_heads} is odd but RoPE needs an even "
-                f"head_dim; choose n_heads in {_valid_heads(self.d_model)}"
-            )
+            raise DrcError(f"head_dim = d_model/n_heads = {self.d_model // self.n_heads} is odd but RoPE needs an even "
+                           f"head_dim; choose n_heads in {_valid_heads(self.d_model)}")
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise DrcError(f"{name}={getattr(self, name)!r} is not supported; use one of {allowed}")

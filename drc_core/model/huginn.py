@@ -7,11 +7,9 @@ Written from a description of the format (the ``huginn-tiny`` fixture's README; 
     s_l = core(adapter(cat([s_{l-1}, e])))              # l = 1..r, no skip around the core
     out = lm_head(ln_f(coda(ln_f(s_r))))                # ln_f used twice, lm_head tied to wte
 
-A sandwich block is ``x = n2(x + attn(n1(x))); x = n4(x + mlp(n3(x)))``; attention adds ``qk_bias`` to q and k,
-then rotates adjacent pairs (2i, 2i+1) by RoPE; the MLP is ``proj(silu(a) * b)``. The first ``ln_f`` is folded into
-the first coda block (:attr:`HuginnBlock.entry`), so the KV-cached paths (:mod:`drc_core.halting.kvlayout`, which
-run ``block.qkv``/``block.finish`` on the raw state) compute Huginn's numbers too. Checkpoints are read by
-:mod:`drc_core.model.huginn_checkpoint`.
+A sandwich block is ``x = n2(x + attn(n1(x))); x = n4(x + mlp(n3(x)))``, RoPE on adjacent pairs; the first
+``ln_f`` is folded into the first coda block (:attr:`HuginnBlock.entry`) so the KV-cached paths compute Huginn's
+numbers too. Checkpoints are read by :mod:`drc_core.model.huginn_checkpoint`.
 """
 
 from __future__ import annotations
@@ -104,9 +102,8 @@ class GatedMLP(nn.Module):
 
 
 class HuginnBlock(nn.Module):
-    """The sandwich block, split into :meth:`qkv` and :meth:`finish` like :class:`~drc_core.model.blocks.Block`.
-    ``entry`` (first coda block only): the model's shared ``norm``, applied to the input first (Huginn's first
-    ``ln_f``)."""
+    """The sandwich block, split into :meth:`qkv` and :meth:`finish` like :class:`~drc_core.model.blocks.Block`;
+    ``entry`` (first coda block only): the shared ``norm`` applied to the input first."""
 
     def __init__(self, cfg: HuginnConfig, entry: RMSNorm | None = None) -> None:
         super().__init__()
@@ -142,9 +139,8 @@ class HuginnBlock(nn.Module):
 
 
 class HuginnLM(BlockStack):
-    """Huginn's forward as a :class:`~drc_core.model.lm.RecurrentModel` with the attributes the KV-cached and
-    compute-skipping paths read. ``init_scale`` scales s_0's std like upstream's (0: s_0 = 0). Built by
-    :func:`~drc_core.model.huginn_checkpoint.load_huginn` (on the meta device, then given the checkpoint's tensors)."""
+    """Huginn's forward as a :class:`~drc_core.model.lm.RecurrentModel` (built by
+    :func:`~drc_core.model.huginn_checkpoint.load_huginn`); ``init_scale`` scales s_0's std (0: s_0 = 0)."""
 
     def __init__(self, cfg: HuginnConfig) -> None:
         super().__init__()
@@ -170,9 +166,8 @@ class HuginnLM(BlockStack):
         return self.tok_emb(idx.long()) * self.cfg.embed_scale
 
     def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """Huginn's "like-init" s_0: a normal draw (consumed, as upstream's ``randn_like``), overwritten by a normal
-        truncated at +-3 std (std = init_values.std * init_scale), times embed_scale; zeros when std is 0. From
-        ``generator``, else the global RNG (drawing exactly what upstream draws after the same seed)."""
+        """Huginn's "like-init" s_0 from ``generator`` (else the global RNG), drawing exactly what upstream draws: a
+        normal draw, overwritten by a normal truncated at +-3 std, times embed_scale; zeros when std is 0."""
         x = torch.randn(e.shape, generator=generator, device=e.device, dtype=e.dtype)
         std = self.cfg.state_std * self.init_scale
         if std <= 0:
@@ -185,7 +180,6 @@ class HuginnLM(BlockStack):
 
     def forward(self, idx: Tensor, n_loops: int | None = None, *, generator: torch.Generator | None = None,
                 state: Tensor | None = None) -> Tensor:
-        """Logits (B, T, V) after ``n_loops`` loops (default: the trained mean depth), like upstream's
-        ``model(idx, num_steps=n_loops)`` in eval mode; ``state``: s_0 (else drawn by :meth:`initial_state`)."""
+        """Logits (B, T, V) after ``n_loops`` loops (default: the trained mean depth); ``state``: s_0."""
         n = self.mean_recurrence if n_loops is None else n_loops
         return logits_at(self, idx, n, generator=generator, state=state)

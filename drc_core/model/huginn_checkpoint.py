@@ -1,7 +1,6 @@
-"""Reading Huginn-0125 checkpoint directories (untrusted: JSON and safetensors only, never pickle) into a
-:class:`~drc_core.model.huginn.HuginnLM`. The config (types, :data:`LIMITS`) and every safetensors header (sizes against
-the file, dtypes, names and shapes against the config) are checked before a tensor is touched; every failure is a
-one-line :class:`DrcError`."""
+"""Reading Huginn-0125 checkpoint directories (JSON and safetensors, never pickle) into a
+:class:`~drc_core.model.huginn.HuginnLM`: the config and every safetensors header are checked before a tensor is
+touched; every failure is a one-line :class:`DrcError`."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
-from torch import Tensor, nn
+from torch import nn
 
 from drc_core.errors import MAX_LOOPS, DrcError, first_line
 from drc_core.guard import read_json, read_regular
@@ -46,8 +45,8 @@ def _read_json(path: Path, what: str) -> object:
 
 
 def hf_config(path: str | Path) -> dict | None:
-    """The ``config.json`` of a Hugging Face-style checkpoint directory (with ``model_type`` or ``architectures``),
-    else None (this project's run directories, or an unreadable file: the run reader reports that)."""
+    """The ``config.json`` of a Hugging Face-style checkpoint directory (``model_type`` or ``architectures``), else
+    None."""
     p = Path(path) / CONFIG_FILE
     try:
         data = _read_json(p, "model config") if p.is_file() else None
@@ -110,8 +109,7 @@ def config_from_json(data: object, where: str) -> HuginnConfig:
 
 
 def _header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) from a safetensors header, checked against the file's size before anything else is
-    read."""
+    """name -> (dtype, shape) from a safetensors header, checked against the file's size first."""
     size = path.stat().st_size
     with path.open("rb") as f:
         n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
@@ -180,36 +178,17 @@ def rename_tensor(name: str, ours: bool) -> str:
     return name
 
 
-def _check_names(stored: dict, expected: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...]],
-                 cfg: HuginnConfig, where: str) -> None:
-    hint = (f"config.json (n_embd={cfg.d_model}, n_heads={cfg.n_heads}, intermediate_size={cfg.hidden_dim}, "
-            f"padded_vocab_size={cfg.vocab_size}, block_size={cfg.max_seq_len}, layers {cfg.n_prelude}/{cfg.n_core}/"
-            f"{cfg.n_coda}) does not match the weights in '{where}'; use the checkpoint's own config.json")
-    for name, want in {**expected, **optional}.items():  # in the model's order
-        if name in expected and name not in stored:
-            raise DrcError(f"tensor {name} is missing: the {hint}")
-        if name in stored and stored[name][2] != want:
-            raise DrcError(f"tensor {name} has shape {stored[name][2]} but config.json implies {want}: the {hint}")
-    for name in stored:
-        if name not in expected and name not in optional:
-            raise DrcError(f"tensor {name} is not part of this architecture: the {hint}")
-
-
-def _dtype(dtype: torch.dtype | str) -> torch.dtype:
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    out = names.get(dtype, getattr(torch, dtype, None)) if isinstance(dtype, str) else dtype
-    if out not in DTYPES.values():
-        raise DrcError(f"dtype={dtype!r} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
-    return out
-
-
 def load_huginn(path: str | Path, *, dtype: torch.dtype | str | None = None,
                 map_location: str | torch.device = "cpu") -> HuginnLM:
-    """A Huginn checkpoint directory (config.json + model.safetensors or its shards) as a :class:`HuginnLM` in eval
-    mode, weights in ``dtype`` (default: the stored embedding's), memory-mapped where stored so, else converted one
-    at a time. A stored ``freqs_cis`` must be ``rope_base``'s and is used as stored; a tied checkpoint's stored
-    ``lm_head.weight`` is ignored (the head is ``wte``, as upstream ties it)."""
-    path, want = Path(path), None if dtype is None else _dtype(dtype)
+    """A Huginn checkpoint directory as a :class:`HuginnLM` in eval mode, weights in ``dtype`` (default: the stored
+    embedding's; memory-mapped where stored so). A stored ``freqs_cis`` must be ``rope_base``'s; a tied checkpoint's
+    stored ``lm_head.weight`` is ignored."""
+    path, want = Path(path), dtype
+    if dtype is not None:
+        names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        want = names.get(dtype, getattr(torch, dtype, None)) if isinstance(dtype, str) else dtype
+        if want not in DTYPES.values():
+            raise DrcError(f"dtype={dtype!r} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
     if not (path / CONFIG_FILE).is_file():
         raise DrcError(f"'{path}' has no {CONFIG_FILE}: pass a Huginn checkpoint directory")
     cfg = config_from_json(_read_json(path / CONFIG_FILE, "model config"), f"'{path / CONFIG_FILE}'")
@@ -220,7 +199,17 @@ def load_huginn(path: str | Path, *, dtype: torch.dtype | str | None = None,
     optional = {"freqs_cis": (1, cfg.max_seq_len, 1, cfg.head_dim // 2, 2)}
     if cfg.tie_embeddings:
         optional["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
-    _check_names(stored, expected, optional, cfg, str(path))
+    hint = (f"config.json (n_embd={cfg.d_model}, n_heads={cfg.n_heads}, intermediate_size={cfg.hidden_dim}, "
+            f"padded_vocab_size={cfg.vocab_size}, block_size={cfg.max_seq_len}, layers {cfg.n_prelude}/{cfg.n_core}/"
+            f"{cfg.n_coda}) does not match the weights in '{path}'; use the checkpoint's own config.json")
+    for name, shape in {**expected, **optional}.items():  # in the model's order
+        if name in expected and name not in stored:
+            raise DrcError(f"tensor {name} is missing: the {hint}")
+        if name in stored and stored[name][2] != shape:
+            raise DrcError(f"tensor {name} has shape {stored[name][2]} but config.json implies {shape}: the {hint}")
+    for name in stored:
+        if name not in expected and name not in optional:
+            raise DrcError(f"tensor {name} is not part of this architecture: the {hint}")
     want = DTYPES[stored["transformer.wte.weight"][1]] if want is None else want
     cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_base)
     with ExitStack() as stack:
@@ -236,8 +225,14 @@ def load_huginn(path: str | Path, *, dtype: torch.dtype | str | None = None,
             else:  # converted through a map of its own, released (with the source's pages) right after
                 with safe_open(str(file), framework="pt", device="cpu") as f:
                     t = f.get_tensor(name).to(target)
-            if name == "freqs_cis":
-                cos, sin = _checked_rope(t, cos, sin, cfg, DTYPES[stored_dtype])
+            if name == "freqs_cis":  # used as stored if it is rope_base's table (to its dtype's rounding)
+                stored_cos, stored_sin = t[0, :, 0, :, 0].float().contiguous(), t[0, :, 0, :, 1].float().contiguous()
+                err = max(float((stored_cos - cos).abs().max()), float((stored_sin - sin).abs().max()))
+                if not err <= (1e-5 if stored_dtype == "F32" else 1e-2):
+                    raise DrcError(f"the stored RoPE table freqs_cis differs from rope_base={cfg.rope_base:g} by "
+                                   f"{err:.3g}: config.json does not belong to these weights; use the checkpoint's "
+                                   "own config.json")
+                cos, sin = stored_cos, stored_sin
             else:
                 owner, _, leaf = rename_tensor(name, ours=True).rpartition(".")
                 setattr(model.get_submodule(owner), leaf, nn.Parameter(t, requires_grad=False))
@@ -245,18 +240,6 @@ def load_huginn(path: str | Path, *, dtype: torch.dtype | str | None = None,
         model.lm_head.weight = model.tok_emb.weight
     model.rope_cos, model.rope_sin = cos, sin
     return model.to(map_location).eval()
-
-
-def _checked_rope(t: Tensor, cos: Tensor, sin: Tensor, cfg: HuginnConfig, stored: torch.dtype
-                  ) -> tuple[Tensor, Tensor]:
-    """The stored table as float32 cos/sin, if it is the table of ``rope_base`` (to its stored dtype's rounding)."""
-    stored_cos, stored_sin = t[0, :, 0, :, 0].float().contiguous(), t[0, :, 0, :, 1].float().contiguous()
-    tol = 1e-5 if stored == torch.float32 else 1e-2
-    err = max(float((stored_cos - cos).abs().max()), float((stored_sin - sin).abs().max()))
-    if not err <= tol:
-        raise DrcError(f"the stored RoPE table freqs_cis differs from rope_base={cfg.rope_base:g} by {err:.3g}: "
-                       "config.json does not belong to these weights; use the checkpoint's own config.json")
-    return stored_cos, stored_sin
 
 
 def load_huginn_tokenizer(path: str | Path, cfg: HuginnConfig) -> Tokenizer | None:

@@ -1,12 +1,6 @@
-"""A depth-recurrent transformer language model: prelude -> one weight-tied core looped r times -> coda::
-
-    e   = prelude(embed(idx))                    # run once
-    s_0 = N(0, init_state_scale^2)  (or zeros)   # the latent state
-    s_l = core(inject(s_{l-1}, e))   l = 1..r    # one shared set of weights
-    out = head(norm(coda(s_r)))                  # run once
-
-``inject`` is ``adapter(cat([s, e]))`` ("concat") or ``s + e`` ("add"); the blocks are in
-:mod:`~drc_core.model.blocks`, the hyper-parameters a :class:`~drc_core.model.config.ModelConfig`.
+"""A depth-recurrent transformer language model: ``e = prelude(embed(idx))``, ``s_l = core(inject(s_{l-1}, e))`` for
+l = 1..r from a random (or zero) s_0, ``out = head(norm(coda(s_r)))``; ``inject`` is ``adapter(cat([s, e]))``
+("concat") or ``s + e`` ("add").
 """
 
 from __future__ import annotations
@@ -38,8 +32,8 @@ _LOAD_COMPATIBLE_FIELDS = frozenset({"dropout", "max_seq_len"})
 
 @dataclass
 class LoopOutput:
-    """What :func:`iterate` yields after loop ``loop`` (1-based): ``state`` s_loop (B, T, d), ``out`` the readout (or
-    None), ``halted`` (B, T) the tokens halted so far and ``exit_loop`` (B, T) their exit loop (0 while active)."""
+    """What :func:`iterate` yields after loop ``loop``: the state, its readout (or None), the tokens halted so far
+    and their exit loop (0 while active)."""
 
     loop: int
     state: Tensor
@@ -53,12 +47,8 @@ HaltFn = Callable[[LoopOutput], Tensor | None]
 
 @runtime_checkable
 class RecurrentModel(Protocol):
-    """What the analysis, halting and sweep code needs from a depth-recurrent ``nn.Module`` (bring your own):
-    ``vocab_size``, ``max_seq_len``; ``embed(idx)`` -> e (B, T, d), the input injected at every loop;
-    ``initial_state(e, generator)`` -> s_0; ``core_step(s, e, frozen_kv=None, frozen=None)``, one loop;
-    ``readout(state, positions=None, frozen_kv=None, frozen=None)`` -> logits, ``positions`` as in
-    :meth:`BlockStack.readout`. The frozen-KV hooks are needed only for per-token halting (:func:`iterate` with
-    ``halt``): every attention layer j passes its fresh keys/values through ``frozen_kv.hook(j, frozen)``."""
+    """What the analysis, halting and sweep code needs from a depth-recurrent ``nn.Module`` (bring your own); for
+    per-token halting every attention layer j passes its keys/values through ``frozen_kv.hook(j, frozen)``."""
 
     vocab_size: int
     max_seq_len: int
@@ -134,10 +124,7 @@ class DepthRecurrentLM(BlockStack):
                 generator: torch.Generator | None = None, state: Tensor | None = None,
                 targets: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Logits (B, T, V) after ``n_loops`` loops; with ``targets`` (B, T), ``(logits, mean cross-entropy)``.
-
-        ``n_grad_loops=k`` is truncated backprop: only the last k loops build a graph (None: all). ``state`` is
-        s_0 (B, T, d) when given (the trainer draws it for the global batch), else drawn from ``generator``.
-        """
+        ``n_grad_loops=k``: only the last k loops build a graph; ``state``: s_0, else drawn from ``generator``."""
         need_loops("n_loops", n_loops)
         if n_grad_loops is not None:
             need_int("n_grad_loops", n_grad_loops, 1)
@@ -164,9 +151,7 @@ class DepthRecurrentLM(BlockStack):
         return n
 
     def flops_per_token(self, n_loops: int, seq_len: int) -> int:
-        """Forward matmul FLOPs per token (multiply-add = 2): ``(P + C) * block + n_loops * (R * block + adapter) +
-        2 d V`` with ``block = 2 (4 d^2 + 3 d h) + 4 T d`` (attention over the full T x T, as nanoGPT counts) and
-        ``adapter = 4 d^2`` for concat injection; norms, RoPE and softmax are ignored."""
+        """Forward matmul FLOPs per token (multiply-add = 2; attention over the full T x T, as nanoGPT counts)."""
         c = self.cfg
         d, h, T = c.d_model, c.hidden_dim, seq_len
         block = 2 * (4 * d * d + 3 * d * h) + 4 * T * d
@@ -200,9 +185,8 @@ class DepthRecurrentLM(BlockStack):
 
 
 def load_state(model: DepthRecurrentLM, path: str | Path, map_location: str | torch.device = "cpu") -> None:
-    """Load a checkpoint (a directory from :meth:`DepthRecurrentLM.save`, or its ``model.safetensors``), after
-    checking it all: a missing, unexpected or misshapen tensor, or a config field that differs (``dropout`` and
-    ``max_seq_len`` may), is a one-line ``DrcError`` naming the differing field of the checkpoint's config.json."""
+    """Load a checkpoint (a directory from :meth:`DepthRecurrentLM.save`, or its weights file) after checking it:
+    a missing, unexpected or misshapen tensor or a differing config field is a one-line ``DrcError``."""
     path = Path(path)
     weights = path / WEIGHTS_FILE if path.is_dir() else path
     if not weights.is_file():
@@ -245,17 +229,10 @@ def read_out(model: RecurrentModel, state: Tensor, readout: str | None,
 def iterate(model: RecurrentModel, idx: Tensor, max_loops: int, *, generator: torch.Generator | None = None,
             positions: slice | Tensor | None = None, readout: str | None = "logits", halt: HaltFn | None = None,
             state: Tensor | None = None) -> Iterator[LoopOutput]:
-    """Yield a :class:`LoopOutput` after each loop 1..max_loops (prelude once): the one loop every measurement,
-    halting rule and sweep runs, for any :class:`RecurrentModel`, under the caller's grad mode. With the same
-    ``generator`` (or ``state`` s_0), loop l's logits equal ``forward(idx, l)``. ``readout``: "logits", "log_probs"
-    or None; ``positions``: which tokens are read out (:meth:`~drc_core.model.blocks.BlockStack.readout`).
-
-    ``halt(loop_output)`` may return the (B, T) tokens that halt now; the yielded output includes them. This is the
-    reference semantics of per-token halting that :func:`drc_core.halting.skipping.skip_forward` reproduces: a token
-    halted at loop e keeps s_e, and at every later loop offers, in every core and coda block, the keys/values it
-    computed at loop e (:class:`FrozenKV`). Everything still runs on every token; a halted token's result is its
-    readout at its exit loop.
-    """
+    """Yield a :class:`LoopOutput` after each loop 1..max_loops: the one loop every measurement, halting rule and
+    sweep runs (loop l's logits equal ``forward(idx, l)`` from the same s_0). ``halt(loop_output)`` may return the
+    (B, T) tokens that halt now: the reference semantics of per-token halting, where a token halted at loop e keeps
+    s_e and offers the keys/values of loop e in every later loop (:class:`FrozenKV`)."""
     need_loops("max_loops", max_loops)
     if readout not in READOUTS:
         raise DrcError(f"readout={readout!r} is not supported; use one of {READOUTS}")
@@ -279,7 +256,6 @@ def iterate(model: RecurrentModel, idx: Tensor, max_loops: int, *, generator: to
 
 def logits_at(model: RecurrentModel, idx: Tensor, n_loops: int, *, generator: torch.Generator | None = None,
               state: Tensor | None = None, positions: slice | Tensor | None = None) -> Tensor:
-    """The logits after ``n_loops`` loops read out once: ``forward`` for any :class:`RecurrentModel` (the same
-    operations, so the same numbers); ``positions``: only those tokens' logits."""
+    """The logits after ``n_loops`` loops read out once: ``forward`` for any :class:`RecurrentModel`."""
     (last,) = deque(iterate(model, idx, n_loops, generator=generator, readout=None, state=state), maxlen=1)
     return model.readout(last.state, positions)

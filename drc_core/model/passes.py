@@ -19,8 +19,7 @@ EVAL_STATE_SEED = 1234  # the initial latent state of every evaluation pass, so 
 
 @contextmanager
 def evaluation(model: RecurrentModel, seed: int = EVAL_STATE_SEED) -> Iterator[torch.Generator]:
-    """Eval mode and no grad for a measurement pass; yields the generator of its initial states, seeded with ``seed``
-    on the model's device (the global RNG is not touched). The model's mode is restored afterwards."""
+    """Eval mode and no grad (the mode restored after); yields the initial states' generator, seeded with ``seed``."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -33,8 +32,8 @@ def evaluation(model: RecurrentModel, seed: int = EVAL_STATE_SEED) -> Iterator[t
 
 @dataclass
 class Batch:
-    """One batch of an evaluation pass: ``x`` (B, T) inputs and ``y`` (B, T) targets on the model's device,
-    ``start`` the index of its first window, and ``generator``, positioned to draw this batch's initial state."""
+    """One batch of an evaluation pass: inputs ``x``, targets ``y``, the index of its first window and the
+    ``generator`` positioned to draw its initial state."""
 
     start: int
     x: torch.Tensor
@@ -48,10 +47,8 @@ class Batch:
 
 def eval_batches(model: RecurrentModel, windows: torch.Tensor, batch_size: int = 16,
                  seed: int = EVAL_STATE_SEED) -> Iterator[Batch]:
-    """The (N, T+1) ``windows`` in batches of ``batch_size``, inside :func:`evaluation`. Batch k's initial state is
-    the k-th draw of one generator seeded with ``seed``, so passes over the same windows start from the same states
-    (a measurement frame's mean CE at loop l is :func:`loss_by_depth` at l). A caller that replays a batch's draw
-    must leave the generator where one draw left it."""
+    """The (N, T+1) ``windows`` in batches inside :func:`evaluation`; batch k's initial state is the k-th draw of one
+    generator seeded with ``seed``, so passes over the same windows start from the same states."""
     batch_size = need_int("batch_size", batch_size, 1)
     with evaluation(model, seed) as gen:
         for start in range(0, len(windows), batch_size):
@@ -60,6 +57,5 @@ def eval_batches(model: RecurrentModel, windows: torch.Tensor, batch_size: int =
 
 
 def kl_successive(logp_new: torch.Tensor, logp_old: torch.Tensor, p_new: torch.Tensor | None = None) -> torch.Tensor:
-    """KL(p_new || p_old) over the last axis, from log-probabilities; shape = input shape minus the last.
-    ``p_new`` (= ``logp_new.exp()``) may be passed when the same p_new is compared with many outputs."""
+    """KL(p_new || p_old) over the last axis, from log-probabilities (``p_new``: ``logp_new.exp()`` if known)."""
     return ((logp_new.exp() if p_new is None else p_new) * (logp_new - logp_old)).sum(-1)

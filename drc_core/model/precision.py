@@ -1,10 +1,6 @@
-"""The numeric path of a run, resolved per device by :func:`choose`: ``TrainConfig.autocast`` ("none" | "bf16" |
-"auto") and ``TrainConfig.compile`` ("auto" | "true" | "false").
-
-``compile="auto"`` compiles each block (``torch.compile``; it only fuses, the precision stays) on CUDA, or on a CPU
-with a C++ compiler for inductor. ``autocast="auto"`` takes bf16 on CUDA with bf16 or a CPU with ``amx_bf16`` or
-``avx512_bf16``, fp32 elsewhere (emulated bf16 is slower); the default is "none" because bf16 trained worse at one
-loop (docs/training.md, "Why bf16 is not the default"). Explicit values are always honoured.
+"""The numeric path of a run, resolved per device by :func:`choose`: ``compile="auto"`` compiles each block on CUDA
+or a CPU with a C++ compiler; ``autocast="auto"`` takes bf16 on CUDA with bf16 or a CPU with ``amx_bf16`` /
+``avx512_bf16``, fp32 elsewhere (default "none": docs/training.md, "Why bf16 is not the default").
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""How many core loops to run at each training step (``RecurrenceConfig.scheme``):
-
-* ``"poisson-lognormal"`` (default), Huginn's mixture re-parametrised so that E[r] is exactly ``mean`` (> 1)::
-
-      rate ~ LogNormal(mu, sigma),  mu = ln(mean - 1) - sigma^2 / 2   (so E[rate] = mean - 1)
-      r    = Poisson(rate) + 1                                         (Var[r] = E[rate] + Var[rate])
-
-* ``"fixed"``: r = mean (an integer >= 1); ``"uniform"``: r uniform on the integers low..high.
-
-``max_loops`` clips every draw (the moments are the unclipped draw's); ``backprop_loops`` is the truncated-backprop
-depth (None: full). A draw is a pure function of (seed, step): every rank, and a resumed run, draws the same r.
+"""How many core loops each training step runs (``RecurrenceConfig.scheme``): ``"poisson-lognormal"`` (Huginn's
+``r = Poisson(rate) + 1``, ``rate ~ LogNormal(ln(mean - 1) - sigma^2 / 2, sigma)``, so E[r] = ``mean``), ``"fixed"``
+(r = mean) or ``"uniform"`` (low..high); ``max_loops`` clips every draw, ``backprop_loops`` is the truncated-backprop
+depth. A draw is a pure function of (seed, step).
 """
 
 from __future__ import annotations

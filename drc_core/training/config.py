@@ -112,7 +112,7 @@ class TrainConfig:
 
 
 def _tiny() -> TrainConfig:
-    """Seconds on a CPU, for tests and the smoke run; eager, as compiling (~20 s) takes longer than the run."""
+    """Seconds on a CPU, for tests and the smoke run (eager: compiling takes longer than the run)."""
     return TrainConfig(
         model=ModelConfig(vocab_size=512, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1,
                           max_seq_len=64),
@@ -123,9 +123,7 @@ def _tiny() -> TrainConfig:
 
 
 def _cpu() -> TrainConfig:
-    """The reference model: 2 CPU cores, the embedded corpus, 4.34 M parameters, 20.5 M tokens, ~1 hour; bf16 and
-    compiled blocks where fast. Chosen with ``scripts/depth_scale.py`` (docs/results.md "What makes a CPU-scale
-    model use depth?")."""
+    """The reference model: 4.34 M parameters, 20.5 M tokens, ~1 hour on 2 CPU cores (``scripts/depth_scale.py``)."""
     return TrainConfig(
         model=ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_prelude=1, n_core=2, n_coda=1,
                           max_seq_len=256),
@@ -157,9 +155,8 @@ def _paper_135m() -> TrainConfig:
     )
 
 
-PRESETS: dict[str, typing.Callable[[], TrainConfig]] = {
-    "tiny": _tiny, "small": _small, "cpu": _cpu, "paper-135m": _paper_135m,
-}
+PRESETS: dict[str, typing.Callable[[], TrainConfig]] = {"tiny": _tiny, "small": _small, "cpu": _cpu,
+                                                         "paper-135m": _paper_135m}
 
 
 def preset(name: str) -> TrainConfig:

@@ -22,10 +22,8 @@ from drc_core.training.rundir import open_run
 
 def loss_by_depth(model: RecurrentModel, windows: torch.Tensor, loops: tuple[int, ...] | list[int],
                   batch_size: int = 16, seed: int = EVAL_STATE_SEED) -> dict[int, float]:
-    """Mean next-token cross-entropy (nats) at each depth in ``loops`` over ``windows`` (N, T+1), read at loop l of
-    one ``max(loops)``-deep pass (the numbers of ``forward(x, l)``), initial states from ``seed``."""
-    wanted = sorted({need_loops("loops", n) for n in loops})
-    if not wanted:
+    """Mean next-token cross-entropy (nats) at each depth in ``loops`` over ``windows`` (N, T+1), from one pass."""
+    if not (wanted := sorted({need_loops("loops", n) for n in loops})):
         raise DrcError("loops is empty: pass the depths to evaluate, e.g. [1, 4, 8]")
     totals = dict.fromkeys(wanted, 0.0)
     count = 0
@@ -55,8 +53,7 @@ def mean_successive_kl(model: RecurrentModel, windows: torch.Tensor, max_loops: 
 
 
 def unigram_loss(corpus: Corpus, alpha: float = 1.0) -> float:
-    """Cross-entropy (nats/token) of the validation split under the training split's unigram distribution
-    (add-``alpha`` smoothing): the bar a language model must clear."""
+    """Cross-entropy (nats/token) of the validation split under the training split's add-``alpha`` unigram."""
     counts = np.bincount(np.asarray(corpus.tokens("train")), minlength=corpus.vocab_size).astype(np.float64)
     logp = np.log((counts + alpha) / (counts.sum() + alpha * len(counts)))
     return float(-logp[np.asarray(corpus.tokens("val"))].mean())
@@ -64,8 +61,7 @@ def unigram_loss(corpus: Corpus, alpha: float = 1.0) -> float:
 
 def loss_by_source(model: RecurrentModel, corpus: Corpus, seq_len: int, loops: tuple[int, ...],
                    max_windows: int | None = None) -> pd.DataFrame:
-    """Validation loss by source (windows never span two) and depth, in nats/token and in bits/byte (each source's
-    bytes per token: comparable across tokenizers)."""
+    """Validation loss by source (windows never span two) and depth, in nats/token and bits/byte."""
     val = corpus.tokens("val")
     rows = []
     for src, g in corpus.docs[corpus.docs.split == "val"].groupby("source", sort=True):
@@ -118,14 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     seq_len = run.train_config().seq_len  # the windows it was trained on; no default
     frame = loss_by_source(model, corpus, seq_len, loops, args.windows)
     windows = eval_windows(corpus.tokens("val"), seq_len, args.windows)
-    result = {
-        "run": str(run.path),
-        "params": model.num_params(),
-        "unigram_loss": unigram_loss(corpus),
-        "loss_all": loss_by_depth(model, windows, loops),
-        "by_source": frame.to_dict(orient="records"),
-        "successive_kl": mean_successive_kl(model, windows, max(loops)),
-    }
+    result = {"run": str(run.path), "params": model.num_params(), "unigram_loss": unigram_loss(corpus),
+              "loss_all": loss_by_depth(model, windows, loops), "by_source": frame.to_dict(orient="records"),
+              "successive_kl": mean_successive_kl(model, windows, max(loops))}
     print(frame.pivot(index="loops", columns="source", values=["loss", "bits_per_byte"]).round(4).to_string())
     print(f"unigram baseline (train unigram on val): {result['unigram_loss']:.4f} nats/token")
     kl = result["successive_kl"]
@@ -137,14 +128,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def depth_gain_by_step(metrics: pd.DataFrame, shallow: int = 1, deep: int = 8) -> pd.DataFrame:
-    """Per evaluated step of ``metrics.jsonl``'s validation rows, the loss at ``shallow`` and ``deep`` loops and the
-    gain ``loss(shallow) - loss(deep)`` in nats; steps that lack either depth are left out."""
+    """Per evaluated step of ``metrics.jsonl``, the loss at ``shallow`` and ``deep`` loops and their difference."""
     if "kind" not in metrics.columns or not {"step", "loops", "loss"} <= set(metrics.columns):
         raise DrcError("metrics needs kind/step/loops/loss columns: pass metrics.jsonl read with pandas.read_json")
     evals = metrics[metrics.kind == "eval"]
     wide = evals.pivot_table(index="step", columns="loops", values="loss", aggfunc="last")
-    missing = [d for d in (shallow, deep) if d not in wide.columns]
-    if missing:
+    if missing := [d for d in (shallow, deep) if d not in wide.columns]:
         raise DrcError(f"no validation rows at {missing} loops; the run evaluated {sorted(wide.columns.tolist())}")
     out = pd.DataFrame({f"loss_{shallow}": wide[shallow], f"loss_{deep}": wide[deep]}).dropna()
     out["gain"] = out[f"loss_{shallow}"] - out[f"loss_{deep}"]

@@ -1,14 +1,7 @@
-"""The one owner of the run-directory format: a training run, its ``final/`` and a shipped copy open the same way.
-
-- a training run ``R/``: ``config.json`` (the TrainConfig), ``corpus.json``, ``metrics.jsonl`` (kind=train and
-  kind=eval rows), ``checkpoints/step-N/`` (the last K: weights + :mod:`~drc_core.training.state`) and, once
-  finished, ``final/``; ``init.json`` for a run started from another's weights;
-- ``R/final/`` and each checkpoint: ``model.safetensors`` + ``config.json`` (the ModelConfig);
-- a shipped copy (``data/reference``, ...): ``model.safetensors`` + ``config.json`` beside ``train_config.json``,
-  ``metrics.jsonl`` and optionally ``tokenizer.json`` / ``corpus_meta.json``.
-
-The model config is always ``config.json`` beside the weights. A directory without weights opens too; asking it for
-the model is then a one-line :class:`~drc_core.errors.DrcError`.
+"""The one reader of run directories: a training run ``R/`` (``config.json``, ``corpus.json``, ``metrics.jsonl``,
+``checkpoints/step-N/``, ``final/``, ``init.json``), its ``final/`` or a checkpoint, and a shipped copy
+(``data/reference``: weights beside ``train_config.json``, ``metrics.jsonl``, optionally ``tokenizer.json`` and
+``corpus_meta.json``). The model config is always ``config.json`` beside ``model.safetensors``.
 """
 
 from __future__ import annotations
@@ -46,8 +39,8 @@ SHIPPED_CORPUS_META_KEYS = ("source", "fingerprint", "documents", "characters", 
 
 @dataclass(frozen=True)
 class RunDir:
-    """Where a run's pieces are: ``path`` the directory opened, ``run`` the run it belongs to, ``weights`` the
-    directory of ``model.safetensors`` and its ``config.json``; each None where absent."""
+    """Where a run's pieces are: the directory opened, the run it belongs to, the weights' directory and the
+    training config and metrics files (None where absent)."""
 
     path: Path
     run: Path
@@ -82,8 +75,7 @@ class RunDir:
         return _read_json(self.train_config_path)
 
     def load_model(self, map_location: str = "cpu") -> DepthRecurrentLM:
-        """The model in eval mode, its weights' header checked against its config first (:func:`check_weights`); a
-        damaged or mismatching checkpoint is a one-line :class:`DrcError`."""
+        """The model in eval mode, its weights' header checked against its config first (else one line)."""
         weights = self.need_weights()
         try:
             check_weights(weights / WEIGHTS_FILE, self.model_config())
@@ -109,10 +101,8 @@ class RunDir:
 
     def ship(self, dest: str | Path, *, corpus: Corpus | None = None, side_files: tuple[str, ...] = (),
              info: dict | None = None, replace: bool = False) -> Path:
-        """Write this run as a shipped copy at ``dest`` (complete or untouched; a non-empty ``dest`` only with
-        ``replace``): the weights, their ``config.json``, ``train_config.json``, ``metrics.jsonl``, each of
-        ``side_files`` the run has; with ``corpus``, its ``tokenizer.json`` and ``corpus_meta.json``; ``info`` as
-        ``source.json``."""
+        """Write this run as a shipped copy at ``dest`` (complete or untouched; a non-empty one only with
+        ``replace``), with the ``side_files`` it has, ``corpus``'s tokenizer and record, ``info`` as ``source.json``."""
         dest = Path(dest)
         if dest.exists() and any(dest.iterdir()) and not replace:
             raise DrcError(f"'{dest}' exists and is not empty: choose another destination (nothing was written)")
@@ -141,12 +131,10 @@ class RunDir:
         return write_dir(dest, fill)
 
     def corpus_record(self) -> dict | None:
-        """What the run recorded of its corpus (``corpus.json``, or a shipped copy's ``corpus_meta.json``), with at
-        least ``fingerprint`` and ``tokenizer_sha256``; None where there is no record. A damaged record is a one-line
-        :class:`DrcError`, never a skipped check."""
+        """What the run recorded of its corpus (``corpus.json`` or ``corpus_meta.json``), None without a record; a
+        damaged record is a one-line :class:`DrcError`."""
         for name in (CORPUS_RECORD, SHIPPED_CORPUS_META):
-            path = self.file(name)
-            if path is not None:
+            if (path := self.file(name)) is not None:
                 record = _read_value(path)
                 ok = isinstance(record, dict) and all(isinstance(record.get(k), str) and record[k]
                                                       for k in ("tokenizer_sha256", "fingerprint"))
@@ -157,8 +145,8 @@ class RunDir:
         return None
 
     def check_corpus(self, corpus: Corpus, required: bool = False) -> None:
-        """A one-line :class:`DrcError` unless ``corpus`` has the tokenizer and inputs the run recorded; ``required``:
-        a run without a record is an error too (the check cannot be made)."""
+        """A one-line :class:`DrcError` unless ``corpus`` has the tokenizer and inputs the run recorded (``required``:
+        a record)."""
         record = self.corpus_record()
         if record is None:
             if required:
@@ -177,10 +165,7 @@ class RunDir:
 
     def file(self, name: str) -> Path | None:
         """A side file (``eval.json``, ``tokenizer.json``, ...) of the directory given or its run; None where absent."""
-        for d in dict.fromkeys([self.path, self.run]):
-            if (d / name).is_file():
-                return d / name
-        return None
+        return next((d / name for d in dict.fromkeys([self.path, self.run]) if (d / name).is_file()), None)
 
 
 def corpus_record(corpus: Corpus) -> dict:
@@ -190,7 +175,7 @@ def corpus_record(corpus: Corpus) -> dict:
 
 
 def _trained_on(record: dict) -> str:
-    """The corpus a record names, for a message: its path, else a shipped copy's source, documents and vocabulary."""
+    """The corpus a record names, for a message."""
     if record.get("path"):
         return str(record["path"])
     docs = record.get("documents")
@@ -217,8 +202,8 @@ def _read_json(path: Path) -> dict:
 
 
 def metrics_rows(path: Path) -> tuple[list[dict], list[str]]:
-    """The rows of a ``metrics.jsonl`` and their lines, each a JSON object with an integer ``step``; a last line torn by
-    a killed writer is left out, any other bad line is a one-line :class:`DrcError`."""
+    """The rows (JSON objects with an integer ``step``) of a ``metrics.jsonl`` and their lines; a last line torn by a
+    kill is left out, any other bad line is a one-line :class:`DrcError`."""
     try:
         text = read_regular(path, METRICS_FILE, 1 << 30).decode("utf-8", errors="strict")
     except UnicodeDecodeError as exc:
@@ -248,7 +233,7 @@ _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 def check_safetensors(path: Path, expected: dict[str, tuple[tuple[int, ...], tuple[str, ...]]], what: str) -> None:
     """A one-line :class:`DrcError` unless the safetensors file ``path`` holds exactly the tensors of ``expected``
-    (name -> shape and allowed dtypes); only the header is read, so an oversized file is refused before allocating."""
+    (name -> shape and allowed dtypes), from its header alone."""
     if not path.is_file():
         raise DrcError(f"{what} {path} not found: pass a directory written by this project")
     try:
@@ -256,9 +241,8 @@ def check_safetensors(path: Path, expected: dict[str, tuple[tuple[int, ...], tup
             found = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise DrcError(f"{what} {path} is not a readable safetensors file ({first_line(exc, 120)})") from None
-    for key in expected:
-        if key not in found:
-            raise DrcError(f"{what} {path} lacks tensor {key}: the file is damaged or from another model")
+    if missing := [k for k in expected if k not in found]:
+        raise DrcError(f"{what} {path} lacks tensor {missing[0]}: the file is damaged or from another model")
     for key, (shape, dtype) in found.items():
         if key not in expected:
             raise DrcError(f"{what} {path} has unexpected tensor {key}: the file is damaged or from another model")
@@ -301,11 +285,7 @@ def open_run(path: str | Path) -> RunDir:
         root = p.parent if is_final else p.parent.parent if is_checkpoint else p
     else:
         weights, root = None, p
-    train_config = None
-    for candidate in (root / SHIPPED_TRAIN_CONFIG, root / CONFIG_FILE):
-        if _is_train_config(candidate):
-            train_config = candidate
-            break
+    train_config = next((c for c in (root / SHIPPED_TRAIN_CONFIG, root / CONFIG_FILE) if _is_train_config(c)), None)
     metrics = root / METRICS_FILE
     return RunDir(path=p, run=root, weights=weights, train_config_path=train_config,
                   metrics_path=metrics if metrics.is_file() else None)

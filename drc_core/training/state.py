@@ -1,11 +1,6 @@
-"""The training state of a checkpoint (optimizer, scheduler, RNG, sampler, step) as JSON + safetensors, never a
-pickle: ``train_state.json`` (step, scheduler, sampler, the optimizer's param groups, the TrainConfig) and
-``train_state.safetensors`` (``optimizer.<param>.<name>`` tensors, ``rng.torch``, ``rng.cuda.<device>``).
-
-:func:`read_state` checks every part against the optimizer and scheduler it is about to be loaded into before
-anything is applied, so a damaged or crafted file is one :class:`~drc_core.errors.DrcError` line. An older
-``train_state.pt`` is read with ``torch.load(weights_only=True)`` and checked the same way; a pickle that asks for
-anything but tensors and plain containers is refused unread.
+"""A checkpoint's training state as JSON (``train_state.json``) + safetensors (``train_state.safetensors``), never a
+pickle; :func:`read_state` checks every part against the optimizer and scheduler it is loaded into (one
+:class:`~drc_core.errors.DrcError` line), and reads an older ``train_state.pt`` with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ class TrainState:
 
 
 class _Damaged(Exception):
-    """Why a training state is refused (becomes the DrcError of :func:`read_state`)."""
+    """Why a training state is refused (the DrcError of :func:`read_state` says it)."""
 
 
 def write_state(directory: Path, opt: torch.optim.Optimizer, sched: Any, sampler_state: dict, train_config: dict,
@@ -75,8 +70,7 @@ def write_state(directory: Path, opt: torch.optim.Optimizer, sched: Any, sampler
 
 
 def read_state(ckpt: Path, opt: torch.optim.Optimizer, sched: Any) -> TrainState:
-    """The training state of checkpoint ``ckpt``, checked against a fresh ``opt`` and ``sched`` of the same model and
-    config; any problem is a one-line :class:`DrcError` that says to delete the checkpoint."""
+    """The training state of ``ckpt``, checked against a fresh ``opt`` and ``sched`` (else a one-line DrcError)."""
     fix = "delete that checkpoint directory to resume from the one before it"
     name = STATE_JSON if (ckpt / STATE_JSON).exists() or not (ckpt / LEGACY_STATE).exists() else LEGACY_STATE
     try:
@@ -143,8 +137,7 @@ def _read_new(ckpt: Path, opt: torch.optim.Optimizer) -> TrainState:
 
 
 def _read_tensors(path: Path, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """The tensors of ``train_state.safetensors``, after checking from its header alone that each is one this
-    optimizer has (a parameter's moment of its shape, a step count, an RNG state)."""
+    """The tensors of ``train_state.safetensors``, each checked from the header alone against this optimizer."""
     shapes = _param_shapes(opt)
     rng_size = torch.get_rng_state().numel()
     if path.exists() and not path.is_file():  # a FIFO would block the reader, a device never end
@@ -214,13 +207,12 @@ def _is_int(v: object) -> bool:
 
 
 def _param_shapes(opt: torch.optim.Optimizer) -> dict[int, tuple[int, ...]]:
-    """Parameter index (as in ``state_dict``) -> shape."""
     return {i: tuple(p.shape) for i, p in enumerate(p for group in opt.param_groups for p in group["params"])}
 
 
 def _like(value: Any, fresh: Any, where: str) -> Any:
-    """``value`` with the structure of ``fresh`` (keys, lengths, scalar types; a list stands for a tuple), or
-    :class:`_Damaged` naming ``where``."""
+    """``value`` with the structure of ``fresh`` (keys, lengths, scalar types; a list for a tuple), else
+    :class:`_Damaged`."""
     if isinstance(fresh, bool) or fresh is None:
         if value is not fresh and not (isinstance(fresh, bool) and isinstance(value, bool)):
             raise _Damaged(f"{where}={value!r} is not {'a bool' if fresh is not None else 'null'}")
@@ -238,8 +230,7 @@ def _like(value: Any, fresh: Any, where: str) -> Any:
             raise _Damaged(f"{where} has {len(value)} entries, not {len(fresh)}")
         return type(fresh)(_like(v, f, f"{where}[{i}]") for i, (v, f) in enumerate(zip(value, fresh, strict=True)))
     if isinstance(fresh, dict) and isinstance(value, dict):
-        extra = sorted(map(str, set(value) - set(fresh)))
-        if extra:
+        if extra := sorted(map(str, set(value) - set(fresh))):
             raise _Damaged(f"{where} has unknown key {extra[0]!r}")
         return {k: _like(value[k], f, f"{where}.{k}") for k, f in fresh.items() if k in value}
     raise _Damaged(f"{where} is {type(value).__name__}, not {type(fresh).__name__}")

@@ -1,11 +1,8 @@
 """Train a depth-recurrent LM: ``python -m drc_core.training.train --preset NAME --data DIR --out DIR``.
 
-Each step draws its loop count r (the same on every rank), runs r core loops with truncated backprop through the
-last k, and updates with AdamW under warmup + cosine decay; every ``eval_every`` steps the validation loss is
-measured at the depths ``eval_loops``. Everything random is a pure function of ``(seed, step)`` (the windows, r, the
-initial state drawn for the global batch), so a resumed or two-rank run computes exactly the updates of one
-uninterrupted process. The run directory's layout is :mod:`drc_core.training.rundir`'s; nothing is written through a
-symbolic link.
+Each step draws its loop count r, runs r core loops with truncated backprop through the last k, and updates with
+AdamW under warmup + cosine decay. Everything random is a pure function of ``(seed, step)``, so a resumed or
+two-rank run computes exactly the updates of one uninterrupted process.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from tqdm.auto import tqdm
 from drc_core.data.labels import read_labels
 from drc_core.data.sampler import Corpus, WindowSampler, eval_windows
 from drc_core.errors import ArgumentParser, DrcError, Interrupted, first_line, need_disk, run_cli
-from drc_core.guard import exclusive, open_append, refuse_links, write_dir, write_file
+from drc_core.guard import exclusive, open_append, refuse_links, remove_path, write_dir, write_file
 from drc_core.model import precision
 from drc_core.model.lm import WEIGHTS_FILE, DepthRecurrentLM, load_state
 from drc_core.model.recurrence import RecurrenceSampler
@@ -104,8 +101,7 @@ def make_optimizer(model: DepthRecurrentLM, cfg: TrainConfig) -> torch.optim.Ada
 
 
 def checkpoints(out: Path) -> list[Path]:
-    """The checkpoint directories of run ``out``, oldest first (``step-N`` with a number; anything else there is
-    not a checkpoint)."""
+    """The checkpoint directories (``step-N``) of run ``out``, oldest first."""
     root = out / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
@@ -132,16 +128,12 @@ def save_checkpoint(out: Path, model: DepthRecurrentLM, opt, sched, cfg: TrainCo
                            "writing it): free some space, then continue with --resume") from None
         raise
     for old in checkpoints(out)[: -cfg.keep_last]:
-        if old.is_symlink():
-            old.unlink()
-        else:
-            shutil.rmtree(old, ignore_errors=True)
+        remove_path(old)
     return final
 
 
 def answer_weights(corpus: Corpus, answer_weight: float) -> np.ndarray | None:
-    """One loss weight per training token: ``answer_weight`` on the depth-task answers of ``labels.parquet``, 1
-    elsewhere; None when ``answer_weight`` is 1 (the plain language-model loss)."""
+    """One loss weight per training token: ``answer_weight`` on the depth-task answers, 1 elsewhere (None if 1)."""
     if answer_weight == 1:
         return None
     w = np.ones(len(corpus.tokens("train")), dtype=np.float32)
@@ -170,10 +162,9 @@ RUN_FILES = ("config.json", CORPUS_RECORD, "init.json", METRICS_FILE, CHECKPOINT
 
 
 def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> list[Path]:
-    """The checkpoints to resume from, after checking that training may write into ``out``: a new or empty
-    directory, or with ``resume`` a run of this trainer with the same config and corpus, no symbolic link among its
-    entries and not finished. What a killed run was writing (``checkpoints/.tmp-step-*``, ``.<file>.tmp-*``) is
-    removed."""
+    """The checkpoints to resume from, after checking that training may write into ``out`` (new or empty, or with
+    ``resume`` an unfinished run of the same config and corpus, no link among its entries); what a killed run was
+    writing is removed."""
     if out.exists() and not out.is_dir():
         raise DrcError(f"--out '{out}' is a file: choose a directory path")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
@@ -185,18 +176,15 @@ def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> 
                        "--resume to continue the run in it, or choose a new --out")
     owner = f"run directory '{out}'"
     refuse_links([out / name for name in RUN_FILES], owner)
-    cfg_path = out / "config.json"
-    try:
-        saved = TrainConfig.from_dict(open_run(out).train_config_dict(), str(cfg_path)) if cfg_path.is_file() \
-            else None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DrcError(f"'{out}' is not a run of this trainer that can be resumed ({exc}): choose a new --out") \
-            from None
-    if saved is None:
+    if not (out / "config.json").is_file():
         raise DrcError(f"'{out}' is not a run of this trainer that can be resumed (no readable config.json): choose a "
                        "new --out")
-    diff = config_diff(saved, cfg)
-    if diff:
+    try:
+        saved = TrainConfig.from_dict(open_run(out).train_config_dict(), str(out / "config.json"))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DrcError(f"'{out}' is not a run of this trainer that can be resumed ({exc}): choose a new --out"
+                       ) from None
+    if diff := config_diff(saved, cfg):
         raise DrcError(f"--resume with a config that differs from the run in '{out}' in {', '.join(diff)}: resume "
                        "with the same preset and --set values")
     for name in (CHECKPOINTS_DIR, FINAL_DIR):
@@ -212,18 +200,14 @@ def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> 
     open_run(out).check_corpus(corpus, required=bool(found))
     leftovers = [*root.glob(".tmp-step-*")] if root.is_dir() else []  # a checkpoint a killed run was writing
     for leftover in [*leftovers, *out.glob(".*.tmp-*")]:  # and a file or final/ it was replacing
-        if leftover.is_dir() and not leftover.is_symlink():
-            shutil.rmtree(leftover)
-        else:
-            leftover.unlink()
+        remove_path(leftover, strict=True)
     if not found and (out / FINAL_DIR).exists():
         raise DrcError(f"'{out}' holds a finished run and no checkpoint to resume: choose a new --out")
     return found
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop the metric rows a killed run wrote after the checkpoint it resumes from, and a last line torn by the
-    kill (the file is replaced, never written through a link)."""
+    """Drop the metric rows after the checkpoint a run resumes from, and a last line torn by a kill."""
     if not path.exists():
         return
     rows, lines = metrics_rows(path)
@@ -237,9 +221,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = False,
           progress: bool = True, init: str | Path | None = None) -> dict:
-    """Train (or resume) and return a summary: final step, last eval losses, tokens/s; the main rank holds the run
-    directory's lock throughout. ``init``: start a new run from another run's weights (same model config, same
-    tokenizer) with a fresh optimizer and schedule, a second stage recorded in ``init.json``."""
+    """Train (or resume) under the run directory's lock; a summary: final step, last eval losses, tokens/s.
+    ``init``: start from another run's weights with a fresh optimizer (a second stage, recorded in ``init.json``)."""
     d, device = init_distributed()
     out = Path(out)
     with exclusive(out, "run directory") if d.main else nullcontext():
@@ -249,29 +232,13 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
 INIT_RECORD = "init.json"
 
 
-def _init_weights(model: DepthRecurrentLM, init: str | Path, corpus: Corpus, device: torch.device) -> dict:
-    """Load the weights of the run at ``init`` into ``model``; returns what ``init.json`` records."""
-    run = open_run(init)
-    record = run.corpus_record()
-    if record is not None and record.get("tokenizer_sha256") != corpus.tokenizer_hash:
-        raise DrcError(f"--init '{init}' was trained with another tokenizer than corpus '{corpus.path}' uses: prepare "
-                       f"the corpus with --tokenizer {init}")
-    weights = run.need_weights()
-    load_state(model, weights, map_location=device)
-    return {"init": str(init), "weights": str(weights / WEIGHTS_FILE),
-            "trained_on": None if record is None else record.get("fingerprint")}
-
-
 def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress: bool, d: Dist,
            device: torch.device, init: str | Path | None = None) -> dict:
-    """The training loop, top to bottom as in nanoGPT: resume, step, log, evaluate, checkpoint."""
     corpus = Corpus.open(data)
     if corpus.vocab_size != cfg.model.vocab_size:
-        raise DrcError(
-            f"corpus '{data}' was tokenized with vocab {corpus.vocab_size} but the model expects "
-            f"{cfg.model.vocab_size}: prepare it with --vocab-size {cfg.model.vocab_size} or pass "
-            f"--set model.vocab_size={corpus.vocab_size}"
-        )
+        raise DrcError(f"corpus '{data}' was tokenized with vocab {corpus.vocab_size} but the model expects "
+                       f"{cfg.model.vocab_size}: prepare it with --vocab-size {cfg.model.vocab_size} or pass "
+                       f"--set model.vocab_size={corpus.vocab_size}")
     found = check_out_dir(out, cfg, corpus, resume)
     torch.manual_seed(cfg.seed)
     model = DepthRecurrentLM(cfg.model).to(device)
@@ -282,31 +249,36 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
     recur = RecurrenceSampler(cfg.recurrence)
     start = 0
     if resume and found:
-        ckpt = found[-1]
+        ckpt, fix = found[-1], "delete that checkpoint directory to resume from the one before it"
         state = read_state(ckpt, opt, sched)  # JSON + safetensors (or an old train_state.pt, weights only), checked
         try:
             saved = TrainConfig.from_dict(state.train_config, f"{ckpt} (its train_config)")
         except (KeyError, TypeError, ValueError) as exc:
-            raise DrcError(f"cannot resume from {ckpt}: its training state is damaged ({first_line(exc)}); delete that "
-                           "checkpoint directory to resume from the one before it") from None
-        diff = config_diff(saved, cfg)
-        if diff:
+            raise DrcError(f"cannot resume from {ckpt}: its training state is damaged ({first_line(exc)}); {fix}"
+                           ) from None
+        if diff := config_diff(saved, cfg):
             raise DrcError(f"--resume with a config that differs from the checkpoint in {', '.join(diff)}: "
                            "resume with the same preset and --set values")
         if state.step > cfg.max_steps:
             raise DrcError(f"cannot resume from {ckpt}: its training state is at step {state.step}, past max_steps="
-                           f"{cfg.max_steps}; delete that checkpoint directory to resume from the one before it")
+                           f"{cfg.max_steps}; {fix}")
         try:
             check_weights(ckpt / WEIGHTS_FILE, cfg.model)  # names, shapes, float dtypes: before anything is read
             load_state(model, ckpt / WEIGHTS_FILE, map_location=device)
         except (ValueError, OSError, SafetensorError) as exc:  # mismatching or damaged: one line, no traceback
-            raise DrcError(f"cannot resume from {ckpt}: {first_line(exc)}; delete that checkpoint directory to resume "
-                           "from the one before it") from None
+            raise DrcError(f"cannot resume from {ckpt}: {first_line(exc)}; {fix}") from None
         apply_state(state, opt, sched, sampler)
         start = state.step
     init_record = None
-    if init is not None and start == 0:
-        init_record = _init_weights(model, init, corpus, device)
+    if init is not None and start == 0:  # the weights of the run at init; init.json records where from
+        run = open_run(init)
+        record = run.corpus_record()
+        if record is not None and record.get("tokenizer_sha256") != corpus.tokenizer_hash:
+            raise DrcError(f"--init '{init}' was trained with another tokenizer than corpus '{corpus.path}' uses: "
+                           f"prepare the corpus with --tokenizer {init}")
+        load_state(model, run.need_weights(), map_location=device)
+        init_record = {"init": str(init), "weights": str(run.need_weights() / WEIGHTS_FILE),
+                       "trained_on": None if record is None else record.get("fingerprint")}
     if d.main:
         _truncate_metrics(out / METRICS_FILE, start)  # also rows of a run killed before its first checkpoint
         out.mkdir(parents=True, exist_ok=True)
@@ -329,8 +301,8 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
     good = found[-1] if found else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t0, last_eval, done = time.perf_counter(), {}, start
-    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", disable=not (progress and d.main),
-               unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="train", disable=not (progress and d.main), unit="step",
+               dynamic_ncols=True)
     try:
         for step in range(start, cfg.max_steps):
             n = recur.sample(step)
@@ -358,9 +330,8 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
             done = step + 1
             bar.update(1)
             if metrics and (done % cfg.log_every == 0 or done == cfg.max_steps):
-                row = {"kind": "train", "step": done, "loss": loss.item(), "lr": lr,
-                       "loops": n, "tokens": done * tokens_per_step,
-                       "seconds": round(time.perf_counter() - t0, 3)}
+                row = {"kind": "train", "step": done, "loss": loss.item(), "lr": lr, "loops": n,
+                       "tokens": done * tokens_per_step, "seconds": round(time.perf_counter() - t0, 3)}
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
                 bar.set_postfix(loss=f"{row['loss']:.3f}", r=n)
@@ -377,8 +348,8 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
                     dist.barrier()
     except KeyboardInterrupt:
         where = f"the last checkpoint is {good.name}" if good else "no checkpoint was written yet"
-        raise Interrupted(f"interrupted at step {done}; {where}: continue with "
-                          "the same command and --resume") from None
+        raise Interrupted(f"interrupted at step {done}; {where}: continue with the same command and --resume"
+                          ) from None
     finally:
         bar.close()
         if metrics:
@@ -393,8 +364,7 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
 
 
 def preset_for(name: str, overrides: Sequence[str], corpus: Corpus) -> TrainConfig:
-    """The preset ``name`` with ``--set`` ``overrides``, its vocabulary taken from ``corpus`` (an explicit
-    ``model.vocab_size`` override still wins, and a mismatch stays an error in :func:`train`)."""
+    """The preset ``name`` with ``--set`` ``overrides``, its vocabulary ``corpus``'s unless overridden."""
     return apply_overrides(preset(name), [f"model.vocab_size={corpus.vocab_size}", *overrides])
 
 
