@@ -386,6 +386,21 @@ if lever is not None:
     display(lever["depth_law"].round(3))
 
 # %% [markdown]
+# Depth or question order? Every object of a chain is asked, in shuffled order, so a question's `k` depends on
+# where its object sits and on which objects of its chain were asked before it. Below, on the training range
+# (chains of at most K links): accuracy at the training-mean depth per `k` and Spearman(k, convergence depth);
+# then each cell of chain length (`chain`) and question position in the chain (`turn`, 0 = first asked) on its
+# own. If depth follows `k`, the correlation holds inside cells, where chain length and position are fixed.
+
+# %%
+if lever is not None:
+    trained = lever["trained_range"]
+    rho_t = "{:.3f} [{:.3f}, {:.3f}]".format(*trained["spearman_depth"])
+    acc_t = {k: round(v, 3) for k, v in trained["accuracy_at_depth"].items()}
+    print(f"chains of at most {lever_trained_k} links: Spearman(k, depth) {rho_t}; acc {acc_t}")
+    display(lever["cells"].round(3))
+
+# %% [markdown]
 # ## Halting against overthinking
 # On the same documents: accuracy when every answer runs `max_loops` loops, against stopping each answer by the KL
 # rule at ε, by the KL threshold certified by Learn then Test at level `overthinking_alpha` (on a random half of

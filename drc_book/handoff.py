@@ -539,6 +539,13 @@ class KnownDepth(Record):
                  " A model trained on chains of up to {} links gives Spearman(k, convergence depth) {:.2f} "
                  "[{:.2f}, {:.2f}] on chains of up to twice that.".format(self.lever["trained_k"],
                                                                         *self.lever["spearman_depth"]))
+        if self.lever is not None and "trained_range" in self.lever:
+            inside = [c["spearman"] for c in self.lever["cells"] if c["chain"] <= self.lever["trained_k"]
+                      and not math.isnan(_num(c["spearman"]))]
+            lever += (" On its training range Spearman is {:.2f} [{:.2f}, {:.2f}]".format(
+                *self.lever["trained_range"]["spearman_depth"])
+                + (f", and {min(inside):.2f} to {max(inside):.2f} inside cells of one chain length and question "
+                   "position." if inside else "."))
         for study in (self.lever, self.second_law):
             if study is not None and "depth_law" in study:
                 fits = {r["law"]: r for r in study["depth_law"]}

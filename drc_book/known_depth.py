@@ -60,6 +60,7 @@ __all__ = [
     "answer_depths",
     "answer_dynamics",
     "answer_trajectories",
+    "cell_table",
     "copy_accuracy",
     "corpus_task_windows",
     "depth_growth",
@@ -125,8 +126,8 @@ def generated_task_windows(tokenizer, cfg: DepthTaskConfig, seq_len: int, pad_id
         for pos, a in token_labels(text, enc, strict=False):
             if pos >= 1 and pos - 1 < min(seq_len, len(enc.ids) - 1):
                 answers.append({"window": i, "pos": pos - 1, "k": a.k, "family": a.family, "answer": a.word,
-                                "doc": f"generated:{cfg.seed}:{i}"})
-    columns = ["window", "pos", "k", "family", "answer", "doc"]  # also when no answer fits in seq_len
+                                "doc": f"generated:{cfg.seed}:{i}", "chain": a.chain, "turn": a.turn})
+    columns = ["window", "pos", "k", "family", "answer", "doc", "chain", "turn"]  # also when no answer fits
     return TaskWindows(torch.tensor(rows, dtype=torch.long), pd.DataFrame(answers, columns=columns))
 
 
@@ -172,7 +173,9 @@ def answer_trajectories(model: RecurrentModel, tw: TaskWindows, max_loops: int, 
     mask[tw.answers["window"].to_numpy(), tw.answers["pos"].to_numpy()] = True
     m = measure_windows(model, tw.windows, max_loops, batch_size=batch_size, kl_to_final=True,
                         positions=mask, dynamics=True, progress=progress)
-    m.meta = m.meta.merge(tw.answers[["window", "pos", "k", "family", "doc"]], on=["window", "pos"], how="left")
+    extra = [c for c in ("chain", "turn") if c in tw.answers]  # generated windows know the chain of each question
+    m.meta = m.meta.merge(tw.answers[["window", "pos", "k", "family", "doc", *extra]], on=["window", "pos"],
+                          how="left")
     return m
 
 
@@ -202,7 +205,8 @@ def answer_depths(traj: Measurement, eps: float = DEFAULT_EPS) -> pd.DataFrame:
     from which the argmax never changes again), ``first_correct`` (0 when never), ``correct_final`` and
     ``overthinks`` (correct at some loop, wrong at a later one)."""
     depth, cor = convergence_depth(traj, eps), _correct(traj)
-    return traj.meta[["window", "pos", "k", "family", "doc"]].reset_index(drop=True).assign(
+    keep = ["window", "pos", "k", "family", "doc", *(c for c in ("chain", "turn") if c in traj.meta)]
+    return traj.meta[keep].reset_index(drop=True).assign(
         depth=depth["depth"].to_numpy(), converged=depth["converged"].to_numpy(),
         commit=commit_loop(traj.stats["argmax"]), first_correct=np.where(cor.any(1), cor.argmax(1) + 1, 0),
         correct_final=cor[:, -1], overthinks=overthinks(cor))
@@ -222,6 +226,28 @@ def spearman_ci(x: np.ndarray, y: np.ndarray, clusters: np.ndarray, *, n_boot: i
             boot.append(sps.spearmanr(x[idx], y[idx]).statistic)
     lo, hi = np.nanpercentile(boot, [50 * (1 - level), 50 * (1 + level)])
     return float(sps.spearmanr(x, y).statistic), float(lo), float(hi)
+
+
+def cell_table(traj: Measurement, depths: pd.DataFrame, reference_loops: int, *, n_boot: int = 1000,
+               seed: int = 0) -> pd.DataFrame:
+    """Per cell of chain length (``chain``, in links) and question position in its chain (``turn``, 0 = first):
+    ``n`` answers, the ``k`` they need, accuracy at ``reference_loops`` loops, and Spearman(k, convergence depth)
+    with its interval over documents where the cell has more than one ``k`` (NaN else), so that a reader can
+    see whether depth follows ``k`` or the question's order. Answers without a chain (other families) are left
+    out."""
+    if "chain" not in depths:
+        return pd.DataFrame()
+    correct = _correct(traj)[:, reference_loops - 1]
+    rows = []
+    for (chain, turn), g in depths[depths.chain > 0].groupby(["chain", "turn"]):
+        idx = g.index.to_numpy()
+        rho = ((np.nan,) * 3 if g.k.nunique() < 2 else
+               spearman_ci(g.k, g.depth, g.doc, n_boot=n_boot, seed=seed))
+        rows.append({"chain": int(chain), "turn": int(turn), "n": len(g), "k_min": int(g.k.min()),
+                     "k_max": int(g.k.max()), f"acc_at_{reference_loops}": float(correct[idx].mean()),
+                     "mean_depth": float(g.depth.mean()), "spearman": rho[0], "spearman_lo": rho[1],
+                     "spearman_hi": rho[2]})
+    return pd.DataFrame(rows)
 
 
 def mean_by_k(depths: pd.DataFrame, columns: list[str], *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
@@ -415,14 +441,17 @@ def halting_against_overthinking(traj: Measurement, *, reference_loops: int, eps
 
 
 def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, eps: float, alpha: float,
-                delta: float, seed: int = 0, family: str = "links") -> dict[str, Any]:
+                delta: float, seed: int = 0, family: str = "links",
+                corpus: str | None = None) -> dict[str, Any]:
     """The model at ``checkpoint`` (trained on ``family`` problems of k = 1..``trained_k``) on ``docs`` fresh
     documents of k = 1..2 ``trained_k`` (chains: every object asked, shuffled), at up to ``max_loops`` loops:
     accuracy by ``k``, per ``k`` its best loop (``beyond``: k > trained_k) beside accuracy at the training-mean depth
     and at the last loop, the loops needed for 90% accuracy (:func:`depth_growth`, its fits in ``loops_needed_law``),
-    Spearman(k, convergence depth), the :func:`depth_law` of the convergence depth and
-    :func:`halting_against_overthinking`; keyed as notebook 06's ``lever`` record (tables as frames)."""
-    lm = load(checkpoint)
+    Spearman(k, convergence depth), the :func:`depth_law` of the convergence depth,
+    :func:`halting_against_overthinking`, accuracy at the training-mean depth and Spearman on the training range
+    (``trained_range``: chains of at most ``trained_k`` links) and the :func:`cell_table` of chain length and
+    question position; keyed as notebook 06's ``lever`` record (tables as frames)."""
+    lm = load(checkpoint, corpus=corpus)  # corpus: where a run's checkpoint finds its tokenizer
     depth = int(round(lm.config.recurrence.mean))  # its training-mean depth
     if max_loops < depth:
         raise DrcError(f"max_loops={max_loops} is below the model's training-mean depth {depth}: raise max_loops")
@@ -440,10 +469,17 @@ def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, e
     depths = answer_depths(traj, eps)
     rho = spearman_ci(depths.k, depths.depth, depths.doc, seed=seed)
     law = depth_law(depths, seed=seed)
+    # the training distribution: chains of at most trained_k links (k <= trained_k where there are no chains)
+    within = (depths.chain if "chain" in depths and (depths.chain > 0).all() else depths.k) <= trained_k
+    right = _correct(traj)[within.to_numpy(), depth - 1]
+    trained = {"accuracy_at_depth": pd.Series(right).groupby(depths.k[within].to_numpy()).mean().to_dict(),
+               "spearman_depth": list(spearman_ci(depths.k[within], depths.depth[within], depths.doc[within],
+                                                  seed=seed))}
     halting = halting_against_overthinking(traj, reference_loops=depth, eps=eps, alpha=alpha, delta=delta,
                                            trained_k=trained_k, seed=seed)
     return {"checkpoint": checkpoint, "family": family, "trained_k": trained_k, "n_answers": len(tw.answers),
             "n_documents": len(tw.windows), "accuracy": acc, "best": pd.DataFrame(best), "loops_needed": growth,
             "loops_needed_law": dict(growth.attrs), "spearman_depth": list(rho),
+            "trained_range": trained, "cells": cell_table(traj, depths, depth, seed=seed),
             "depth_law": law, "halting_against_overthinking": halting,
             "overthinking_certificate": dict(halting.attrs)}

@@ -421,9 +421,25 @@ def test_lever_study_reads_a_family_at_twice_its_trained_k(family, one_thread):
     assert study["family"] == family and set(study["accuracy"].k) <= {1, 2, 3, 4}
     assert study["best"].beyond.tolist() == [k > 2 for k in study["best"].k]
     assert set(study["loops_needed"].k) == set(study["accuracy"].k)
+    cells = study["cells"]
+    if family == "links":  # every question of a chain asked: a cell per (chain length, position), k within it
+        assert len(cells) and (cells.k_max <= cells.chain).all() and (cells.turn < cells.chain).all()
+        assert cells.n.sum() == study["n_answers"]
+    else:
+        assert cells.empty
+    assert set(study["trained_range"]["accuracy_at_depth"]) <= {1, 2}
     table = dt.law_table({"links": None, family: study})
     assert table.family.tolist() == [family, family] and table.law.tolist() == ["linear", "log"]
     assert ((table.r2 >= 0) & (table.r2 <= 1)).all()
     with pytest.raises(DrcError, match="raise max_loops"):
         dt.lever_study(str(Path(__file__).resolve().parents[1] / "data" / "known-depth-k4"), trained_k=2, docs=1,
                        max_loops=4, eps=1e-3, alpha=0.2, delta=0.1, family=family)
+
+
+def test_the_solver_names_each_question_s_chain_and_position():
+    """``chain`` counts the links of the asked object's whole chain, ``turn`` the earlier questions about it."""
+    text = "Links: fan trunk . trunk book . book hall . cup barn . ? book hall . ? cup barn . ? fan hall ."
+    got = [(a.word, a.k, a.chain, a.turn) for a in solve(text)]
+    assert got == [("hall", 1, 3, 0), ("barn", 1, 1, 0), ("hall", 3, 3, 1)]
+    prose = "The cup is in the box. The box is in the barn. Where is the box? It is in the barn."
+    assert [(a.chain, a.turn) for a in solve(prose)] == [(2, 0)]

@@ -118,6 +118,8 @@ class Answer:
     family: str
     k: int
     problem: int  # index of the problem (paragraph) in its document
+    chain: int = 0  # chain families: the links of the asked object's whole chain (0 in the other families)
+    turn: int = 0  # chain families: how many questions about the same chain came before this one
 
 
 @dataclass
@@ -308,17 +310,33 @@ def _follow(inside: dict[str, str], start: str, answered: dict[str, str] | None 
     return cur, k if fewest is None else min(fewest, k)
 
 
-def _solve_containers(par: str) -> list[tuple[int, str, int]]:
+def _cell(inside: dict[str, str], obj: str, asked: list[str]) -> tuple[int, int]:
+    """``(chain, turn)`` of a question about ``obj``: the links of its whole chain (up to the place and down to the
+    innermost object) and how many earlier questions (``asked``: their chains' innermost objects) hit that chain;
+    the innermost object is appended to ``asked``."""
+    below = {v: k for k, v in inside.items()}
+    up, cur = 0, obj
+    while cur in inside and up <= len(inside):
+        cur, up = inside[cur], up + 1
+    down, cur = 0, obj
+    while cur in below and down <= len(inside):
+        cur, down = below[cur], down + 1
+    asked.append(cur)
+    return up + down, asked.count(cur) - 1
+
+
+def _solve_containers(par: str) -> list[tuple[int, str, int, int, int]]:
     out = []
     answered: dict[str, str] = {}  # what the questions so far say (checked against the statements when asked)
+    asked: list[str] = []
     for q in _WHERE.finditer(par):
         inside = {m.group(1): m.group(2) for m in _CONTAIN.finditer(par, 0, q.start())}
-        out.append((q.start(2), *_follow(inside, q.group(1), answered)))
+        out.append((q.start(2), *_follow(inside, q.group(1), answered), *_cell(inside, q.group(1), asked)))
         answered[q.group(1)] = q.group(2)
     return out
 
 
-def _solve_links(par: str) -> list[tuple[int, str, int]]:
+def _solve_links(par: str) -> list[tuple[int, str, int, int, int]]:
     out = []
     questions = list(_LINK_Q.finditer(par))
     starts = [q.start() for q in questions]
@@ -331,12 +349,13 @@ def _solve_links(par: str) -> list[tuple[int, str, int]]:
     links = [m for m in _LINK.finditer(par) if not in_question(m.start())]  # in text order; none spans a '?'
     inside: dict[str, str] = {}
     answered: dict[str, str] = {}
+    asked: list[str] = []
     j = 0
     for q in questions:  # the statements before each question, a later one overriding an earlier one
         while j < len(links) and links[j].end() <= q.start():
             inside[links[j].group(1)] = links[j].group(2)
             j += 1
-        out.append((q.start(2), *_follow(inside, q.group(1), answered)))
+        out.append((q.start(2), *_follow(inside, q.group(1), answered), *_cell(inside, q.group(1), asked)))
         answered[q.group(1)] = q.group(2)
     return out
 
@@ -383,11 +402,11 @@ def solve(text: str) -> list[Answer]:
     offset = 0
     for p_index, par in enumerate(text.split("\n\n")):
         for family, fn in _SOLVERS.items():
-            for start, word, k in fn(par):
+            for start, word, k, *cell in fn(par):
                 stated = re.match(r"\w+", par[start:]).group(0)
                 if stated != word:
                     raise SolveError(f"problem {p_index}: the text answers '{stated}', the statements give '{word}'")
-                answers.append(Answer(offset + start, offset + start + len(word), word, family, k, p_index))
+                answers.append(Answer(offset + start, offset + start + len(word), word, family, k, p_index, *cell))
         offset += len(par) + 2
     return sorted(answers, key=lambda a: a.start)
 
