@@ -550,11 +550,14 @@ class KnownDepth(Record):
             if study is not None and "depth_law" in study:
                 fits = {r["law"]: r for r in study["depth_law"]}
                 best = max(fits, key=lambda name: fits[name]["r2"])
-                lever += (" On {} (trained k <= {}) the mean convergence depth follows a line in {} better "
-                          "(r² {:.2f} [{:.2f}, {:.2f}] against {:.2f} for the other law).").format(
+                other = fits["linear" if best == "log" else "log"]
+                verdict = ("follows a line in {} better" if fits[best]["r2_lo"] > other["r2_hi"] else
+                           "does not tell a line in {} from the other law (their intervals overlap)")
+                lever += (" On {} (trained k <= {}) the mean convergence depth " + verdict + ": r² {:.2f} [{:.2f}, "
+                          "{:.2f}] against {:.2f} [{:.2f}, {:.2f}].").format(
                     study.get("family", "links"), study["trained_k"], "log2 k" if best == "log" else "k",
-                    fits[best]["r2"], fits[best]["r2_lo"], fits[best]["r2_hi"],
-                    min(r["r2"] for r in fits.values()))
+                    fits[best]["r2"], fits[best]["r2_lo"], fits[best]["r2_hi"], other["r2"], other["r2_lo"],
+                    other["r2_hi"])
         cost = [c["difference"] for c in self.natural_cost_bpb]
         return (f"**Found.** Answers needing k = {lo_k}..{hi_k} lookups: at {self.reference_loops} loops the least "
                 f"accurate are those of k = {k}, {acc.value:.1%} [{acc.lo:.1%}, {acc.hi:.1%}]; at one loop those of "
