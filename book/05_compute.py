@@ -47,9 +47,14 @@
 # it at equal depth).
 #
 # Times are medians over interleaved rounds (the order rotates each round), so load on a shared machine slows
-# every variant alike. Before them, an untimed warm-up: for batched evaluation a full pass, which also gives the
-# quality numbers; for the decoders one decode step each (their tokens, exit loops and work are read from the
-# first timed round, which runs within the rounds' spread of the later ones).
+# every variant alike. Each timing decides its own number of rounds, as `timeit`'s autorange and `pyperf` do: at
+# least `rounds`, then more until every variant's median is known to within `rel` (a distribution-free 95% interval
+# from the rounds' order statistics, `drc_book.cost.median_interval`) or the timing has used `budget_s` seconds,
+# and at most `max_rounds`; the tables give each median's interval (`seconds_lo`, `seconds_hi`, or `ms_lo`,
+# `ms_hi` for a decode step) and its rounds. Before the rounds, an untimed warm-up: for batched evaluation a full
+# pass, which also gives the quality numbers; for the decoders one decode step each (their tokens, exit loops and
+# work are read from the first timed round). Whether the warm-up was enough is checked, not assumed (the last table
+# before the findings).
 
 # %% tags=["parameters"]
 profile = "reference"
@@ -57,7 +62,10 @@ work_dir = "runs/book/reference"
 results_dir = "papermill_runs/reference/results"
 corpus_dir = "data/corpus/default"
 n_windows = 64
-rounds = 3  # timed, interleaved rounds
+rounds = 3  # timed, interleaved rounds: the least of them
+max_rounds = 12  # the most: more than `rounds` only while a median's interval is wider than rel
+rel = 0.03  # stop once every median's 95% interval is within this share of it
+budget_s = 30.0  # or once a timing has taken this many seconds
 rule_max_loops = 16  # every rule's max_loops (as in notebook 4)
 ce_tolerance = 0.005  # matched quality: CE at most this above uniform depth r, in nats
 families = []  # families of sweep.default_rules to time (empty: all of default_families())
@@ -108,7 +116,8 @@ model, cfg, corpus, windows, _, reference = open_study(work_dir, corpus_dir, n_w
 prompt_len = min(prompt_len, cfg.seq_len, model.cfg.max_seq_len - new_tokens)
 timing = speed.SpeedConfig(
     reference_loops=reference, rule_max_loops=rule_max_loops, ce_tolerance=ce_tolerance,
-    families=tuple(families or default_families()), rounds=rounds, new_tokens=new_tokens,
+    families=tuple(families or default_families()), rounds=rounds, max_rounds=max_rounds, rel=rel,
+    budget_s=budget_s, new_tokens=new_tokens,
     prompt_len=prompt_len, measure_loops=max_loops, measure_windows=measure_windows, fused=fused,
     clock=clock, keep_freed=keep_freed)
 c = model.cfg
@@ -150,7 +159,8 @@ matched.table[["family", "rule", "avg_loops_offline", "ce_offline", "avg_loops",
 # %%
 extra = speed.preset_specs(timing, matched.specs) if presets else []
 batched = speed.time_batched(model, windows, [*matched.specs, *extra], timing)
-batched[["family", "rule", "avg_loops", "ce_gap", "seconds", "spread", "page_faults_per_batch",
+batched[["family", "rule", "avg_loops", "ce_gap", "seconds", "seconds_lo", "seconds_hi", "rounds",
+         "page_faults_per_batch",
          "proxy_speedup", "honest_flops", "honest_speedup", "wallclock_speedup", "wall_over_proxy",
          "wall_over_honest"]].round(3)
 
@@ -176,8 +186,8 @@ decoding = time_decoder_sets(model, prompts, matched.specs, timing, gen_batches=
                              decoder_batches=decoder_batches, continuous=decoder_families)
 generation = decoding.generation
 generation[["rows", "rule", "avg_loops", "loops_run", "first_divergence", "same_tokens",
-            "ms_per_token", "tokens_per_s", "proxy_speedup", "honest_speedup", "wallclock_speedup",
-            "wall_over_proxy", "wall_over_honest"]].round(3)
+            "ms_per_token", "ms_lo", "ms_hi", "rounds", "tokens_per_s", "proxy_speedup",
+            "honest_speedup", "wallclock_speedup", "wall_over_proxy", "wall_over_honest"]].round(3)
 
 # %% [markdown]
 # ### What a decode loop costs with fewer rows active
@@ -211,8 +221,9 @@ display(prediction.round(3))
 
 # %%
 decoders = decoding.decoders
-display(decoders[["batch", "rule", "path", "avg_loops", "ms_per_step", "tokens_per_s", "x_dense",
-                  "flop_speedup", "realization", "same_as_generate"]].round(3))
+display(decoders[["batch", "rule", "path", "avg_loops", "ms_per_step", "ms_lo", "ms_hi",
+                  "tokens_per_s", "x_dense", "flop_speedup", "realization",
+                  "same_as_generate"]].round(3))
 checked = [b for b in decoder_batches if 1 < b <= len(prompts)]
 decoder_checks = speed.decoder_targets(decoders, batches=checked)
 display(decoder_checks.round(3))
@@ -310,7 +321,7 @@ print(f"{targets.met.sum()} of {len(targets)} met; of the {len(missed)} missed, 
 #   rows leave lockstep, attention gathers every item's keys/values and an exiting token's keys/values are
 #   copied into every later loop's slab (`gather / scatter`).
 # - **Noise**: on a 2-core machine single runs vary from round to round, so ratios near a threshold are within
-#   noise; the tables report medians over `rounds` interleaved rounds, with their `spread`.
+#   noise; the tables report medians over each timing's interleaved rounds, with their intervals and `spread`.
 # - **bf16**: the section below measures it on this machine; the rules' readout statistics stay fp32, and the
 #   successive KL moves under bf16 far more than the CE does, which matters for the tiniest thresholds.
 
@@ -385,6 +396,19 @@ measurement = speed_checks.measurement_cost(model, windows, timing)
 measurement[["pass", "seconds", "spread", "x_forward", "x_readout_pass"]].round(3)
 
 # %% [markdown]
+# ## How the timings ended
+# One row per interleaved timing above: its variants, its rounds and why it stopped (`interval`: every median
+# within `rel`; `budget`: `budget_s` spent; `rounds`: `max_rounds` reached), the seconds it took, and the warm-up
+# check. Were the warm-up too short, the first timed round would be each variant's slowest more often than the
+# 1-in-`rounds` chance; `warmup_p` is the one-sided binomial test of that across the timing's variants, and
+# `warmup_ok` says it is not significant at 5%.
+
+# %%
+timing_checks = speed.timing_checks(batched, decoding.generation, decoders, decode_cost, serving,
+                                    measurement)
+timing_checks.round(3)
+
+# %% [markdown]
 # ## What this notebook found
 #
 # The record (`drc_book.handoff.Compute`) holds every table above and is what the README's speed rows read; the
@@ -399,7 +423,7 @@ record = Compute.build(
     speed_targets=targets, anderson=anderson if anderson_windows else None,
     decode_loop_cost=decode_cost, decode_prediction=prediction, decoders=decoders,
     decoder_targets=decoder_checks, serving=serving, decode_op_calls=op_calls,
-    bf16=bf16_frame if bf16_compare and fast_bf16 else None,
+    bf16=bf16_frame if bf16_compare and fast_bf16 else None, timing_checks=timing_checks,
     **speed_checks.measurement_summary(measurement), notebook_seconds=time.time() - t0)
 record.save(results_dir)
 display(Markdown(record.findings()))

@@ -4,18 +4,21 @@ interleaved timer the speed measurements and ``bench/`` share (medians over roun
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import pandas as pd
+from scipy import stats as sps
 
-from drc_core import KEEP_FREED_BYTES, DepthRecurrentLM, DrcError, keep_freed_memory
+from drc_core import KEEP_FREED_BYTES, DepthRecurrentLM, DrcError, keep_freed_memory, need_float, need_int
 
-__all__ = ["CLOCKS", "KEEP_FREED_BYTES", "VOCAB_STAT_FLOPS", "Log", "flop_parts", "flop_summary", "honest_flops",
-           "interleaved", "keep_freed_memory", "matmul_flops_per_token", "median", "page_faults", "rotations",
-           "speedup_model", "spread", "train_flops_per_token"]
+__all__ = ["CLOCKS", "KEEP_FREED_BYTES", "VOCAB_STAT_FLOPS", "Autorange", "Log", "Timings", "flop_parts",
+           "flop_summary", "honest_flops", "interleaved", "keep_freed_memory", "matmul_flops_per_token", "median",
+           "median_interval", "page_faults", "rotations", "speedup_model", "spread", "train_flops_per_token"]
 
 Log = Callable[[str], None] | None
 T = TypeVar("T")
@@ -101,21 +104,95 @@ def rotations(items: Sequence[T], rounds: int) -> Iterator[tuple[int, list[T]]]:
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log, what: str,
-                clock: str = "wall", *, keep: Callable[[str, object], None] | None = None) -> dict[str, list[float]]:
-    """Seconds per call of each variant, one call per round in :func:`rotations`; ``keep(name, output)`` gets the
-    first round's outputs; ``clock`` "wall" (``perf_counter``) or "cpu" (``process_time``)."""
+@dataclass(frozen=True)
+class Autorange:
+    """When :func:`interleaved` stops (the way ``timeit``'s autorange and ``pyperf`` decide, here on interleaved
+    rounds): after ``min_rounds``, as soon as every variant's median is known to within ``rel`` of itself (the
+    half-width of its 95% interval, :func:`median_interval`), or once the rounds have taken ``budget_s`` seconds;
+    at ``max_rounds`` at the latest. ``Autorange(n, n)`` is a fixed number of rounds."""
+
+    min_rounds: int = 3
+    max_rounds: int = 12
+    rel: float = 0.03
+    budget_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        need_int("min_rounds", self.min_rounds, 1)
+        need_int("max_rounds", self.max_rounds, self.min_rounds)
+        need_float("rel", self.rel, 0.0)
+        need_float("budget_s", self.budget_s, 0.0)
+
+
+def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """``(lo, hi, coverage)``: the distribution-free interval of the median from the order statistics of ``xs``, the
+    narrowest whose coverage is at least ``level``; with too few values for that, ``[min, max]`` and its coverage
+    (1 - 2^(1-n): 0.75 for three rounds)."""
+    s, n = sorted(xs), len(xs)
+    if n == 0:
+        return math.nan, math.nan, 0.0
+    j = 1  # the interval [s_(j), s_(n+1-j)] covers the median with probability 1 - 2 P(Binom(n, 1/2) <= j - 1)
+    while j < (n + 1) // 2 and 2 * sps.binom.cdf(j, n, 0.5) <= 1 - level:
+        j += 1
+    return s[j - 1], s[n - j], float(1 - 2 * sps.binom.cdf(j - 1, n, 0.5))
+
+
+class Timings(dict[str, list[float]]):
+    """:func:`interleaved`'s seconds per call of each variant (a dict of lists), with how the rounds ended:
+    ``what``, ``stopped`` ("interval", "budget" or "rounds") and ``seconds`` spent in the rounds."""
+
+    what: str = ""
+    stopped: str = "rounds"
+    seconds: float = 0.0
+
+    def row(self, name: str) -> dict[str, float]:
+        """``seconds`` (median over rounds), ``seconds_lo``/``seconds_hi`` (its interval), ``coverage``, ``rounds``,
+        ``spread`` and ``first_over_rest`` (the first timed round over the median of the later ones) of ``name``."""
+        xs = self[name]
+        lo, hi, cover = median_interval(xs)
+        rest = xs[1:]
+        return {"seconds": median(xs), "seconds_lo": lo, "seconds_hi": hi, "coverage": cover, "rounds": len(xs),
+                "spread": spread(xs), "first_over_rest": xs[0] / median(rest) if rest else math.nan}
+
+    def warmup(self) -> dict[str, object]:
+        """Is the warm-up enough? Without a warm-up effect the first timed round is the slowest of a variant's
+        ``n`` rounds with probability 1/n; ``p`` tests whether it is so more often across the variants (one-sided
+        binomial test), ``ok`` when ``p >= 0.05`` (None with one round). Also how the rounds ended."""
+        n = min(len(v) for v in self.values()) if self else 0
+        first_slowest = sum(v[0] >= max(v) for v in self.values())
+        p = float(sps.binomtest(first_slowest, len(self), 1 / n, alternative="greater").pvalue) if n > 1 else math.nan
+        return {"timing": self.what, "variants": len(self), "rounds": n, "stopped": self.stopped,
+                "seconds": self.seconds, "first_round_slowest": first_slowest, "warmup_p": p,
+                "warmup_ok": bool(p >= 0.05) if n > 1 else None}
+
+
+def _settled(times: dict[str, list[float]], rel: float) -> bool:
+    """Every variant's median interval at 95% coverage and within ``rel`` of the median."""
+    for xs in times.values():
+        lo, hi, cover = median_interval(xs)
+        if cover < 0.95 or (hi - lo) / 2 > rel * median(xs):
+            return False
+    return True
+
+
+def interleaved(variants: dict[str, Callable[[], object]], rounds: int | Autorange, log: Log, what: str,
+                clock: str = "wall", *, keep: Callable[[str, object], None] | None = None) -> Timings:
+    """Seconds per call of each variant, one call per round in :func:`rotations`, for ``rounds`` rounds (a number,
+    or an :class:`Autorange` that decides when to stop); ``keep(name, output)`` gets the first round's outputs;
+    ``clock`` "wall" (``perf_counter``) or "cpu" (``process_time``)."""
     if clock not in CLOCKS:
         raise DrcError(f"clock={clock!r} is not supported; use one of {', '.join(CLOCKS)}")
+    plan = rounds if isinstance(rounds, Autorange) else Autorange(rounds, rounds)
     tick = CLOCKS[clock]
     names = list(variants)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    times = Timings({n: [] for n in names})
+    times.what = what
     gc.collect()
     own_freeze = gc.get_freeze_count() == 0  # a caller's own gc.freeze() is left as it was
     if own_freeze:
         gc.freeze()  # what lives now is left alone by the collections below: each scans only what the rounds made
+    start = time.perf_counter()
     try:
-        for rnd, order in rotations(names, rounds):
+        for rnd, order in rotations(names, plan.max_rounds):
             for name in order:
                 gc.collect()  # no garbage of an earlier call collected inside this one's clock
                 t0 = tick()
@@ -124,8 +201,16 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, log: Log
                 if keep is not None and rnd == 0:
                     keep(name, out)
                 del out
+            times.seconds = time.perf_counter() - start
             if log:
-                log(f"{what} round {rnd + 1}/{rounds}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
+                log(f"{what} round {rnd + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
+            if rnd + 1 >= plan.min_rounds and rnd + 1 < plan.max_rounds:
+                if _settled(times, plan.rel):
+                    times.stopped = "interval"
+                    break
+                if times.seconds >= plan.budget_s:
+                    times.stopped = "budget"
+                    break
     finally:
         if own_freeze:
             gc.unfreeze()

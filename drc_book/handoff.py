@@ -397,6 +397,7 @@ class Compute(Record):
     readout_pass_x_forward: float
     notebook_seconds: float
     decode_op_calls: list[dict[str, Any]] | None = None  # aten calls per generated token of both halting decoders
+    timing_checks: list[dict[str, Any]] | None = None  # how each interleaved timing ended, and its warm-up check
 
     @classmethod
     def build(cls, **values: Any) -> Compute:
@@ -428,7 +429,19 @@ class Compute(Record):
                 f"{sum(not t['reachable'] for t in missed)} are out of reach of any implementation of the same work. "
                 f"The measurement pass costs {self.measurement_x_forward:.2f}x one forward at its depth and "
                 f"{self.measurement_x_readout_pass:.2f}x the bare every-loop readout pass (itself "
-                f"{self.readout_pass_x_forward:.2f}x the forward).")
+                f"{self.readout_pass_x_forward:.2f}x the forward).{self._timing_sentence()}")
+
+    def _timing_sentence(self) -> str:
+        """How the timings ended, from ``timing_checks`` (empty in results written before them)."""
+        checks = self.timing_checks or []
+        if not checks:
+            return ""
+        settled = sum(c["stopped"] == "interval" for c in checks)
+        warm = [c["timing"] for c in checks if c["warmup_ok"] is False]
+        verdict = ("needs two rounds or more" if all(c["warmup_ok"] is None for c in checks)
+                   else f"fails for {', '.join(warm)}" if warm else "passes for every timing")
+        return (f" Of the {len(checks)} timings, {settled} stopped once every median was within the asked precision "
+                f"and the others at their time budget or round limit; the warm-up check {verdict}.")
 
 
 def _rows(value: Any) -> Any:

@@ -23,7 +23,9 @@ from torch import Tensor
 import drc_core
 from drc_book.cost import (
     CLOCKS,
+    Autorange,
     Log,
+    Timings,
     honest_flops,
     interleaved,
     keep_freed_memory,
@@ -62,6 +64,7 @@ from drc_core import generate_ids as generate
 __all__ = ["TARGET_HONEST", "TARGET_KL_BATCHED", "TARGET_MEASURE", "TARGET_OVERHEAD", "TARGET_RATIO",
            "TARGET_REALIZATION", "DecodeTimes", "Matched", "SpeedConfig", "batched_variants", "decode_loop_cost",
            "decode_prediction", "decode_setup", "decoder_calls", "decoder_targets", "matched_rules", "preset_specs",
+           "timing_checks", "with_timings",
            "serving_latency", "skip_overhead", "speed_summary", "speed_targets", "speedup_table", "targets_met",
            "time_batched", "time_decoder_sets", "time_decoders", "time_decoding", "time_generation"]
 
@@ -86,7 +89,10 @@ class SpeedConfig:
     families: tuple[str, ...] = (KLThreshold.family, StateDelta.family)
     ce_tolerance: float = 0.005
     batch_size: int = 16
-    rounds: int = 3
+    rounds: int = 3  # timed rounds, or the least of them when max_rounds is larger (Autorange)
+    max_rounds: int = 0  # 0: exactly `rounds`; else more rounds until the interval is within `rel` or `budget_s`
+    rel: float = 0.03
+    budget_s: float = 30.0
     seed: int = EVAL_STATE_SEED
     new_tokens: int = 64
     prompt_len: int = 32
@@ -109,11 +115,16 @@ class SpeedConfig:
         for rows in self.more_gen_rows:
             need_int("more_gen_rows", rows, 1)
         need_float("ce_tolerance", self.ce_tolerance, 0.0)
+        self.autorange()  # checks max_rounds, rel, budget_s
         if self.clock not in CLOCKS:
             raise DrcError(f"clock={self.clock!r} is invalid: use one of {', '.join(CLOCKS)}")
         known = default_families()
         if not self.families or any(f not in known for f in self.families):
             raise DrcError(f"families={list(self.families)!r} is invalid: choose from {', '.join(known)}")
+
+    def autorange(self) -> Autorange:
+        """When each interleaved timing stops (:class:`drc_book.cost.Autorange`)."""
+        return Autorange(self.rounds, max(self.rounds, self.max_rounds), self.rel, self.budget_s)
 
     def start(self) -> None:
         """Before timing: the allocator setting ``keep_freed`` asks for."""
@@ -266,6 +277,20 @@ def preset_specs(cfg: SpeedConfig, taken: Sequence[RuleSpec] = ()) -> list[RuleS
             if str(rule) not in names]
 
 
+def with_timings(frame: pd.DataFrame, *timings: Timings) -> pd.DataFrame:
+    """``frame`` with ``attrs["timings"]``: how each of its interleaved timings ended (:meth:`Timings.warmup`)."""
+    frame.attrs["timings"] = [t.warmup() for t in timings]
+    return frame
+
+
+def timing_checks(*frames: pd.DataFrame | None) -> pd.DataFrame:
+    """One row per interleaved timing behind ``frames`` (their ``attrs["timings"]``): its variants and rounds, why
+    it stopped (``interval``: every median within the asked precision; ``budget``: the time budget spent;
+    ``rounds``: the most rounds allowed), its seconds, and the warm-up check (``warmup_p``, ``warmup_ok``)."""
+    rows = [t for f in frames if f is not None for t in f.attrs.get("timings", [])]
+    return pd.DataFrame(rows).drop_duplicates(subset=["timing"], keep="first").reset_index(drop=True)
+
+
 def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpec | HaltingRule],
                  cfg: SpeedConfig | None = None, *, log: Log = None) -> pd.DataFrame:
     """One row per variant of :func:`batched_variants` on the same windows and states: ``setting``, its ``info``,
@@ -295,7 +320,7 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
                 faults[name].append(page_faults() - before)
             return go
 
-        times = interleaved({info["rule"]: run(info["rule"], fn) for info, fn in variants}, cfg.rounds, log,
+        times = interleaved({info["rule"]: run(info["rule"], fn) for info, fn in variants}, cfg.autorange(), log,
                             "batched eval", cfg.clock)
     base = rows[0]
     base_s = median(times[base["rule"]])
@@ -304,12 +329,11 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
         row["ce_uniform"] = base["ce"]
         row["ce_gap"] = row["ce"] - base["ce"]
         row["within_tolerance"] = row["ce_gap"] <= cfg.ce_tolerance
-        row["seconds"] = median(times[row["rule"]])
-        row["spread"] = spread(times[row["rule"]])
+        row.update(times.row(row["rule"]))
         row["page_faults_per_batch"] = median(faults[row["rule"]]) / len(batches)
         row["tokens_per_s"] = n_tok / row["seconds"]
         speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
-    return pd.DataFrame(rows)
+    return with_timings(pd.DataFrame(rows), times)
 
 
 def decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
@@ -380,13 +404,20 @@ class _Timed:
 
     model: DepthRecurrentLM
     kept: dict[str, dict[str, Any]]
-    times: dict[str, list[float]]
+    times: Timings
     n: int
     b: int
     seq_len: int
 
     def step(self, key: str) -> float:
         return _step_seconds(self.times[f"{key} [n]"], self.times[f"{key} [1]"], self.n)
+
+    def step_interval(self, key: str) -> dict[str, float]:
+        """``ms_lo``, ``ms_hi``: a decode step's interval from the two calls' median intervals (the widest
+        difference of the two, so at least their coverages' product), and ``rounds``."""
+        full, first = self.times.row(f"{key} [n]"), self.times.row(f"{key} [1]")
+        return {"ms_lo": 1e3 * (full["seconds_lo"] - first["seconds_hi"]) / (self.n - 1),
+                "ms_hi": 1e3 * (full["seconds_hi"] - first["seconds_lo"]) / (self.n - 1), "rounds": full["rounds"]}
 
     def work_per_token(self, key: str) -> float:
         """Honest FLOPs per new token: the work of n new tokens minus that of 1, over b (n - 1)."""
@@ -420,6 +451,7 @@ def _generation_rows(t: _Timed, specs: list[RuleSpec], r: int, t0: int) -> list[
         row["rows"] = t.b
         row["prompt_ms"] = 1e3 * median(t.times[f"{row['rule']} [1]"])
         row["spread"] = spread(t.times[f"{row['rule']} [n]"])
+        row.update(t.step_interval(row["rule"]))
         path = "forward" if spec is None else skip_path(spec.rule)
         speed_columns(row, t.step(dense), r, base_flops,
                       matmul_flops_per_token(t.model, row["avg_loops"], t.seq_len, path))
@@ -446,7 +478,8 @@ def _decoder_rows(t: _Timed, specs: list[RuleSpec], r: int) -> list[dict]:
         key = row.pop("key")
         sec = t.step(key)
         row.update(ms_per_step=1e3 * sec, tokens_per_s=t.b / sec, x_dense=t.step(dense) / sec,
-                   flop_speedup=dense_flops / row["honest_flops"], spread=spread(t.times[f"{key} [n]"]))
+                   flop_speedup=dense_flops / row["honest_flops"], spread=spread(t.times[f"{key} [n]"]),
+                   **t.step_interval(key))
         row["realization"] = row["x_dense"] / row["flop_speedup"]
     return rows
 
@@ -470,7 +503,7 @@ def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
         return continuous is None or sp.family in continuous or (sp is uniform and len(continuous) > 0)
 
     both = [sp for sp in specs if timed_continuously(sp)]
-    generation, decoders = [], []
+    generation, decoders, timings = [], [], []
     with torch.inference_mode():
         model.eval()
         for b in batches:
@@ -480,12 +513,13 @@ def time_decoding(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleS
             variants = {f"{key} [{tag}]": (lambda call=call, new=new: call(new))
                         for key, call in calls.items() for tag, new in (("n", n), ("1", 1))}
             kept: dict[str, dict[str, Any]] = {}
-            times = interleaved(variants, cfg.rounds, log, f"decoders, batch {b}", cfg.clock,
+            times = interleaved(variants, cfg.autorange(), log, f"decoders, batch {b}", cfg.clock,
                                 keep=lambda name, out, kept=kept: kept.update({name: _summary(out)}))
+            timings.append(times)
             timed = _Timed(model, kept, times, n, b, t0 + n)
             generation += _generation_rows(timed, specs, r, t0)
             decoders += _decoder_rows(timed, both, r)
-    return DecodeTimes(pd.DataFrame(generation), pd.DataFrame(decoders))
+    return DecodeTimes(with_timings(pd.DataFrame(generation), *timings), with_timings(pd.DataFrame(decoders), *timings))
 
 
 def time_generation(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
@@ -520,6 +554,7 @@ def time_decoder_sets(model: DepthRecurrentLM, prompts: Tensor, rules: Sequence[
                                       batches=more))
     decoders = pd.concat([d.decoders for d in decoding], ignore_index=True)
     decoders = decoders[decoders.batch.isin(dec)].sort_values("batch", kind="stable").reset_index(drop=True)
+    decoders.attrs["timings"] = [t for d in decoding for t in d.decoders.attrs["timings"]]
     return DecodeTimes(decoding[0].generation, decoders)
 
 
@@ -544,7 +579,7 @@ def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig |
             if new == 1:  # warm-up: the prompt pass and one decode step
                 call(new=min(n, 2))
             variants[f"B={b} r={depth} n={new}"] = call
-        times = interleaved(variants, cfg.rounds, log, "decode loop cost", cfg.clock)
+        times = interleaved(variants, cfg.autorange(), log, "decode loop cost", cfg.clock)
 
     def step(b: int, depth: int) -> float:
         return _step_seconds(times[f"B={b} r={depth} n={n}"], times[f"B={b} r={depth} n=1"], n)
@@ -558,7 +593,7 @@ def decode_loop_cost(model: DepthRecurrentLM, prompt: Tensor, cfg: SpeedConfig |
         per_row, fixed = 0.0, float(out.loop_ms.iloc[0])
     out["fixed_ms"], out["per_row_ms"] = fixed, per_row
     out["fixed_share"] = fixed / out.loop_ms
-    return out
+    return with_timings(out, times)
 
 
 def decode_prediction(generation: pd.DataFrame, cost: pd.DataFrame) -> pd.DataFrame:
@@ -608,14 +643,16 @@ def serving_latency(model: DepthRecurrentLM, prompt: Tensor, rule: HaltingRule, 
         batched()  # warm-up
         for v in latencies.values():
             v.clear()
-        times = interleaved({"continuous": continuous, "generate": batched}, cfg.rounds, log, "serving", cfg.clock)
+        times = interleaved({"continuous": continuous, "generate": batched}, cfg.autorange(), log, "serving",
+                            cfg.clock)
     rows = []
     for path, lat in latencies.items():
         arr = np.median(np.array(lat), axis=0)  # per request, median over rounds
         sec = median(times[path])
         rows.append({"path": path, "rule": str(rule), "slots": slots, "requests": n_req, "seconds": sec,
-                     "tokens_per_s": sum(asks) / sec, **{f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)}})
-    return pd.DataFrame(rows)
+                     "tokens_per_s": sum(asks) / sec, **{f"p{q}": float(np.percentile(arr, q)) for q in (50, 90, 99)},
+                     "rounds": len(times[path])})
+    return with_timings(pd.DataFrame(rows), times)
 
 
 def skip_overhead(batched: pd.DataFrame) -> float:

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from drc_book.cost import Log, interleaved, median, spread
+from drc_book.cost import Log, interleaved, median
 from drc_book.fixed_point import fixed_point_costs, seconds_per_eval
 from drc_book.speed import (
     TARGET_MEASURE,
@@ -34,6 +34,7 @@ from drc_book.speed import (
     time_batched,
     time_generation,
     timing_batches,
+    with_timings,
 )
 from drc_core import PLAIN_ITERATION as PLAIN
 from drc_core import (
@@ -90,13 +91,13 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
         model.eval()
         for fn in passes.values():  # warm-up on one window
             fn(windows[:1], one)
-        times = interleaved({k: (lambda fn=fn: fn(windows, batches)) for k, fn in passes.items()}, cfg.rounds,
-                            log, "measurement")
+        times = interleaved({k: (lambda fn=fn: fn(windows, batches)) for k, fn in passes.items()},
+                            cfg.autorange(), log, "measurement")
     med = {k: median(v) for k, v in times.items()}
     fwd, ro = med[names["forward"]], med[names["readout"]]
-    return pd.DataFrame([{"pass": k, "loops": L, "windows": len(windows), "seconds": med[k], "spread": spread(times[k]),
-                          "x_forward": med[k] / fwd, "x_readout_pass": med[k] / ro,
-                          "target_as_worded": med[k] / fwd <= TARGET_MEASURE} for k in passes])
+    return with_timings(pd.DataFrame([{"pass": k, "loops": L, "windows": len(windows), **times.row(k),
+                                       "x_forward": med[k] / fwd, "x_readout_pass": med[k] / ro,
+                                       "target_as_worded": med[k] / fwd <= TARGET_MEASURE} for k in passes]), times)
 
 
 def measurement_pass(measurement: pd.DataFrame, kind: str) -> pd.Series:
@@ -308,13 +309,14 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
                              "same_exit": same / n_tok, "label": label})
                 variants[label] = run
                 del outs
-        times = interleaved(variants, cfg.rounds, log, "bf16 check", cfg.clock)
+        times = interleaved(variants, cfg.autorange(), log, "bf16 check", cfg.clock)
         x, _, s0 = batches[0]
         fp32 = [st.kl for st in iterate_stats(model, x, r, state=s0)]
         with torch.autocast(device.type, dtype=torch.bfloat16):
             low = [st.kl for st in iterate_stats(model, x, r, state=s0)]
     frame = pd.DataFrame(rows)
     frame["seconds"] = [median(times[label]) for label in frame.label]
+    frame["rounds"] = [len(times[label]) for label in frame.label]
     frame["x_fp32_time"] = frame.seconds / frame.groupby("rule").seconds.transform("first")
     kl_rows = []
     for loop in range(2, r + 1):
@@ -322,7 +324,7 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
         rel = ((b - a).abs() / a.clamp_min(1e-12))
         kl_rows.append({"loop": loop, "kl_fp32_median": float(a.median()), "rel_diff_median": float(rel.median()),
                         "rel_diff_p90": float(rel.quantile(0.9))})
-    return frame.drop(columns="label"), pd.DataFrame(kl_rows)
+    return with_timings(frame.drop(columns="label"), times), pd.DataFrame(kl_rows)
 
 
 def anderson_configs(ms: Sequence[int] = (2, 3, 5), beta: float = 0.7, scope: str = "sequence",

@@ -478,7 +478,7 @@ PAPER_TINY = {
                         "model.n_core=1", "model.n_coda=1", "model.mlp_hidden=64", "model.max_seq_len=64",
                         "recurrence.backprop_loops=2", "seq_len=64", "batch_size=4", "max_steps=4",
                         "warmup_steps=1", "eval_every=4", "eval_windows=2", "ckpt_every=4", "compile=false"],
-    "router_positions": 16, "online_windows": 2, "rounds": 1, "new_tokens": 4,
+    "router_positions": 16, "online_windows": 2, "rounds": 1, "max_rounds": 1, "new_tokens": 4,
     "run_preset": "tiny", "run_overrides": ["model.vocab_size=512", "max_steps=4", "eval_every=4", "ckpt_every=4"],
     "seeds": [0, 1], "mean_depths": [2, 4], "seed_mean_depth": 4, "levers_dir": "",
     "task_docs": 300, "n_task_docs": 8, "extrapolation_docs": 4,

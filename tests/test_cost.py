@@ -9,13 +9,16 @@ import sys
 import pytest
 import torch
 
+import drc_book.cost as cost
 from drc_book.cost import (
+    Autorange,
     flop_parts,
     flop_summary,
     interleaved,
     keep_freed_memory,
     matmul_flops_per_token,
     median,
+    median_interval,
     page_faults,
     rotations,
     speedup_model,
@@ -56,6 +59,78 @@ def test_interleaved_times_every_variant_once_per_round():
     interleaved({"a": lambda: frozen.append(gc.get_freeze_count())}, 1, None, "x")
     assert frozen[0] > 0 and gc.get_freeze_count() == 0  # frozen while timing (cheap collections), thawed after
     assert spread([1.0, 2.0, 3.0]) == pytest.approx(1.0) and spread([5.0]) == 0.0
+
+
+def test_median_interval_is_the_order_statistic_interval_with_its_coverage():
+    """Coverage 1 - 2 P(Binom(n, 1/2) <= j - 1) of [x_(j), x_(n+1-j)], checked by brute force over every sign
+    pattern: below 95% with five values or fewer ([min, max]), the narrowest interval at 95% or more from six on."""
+    import itertools
+
+    for n in (1, 3, 5, 6, 8, 9, 12, 20):
+        xs = [float(v) for v in range(n, 0, -1)]  # unsorted on purpose
+        lo, hi, cover = median_interval(xs)
+        j = int(lo)  # x_(j) = j for these values
+        assert hi == n + 1 - j
+        below = sum(sum(p) <= j - 1 for p in itertools.product((0, 1), repeat=n)) / 2**n  # P(B <= j - 1)
+        assert cover == pytest.approx(1 - 2 * below)
+        if n >= 6:
+            assert cover >= 0.95
+            narrower = sum(sum(p) <= j for p in itertools.product((0, 1), repeat=n)) / 2**n
+            assert j == (n + 1) // 2 or 1 - 2 * narrower < 0.95  # one step in is below 95%
+        else:
+            assert (lo, hi) == (1.0, float(n)) and cover < 0.95
+
+
+def _fake_clock(monkeypatch, durations):
+    """The wall clock of interleaved: each call takes the next of ``durations``'s values (by variant name)."""
+    now = [0.0]
+
+    def tick() -> float:
+        return now[0]
+
+    def call(name):
+        def go():
+            now[0] += next(durations[name])
+        return go
+
+    monkeypatch.setitem(cost.CLOCKS, "wall", tick)
+    return call
+
+
+def test_autorange_stops_at_a_tight_interval_at_the_budget_or_at_max_rounds(monkeypatch):
+    import itertools
+
+    steady = {"a": itertools.repeat(1.0), "b": itertools.repeat(2.0)}
+    call = _fake_clock(monkeypatch, steady)
+    t = interleaved({k: call(k) for k in steady}, Autorange(3, 12, 0.03, 1e9), None, "steady")
+    assert t.stopped == "interval" and len(t["a"]) == 6  # the first round count with a 95% interval
+    assert t.row("a")["seconds_lo"] == t.row("a")["seconds_hi"] == 1.0 and t.row("b")["coverage"] >= 0.95
+
+    noisy = {"a": itertools.cycle([1.0, 2.0, 3.0]), "b": itertools.repeat(1.0)}
+    call = _fake_clock(monkeypatch, noisy)
+    t = interleaved({k: call(k) for k in noisy}, Autorange(3, 12, 0.03, 1e9), None, "noisy")
+    assert t.stopped == "rounds" and len(t["a"]) == 12  # never tight: the round limit
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: cost.CLOCKS["wall"]())  # the budget reads the same clock
+    noisy = {"a": itertools.cycle([1.0, 2.0, 3.0]), "b": itertools.repeat(1.0)}
+    call = _fake_clock(monkeypatch, noisy)
+    t = interleaved({k: call(k) for k in noisy}, Autorange(3, 12, 0.03, 10.0), None, "noisy")
+    assert t.stopped == "budget" and len(t["a"]) == 4  # 3 rounds = 9 s, the fourth passes 10 s
+    assert len(interleaved({"a": lambda: None}, 4, None, "fixed")["a"]) == 4  # a number: exactly that many
+
+
+def test_the_warmup_check_flags_a_first_round_that_is_always_the_slowest(monkeypatch):
+    import itertools
+
+    cold = {f"v{i}": itertools.chain([5.0], itertools.cycle([1.0, 1.1, 0.9])) for i in range(6)}
+    call = _fake_clock(monkeypatch, cold)
+    check = interleaved({k: call(k) for k in cold}, 4, None, "cold").warmup()
+    assert check["first_round_slowest"] == 6 and check["warmup_p"] < 0.01 and check["warmup_ok"] is False
+    warm = {f"v{i}": itertools.cycle([1.0, 1.1, 0.9, 1.05][i % 4:] + [1.0, 1.1, 0.9, 1.05][:i % 4])
+            for i in range(6)}
+    call = _fake_clock(monkeypatch, warm)
+    check = interleaved({k: call(k) for k in warm}, 4, None, "warm").warmup()
+    assert check["warmup_ok"] is True and check["rounds"] == 4
+    assert interleaved({"a": lambda: None}, 1, None, "one").warmup()["warmup_ok"] is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="getrusage's minor faults: Linux")
