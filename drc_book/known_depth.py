@@ -45,6 +45,7 @@ from drc_core import (
     measured_exits,
     need_int,
     offline_pass,
+    offline_pass_and_measure,
     overthinks,
     pass_loss_tables,
     read_labels,
@@ -74,6 +75,7 @@ __all__ = [
     "risk_units",
     "spearman_ci",
     "sweep_window_sets",
+    "task_passes",
 ]
 
 
@@ -169,10 +171,32 @@ def answer_trajectories(model: RecurrentModel, tw: TaskWindows, max_loops: int, 
     """Every answer at every loop 1..``max_loops``: :func:`drc_core.measure_windows` at the answers' predicting
     positions only (with the KL to the deepest loop and the dynamics), with ``k``, ``family`` and ``doc`` per
     answer."""
+    m = measure_windows(model, tw.windows, max_loops, batch_size=batch_size, kl_to_final=True,
+                        positions=_answer_mask(tw), dynamics=True, progress=progress)
+    return _with_answers(m, tw)
+
+
+def task_passes(model: RecurrentModel, tw: TaskWindows, specs: list[RuleSpec], max_loops: int,
+                reference_loops: int, *, batch_size: int = 16, progress: bool = False
+                ) -> tuple[OfflinePass, Measurement]:
+    """The offline pass of ``specs`` on the task windows (:func:`drc_core.offline_pass`) and
+    :func:`answer_trajectories`, bit for bit, from one run of the core loops per batch
+    (:func:`drc_core.offline_pass_and_measure`)."""
+    passed, m = offline_pass_and_measure(model, tw.windows, specs, reference_loops=reference_loops,
+                                         max_loops=max_loops, positions=_answer_mask(tw), kl_to_final=True,
+                                         dynamics=True, batch_size=batch_size, progress=progress)
+    return passed, _with_answers(m, tw)
+
+
+def _answer_mask(tw: TaskWindows) -> np.ndarray:
+    """(N, T) bool: the positions that predict an answer."""
     mask = np.zeros((tw.windows.shape[0], tw.windows.shape[1] - 1), dtype=bool)
     mask[tw.answers["window"].to_numpy(), tw.answers["pos"].to_numpy()] = True
-    m = measure_windows(model, tw.windows, max_loops, batch_size=batch_size, kl_to_final=True,
-                        positions=mask, dynamics=True, progress=progress)
+    return mask
+
+
+def _with_answers(m: Measurement, tw: TaskWindows) -> Measurement:
+    """``m`` at the answers with ``k``, ``family``, ``doc`` (and ``chain``, ``turn`` where known) per answer."""
     extra = [c for c in ("chain", "turn") if c in tw.answers]  # generated windows know the chain of each question
     m.meta = m.meta.merge(tw.answers[["window", "pos", "k", "family", "doc", *extra]], on=["window", "pos"],
                           how="left")
@@ -290,14 +314,26 @@ def depth_growth(acc: pd.DataFrame, level: float = 0.9) -> pd.DataFrame:
 
 
 def sweep_window_sets(model: RecurrentModel, sets: dict[str, tuple[torch.Tensor, np.ndarray, np.ndarray]],
-                      specs: list[RuleSpec], *, reference_loops: int, ce_tolerance: float,
-                      seed: int = 0) -> tuple[dict[str, OfflinePass], dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
-    """Per window set ``name -> (windows, clusters, held-out windows)``: the offline pass of ``specs``, the matching
-    table (:func:`drc_core.matching_table`, KL target 0.01) and the loops saved (:func:`drc_core.gap_table`) on the
+                      specs: list[RuleSpec], *, reference_loops: int, ce_tolerance: float, seed: int = 0,
+                      passed: dict[str, OfflinePass] | None = None
+                      ) -> tuple[dict[str, OfflinePass], dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
+    """Per window set ``name -> (windows, clusters, held-out windows)``: the offline pass of ``specs`` (taken from
+    ``passed`` where it has the set, e.g. from :func:`task_passes`), the matching table
+    (:func:`drc_core.matching_table`, KL target 0.01) and the loops saved (:func:`drc_core.gap_table`) on the
     held-out windows, as three dicts by name."""
     passes, matches, gaps = {}, {}, {}
     for name, (windows, clusters, held) in sets.items():
-        passes[name] = offline_pass(model, windows, specs, reference_loops=reference_loops)
+        if passed is not None and name in passed:
+            given = passed[name]
+            if (given.ce.shape[1:] != (windows.shape[0], windows.shape[1] - 1)
+                    or [str(s.rule) for s in given.specs] != [str(s.rule) for s in specs]
+                    or given.reference_loops != reference_loops):
+                raise DrcError(f"the offline pass given for {name!r} is not the pass of these windows, rules and "
+                               f"reference depth {reference_loops}: pass offline_pass(model, windows, specs, "
+                               "reference_loops=...) of this set")
+            passes[name] = given
+        else:
+            passes[name] = offline_pass(model, windows, specs, reference_loops=reference_loops)
         frame = passes[name].frame()
         summary = summarize(frame, windows=held, clusters=clusters, seed=seed)
         matches[name] = matching_table(summary, reference_loops, ce_tolerance, kl_target=0.01)

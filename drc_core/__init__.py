@@ -57,8 +57,9 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("drc_core.halting.generate", "generate_ids=generate generate_fixed GenerationResult"),
     # sweeps: quality against depth per rule family, matched quality, loops saved
     ("drc_core.halting.sweep", "RuleSpec default_rules default_families state_families ROUTER_FAMILIES sweep "
-                               "summarize OfflinePass offline_pass token_exits uniform_ce window_clusters "
-                               "matching_table gap_table online_vs_offline calibration_table matching_depth"),
+                               "summarize OfflinePass offline_pass offline_pass_and_measure token_exits uniform_ce "
+                               "window_clusters matching_table gap_table online_vs_offline calibration_table "
+                               "matching_depth"),
     # learned routers
     ("drc_core.halting.router", "family_title trained_router_specs split_windows"),
     # thresholds with a guarantee (Learn then Test) and whether it holds

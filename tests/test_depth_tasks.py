@@ -222,6 +222,52 @@ def test_answer_measurements_read_the_answer_rows(mixed_corpus, one_thread):
         dt.exits_by_k(passed, tw, [RuleSpec("kl", 0.5, KLThreshold(0.5, max_loops=6))])
 
 
+@pytest.mark.parametrize(("max_loops", "one_pass"), [(8, True), (8, False), (3, True)])
+def test_task_passes_equal_the_two_separate_passes_bit_for_bit(mixed_corpus, one_thread, monkeypatch, max_loops,
+                                                               one_pass):
+    # one run of the core loops for the answer trajectories and the offline pass: the same bits as each alone, with
+    # every loop's log-probs kept (one pass) or the deepest / reference output from a first pass, the measurement
+    # deeper or shallower than the rules, over several batches
+    import drc_core.analysis.measure as measure_mod
+    import drc_core.halting.sweep as sweep_mod
+    from drc_core.halting.sweep import default_rules
+
+    if not one_pass:
+        monkeypatch.setattr(measure_mod, "ONE_PASS_BYTES", 0)
+        monkeypatch.setattr(sweep_mod, "ONE_PASS_BYTES", 0)
+    tw = dt.corpus_task_windows(mixed_corpus, 64, n_docs=7, split="train")
+    torch.manual_seed(0)
+    model = DepthRecurrentLM(ModelConfig(vocab_size=mixed_corpus.vocab_size, d_model=32, n_heads=2, n_prelude=1,
+                                         n_core=1, n_coda=1, max_seq_len=64)).eval()
+    with torch.no_grad():
+        for w in model.core.parameters():
+            w.mul_(3.0)  # outputs keep moving, so that the rules exit at different loops
+    specs = default_rules(6)
+    passed, traj = dt.task_passes(model, tw, specs, max_loops, 4, batch_size=3)
+    alone_traj = dt.answer_trajectories(model, tw, max_loops, batch_size=3)
+    alone = offline_pass(model, tw.windows, specs, reference_loops=4, batch_size=3)
+    assert list(traj.stats) == list(alone_traj.stats)
+    for name, values in alone_traj.stats.items():
+        assert traj.stats[name].dtype == values.dtype
+        np.testing.assert_array_equal(traj.stats[name], values)
+    pd.testing.assert_frame_equal(traj.meta, alone_traj.meta)
+    assert traj.attrs == alone_traj.attrs and len(traj) == len(tw.answers) and traj.max_loops == max_loops
+    for field in ("ce", "kl_ref", "argmax"):
+        assert torch.equal(getattr(passed, field), getattr(alone, field)), field
+    assert list(passed.exits) == list(alone.exits)
+    assert all(torch.equal(passed.exits[k], alone.exits[k]) for k in alone.exits)
+    assert len({tuple(ex.unique().tolist()) for ex in alone.exits.values()}) > 3  # rules that exit differently
+    assert (passed.specs, passed.reference_loops, passed.batch_size) == (alone.specs, 4, 3)
+    # the sweep takes the shared pass for its set, and refuses one of other rules
+    sets = {"task": (tw.windows, np.arange(len(tw.windows)), np.arange(len(tw.windows)))}
+    kw = {"reference_loops": 4, "ce_tolerance": 0.01}
+    given = dt.sweep_window_sets(model, sets, specs, passed={"task": passed}, **kw)
+    assert given[0]["task"] is passed
+    pd.testing.assert_frame_equal(given[2]["task"], dt.sweep_window_sets(model, sets, specs, **kw)[2]["task"])
+    with pytest.raises(DrcError, match="not the pass of these windows"):
+        dt.sweep_window_sets(model, sets, specs[:2], passed={"task": passed}, **kw)
+
+
 def test_overthinking_and_commit_on_a_made_up_trajectory():
     # one answer, 4 loops: wrong, right, wrong, right -> overthinks; commits at loop 4
     frame = pd.DataFrame({"window": 0, "pos": 0, "loop": [1, 2, 3, 4], "k": 2, "family": "swaps", "doc": "d",

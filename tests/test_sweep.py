@@ -231,6 +231,22 @@ def test_one_offline_pass_gives_the_sweep_and_the_token_exits(model, windows):
         op.frame(uniform_loops=[9])
 
 
+def test_reference_from_the_same_pass_equals_a_separate_reference_pass(model, windows, monkeypatch):
+    """The offline pass reads the reference depth's output from its own pass (the earlier loops' log-probs wait for
+    it): every per-loop CE, KL to the reference, argmax and exit equals the two-pass result bit for bit."""
+    import drc_core.halting.sweep as sweep_module
+
+    rules = [RuleSpec("kl", t, KLThreshold(t, max_loops=8)) for t in (1e-1, 1e-3)]
+    one = offline_pass(model, windows, rules, reference_loops=4, batch_size=4)
+    monkeypatch.setattr(sweep_module, "ONE_PASS_BYTES", 0)  # nothing fits: a separate depth-4 pass first
+    two = offline_pass(model, windows, rules, reference_loops=4, batch_size=4)
+    for a, b in ((one.ce, two.ce), (one.kl_ref, two.kl_ref), (one.argmax, two.argmax)):
+        assert torch.equal(a, b)
+    assert one.exits.keys() == two.exits.keys()
+    assert all(torch.equal(one.exits[k], two.exits[k]) for k in one.exits)
+    assert float(two.kl_ref[3].abs().max()) == 0.0  # the reference loop against itself
+
+
 def test_offline_equals_online_for_one_token_windows(model):
     g = torch.Generator().manual_seed(5)
     w = torch.randint(0, V, (8, 2), generator=g)  # T = 1: no earlier token whose freezing could matter

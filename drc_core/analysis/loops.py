@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Literal
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from drc_core.errors import DrcError
-from drc_core.model.lm import RecurrentModel, iterate
+from drc_core.model.lm import LoopOutput, RecurrentModel, iterate, read_out
 
 __all__ = ["BUILTIN_STATISTICS", "MIN_P", "STATISTICS", "LoopStats", "Statistic", "extra_statistics", "extra_values",
            "frame_statistics", "iterate_stats", "loop_stats", "minp_log_probs", "register_statistic", "state_change",
@@ -302,17 +303,22 @@ def extra_values(log_probs: Tensor | None, state: Tensor, prev: Mapping[str, Ten
 
 @torch.no_grad()
 def iterate_stats(model: RecurrentModel, idx: Tensor, max_loops: int, *, generator: torch.Generator | None = None,
-                  state: Tensor | None = None, where: Tensor | None = None,
-                  only: Iterable[str] | None = None) -> Iterator[LoopStats]:
+                  state: Tensor | None = None, where: Tensor | None = None, only: Iterable[str] | None = None,
+                  core: Iterable[LoopOutput] | None = None) -> Iterator[LoopStats]:
     """:class:`LoopStats` after each loop 1..max_loops at uniform depth. ``where``: a (B, T) bool mask of the tokens
-    whose statistics are kept, shaped (1, n) (all tokens still run); ``only``: as :func:`loop_stats`."""
+    whose statistics are kept, shaped (1, n) (all tokens still run); ``only``: as :func:`loop_stats`. ``core``: the
+    loops already running (``iterate(model, idx, ..., readout=None)``, shared with another pass), read out here
+    instead of running them (the same values)."""
     if where is not None and (where.dtype != torch.bool or tuple(where.shape) != tuple(idx.shape)):
         raise DrcError(f"where must be a bool mask shaped like idx {tuple(idx.shape)}; got {where.dtype} "
                        f"{tuple(where.shape)}")
     want = None if only is None else with_needs(only)
     prev: LoopStats | None = None
-    for out in iterate(model, idx, max_loops, generator=generator, readout="log_probs", state=state,
-                       positions=where):
+    if core is None:
+        core = iterate(model, idx, max_loops, generator=generator, readout="log_probs", state=state, positions=where)
+    else:
+        core = (replace(out, out=read_out(model, out.state, "log_probs", where)) for out in islice(core, max_loops))
+    for out in core:
         assert out.out is not None
         if where is None:
             prev = loop_stats(prev, out.loop, out.out, out.state, only=want)

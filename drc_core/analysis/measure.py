@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +27,8 @@ from drc_core.analysis.loops import BUILTIN_STATISTICS, STATISTICS, frame_statis
 from drc_core.data.sampler import Corpus, eval_windows, window_slots
 from drc_core.errors import DrcError, need_eps, need_float, need_int
 from drc_core.model.checks import check_token_ids
-from drc_core.model.lm import RecurrentModel, logits_at
-from drc_core.model.passes import EVAL_STATE_SEED, eval_batches, kl_successive
+from drc_core.model.lm import LoopOutput, RecurrentModel, logits_at
+from drc_core.model.passes import EVAL_STATE_SEED, Batch, eval_batches, kl_successive
 
 __all__ = ["DEFAULT_EPS", "DYNAMICS_COLUMNS", "FRAME_COLUMNS", "ONE_PASS_BYTES", "Measurement", "convergence_depth",
            "depth_from_successive_kl", "depth_summary", "eps_sensitivity", "kl_concentration", "measure_windows",
@@ -169,50 +169,78 @@ def measure_windows(model: RecurrentModel, windows: torch.Tensor, max_loops: int
     bool mask of the tokens to keep (same values as the full measurement). Batch k starts from the k-th draw of a
     generator seeded with ``seed``, as :func:`drc_core.training.evaluate.loss_by_depth` does.
     """
-    windows = check_token_ids(model, windows)
-    max_loops = need_int("max_loops", max_loops, 2)
+    run = WindowMeasure(model, windows, max_loops, doc_ids=doc_ids, seed=seed, kl_to_final=kl_to_final,
+                        positions=positions, dynamics=dynamics)
     batch_size = need_int("batch_size", batch_size, 1)
-    n, t_len = windows.shape[0], windows.shape[1] - 1
-    vocab = model.vocab_size
-    docs = None
-    if doc_ids is not None:
-        docs = torch.as_tensor(np.asarray(doc_ids)).long()
-        if docs.shape == (n,):
-            docs = docs[:, None].expand(n, t_len)
-        elif docs.shape != (n, t_len):
-            raise DrcError(f"doc_ids must be (N,) or (N, T) = ({n},) or ({n}, {t_len}); got {tuple(docs.shape)}")
-    keep = None
-    if positions is not None:
-        keep = torch.as_tensor(np.asarray(positions))
-        if keep.dtype != torch.bool or tuple(keep.shape) != (n, t_len):
-            raise DrcError(f"positions must be a bool mask (N, T) = ({n}, {t_len}); got {keep.dtype} "
-                           f"{tuple(keep.shape)}")
+    n = len(run.windows)
+    for b, batch in enumerate(eval_batches(model, run.windows, batch_size, seed)):
+        run.add(batch)
+        if progress:
+            print(f"measure: batch {b + 1}/{math.ceil(n / batch_size)} ({min(batch.start + batch_size, n)}/{n} "
+                  "windows)", file=sys.stderr, flush=True)
+    return run.result()
 
-    frame = frame_statistics()  # kl, state_delta, entropy, argmax and the registered ones
-    names = ("kl", "kl_final", "state_delta", "entropy", "argmax", "ce",
-             *(k for k in frame if k not in BUILTIN_STATISTICS), *(DYNAMICS_COLUMNS if dynamics else ()))
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in names}
-    reads = {*frame, *(("state_step",) if dynamics else ())}  # what the statistics are made of
-    for b, batch in enumerate(eval_batches(model, windows, batch_size, seed)):
+
+class WindowMeasure:
+    """:func:`measure_windows` one batch at a time (its arguments, checked): :meth:`add` each batch of
+    :func:`~drc_core.model.passes.eval_batches` in order, then :meth:`result`. A pass that shares its core loops
+    with another one hands them to :meth:`add`."""
+
+    def __init__(self, model: RecurrentModel, windows: torch.Tensor, max_loops: int = 32, *,
+                 doc_ids: torch.Tensor | np.ndarray | None = None, seed: int = EVAL_STATE_SEED,
+                 kl_to_final: bool = True, positions: torch.Tensor | np.ndarray | None = None,
+                 dynamics: bool = False) -> None:
+        self.model, self.windows = model, check_token_ids(model, windows)
+        self.max_loops = need_int("max_loops", max_loops, 2)
+        self.seed, self.kl_to_final, self.dynamics = seed, kl_to_final, dynamics
+        n, t_len = self.windows.shape[0], self.windows.shape[1] - 1
+        self.docs = None
+        if doc_ids is not None:
+            docs = torch.as_tensor(np.asarray(doc_ids)).long()
+            if docs.shape == (n,):
+                docs = docs[:, None].expand(n, t_len)
+            elif docs.shape != (n, t_len):
+                raise DrcError(f"doc_ids must be (N,) or (N, T) = ({n},) or ({n}, {t_len}); got {tuple(docs.shape)}")
+            self.docs = docs
+        self.keep = None
+        if positions is not None:
+            self.keep = torch.as_tensor(np.asarray(positions))
+            if self.keep.dtype != torch.bool or tuple(self.keep.shape) != (n, t_len):
+                raise DrcError(f"positions must be a bool mask (N, T) = ({n}, {t_len}); got {self.keep.dtype} "
+                               f"{tuple(self.keep.shape)}")
+        self.frame = frame_statistics()  # kl, state_delta, entropy, argmax and the registered ones
+        self.names = ("kl", "kl_final", "state_delta", "entropy", "argmax", "ce",
+                      *(k for k in self.frame if k not in BUILTIN_STATISTICS),
+                      *(DYNAMICS_COLUMNS if dynamics else ()))
+        self.reads = {*self.frame, *(("state_step",) if dynamics else ())}  # what the statistics are made of
+        self.parts: dict[str, list[np.ndarray]] = {k: [] for k in self.names}
+
+    def add(self, batch: Batch, state: torch.Tensor | None = None, core: Iterable[LoopOutput] | None = None) -> None:
+        """Measure the next batch: its loops run here from the batch's generator, or, given its s_0 ``state`` and
+        ``core`` (``iterate(model, batch.x, >= max_loops, state=state, readout=None)``), read out from ``core``."""
+        model, max_loops, frame, names = self.model, self.max_loops, self.frame, self.names
         x, y, gen = batch.x, batch.y, batch.generator
-        where = None if keep is None else keep[batch.start : batch.start + len(x)].to(x.device)
+        where = None if self.keep is None else self.keep[batch.start : batch.start + len(x)].to(x.device)
         if where is not None:
             y = y[where][None]  # (1, n): the statistics come shaped so
         final = p_final = None
-        one_pass = kl_to_final and y.numel() * vocab * max_loops * 4 <= ONE_PASS_BYTES
+        one_pass = self.kl_to_final and y.numel() * model.vocab_size * max_loops * 4 <= ONE_PASS_BYTES
         kept: list[torch.Tensor] = []  # one pass: every loop's log-probs, compared with the last one's at the end
-        if kl_to_final and not one_pass:
-            replay = gen.get_state()
-            logits = logits_at(model, x, max_loops, generator=gen, positions=where)
+        if self.kl_to_final and not one_pass:
+            if core is None:
+                replay = gen.get_state()
+                logits = logits_at(model, x, max_loops, generator=gen, positions=where)
+                gen.set_state(replay)
+            else:
+                logits = logits_at(model, x, max_loops, state=state, positions=where)
             final = torch.log_softmax(logits.float() if where is None else logits.float()[None], dim=-1)
             p_final = final.exp()  # once per batch, not once per loop
-            gen.set_state(replay)
         per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in names}
         prev_step = None
-        for st in iterate_stats(model, x, max_loops, generator=gen, where=where, only=reads):
+        for st in iterate_stats(model, x, max_loops, generator=gen, where=where, only=self.reads, core=core):
             nan = torch.full_like(st.entropy, math.nan)
             first = st.loop == 1
-            if dynamics:  # state_step = s_l - s_{l-1} (zero at loop 1): two of them span s_l - s_{l-2}
+            if self.dynamics:  # state_step = s_l - s_{l-1} (zero at loop 1): two of them span s_l - s_{l-2}
                 per_loop["state_norm"].append(st.state.float().norm(dim=-1))
                 per_loop["state_step2"].append(nan if st.loop < 3 else (st.state_step + prev_step).norm(dim=-1))
                 prev_step = st.state_step
@@ -231,24 +259,26 @@ def measure_windows(model: RecurrentModel, windows: torch.Tensor, max_loops: int
         del final, p_final, st, kept  # free this batch's (B, T, V) tensors before the next one
         for k in names:  # (L, B, T) -> (B, T, L) -> (tokens, L) in (window, pos) order
             v = torch.stack(per_loop[k]).permute(1, 2, 0).reshape(-1, max_loops)
-            parts[k].append((v if k == "argmax" else v.float()).cpu().numpy())
-        if progress:
-            print(f"measure: batch {b + 1}/{math.ceil(n / batch_size)} ({min(batch.start + batch_size, n)}/{n} "
-                  "windows)", file=sys.stderr, flush=True)
+            self.parts[k].append((v if k == "argmax" else v.float()).cpu().numpy())
 
-    id_dtype = _int_dtype(max(vocab - 1, 1))
-    stats = {k: np.concatenate(parts[k]).astype(id_dtype if k == "argmax" else np.float32) for k in names}
-    mask = np.ones((n, t_len), dtype=bool) if keep is None else keep.cpu().numpy()
-    w_idx, p_idx = np.nonzero(mask)  # row-major: the statistics' (window, pos) order
-    meta = {"window": w_idx.astype(_int_dtype(n)), "pos": p_idx.astype(_int_dtype(t_len)),
-            "token": windows[:, :-1].cpu().numpy()[w_idx, p_idx].astype(id_dtype),
-            "target": windows[:, 1:].cpu().numpy()[w_idx, p_idx].astype(id_dtype)}
-    if docs is not None:
-        d = docs.cpu().numpy()
-        meta["doc"] = d[w_idx, p_idx].astype(_int_dtype(max(int(d.max()), 0)))
-    return Measurement(stats, pd.DataFrame(meta), {"max_loops": max_loops, "seed": int(seed),
-                                                   "kl_to_final": bool(kl_to_final), "kl": "KL(p_l || p_{l-1})",
-                                                   "kl_final": "KL(p_L || p_l)"})
+    def result(self) -> Measurement:
+        """The :class:`Measurement` of every batch added."""
+        windows, max_loops = self.windows, self.max_loops
+        n, t_len = windows.shape[0], windows.shape[1] - 1
+        id_dtype = _int_dtype(max(self.model.vocab_size - 1, 1))
+        stats = {k: np.concatenate(self.parts[k]).astype(id_dtype if k == "argmax" else np.float32)
+                 for k in self.names}
+        mask = np.ones((n, t_len), dtype=bool) if self.keep is None else self.keep.cpu().numpy()
+        w_idx, p_idx = np.nonzero(mask)  # row-major: the statistics' (window, pos) order
+        meta = {"window": w_idx.astype(_int_dtype(n)), "pos": p_idx.astype(_int_dtype(t_len)),
+                "token": windows[:, :-1].cpu().numpy()[w_idx, p_idx].astype(id_dtype),
+                "target": windows[:, 1:].cpu().numpy()[w_idx, p_idx].astype(id_dtype)}
+        if self.docs is not None:
+            d = self.docs.cpu().numpy()
+            meta["doc"] = d[w_idx, p_idx].astype(_int_dtype(max(int(d.max()), 0)))
+        return Measurement(stats, pd.DataFrame(meta), {"max_loops": max_loops, "seed": int(self.seed),
+                                                       "kl_to_final": bool(self.kl_to_final),
+                                                       "kl": "KL(p_l || p_{l-1})", "kl_final": "KL(p_L || p_l)"})
 
 
 def val_windows_with_docs(corpus: Corpus, seq_len: int, max_windows: int | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import tee
 
 import numpy as np
 import pandas as pd
@@ -21,17 +22,18 @@ from tqdm.auto import tqdm
 
 from drc_core.analysis.intervals import bootstrap_ci, cluster_codes, cluster_draws, percentile_interval
 from drc_core.analysis.loops import iterate_stats
+from drc_core.analysis.measure import ONE_PASS_BYTES, Measurement, WindowMeasure
 from drc_core.errors import DrcError, need_int, need_level
 from drc_core.halting.reference import AdaptiveResult, first_within, masked_forward, offline_exits
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, statistics_read
 from drc_core.model.checks import check_token_ids
-from drc_core.model.lm import RecurrentModel, logits_at
+from drc_core.model.lm import LoopOutput, RecurrentModel, iterate, logits_at
 from drc_core.model.passes import EVAL_STATE_SEED, Batch, eval_batches, kl_successive
 
 __all__ = ["gap_table", "matching_gap", "QUALITIES", "ROUTER_FAMILIES", "Calibration", "OfflinePass", "RuleSpec",
            "calibrate", "calibrated_families", "state_families", "calibration_table", "default_families",
-           "default_rules", "matching_depth", "matching_table", "offline_pass", "online_vs_offline", "summarize",
-           "sweep", "uniform_ce", "window_clusters"]
+           "default_rules", "matching_depth", "matching_table", "offline_pass", "offline_pass_and_measure",
+           "online_vs_offline", "summarize", "sweep", "uniform_ce", "window_clusters"]
 
 QUALITIES = ("ce", "kl_ref")
 DEFAULT_ORACLE_EPS = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4)  # the oracle's KL thresholds in a sweep
@@ -195,18 +197,50 @@ def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[R
     windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
                                                                    batch_size)
     loops = deepest if loops is None else need_int("loops", loops, deepest)
-    ces, kls, args, exits = [], [], [], {str(s.rule): [] for s in rules}
     n_batches = (len(windows) + batch_size - 1) // batch_size
-    for batch in tqdm(eval_batches(model, windows, batch_size, seed), total=n_batches, desc="offline pass",
-                      disable=not progress):
-        _, _, ce_l, kl_l, ex, arg = _trajectory(model, batch, reference_loops, loops, rules)
-        ces.append(ce_l)
-        kls.append(kl_l)
-        args.append(arg)
-        for spec, e in zip(rules, ex, strict=True):
-            exits[str(spec.rule)].append(e)
+    parts = [_trajectory(model, batch, reference_loops, loops, rules)[2:]
+             for batch in tqdm(eval_batches(model, windows, batch_size, seed), total=n_batches, desc="offline pass",
+                               disable=not progress)]
+    return _joined(parts, rules, reference_loops, batch_size)
+
+
+@torch.no_grad()
+def offline_pass_and_measure(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], *,
+                             reference_loops: int = 8, loops: int | None = None, max_loops: int = 32,
+                             positions: torch.Tensor | np.ndarray | None = None, kl_to_final: bool = True,
+                             dynamics: bool = False, doc_ids: torch.Tensor | np.ndarray | None = None,
+                             batch_size: int = 16, seed: int = EVAL_STATE_SEED,
+                             progress: bool = False) -> tuple[OfflinePass, Measurement]:
+    """:func:`offline_pass` (``rules``, ``reference_loops``, ``loops``) and
+    :func:`~drc_core.analysis.measure.measure_windows` (``max_loops``, ``positions``, ``kl_to_final``,
+    ``dynamics``, ``doc_ids``) of the same ``windows``, bit for bit, from one run of the core loops per batch: each
+    reads out the shared states as it would alone."""
+    windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
+                                                                   batch_size)
+    loops = deepest if loops is None else need_int("loops", loops, deepest)
+    measure = WindowMeasure(model, windows, max_loops, doc_ids=doc_ids, seed=seed, kl_to_final=kl_to_final,
+                            positions=positions, dynamics=dynamics)
+    parts = []
+    n_batches = (len(windows) + batch_size - 1) // batch_size
+    for batch in tqdm(eval_batches(model, windows, batch_size, seed), total=n_batches,
+                      desc="offline pass and measurement", disable=not progress):
+        s0 = batch.initial_state(model)
+        # the states wait in the tee for the second reader: at most the offline pass's loops of one batch
+        offline_core, measure_core = tee(iterate(model, batch.x, max(loops, measure.max_loops), state=s0,
+                                                 readout=None))
+        parts.append(_trajectory(model, batch, reference_loops, loops, rules, state=s0, core=offline_core)[2:])
+        del offline_core
+        measure.add(batch, s0, measure_core)
+    return _joined(parts, rules, reference_loops, batch_size), measure.result()
+
+
+def _joined(parts: Sequence[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]],
+            rules: tuple[RuleSpec, ...], reference_loops: int, batch_size: int) -> OfflinePass:
+    """The :class:`OfflinePass` of the batches' ``_trajectory`` (ce, kl, exits, argmax) in order."""
+    ces, kls, exits, args = zip(*parts, strict=True)
     return OfflinePass(torch.cat(ces, dim=1), torch.cat(kls, dim=1), torch.cat(args, dim=1),
-                       {name: torch.cat(parts) for name, parts in exits.items()}, rules, reference_loops, batch_size)
+                       {str(spec.rule): torch.cat([ex[i] for ex in exits]) for i, spec in enumerate(rules)}, rules,
+                       reference_loops, batch_size)
 
 
 def token_exits(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], *, reference_loops: int = 8,
@@ -218,22 +252,35 @@ def token_exits(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[Ru
                         seed=seed).token_exits(oracle_eps)
 
 
-def _trajectory(model: RecurrentModel, batch: Batch, reference_loops: int, loops: int, rules: Sequence[RuleSpec]
+def _trajectory(model: RecurrentModel, batch: Batch, reference_loops: int, loops: int, rules: Sequence[RuleSpec],
+                *, state: torch.Tensor | None = None, core: Iterable[LoopOutput] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """A batch's s_0, reference log-probs, and from one uniform pass per-loop CE, KL(p_ref || p_l) and argmax
-    (loops, B, T), and each rule's exits on it."""
-    x, y, s0 = batch.x, batch.y, batch.initial_state(model)
-    ref = F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
-    ces, kls, args = [], [], []
+    (loops, B, T), and each rule's exits on it. ``state``, ``core``: the batch's s_0 (else drawn here) and its loops
+    already running (:func:`~drc_core.analysis.loops.iterate_stats`)."""
+    x, y = batch.x, batch.y
+    s0 = batch.initial_state(model) if state is None else state
+    # one pass when the loops before the reference fit in memory: their log-probs wait for loop R's (the same
+    # numbers as a separate depth-R pass from s_0, which costs R more loops)
+    one_pass = loops >= reference_loops and (reference_loops - 1) * x.numel() * model.vocab_size * 4 <= ONE_PASS_BYTES
+    ref = None if one_pass else F.log_softmax(logits_at(model, x, reference_loops, state=s0).float(), dim=-1)
+    ces, kls, args, early = [], [], [], []
     read = statistics_read(spec.rule for spec in rules)
     only = None if read is None else read | {"argmax"}
 
     def stats():
-        for st in iterate_stats(model, x, loops, state=s0, only=only):
-            ce, kl = _token_quality(st.log_probs, y, ref)
-            ces.append(ce)
-            kls.append(kl)
+        nonlocal ref
+        for st in iterate_stats(model, x, loops, state=s0, only=only, core=core):
+            if ref is None and st.loop == reference_loops:
+                ref = st.log_probs
+                kls.extend(kl_successive(ref, lp) for lp in early)
+                early.clear()
+            ces.append(-st.log_probs.gather(-1, y[..., None]).squeeze(-1))
             args.append(st.argmax)
+            if ref is None:
+                early.append(st.log_probs)
+            else:
+                kls.append(kl_successive(ref, st.log_probs))
             yield st
 
     it = stats()
