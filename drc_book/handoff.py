@@ -571,6 +571,12 @@ class KnownDepth(Record):
                     study.get("family", "links"), study["trained_k"], "log2 k" if best == "log" else "k",
                     fits[best]["r2"], fits[best]["r2_lo"], fits[best]["r2_hi"], other["r2"], other["r2_lo"],
                     other["r2_hi"])
+            if study is not None and "savings" in study:
+                lever += (f" On the {study.get('family', 'links')} model's documents, loops saved against "
+                          "equal-CE uniform depth: ") + "; ".join(
+                    "{} {:.0%} [{:.0%}, {:.0%}] with {:+.1f} points of answer accuracy".format(
+                        family_title(r["family"]), r["saved_frac"], r["saved_frac_lo"], r["saved_frac_hi"],
+                        -r["acc_lost"]) for r in study["savings"]) + "."
         cost = [c["difference"] for c in self.natural_cost_bpb]
         return (f"**Found.** Answers needing k = {lo_k}..{hi_k} lookups: at {self.reference_loops} loops the least "
                 f"accurate are those of k = {k}, {acc.value:.1%} [{acc.lo:.1%}, {acc.hi:.1%}]; at one loop those of "

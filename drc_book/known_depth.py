@@ -22,6 +22,7 @@ from drc_core import (
     DepthTaskConfig,
     DrcError,
     Dynamics,
+    KLThreshold,
     Measurement,
     OfflinePass,
     RecurrentModel,
@@ -73,6 +74,7 @@ __all__ = [
     "lever_study",
     "mean_by_k",
     "risk_units",
+    "savings",
     "spearman_ci",
     "sweep_window_sets",
     "task_passes",
@@ -476,17 +478,51 @@ def halting_against_overthinking(traj: Measurement, *, reference_loops: int, eps
     return out
 
 
+def savings(passed: OfflinePass, tw: TaskWindows, *, reference_loops: int, ce_tolerance: float,
+            seed: int = 0) -> pd.DataFrame:
+    """On the task documents of ``passed`` (each window one document), per family replayed there and the oracle:
+    the loops saved against the uniform depth of equal CE (:func:`drc_core.gap_table`, intervals over documents),
+    the family's CE-matched ``param``, and the answers' accuracy at that point (``answer_acc``) against uniform depth
+    ``reference_loops`` (``answer_acc_uniform``; ``acc_lost`` in points, positive when halting loses answers)."""
+    frame = passed.frame()
+    docs = np.arange(len(tw.windows))
+    gaps = gap_table(frame, reference_loops, ce_tolerance, clusters=docs, seed=seed)
+    match = matching_table(summarize(frame, clusters=docs, n_boot=200, seed=seed), reference_loops, ce_tolerance,
+                           kl_target=0.01)
+    win, pos = tw.answers["window"].to_numpy(), tw.answers["pos"].to_numpy()
+    target = np.asarray(tw.windows)[win, pos + 1]
+    argmax = passed.argmax.cpu().numpy()
+
+    def accuracy(exits: np.ndarray) -> float:  # exits: (answers,) loops
+        return float((argmax[exits - 1, win, pos] == target).mean())
+
+    uniform = accuracy(np.full(len(win), reference_loops))
+    names = {(sp.family, float(sp.param)): str(sp.rule) for sp in passed.specs}
+    rows = []
+    for fam in gaps.index:
+        param = float(match.loc[fam, "ce_param"])
+        acc = np.nan
+        if not np.isnan(param):
+            name = f"oracle(kl<={param:g})" if fam == "oracle" else names[(fam, param)]
+            exits = passed.token_exits(oracle_eps=(param,) if fam == "oracle" else ())[name]
+            acc = accuracy(exits[win, pos])
+        rows.append({"family": fam, "param": param, **gaps.loc[fam].to_dict(), "answer_acc": acc,
+                     "answer_acc_uniform": uniform, "acc_lost": 100 * (uniform - acc)})
+    return pd.DataFrame(rows)
+
+
 def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, eps: float, alpha: float,
-                delta: float, seed: int = 0, family: str = "links",
-                corpus: str | None = None) -> dict[str, Any]:
+                delta: float, seed: int = 0, family: str = "links", corpus: str | None = None,
+                ce_tolerance: float = 0.005) -> dict[str, Any]:
     """The model at ``checkpoint`` (trained on ``family`` problems of k = 1..``trained_k``) on ``docs`` fresh
     documents of k = 1..2 ``trained_k`` (chains: every object asked, shuffled), at up to ``max_loops`` loops:
     accuracy by ``k``, per ``k`` its best loop (``beyond``: k > trained_k) beside accuracy at the training-mean depth
     and at the last loop, the loops needed for 90% accuracy (:func:`depth_growth`, its fits in ``loops_needed_law``),
     Spearman(k, convergence depth), the :func:`depth_law` of the convergence depth,
     :func:`halting_against_overthinking`, accuracy at the training-mean depth and Spearman on the training range
-    (``trained_range``: chains of at most ``trained_k`` links) and the :func:`cell_table` of chain length and
-    question position; keyed as notebook 06's ``lever`` record (tables as frames)."""
+    (``trained_range``: chains of at most ``trained_k`` links), the :func:`cell_table` of chain length and
+    question position, and the KL rule's and the oracle's :func:`savings` on these documents (the offline pass
+    shares the trajectories' core loops); keyed as notebook 06's ``lever`` record (tables as frames)."""
     lm = load(checkpoint, corpus=corpus)  # corpus: where a run's checkpoint finds its tokenizer
     depth = int(round(lm.config.recurrence.mean))  # its training-mean depth
     if max_loops < depth:
@@ -494,7 +530,8 @@ def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, e
     tasks = DepthTaskConfig(docs=docs, min_k=1, max_k=2 * trained_k, families=(family,), ask_every=True,
                             ask_order="shuffled", seed=seed + 2000, repeat_share=0.0)
     tw = generated_task_windows(lm.tokenizer, tasks, lm.model.max_seq_len, pad_id=eot_id(lm.tokenizer))
-    traj = answer_trajectories(lm.model, tw, max_loops)
+    kl_rules = [sp for sp in default_rules(2 * depth) if sp.family == KLThreshold.family]
+    passed, traj = task_passes(lm.model, tw, kl_rules, max_loops, depth)
     acc = accuracy_by_k(traj, seed=seed)
     best = []
     for k, g in acc.groupby("k"):
@@ -518,4 +555,5 @@ def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, e
             "loops_needed_law": dict(growth.attrs), "spearman_depth": list(rho),
             "trained_range": trained, "cells": cell_table(traj, depths, depth, seed=seed),
             "depth_law": law, "halting_against_overthinking": halting,
-            "overthinking_certificate": dict(halting.attrs)}
+            "overthinking_certificate": dict(halting.attrs),
+            "savings": savings(passed, tw, reference_loops=depth, ce_tolerance=ce_tolerance, seed=seed)}

@@ -477,6 +477,16 @@ def test_lever_study_reads_a_family_at_twice_its_trained_k(family, one_thread):
     table = dt.law_table({"links": None, family: study})
     assert table.family.tolist() == [family, family] and table.law.tolist() == ["linear", "log"]
     assert ((table.r2 >= 0) & (table.r2 <= 1)).all()
+    # the savings' answer accuracy, from the offline pass, equals the trajectories' (another readout of the same
+    # core loops): at uniform depth R the argmax at loop R; at the oracle's exit the argmax at that loop
+    saved = study["savings"].set_index("family")
+    assert {"oracle", "kl"} <= set(saved.index) and (saved.saved_frac <= 1).all()  # negative: more loops
+    traj_right = study["accuracy"].set_index(["k", "loop"])
+    n_k = study["accuracy"].groupby("k").n.first()
+    at_r = sum(traj_right.loc[(k, 8), "acc"] * n for k, n in n_k.items()) / n_k.sum()  # R = 8 for this model
+    assert saved.answer_acc_uniform.iloc[0] == pytest.approx(at_r)
+    assert saved.acc_lost.to_numpy() == pytest.approx(100 * (saved.answer_acc_uniform - saved.answer_acc).to_numpy(),
+                                                      nan_ok=True)
     with pytest.raises(DrcError, match="raise max_loops"):
         dt.lever_study(str(Path(__file__).resolve().parents[1] / "data" / "known-depth-k4"), trained_k=2, docs=1,
                        max_loops=4, eps=1e-3, alpha=0.2, delta=0.1, family=family)
