@@ -401,7 +401,9 @@ measurement[["pass", "seconds", "spread", "x_forward", "x_readout_pass"]].round(
 # within `rel`; `budget`: `budget_s` spent; `rounds`: `max_rounds` reached), the seconds it took, and the warm-up
 # check. Were the warm-up too short, the first timed round would be each variant's slowest more often than the
 # 1-in-`rounds` chance; `warmup_p` is the one-sided binomial test of that across the timing's variants, and
-# `warmup_ok` says it is not significant at 5%.
+# `warmup_ok` says it is not significant at 5%. Where it was significant when the rounds could have stopped, the
+# first round was dropped as part of the warm-up (`dropped`) and the rounds went on; the check is then repeated on
+# the rounds kept.
 
 # %%
 timing_checks = speed.timing_checks(batched, decoding.generation, decoders, decode_cost, serving,

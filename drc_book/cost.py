@@ -109,7 +109,9 @@ class Autorange:
     """When :func:`interleaved` stops (the way ``timeit``'s autorange and ``pyperf`` decide, here on interleaved
     rounds): after ``min_rounds``, as soon as every variant's median is known to within ``rel`` of itself (the
     half-width of its 95% interval, :func:`median_interval`), or once the rounds have taken ``budget_s`` seconds;
-    at ``max_rounds`` at the latest. ``Autorange(n, n)`` is a fixed number of rounds."""
+    at ``max_rounds`` at the latest. Where the warm-up check fails (:meth:`Timings.warmup`) when the rounds could
+    stop, the first round counts as warm-up: it is dropped once and the rounds go on. ``Autorange(n, n)`` is a
+    fixed number of rounds."""
 
     min_rounds: int = 3
     max_rounds: int = 12
@@ -138,11 +140,13 @@ def median_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, fl
 
 class Timings(dict[str, list[float]]):
     """:func:`interleaved`'s seconds per call of each variant (a dict of lists), with how the rounds ended:
-    ``what``, ``stopped`` ("interval", "budget" or "rounds") and ``seconds`` spent in the rounds."""
+    ``what``, ``stopped`` ("interval", "budget" or "rounds"), ``seconds`` spent in the rounds and ``dropped``, the
+    rounds dropped as warm-up (0 or 1)."""
 
     what: str = ""
     stopped: str = "rounds"
     seconds: float = 0.0
+    dropped: int = 0
 
     def row(self, name: str) -> dict[str, float]:
         """``seconds`` (median over rounds), ``seconds_lo``/``seconds_hi`` (its interval), ``coverage``, ``rounds``,
@@ -161,7 +165,7 @@ class Timings(dict[str, list[float]]):
         first_slowest = sum(v[0] >= max(v) for v in self.values())
         p = float(sps.binomtest(first_slowest, len(self), 1 / n, alternative="greater").pvalue) if n > 1 else math.nan
         return {"timing": self.what, "variants": len(self), "rounds": n, "stopped": self.stopped,
-                "seconds": self.seconds, "first_round_slowest": first_slowest, "warmup_p": p,
+                "seconds": self.seconds, "dropped": self.dropped, "first_round_slowest": first_slowest, "warmup_p": p,
                 "warmup_ok": bool(p >= 0.05) if n > 1 else None}
 
 
@@ -204,7 +208,12 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int | Autoran
             times.seconds = time.perf_counter() - start
             if log:
                 log(f"{what} round {rnd + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names))
-            if rnd + 1 >= plan.min_rounds and rnd + 1 < plan.max_rounds:
+            if rnd + 1 - times.dropped >= plan.min_rounds and rnd + 1 < plan.max_rounds:
+                if not times.dropped and plan.min_rounds > 1 and times.warmup()["warmup_ok"] is False:
+                    for xs in times.values():  # the warm-up was too short: its first timed round was part of it
+                        del xs[0]
+                    times.dropped = 1
+                    continue
                 if _settled(times, plan.rel):
                     times.stopped = "interval"
                     break
