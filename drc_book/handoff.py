@@ -572,11 +572,12 @@ class KnownDepth(Record):
                     fits[best]["r2"], fits[best]["r2_lo"], fits[best]["r2_hi"], other["r2"], other["r2_lo"],
                     other["r2_hi"])
             if study is not None and "savings" in study:
-                lever += (f" On the {study.get('family', 'links')} model's documents, loops saved against "
-                          "equal-CE uniform depth: ") + "; ".join(
+                rows = study["savings"]
+                lever += (f" On the {study.get('family', 'links')} model's documents, loops saved against the "
+                          f"uniform depth of equal CE ({rows[0]['uniform_depth']:.2f} loops): ") + "; ".join(
                     "{} {:.0%} [{:.0%}, {:.0%}] with {:+.1f} points of answer accuracy".format(
                         family_title(r["family"]), r["saved_frac"], r["saved_frac_lo"], r["saved_frac_hi"],
-                        -r["acc_lost"]) for r in study["savings"]) + "."
+                        0.0 - r["acc_lost"]) for r in rows) + "."
         cost = [c["difference"] for c in self.natural_cost_bpb]
         return (f"**Found.** Answers needing k = {lo_k}..{hi_k} lookups: at {self.reference_loops} loops the least "
                 f"accurate are those of k = {k}, {acc.value:.1%} [{acc.lo:.1%}, {acc.hi:.1%}]; at one loop those of "
