@@ -241,7 +241,9 @@ def batched_table(res: Results) -> str:
     rows = [(f"`{e['rule']}` ({e['path']})", f"{e['avg_loops']:.2f}", x(e["proxy_speedup"]), x(e["honest_speedup"]),
              x(e["wallclock_speedup"]), f"{e['wall_over_proxy']:.2f}", f"{e['wall_over_honest']:.2f}",
              f"{e['page_faults_per_batch']:.0f}") for e in speed.batched]
-    return (f"{speed.n_windows} windows x {speed.seq_len} tokens, medians of {speed.rounds} interleaved "
+    counts = sorted({int(e.get("rounds", speed.rounds)) for e in speed.batched})  # autoranged: each row's own
+    rounds = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    return (f"{speed.n_windows} windows x {speed.seq_len} tokens, medians of {rounds} interleaved "
             f"rounds, {speed.threads} threads (`05_compute.json`: `batched`).\n\n"
             + table(("rule (path)", "avg loops", "FLOP proxy", "honest speed-up", "wall-clock", "wall / proxy",
                      "wall / honest", "page faults per batch"), rows))
