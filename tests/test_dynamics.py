@@ -72,7 +72,10 @@ def test_the_pass_keeps_norms_and_steps_of_the_states(tiny_model_factory, one_th
     mask[0, 3] = mask[2, [0, 7]] = True
     part = token_dynamics(model, windows, 6, batch_size=2, positions=mask)
     np.testing.assert_allclose(part.norm, dyn.norm[mask], rtol=1e-6)
+    np.testing.assert_allclose(part.step, dyn.step[mask], rtol=1e-6)
     np.testing.assert_allclose(part.step2, dyn.step2[mask], rtol=1e-6)
+    full = measure_windows(model, windows, 6, batch_size=2, kl_to_final=False, dynamics=True)
+    assert np.array_equal(Dynamics.of(full).step, full.stats["state_step1"], equal_nan=True)  # stored, not rebuilt
     with pytest.raises(DrcError, match="dynamics=True"):
         Dynamics.of(meas)
 

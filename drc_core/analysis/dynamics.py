@@ -57,14 +57,13 @@ class Dynamics:
     @classmethod
     def of(cls, m: Measurement) -> Dynamics:
         """The dynamics of a measurement's tokens, arrays (n, L) in its token order, from its ``state_norm``,
-        ``state_delta``, ``state_step2`` and ``argmax`` (:func:`~drc_core.analysis.measure.measure_windows` with
+        ``state_step1``, ``state_step2`` and ``argmax`` (:func:`~drc_core.analysis.measure.measure_windows` with
         ``dynamics=True``)."""
-        missing = [c for c in (*DYNAMICS_COLUMNS, "state_delta", "argmax") if c not in m.stats]
+        missing = [c for c in (*DYNAMICS_COLUMNS, "argmax") if c not in m.stats]
         if missing:
             raise DrcError(f"the measurement has no {', '.join(missing)}: measure it with "
                            "measure_windows(..., dynamics=True)")
-        norm = m.stats["state_norm"].astype(np.float32)
-        return cls(norm=norm, step=(m.stats["state_delta"] * norm).astype(np.float32),
+        return cls(norm=m.stats["state_norm"].astype(np.float32), step=m.stats["state_step1"].astype(np.float32),
                    step2=m.stats["state_step2"].astype(np.float32), argmax=m.stats["argmax"].astype(np.int64))
 
     @property

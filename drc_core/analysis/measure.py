@@ -41,7 +41,7 @@ FRAME_COLUMNS = (
     "window", "pos", "loop", "token", "target", "kl", "kl_final", "state_delta", "entropy", "argmax", "ce",
 )  # and every registered statistic with frame=True (drc_core.analysis.loops.frame_statistics), after ``ce``
 _METRICS = ("kl", "state_delta", "entropy", "ce", "kl_final")
-DYNAMICS_COLUMNS = ("state_norm", "state_step2")  # measure_windows(dynamics=True), after the statistics
+DYNAMICS_COLUMNS = ("state_norm", "state_step1", "state_step2")  # measure_windows(dynamics=True), after the statistics
 LEGACY_COLUMNS = {"kl_prev": "kl"}  # frames saved before the statistics had one name each
 _TOKEN_COLUMNS = ("window", "pos", "token", "target", "doc")  # per token in a saved frame without a "stats" record
 
@@ -165,7 +165,8 @@ def measure_windows(model: RecurrentModel, windows: torch.Tensor, max_loops: int
     Meta: ``window``, ``pos``, ``token``, ``target``, and ``doc`` from ``doc_ids`` ((N,) or (N, T)). Statistics:
     ``kl``, ``kl_final`` (NaN when ``kl_to_final=False``), ``state_delta``, ``entropy``, ``argmax``, ``ce`` and
     every statistic registered with ``frame=True``; float32, ids small signed integers. ``dynamics=True`` adds
-    ``state_norm`` = ||s_l|| and ``state_step2`` = ||s_l - s_{l-2}|| (NaN at loops 1-2). ``positions``: an (N, T)
+    ``state_norm`` = ||s_l||, ``state_step1`` = ||s_l - s_{l-1}|| (NaN at loop 1) and ``state_step2`` =
+    ||s_l - s_{l-2}|| (NaN at loops 1-2). ``positions``: an (N, T)
     bool mask of the tokens to keep (same values as the full measurement). Batch k starts from the k-th draw of a
     generator seeded with ``seed``, as :func:`drc_core.training.evaluate.loss_by_depth` does.
     """
@@ -242,6 +243,7 @@ class WindowMeasure:
             first = st.loop == 1
             if self.dynamics:  # state_step = s_l - s_{l-1} (zero at loop 1): two of them span s_l - s_{l-2}
                 per_loop["state_norm"].append(st.state.float().norm(dim=-1))
+                per_loop["state_step1"].append(nan if first else st.state_step.norm(dim=-1))
                 per_loop["state_step2"].append(nan if st.loop < 3 else (st.state_step + prev_step).norm(dim=-1))
                 prev_step = st.state_step
             for k in frame:  # NaN at loop 1 where a statistic compares with the previous loop
