@@ -61,7 +61,7 @@ from drc_core import (
 )
 from drc_core import generate_ids as generate
 
-__all__ = ["TARGET_HONEST", "TARGET_KL_BATCHED", "TARGET_MEASURE", "TARGET_OVERHEAD", "TARGET_RATIO",
+__all__ = ["TARGET_DECODER", "TARGET_HONEST", "TARGET_KL_BATCHED", "TARGET_MEASURE", "TARGET_OVERHEAD", "TARGET_RATIO",
            "TARGET_REALIZATION", "DecodeTimes", "Matched", "SpeedConfig", "batched_variants", "decode_loop_cost",
            "decode_prediction", "decode_setup", "decoder_calls", "decoder_targets", "matched_rules", "preset_specs",
            "timing_checks", "with_timings",
@@ -73,7 +73,8 @@ TARGET_MEASURE = 1.2  # the measurement pass <= 1.2 x one depth-32 forward (the 
 TARGET_OVERHEAD = 1.05  # the skipping path / continuous batching at equal depth <= 1.05 x the dense forward / decoder
 TARGET_HONEST = 0.9  # wall-clock speedup >= 0.9 x the honest-FLOP speedup, every rule
 TARGET_KL_BATCHED = 1.5  # the KL rule >= 1.5 x faster than uniform depth r in batched evaluation
-TARGET_REALIZATION = 0.9  # the state rules realize >= 0.9 of their honest-FLOP speed-up at batch 8 and 32
+TARGET_REALIZATION = 0.7  # the continuous decoder realizes >= 0.7 of its honest-FLOP speed-up at batch 8 and 32
+TARGET_DECODER = {8: 1.0, 32: 1.2}  # the continuous decoder's tokens/s over the dense decoder's, by batch size
 
 Batch = tuple[Tensor, Tensor, Tensor]  # inputs, targets, initial state
 
@@ -707,11 +708,14 @@ def speed_targets(*frames: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] | None = None,
-                    batches: Sequence[int] = (8, 32)) -> pd.DataFrame:
-    """The targets on a :func:`time_decoders` table at each of ``batches``: each state rule's continuous decoder
-    beats the dense one and realizes >= 0.9 of its honest-FLOP speed-up; at equal depth it costs <= 1.05 x."""
-    families = drc_core.state_families() if state_families is None else state_families
+def decoder_targets(table: pd.DataFrame, families: Sequence[str] | None = None, batches: Sequence[int] = (8, 32),
+                    serving: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The targets on a :func:`time_decoders` table at each of ``batches``: with the KL rule and the state-change
+    rule (``families``), the continuous decoder reaches :data:`TARGET_DECODER` x the dense decoder's tokens/s (the
+    target of the largest listed batch size not above ``b``; batch 8's below 8) and realizes
+    >= :data:`TARGET_REALIZATION` of its honest-FLOP speed-up; at equal depth it costs <= 1.05 x; with a
+    :func:`serving_latency` table, its p50 latency is below ``generate``'s."""
+    families = (drc_core.KLThreshold.family, drc_core.StateDelta.family) if families is None else families
     out = []
 
     def check(b: int, name: str, value: float, target: str, met: bool) -> None:
@@ -720,14 +724,20 @@ def decoder_targets(table: pd.DataFrame, state_families: Sequence[str] | None = 
     cont = table[table.path == "continuous"]
     for b in batches:
         at = cont[cont.batch == b]
+        goal = TARGET_DECODER[max([k for k in TARGET_DECODER if k <= b], default=min(TARGET_DECODER))]
         for fam in families:
             for _, row in at[at.family == fam].iterrows():
-                check(b, f"{row.rule}: faster than the dense decoder", row.x_dense, "> 1", row.x_dense > 1)
+                check(b, f"{row.rule}: tokens/s over the dense decoder", row.x_dense, f">= {goal:g}",
+                      row.x_dense >= goal)
                 check(b, f"{row.rule}: realization", row.realization, f">= {TARGET_REALIZATION}",
                       row.realization >= TARGET_REALIZATION)
         for _, row in at[at.family == "uniform"].iterrows():
             check(b, "continuous at equal depth: time / dense decoder", 1 / row.x_dense, f"<= {TARGET_OVERHEAD}",
                   1 / row.x_dense <= TARGET_OVERHEAD)
+    if serving is not None and {"continuous", "generate"} <= set(serving.path):
+        p50 = serving.set_index("path").p50
+        check(int(serving.slots.iloc[0]), f"serving {serving.rule.iloc[0]}: p50 continuous / generate",
+              p50["continuous"] / p50["generate"], "< 1", p50["continuous"] < p50["generate"])
     return pd.DataFrame(out)
 
 

@@ -215,11 +215,36 @@ def test_decoder_timing_table(model, rules):
     work = table[table.path != "dense decode"].pivot_table(index=["batch", "rule"], columns="path",
                                                           values="honest_flops")
     assert (work.generate == work.continuous).all()
-    targets = decoder_targets(table, state_families=("StateDelta",), batches=(3,))
-    assert set(targets.target) == {"> 1", ">= 0.9", "<= 1.05"} and targets.met.dtype == bool
     lat = serving_latency(model, prompt, rules["state_delta"], slots=2, new_tokens=[2, 4], cfg=cfg)
     assert list(lat.path) == ["continuous", "generate"]
     assert (lat.p50 <= lat.p99).all() and (lat.p99 <= lat.seconds * 1.5).all()
+    targets = decoder_targets(table, families=("StateDelta",), batches=(3,), serving=lat)
+    assert set(targets.target) == {">= 1", ">= 0.7", "<= 1.05", "< 1"} and targets.met.dtype == bool
+    served = targets[targets.check.str.startswith("serving")].iloc[0]
+    assert served.batch == 2 and served.value == lat.p50.iloc[0] / lat.p50.iloc[1]
+
+
+def test_decoder_targets_by_batch_size():
+    """Batch 8 and below: at least the dense decoder's tokens/s; batch 32 and above: 1.2x; the KL and state rules
+    by default, each with its realization; other families are not judged."""
+    import pandas as pd
+
+    from drc_book.speed import decoder_targets
+
+    rows = [{"batch": b, "path": "continuous", "family": fam, "rule": f"{fam}@{b}", "x_dense": x, "realization": r}
+            for b, fam, x, r in [(8, "kl", 1.05, 0.8), (8, "state_delta", 0.95, 0.65), (8, "cosine", 2.0, 1.0),
+                                 (32, "kl", 1.1, 0.75), (32, "state_delta", 1.25, 0.7), (32, "uniform", 0.9, 0.9)]]
+    t = decoder_targets(pd.DataFrame(rows)).set_index("check")
+    assert not any("cosine" in c for c in t.index)
+    assert t.loc["kl@8: tokens/s over the dense decoder"].target == ">= 1"
+    assert t.loc["kl@8: tokens/s over the dense decoder"].met
+    assert not t.loc["state_delta@8: tokens/s over the dense decoder"].met
+    assert not t.loc["state_delta@8: realization"].met and t.loc["kl@8: realization"].met
+    assert t.loc["kl@32: tokens/s over the dense decoder"].target == ">= 1.2"
+    assert not t.loc["kl@32: tokens/s over the dense decoder"].met
+    assert t.loc["state_delta@32: tokens/s over the dense decoder"].met and t.loc["state_delta@32: realization"].met
+    equal = t.loc["continuous at equal depth: time / dense decoder"]
+    assert equal.value == 1 / 0.9 and not equal.met
 
 
 def test_one_timing_gives_both_decoder_tables(model, rules):
