@@ -42,7 +42,8 @@ from drc_core import (
 )
 
 __all__ = ["BookSpec", "NotebookFailed", "Profile", "build_book", "declared_parameters", "find_browser",
-           "load_profiles", "present", "render_png", "reproduction_markdown", "run_book", "slowest_cells", "toc_for"]
+           "load_profiles", "present", "read_timings", "render_png", "reproduction_markdown", "run_book",
+           "slowest_cells", "toc_for"]
 
 DEFAULT_PROFILES = Path("book") / "profiles.toml"
 DEFAULT_OUT = Path("papermill_runs")
@@ -345,7 +346,7 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
     # results_dir (drc_book.paths.results_for); interactive runs write under runs/lab/
     env = {"PLOTLY_RENDERER": prof.plotly_renderer, **prof.env, RUN_ENV: profile}
     timings_path = dest / "timings.json"
-    timings = _read_timings(timings_path)
+    timings = read_timings(timings_path)
     with ExitStack() as locks:  # before anything else, under the output directories' locks; a doubtful record: one line
         if (work / "rollback" / Rollback.MANIFEST).exists():
             for d in {d.resolve() for d in allowed} - {dest.resolve()}:
@@ -410,9 +411,8 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             os.replace(partial, dest / f"{name}.ipynb")
             src.unlink()
             (failed_dir / f"{name}.ipynb").unlink(missing_ok=True)
-            timings[name] = round(seconds, 1)
+            timings[name] = {"seconds": round(seconds, 1), **machine_kind()}  # each notebook with its machine's kind
             write_file(timings_path, json.dumps(timings, indent=2) + "\n")
-            write_file(dest / "machine.json", json.dumps(machine_kind(), indent=2) + "\n")  # the kind beside them
             print(f"[{profile}] {name}: done in {seconds:.1f} s -> {dest / (name + '.ipynb')}; slowest cells: "
                   + "; ".join(f"#{i} {sec:.0f} s ({line})" for i, sec, line in slowest_cells(executed)), flush=True)
     finally:
@@ -433,11 +433,13 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             shutil.rmtree(work, ignore_errors=True)
         if failed_dir.is_dir() and not any(failed_dir.iterdir()):
             failed_dir.rmdir()
-    return {n: timings[n] for n in names}
+    return {n: timings[n]["seconds"] for n in names}
 
 
-def _read_timings(path: Path) -> dict[str, float]:
-    """``timings.json`` of a profile (notebook -> seconds), {} when there is none."""
+def read_timings(path: Path) -> dict[str, dict[str, Any]]:
+    """``timings.json`` of a profile: notebook -> ``{"seconds", "cpu", "bf16", "cores"}`` (the kind of machine that
+    ran it, :func:`~drc_core.model.precision.machine_kind`); a bare number of seconds (files written before the kind
+    was recorded) reads as seconds of an unknown machine. {} when there is no file."""
     if not path.exists() and not path.is_symlink():
         return {}
     fix = f"delete {path} (it only records how long each notebook took) and rerun"
@@ -445,10 +447,19 @@ def _read_timings(path: Path) -> dict[str, float]:
         data = read_json(path, "the timings file", fix)
     except FileNotFoundError:  # a symbolic link to nothing
         raise DrcError(f"the timings file '{path}' is a link to a missing file: {fix}") from None
-    if not (isinstance(data, dict) and all(isinstance(v, int | float) and not isinstance(v, bool)
-                                           and math.isfinite(v) and v >= 0 for v in data.values())):
+    def seconds(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    if not isinstance(data, dict):
         raise DrcError(f"the timings file '{path}' is damaged (not an object of seconds): {fix}")
-    return data
+    read = {}
+    for name, v in data.items():
+        entry = {"seconds": v, "cpu": "unknown", "bf16": "unknown", "cores": None} if seconds(v) else v
+        if not (isinstance(entry, dict) and seconds(entry.get("seconds"))
+                and all(isinstance(entry.get(k), str) for k in ("cpu", "bf16"))):
+            raise DrcError(f"the timings file '{path}' is damaged (not an object of seconds): {fix}")
+        read[name] = entry
+    return read
 
 
 def slowest_cells(nb: Any, top: int = 3) -> list[tuple[int, float, str]]:

@@ -31,6 +31,7 @@ from typing import Any
 import drc_core
 from drc_book.handoff import Compute, Convergence, Halting, KnownDepth, Record, Training
 from drc_book.report import GAIN_FAMILIES
+from drc_book.runner import read_timings
 from drc_core import KLThreshold, Oracle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,10 +47,14 @@ class Results:
         self.directory = Path(directory)
         self._cache: dict[str, dict | None] = {}
 
-    def machine(self) -> dict | None:
-        """The machine the reference book ran on (``machine.json`` beside the results directory), if recorded."""
-        path = self.directory.parent / "machine.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+    def timings(self) -> dict[str, dict]:
+        """The reference book's ``timings.json`` (beside the results directory): notebook -> seconds and machine."""
+        return read_timings(self.directory.parent / "timings.json")
+
+    def machine(self, notebook: str = "05_compute") -> dict | None:
+        """The kind of machine that ran ``notebook`` (its entry in ``timings.json``), if recorded."""
+        entry = self.timings().get(notebook)
+        return None if entry is None or entry["cpu"] == "unknown" else entry
 
     def get(self, name: str) -> dict | None:
         if name not in self._cache:
@@ -301,16 +306,20 @@ def anderson_table(res: Results) -> str:
 @doc_block("book.md", "timings")
 def timings_table(res: Results) -> str:
     """The reference book's seconds per notebook (``timings.json`` beside the results directory)."""
-    path = res.directory.parent / "timings.json"
-    if not path.is_file():
+    timed = res.timings()
+    if not timed:
         return "no timings recorded yet: run `make book`"
-    seconds = json.loads(path.read_text())
-    rows = [(name, f"{s:.0f}") for name, s in sorted(seconds.items())]
-    rows.append(("all notebooks", f"{sum(seconds.values()):.0f} ({sum(seconds.values()) / 60:.1f} minutes)"))
-    kind = res.machine()
-    said = ("" if kind is None else
-            f"Measured on {kind['cpu']} (bf16 matmul: {kind['bf16']}), {kind['cores']} cores (`machine.json`).\n\n")
-    return said + table(("notebook", "seconds"), rows)
+
+    def kind(e: dict) -> str:
+        return "unknown" if e["cpu"] == "unknown" else f"{e['cpu']} (bf16 matmul: {e['bf16']}), {e['cores']} cores"
+
+    rows = [(name, f"{e['seconds']:.0f}", kind(e)) for name, e in sorted(timed.items())]
+    total = sum(e["seconds"] for e in timed.values())
+    kinds = {kind(e) for e in timed.values()}
+    rows.append(("all notebooks", f"{total:.0f} ({total / 60:.1f} minutes)",
+                 kinds.pop() if len(kinds) == 1 else "mixed: compare only within one kind"))
+    return "`timings.json`: each notebook's seconds with the kind of machine that ran it.\n\n" + table(
+        ("notebook", "seconds", "machine"), rows)
 
 
 def doc_pages(results: Path | Results = RESULTS, docs: Path = DOCS) -> dict[Path, str]:

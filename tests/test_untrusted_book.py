@@ -17,7 +17,7 @@ import pytest
 from conftest import replace_path
 
 from drc_book.rollback import Rollback
-from drc_book.runner import _read_timings, load_profiles, output_dirs, reproduction_markdown, run_book, under_out
+from drc_book.runner import load_profiles, output_dirs, read_timings, reproduction_markdown, run_book, under_out
 from drc_book.workspace import load_results, save_results
 from drc_core.errors import DrcError
 from drc_core.guard import exclusive
@@ -233,11 +233,24 @@ def test_a_second_profile_writing_the_shared_results_is_refused_not_undone(book_
 # ---------------------------------------------------------------------------------------- damaged book files
 
 
+def test_timings_carry_the_machine_kind_and_old_files_still_read(tmp_path):
+    path = tmp_path / "timings.json"
+    path.write_text('{"01": 12.5, "02": {"seconds": 3, "cpu": "AMD EPYC", "bf16": "none", "cores": 2}}')
+    read = read_timings(path)
+    assert read["01"] == {"seconds": 12.5, "cpu": "unknown", "bf16": "unknown", "cores": None}
+    assert read["02"]["cpu"] == "AMD EPYC" and read["02"]["seconds"] == 3
+    for bad in ('{"01": {"seconds": -1, "cpu": "x", "bf16": "y"}}', '{"01": {"cpu": "x", "bf16": "y"}}',
+                '{"01": {"seconds": 1, "cpu": 3, "bf16": "y"}}'):
+        path.write_text(bad)
+        with pytest.raises(DrcError, match="timings file .* damaged"):
+            read_timings(path)
+
+
 @pytest.mark.parametrize("content", ["{", "[1]", '{"01": "slow"}', "[" * 100000])
 def test_damaged_book_files_are_one_line(tmp_path, content):
     (tmp_path / "timings.json").write_text(content)
     with pytest.raises(DrcError, match="timings file .* damaged"):
-        _read_timings(tmp_path / "timings.json")
+        read_timings(tmp_path / "timings.json")
     (tmp_path / "07_reproduction.json").write_text(content if content != '{"01": "slow"}' else '{"table": 3}')
     with pytest.raises(DrcError, match="results file .* damaged"):
         reproduction_markdown(tmp_path)
@@ -357,7 +370,7 @@ def test_every_damage_to_the_timings_file_is_one_line(tmp_path, case):
     content, words = TIMINGS_DAMAGE[case]
     replace_path(tmp_path / "timings.json", content)
     with pytest.raises(DrcError) as info:
-        _read_timings(tmp_path / "timings.json")
+        read_timings(tmp_path / "timings.json")
     line = str(info.value)
     assert "\n" not in line and words in line, line
 
