@@ -4,8 +4,10 @@ different lengths, requests of different lengths, fewer slots than requests, and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,6 +213,8 @@ def test_decoder_timing_table(model, rules):
     dense = table[table.path == "dense decode"]
     assert (dense.x_dense == 1).all() and (dense.flop_speedup == 1).all()
     assert (table.realization == table.x_dense / table.flop_speedup).all()
+    # one round: the paired per-round ratio is the ratio of the medians, and its interval that one value
+    assert np.allclose(table.x_dense_lo, table.x_dense) and np.allclose(table.x_dense_hi, table.x_dense)
     # the two halting decoders do the same work, token for token (the scheduling differs, not the compute)
     work = table[table.path != "dense decode"].pivot_table(index=["batch", "rule"], columns="path",
                                                           values="honest_flops")
@@ -231,7 +235,8 @@ def test_decoder_targets_by_batch_size():
 
     from drc_book.speed import decoder_targets
 
-    rows = [{"batch": b, "path": "continuous", "family": fam, "rule": f"{fam}@{b}", "x_dense": x, "realization": r}
+    rows = [{"batch": b, "path": "continuous", "family": fam, "rule": f"{fam}@{b}", "x_dense": x, "realization": r,
+             "flop_speedup": x / r}
             for b, fam, x, r in [(8, "kl", 1.05, 0.8), (8, "state_delta", 0.95, 0.65), (8, "cosine", 2.0, 1.0),
                                  (32, "kl", 1.1, 0.75), (32, "state_delta", 1.25, 0.7), (32, "uniform", 0.9, 0.9)]]
     t = decoder_targets(pd.DataFrame(rows)).set_index("check")
@@ -245,6 +250,16 @@ def test_decoder_targets_by_batch_size():
     assert t.loc["state_delta@32: tokens/s over the dense decoder"].met and t.loc["state_delta@32: realization"].met
     equal = t.loc["continuous at equal depth: time / dense decoder"]
     assert equal.value == 1 / 0.9 and not equal.met
+    assert (t.verdict == t.met.map({True: "met", False: "missed"})).all()  # no interval: the median decides
+    # with the paired ratios' intervals: met or missed only when the whole interval is on one side
+    bounds = {("kl", 8): (1.01, 1.1), ("state_delta", 8): (0.9, 1.02), ("kl", 32): (1.0, 1.15)}
+    for row in rows:
+        row["x_dense_lo"], row["x_dense_hi"] = bounds.get((row["family"], row["batch"]), (math.nan, math.nan))
+    t = decoder_targets(pd.DataFrame(rows)).set_index("check")
+    assert t.loc["kl@8: tokens/s over the dense decoder"].verdict == "met"
+    assert t.loc["state_delta@8: tokens/s over the dense decoder"].verdict == "unresolved"
+    assert t.loc["kl@32: tokens/s over the dense decoder"].verdict == "missed"
+    assert t.loc["kl@8: realization"].lo == 1.01 / (1.05 / 0.8)
 
 
 def test_one_timing_gives_both_decoder_tables(model, rules):
