@@ -577,7 +577,7 @@ class KnownDepth(Record):
                           f"uniform depth of equal CE ({rows[0]['uniform_depth']:.2f} loops): ") + "; ".join(
                     "{} {:.0%} [{:.0%}, {:.0%}] with {:+.1f} points of answer accuracy".format(
                         family_title(r["family"]), r["saved_frac"], r["saved_frac_lo"], r["saved_frac_hi"],
-                        0.0 - r["acc_lost"]) for r in rows) + "."
+                        0.0 - r["acc_lost"]) for r in rows) + "."  # 0.0 - x: no "-0.0" for no loss
         cost = [c["difference"] for c in self.natural_cost_bpb]
         return (f"**Found.** Answers needing k = {lo_k}..{hi_k} lookups: at {self.reference_loops} loops the least "
                 f"accurate are those of k = {k}, {acc.value:.1%} [{acc.lo:.1%}, {acc.hi:.1%}]; at one loop those of "

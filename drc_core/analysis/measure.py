@@ -166,9 +166,9 @@ def measure_windows(model: RecurrentModel, windows: torch.Tensor, max_loops: int
     ``kl``, ``kl_final`` (NaN when ``kl_to_final=False``), ``state_delta``, ``entropy``, ``argmax``, ``ce`` and
     every statistic registered with ``frame=True``; float32, ids small signed integers. ``dynamics=True`` adds
     ``state_norm`` = ||s_l||, ``state_step1`` = ||s_l - s_{l-1}|| (NaN at loop 1) and ``state_step2`` =
-    ||s_l - s_{l-2}|| (NaN at loops 1-2). ``positions``: an (N, T)
-    bool mask of the tokens to keep (same values as the full measurement). Batch k starts from the k-th draw of a
-    generator seeded with ``seed``, as :func:`drc_core.training.evaluate.loss_by_depth` does.
+    ||s_l - s_{l-2}|| (NaN at loops 1-2). ``positions``: an (N, T) bool mask of the tokens to keep (same values as
+    the full measurement). Batch k starts from the k-th draw of a generator seeded with ``seed``, as
+    :func:`drc_core.training.evaluate.loss_by_depth` does.
     """
     run = WindowMeasure(model, windows, max_loops, doc_ids=doc_ids, seed=seed, kl_to_final=kl_to_final,
                         positions=positions, dynamics=dynamics)
