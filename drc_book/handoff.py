@@ -429,7 +429,19 @@ class Compute(Record):
                 f"{sum(not t['reachable'] for t in missed)} are out of reach of any implementation of the same work. "
                 f"The measurement pass costs {self.measurement_x_forward:.2f}x one forward at its depth and "
                 f"{self.measurement_x_readout_pass:.2f}x the bare every-loop readout pass (itself "
-                f"{self.readout_pass_x_forward:.2f}x the forward).{self._timing_sentence()}")
+                f"{self.readout_pass_x_forward:.2f}x the forward).{self._decoder_sentence()}{self._timing_sentence()}")
+
+    def _decoder_sentence(self) -> str:
+        """The continuous decoder's targets by verdict (out of reach: from results written with a ``ceiling``)."""
+        checks = self.decoder_targets or []
+        if not checks:
+            return ""
+        verdicts = [c.get("verdict", "met" if c["met"] else "missed") for c in checks]
+        reach = (f"; {sum(c['reachable'] is False for c in checks)} are out of reach of any implementation of the "
+                 "same work" if all("reachable" in c for c in checks) else "")
+        return (f" Of the continuous decoder's {len(checks)} targets, {verdicts.count('met')} are met, "
+                f"{verdicts.count('missed')} missed and {verdicts.count('unresolved')} unresolved on their "
+                f"intervals{reach}.")
 
     def _timing_sentence(self) -> str:
         """How the timings ended, from ``timing_checks`` (empty in results written before them)."""

@@ -91,6 +91,14 @@ def test_compute_findings_follow_the_record():
     for rows in {e["rows"] for e in record.generation}:
         assert f"with {rows} row" in text
     assert f"{record.measurement_x_forward:.2f}x one forward" in text
+    verdicts = [t["verdict"] for t in record.decoder_targets]
+    assert f"continuous decoder's {len(verdicts)} targets, {verdicts.count('met')} are met" in text
+    # a ceiling in the record says how many are out of reach; none in it, nothing is said
+    rows = [{**t, "reachable": i != 0} for i, t in enumerate(record.decoder_targets)]
+    assert "1 are out of reach of any" in dataclasses.replace(record, decoder_targets=rows).findings()
+    bare = [{k: v for k, v in t.items() if k != "reachable"} for t in record.decoder_targets]
+    assert "targets" in (said := dataclasses.replace(record, decoder_targets=bare)._decoder_sentence())
+    assert "out of reach" not in said
 
 
 def test_known_depth_findings_follow_the_record():
