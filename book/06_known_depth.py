@@ -90,6 +90,7 @@ extrapolation_docs = 150
 lever_checkpoint = "data/known-depth-k4"  # chains of 1..lever_trained_k links; empty: skip
 lever_trained_k = 4
 lever_docs = 200  # fresh documents with chains of 1..2 * lever_trained_k links
+lever_models = ["data/known-depth-k4"]  # each lever's shipped model, compared by its probe record
 law_checkpoint = "data/known-depth-hops"  # trained on another family; empty: skip
 law_family = "hops"  # the family law_checkpoint was trained on (k from 1 to law_trained_k)
 law_trained_k = 4
@@ -123,6 +124,7 @@ work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_ini
     work_dir, corpus_dir, task_checkpoint, task_corpus_dir, task_tokenizer, task_init
 )
 lever_checkpoint = lever_checkpoint and at_root(lever_checkpoint)
+lever_models = [at_root(m) for m in lever_models]
 law_checkpoint = law_checkpoint and at_root(law_checkpoint)
 task_work = str(Path(work_dir) / "depth_tasks")
 task_corpus = task_corpus_dir or str(Path(task_work) / "corpus")
@@ -397,6 +399,22 @@ if lever is not None:
           + "{:.3f} [{:.3f}, {:.3f}]".format(*lever["spearman_depth"]))
     display(lever["best"].round(3))
     display(lever["depth_law"].round(3))
+
+# %% [markdown]
+# Each lever tried, side by side, as the probe recorded with its shipped model measured it (`source.json`:
+# `scripts/extrapolation_probe.py`, chains of 1..2K links at loops up to `max_loops`): per `k` the best accuracy
+# over loops with its interval over documents, then the depth-extrapolation targets, each judged on the best
+# accuracy at a loop above the training mean `R` (and `rises`: above accuracy at `R`, so looping more helped).
+
+# %%
+if lever_models:
+    levers, lever_targets = dt.lever_records({Path(m).name: m for m in lever_models}, R)
+    curves = levers.rename(columns={"lever": "series", "best_acc": "value", "best_lo": "lo",
+                                    "best_hi": "hi"})
+    display(viz.depth_by_k_figure(curves, "Best accuracy over loops by k, per lever",
+                                  y_title="accuracy"))
+    display(lever_targets.round(3))
+    display(Markdown(dt.lever_sentence(lever_targets)))
 
 # %% [markdown]
 # What halting saves on these documents, measured as on the task documents above (loops saved against the uniform

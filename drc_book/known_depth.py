@@ -6,8 +6,9 @@ resamples documents.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ from drc_core import (
     offline_pass_and_measure,
     overthinks,
     pass_loss_tables,
+    read_json,
     read_labels,
     split_windows,
     summarize,
@@ -71,6 +73,8 @@ __all__ = [
     "exits_by_k",
     "generated_task_windows",
     "halting_against_overthinking",
+    "lever_records",
+    "lever_sentence",
     "lever_study",
     "mean_by_k",
     "risk_units",
@@ -557,3 +561,60 @@ def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, e
             "depth_law": law, "halting_against_overthinking": halting,
             "overthinking_certificate": dict(halting.attrs),
             "savings": savings(passed, tw, reference_loops=depth, ce_tolerance=ce_tolerance, seed=seed)}
+
+
+EXTRAPOLATION_TARGETS = {1: 0.8, 2: 0.5}  # k = K + 1 and K + 2: accuracy at some loop above the training mean
+EXTRAPOLATION_SPEARMAN = 0.7  # Spearman(k, convergence depth) over k = 1..2K
+
+
+def lever_records(models: Mapping[str, str | Path], reference_loops: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each lever's shipped model (label -> its directory) as its ``source.json`` records it (the
+    ``extrapolation_probe`` of ``scripts/extrapolation_probe.py``: chains of 1..2K links): per ``k`` the best
+    accuracy over loops with its interval, the best above ``reference_loops`` (the training mean) and accuracy there;
+    then per lever the depth-extrapolation targets, accuracy >= 80% at k = K + 1 and >= 50% at K + 2 at a loop above
+    the training mean (``gain`` over accuracy at the training mean, ``rises`` when positive) and Spearman(k,
+    convergence depth) >= 0.7, each with ``met``."""
+    rows, targets = [], []
+    for label, path in models.items():
+        source = read_json(Path(path) / "source.json", "shipped model record",
+                           "restore the model directory from the repository")
+        probe = source.get("extrapolation_probe", {}).get("this model") if isinstance(source, dict) else None
+        if not isinstance(probe, dict):
+            raise DrcError(f"'{path}/source.json' has no extrapolation probe of the model: run "
+                           "scripts/extrapolation_probe.py on it and record its output there")
+        trained_k = int(probe["trained_k"])
+        for k, r in sorted(probe["per_k"].items(), key=lambda kv: int(kv[0])):
+            by_loop = {int(lp): a for lp, a in r["acc_by_loop"].items()}
+            above = {lp: a for lp, a in by_loop.items() if lp > reference_loops}
+            top = max(above, key=above.get) if above else None
+            rows.append({"lever": label, "k": int(k), "beyond": int(k) > trained_k, "best_acc": r["best_acc"],
+                         "best_lo": r["best_ci"][0], "best_hi": r["best_ci"][1], "best_loop": r["best_loop"],
+                         f"acc_at_{reference_loops}": by_loop.get(reference_loops, np.nan),
+                         "best_above": above[top] if top else np.nan, "loop_above": top,
+                         "mean_depth": r["mean_depth"], "overthought": r["overthought"], "answers": r["answers"]})
+        per_k = pd.DataFrame([r for r in rows if r["lever"] == label]).set_index("k")
+        for extra, goal in EXTRAPOLATION_TARGETS.items():
+            k = trained_k + extra
+            value = per_k.best_above.get(k, np.nan)
+            gain = value - per_k[f"acc_at_{reference_loops}"].get(k, np.nan)
+            targets.append({"lever": label, "target": f"k = {k}: accuracy >= {goal:g} above loop {reference_loops}",
+                            "value": value, "met": bool(value >= goal and gain > 0), "rises": bool(gain > 0),
+                            "gain": gain})
+        rho, name = probe["spearman_depth"], f"Spearman(k, depth) >= {EXTRAPOLATION_SPEARMAN:g}, k = 1..{2 * trained_k}"
+        targets.append({"lever": label, "target": name, "value": rho[0], "lo": rho[1], "hi": rho[2],
+                        "met": bool(rho[0] >= EXTRAPOLATION_SPEARMAN)})
+    return pd.DataFrame(rows), pd.DataFrame(targets)
+
+
+def lever_sentence(targets: pd.DataFrame) -> str:
+    """Per lever of :func:`lever_records`: how many targets it meets and, for each it misses, the value reached and
+    what looping beyond the training mean added to it (near zero: looping more stopped helping, the limit the lever
+    hit)."""
+    parts = []
+    for lever, g in targets.groupby("lever", sort=False):
+        gains = g.gain if "gain" in g else pd.Series(np.nan, index=g.index)
+        missed = [f"{r.target} reached {r.value:.3f}" + ("" if pd.isna(up) else
+                                                         f" ({up:+.3f} over the training mean's loop)")
+                  for r, up in zip(g.itertuples(), gains, strict=True) if not r.met]
+        parts.append(f"**{lever}** meets {int(g.met.sum())} of {len(g)}" + (f"; {'; '.join(missed)}" if missed else ""))
+    return ". ".join(parts) + "." if parts else ""

@@ -357,12 +357,14 @@ def accuracy_heatmap(acc: pd.DataFrame, value: str = "acc", title: str = "") -> 
     return _style(fig, title or ("Answer accuracy" if is_acc else "Answer cross-entropy") + " by k and loop")
 
 
-def depth_by_k_figure(table: pd.DataFrame, title: str = "") -> go.Figure:
-    """A loop count per ``k``, one line per ``series`` with its ``lo``/``hi`` band, beside ``loops = k``."""
+def depth_by_k_figure(table: pd.DataFrame, title: str = "", y_title: str = "loops") -> go.Figure:
+    """A loop count per ``k``, one line per ``series`` with its ``lo``/``hi`` band, beside ``loops = k`` (drawn only
+    for ``y_title`` "loops": another quantity by ``k``, e.g. accuracy, gets its lines alone)."""
     _need_columns(table, ("series", "k", "value", "lo", "hi"), "a table with series, k, value, lo, hi")
     fig = go.Figure()
     ks = np.sort(table["k"].unique()).astype(float)
-    fig.add_trace(go.Scatter(x=ks, y=ks, mode="lines", name="loops = k", line={"color": "grey", "dash": "dot"}))
+    if y_title == "loops":
+        fig.add_trace(go.Scatter(x=ks, y=ks, mode="lines", name="loops = k", line={"color": "grey", "dash": "dot"}))
     for i, (name, g) in enumerate(table.groupby("series", sort=False)):
         g = g.sort_values("k")
         color = _color(i)
@@ -370,7 +372,7 @@ def depth_by_k_figure(table: pd.DataFrame, title: str = "") -> go.Figure:
         fig.add_trace(go.Scatter(x=g["k"], y=g["value"], mode="lines+markers", name=str(name),
                                  line={"color": color}, legendgroup=str(name)))
     fig.update_xaxes(title_text="lookups needed (k)", dtick=1)
-    fig.update_yaxes(title_text="loops")
+    fig.update_yaxes(title_text=y_title)
     return _style(fig, title or "Depth by k")
 
 

@@ -499,3 +499,40 @@ def test_the_solver_names_each_question_s_chain_and_position():
     assert got == [("hall", 1, 3, 0), ("barn", 1, 1, 0), ("hall", 3, 3, 1)]
     prose = "The cup is in the box. The box is in the barn. Where is the box? It is in the barn."
     assert [(a.chain, a.turn) for a in solve(prose)] == [(2, 0)]
+
+
+def test_lever_records_judge_extrapolation_from_the_recorded_probe(tmp_path):
+    """Each lever's shipped record: best accuracy per k, the best above the training mean, and the targets (80% at
+    K + 1 and 50% at K + 2 above it while rising; Spearman 0.7), checked against a record written here."""
+    import json
+
+    def probe(acc5: dict[int, float], acc6: dict[int, float], rho: float) -> dict:
+        per_k = {}
+        for k, by_loop in ((1, {4: 1.0, 8: 1.0, 16: 1.0}), (2, {4: 0.9, 8: 0.95, 16: 0.95}), (5, acc5), (6, acc6)):
+            best = max(by_loop, key=by_loop.get)
+            per_k[str(k)] = {"answers": 10, "acc_by_loop": {str(lp): a for lp, a in by_loop.items()},
+                             "best_loop": best, "best_acc": by_loop[best], "best_ci": [by_loop[best] - 0.1, 1.0],
+                             "mean_depth": float(k), "overthought": 0.0}
+        return {"extrapolation_probe": {"this model": {"trained_k": 4, "spearman_depth": [rho, rho - 0.1, rho + 0.1],
+                                                       "per_k": per_k}}}
+
+    good, flat = tmp_path / "good", tmp_path / "flat"
+    for path, record in ((good, probe({4: 0.3, 8: 0.6, 16: 0.85}, {8: 0.2, 16: 0.55}, 0.8)),
+                         (flat, probe({4: 0.9, 8: 0.9, 16: 0.9}, {8: 0.6, 16: 0.4}, 0.5))):
+        path.mkdir()
+        (path / "source.json").write_text(json.dumps(record))
+    table, targets = dt.lever_records({"good": good, "flat": flat}, 8)
+    row = table.set_index(["lever", "k"]).loc[("good", 5)]
+    assert row.beyond and row.best_above == 0.85 and row.loop_above == 16 and row.acc_at_8 == 0.6
+    t = targets.set_index(["lever", "target"]).met
+    assert t[("good", "k = 5: accuracy >= 0.8 above loop 8")] and t[("good", "k = 6: accuracy >= 0.5 above loop 8")]
+    assert t[("good", "Spearman(k, depth) >= 0.7, k = 1..8")]
+    # 0.9 at k = 5, but no higher than at loop 8: looping more did not help, so the target is not met
+    assert not t[("flat", "k = 5: accuracy >= 0.8 above loop 8")]
+    assert not t[("flat", "k = 6: accuracy >= 0.5 above loop 8")] and not t[("flat", "Spearman(k, depth) >= 0.7, "
+                                                                                   "k = 1..8")]
+    said = dt.lever_sentence(targets)
+    assert "**good** meets 3 of 3" in said and "**flat** meets 0 of 3" in said and "+0.000 over" in said
+    (flat / "source.json").write_text(json.dumps({"kind": "a model with no probe"}))
+    with pytest.raises(DrcError, match="has no extrapolation probe of the model: run scripts/extrapolation_probe"):
+        dt.lever_records({"flat": flat}, 8)
