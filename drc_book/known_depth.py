@@ -73,6 +73,7 @@ __all__ = [
     "exits_by_k",
     "generated_task_windows",
     "halting_against_overthinking",
+    "extrapolation_probe",
     "lever_records",
     "lever_sentence",
     "lever_study",
@@ -561,6 +562,35 @@ def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, e
             "depth_law": law, "halting_against_overthinking": halting,
             "overthinking_certificate": dict(halting.attrs),
             "savings": savings(passed, tw, reference_loops=depth, ce_tolerance=ce_tolerance, seed=seed)}
+
+
+def extrapolation_probe(traj: Measurement, loops: Sequence[int], eps: float = DEFAULT_EPS, *, n_boot: int = 200,
+                        seed: int = 0) -> dict[str, Any]:
+    """The probe record :func:`lever_records` reads (``scripts/extrapolation_probe.py`` writes it, with where it ran,
+    as ``source.json``'s ``extrapolation_probe``): Spearman(k, convergence depth) with its interval over documents,
+    and per ``k`` the answers, accuracy at each of ``loops``, the best of them with its interval, the mean
+    convergence depth, the share overthought, accuracy at the last loop, and the KL rule at ``eps`` replayed on the
+    trajectories (each answer stops at the first loop >= 2 whose successive KL is below ``eps``, else the last)."""
+    acc = accuracy_by_k(traj, n_boot=n_boot, seed=seed)
+    acc = acc[acc.loop.isin(loops)]
+    depths = answer_depths(traj, eps)
+    rho = spearman_ci(depths.k.to_numpy(), depths.depth.to_numpy(), depths.doc.to_numpy(), n_boot=n_boot, seed=seed)
+    below = np.nan_to_num(traj.matrix("kl"), nan=np.inf) < eps
+    stop = np.where(below.any(1), below.argmax(1), traj.max_loops - 1)
+    right_at_stop = _correct(traj)[np.arange(len(traj)), stop]
+    ks = traj.meta["k"].to_numpy()
+    per_k = {}
+    for k, g in acc.groupby("k"):
+        best, d, mine = g.loc[g.acc.idxmax()], depths[depths.k == k], ks == k
+        per_k[int(k)] = {"answers": int(g.n.iloc[0]),
+                         "acc_by_loop": dict(zip(g.loop.astype(int).tolist(), g.acc.tolist(), strict=True)),
+                         "best_loop": int(best.loop), "best_acc": float(best.acc),
+                         "best_ci": [float(best.acc_lo), float(best.acc_hi)], "mean_depth": float(d.depth.mean()),
+                         "overthought": float(d.overthinks.mean()), "acc_last": float(d.correct_final.mean()),
+                         "kl_rule": {"acc": float(right_at_stop[mine].mean()),
+                                     "mean_exit": float(stop[mine].mean() + 1)}}
+    return {"loops": sorted(int(lp) for lp in loops), "eps": eps, "spearman_depth": list(rho), "per_k": per_k,
+            "table": acc.pivot(index="k", columns="loop", values="acc")}
 
 
 EXTRAPOLATION_TARGETS = {1: 0.8, 2: 0.5}  # k = K + 1 and K + 2: accuracy at some loop above the training mean

@@ -23,10 +23,9 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from drc_book.known_depth import accuracy_by_k, answer_depths, answer_trajectories, corpus_task_windows, spearman_ci
+from drc_book.known_depth import answer_trajectories, corpus_task_windows, extrapolation_probe
 from drc_core import Corpus, DrcError, load, run_cli
 
 
@@ -36,20 +35,6 @@ def newest(run: Path) -> Path:
         return run / "final"
     found = sorted((run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else []
     return found[-1] if found else run
-
-
-def kl_exit_accuracy(traj, eps: float) -> dict[int, dict[str, float]]:
-    """Per k: accuracy and mean exit loop when each answer stops at the first loop (>= 2) whose successive KL is
-    below ``eps`` (the KL rule replayed on the trajectories; the deepest loop when it never is)."""
-    n_loops = int(traj["loop"].max())
-    kl = traj["kl"].to_numpy().reshape(-1, n_loops)
-    cor = traj["correct"].to_numpy().reshape(-1, n_loops)
-    ks = traj["k"].to_numpy().reshape(-1, n_loops)[:, 0]
-    below = np.nan_to_num(kl, nan=np.inf) < eps
-    exit_ = np.where(below.any(1), below.argmax(1), n_loops - 1)
-    right = cor[np.arange(len(cor)), exit_]
-    return {int(k): {"acc": float(right[ks == k].mean()), "mean_exit": float(exit_[ks == k].mean() + 1)}
-            for k in np.unique(ks)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,23 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         raise DrcError(f"corpus '{args.on}' has another tokenizer than '{args.corpus}': prepare it with the same")
     tw = corpus_task_windows(on, m.model.max_seq_len, n_docs=args.docs, split="val", seed=args.seed)
     traj = answer_trajectories(m.model, tw, max(loops))
-    acc = accuracy_by_k(traj[traj.loop.isin(loops)], n_boot=args.boot)
-    depths = answer_depths(traj, args.eps)
-    rho = spearman_ci(depths.k.to_numpy(), depths.depth.to_numpy(), depths.doc.to_numpy(), n_boot=args.boot)
-    kl_exit = kl_exit_accuracy(traj, args.eps)
-    per_k = {}
-    for k, g in acc.groupby("k"):
-        best = g.loc[g.acc.idxmax()]
-        d = depths[depths.k == k]
-        per_k[int(k)] = {"answers": int(g.n.iloc[0]), "acc_by_loop": dict(zip(g.loop.astype(int), g.acc, strict=True)),
-                         "best_loop": int(best.loop), "best_acc": float(best.acc),
-                         "best_ci": [float(best.acc_lo), float(best.acc_hi)],
-                         "mean_depth": float(d.depth.mean()), "overthought": float(d.overthinks.mean()),
-                         "acc_last": float(d.correct_final.mean()), "kl_rule": kl_exit[int(k)]}
-    table = acc.pivot(index="k", columns="loop", values="acc").round(3)
-    print(f"{path}: {len(tw.windows)} documents of {args.on}, {len(depths)} answers; trained on k <= "
+    probe = extrapolation_probe(traj, loops, args.eps, n_boot=args.boot)
+    table, per_k, rho = probe.pop("table"), probe["per_k"], probe["spearman_depth"]
+    print(f"{path}: {len(tw.windows)} documents of {args.on}, {len(traj)} answers; trained on k <= "
           f"{args.trained_k}, training mean {m.config.recurrence.mean:g} loops")
-    print(table.to_string())
+    print(table.round(3).to_string())
     for k, r in per_k.items():
         print(f"k={k}: best {r['best_acc']:.3f} at loop {r['best_loop']} [{r['best_ci'][0]:.3f}, {r['best_ci'][1]:.3f}]"
               f", mean convergence depth {r['mean_depth']:.2f}, overthought {r['overthought']:.1%}, last loop "
@@ -100,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"checkpoint": str(path), "on": str(args.on), "docs": len(tw.windows),
-                                        "trained_k": args.trained_k, "loops": loops, "eps": args.eps,
-                                        "spearman_depth": list(rho), "per_k": per_k}, indent=1))
+                                        "trained_k": args.trained_k, **probe}, indent=1))
     return 0
 
 

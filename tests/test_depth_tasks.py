@@ -536,3 +536,32 @@ def test_lever_records_judge_extrapolation_from_the_recorded_probe(tmp_path):
     (flat / "source.json").write_text(json.dumps({"kind": "a model with no probe"}))
     with pytest.raises(DrcError, match="has no extrapolation probe of the model: run scripts/extrapolation_probe"):
         dt.lever_records({"flat": flat}, 8)
+
+
+def test_extrapolation_probe_record_round_trips_through_lever_records(tmp_path, one_thread):
+    """The probe record of real trajectories (the shipped lever model on a few generated chains of 1..4 links) is
+    what lever_records reads: the same best accuracy per k, and the KL rule's replay stops where the KL first falls
+    below eps (else at the last loop)."""
+    import json
+    from pathlib import Path
+
+    from drc_core import DepthTaskConfig, eot_id, load
+
+    lm = load(str(Path(__file__).resolve().parents[1] / "data" / "known-depth-k4"))
+    tasks = DepthTaskConfig(docs=3, min_k=1, max_k=4, families=("links",), ask_every=True, ask_order="shuffled",
+                            seed=5, repeat_share=0.0)
+    tw = dt.generated_task_windows(lm.tokenizer, tasks, lm.model.max_seq_len, pad_id=eot_id(lm.tokenizer))
+    traj = dt.answer_trajectories(lm.model, tw, 8)
+    probe = dt.extrapolation_probe(traj, [1, 2, 4, 8], 1e-3, n_boot=20)
+    table = probe.pop("table")
+    assert list(table.columns) == [1, 2, 4, 8] and set(probe["per_k"]) == set(tw.answers.k)
+    kl = np.nan_to_num(traj.matrix("kl"), nan=np.inf)
+    for k, r in probe["per_k"].items():
+        rows = np.flatnonzero(traj.meta.k.to_numpy() == k)
+        stops = [int(np.argmax(kl[i] < 1e-3)) + 1 if (kl[i] < 1e-3).any() else 8 for i in rows]
+        assert r["kl_rule"]["mean_exit"] == pytest.approx(np.mean(stops)) and r["answers"] == len(rows)
+        assert r["best_acc"] == max(r["acc_by_loop"].values()) == table.loc[k].max()
+    (tmp_path / "source.json").write_text(json.dumps({"extrapolation_probe": {"this model": {
+        "trained_k": 2, **probe}}}))
+    levers, _ = dt.lever_records({"here": tmp_path}, 4)
+    assert levers.set_index("k").best_acc.to_dict() == {k: r["best_acc"] for k, r in probe["per_k"].items()}
