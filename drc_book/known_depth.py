@@ -216,14 +216,16 @@ def _correct(traj: Measurement) -> np.ndarray:
 
 
 def accuracy_by_k(traj: Measurement, *, by: tuple[str, ...] = ("k",), n_boot: int = 1000,
-                  seed: int = 0) -> pd.DataFrame:
-    """Answer accuracy and CE per group (``by``, e.g. ``("family", "k")``) and loop, with 95% intervals over
-    documents: columns ``*by, loop, n, acc, acc_lo, acc_hi, ce, ce_lo, ce_hi``."""
+                  seed: int = 0, loops: Sequence[int] | None = None) -> pd.DataFrame:
+    """Answer accuracy and CE per group (``by``, e.g. ``("family", "k")``) and loop (each of ``loops``, default
+    every loop measured), with 95% intervals over documents: columns ``*by, loop, n, acc, acc_lo, acc_hi, ce,
+    ce_lo, ce_hi``."""
     rows = []
     correct, ce = _correct(traj).astype(float), traj.matrix("ce")
+    columns = range(traj.max_loops) if loops is None else sorted(int(lp) - 1 for lp in loops)
     for key, g in traj.meta.groupby(list(by), sort=True):
         docs, idx = g["doc"].to_numpy(), g.index.to_numpy()
-        for j in range(traj.max_loops):
+        for j in columns:
             vals = np.stack([correct[idx, j], ce[idx, j]], axis=1)
             point, lo, hi = bootstrap_ci(vals, docs, n_boot=n_boot, seed=seed)
             rows.append({**dict(zip([*by, "loop"], (*key, j + 1), strict=True)), "n": len(g), "acc": point[0],
@@ -571,12 +573,10 @@ def extrapolation_probe(traj: Measurement, loops: Sequence[int], eps: float = DE
     and per ``k`` the answers, accuracy at each of ``loops``, the best of them with its interval, the mean
     convergence depth, the share overthought, accuracy at the last loop, and the KL rule at ``eps`` replayed on the
     trajectories (each answer stops at the first loop >= 2 whose successive KL is below ``eps``, else the last)."""
-    acc = accuracy_by_k(traj, n_boot=n_boot, seed=seed)
-    acc = acc[acc.loop.isin(loops)]
+    acc = accuracy_by_k(traj, n_boot=n_boot, seed=seed, loops=loops)
     depths = answer_depths(traj, eps)
     rho = spearman_ci(depths.k.to_numpy(), depths.depth.to_numpy(), depths.doc.to_numpy(), n_boot=n_boot, seed=seed)
-    below = np.nan_to_num(traj.matrix("kl"), nan=np.inf) < eps
-    stop = np.where(below.any(1), below.argmax(1), traj.max_loops - 1)
+    stop = measured_exits(traj, [KLThreshold(eps, max_loops=traj.max_loops)])[0] - 1  # 0-based
     right_at_stop = _correct(traj)[np.arange(len(traj)), stop]
     ks = traj.meta["k"].to_numpy()
     per_k = {}
@@ -612,17 +612,18 @@ def lever_records(models: Mapping[str, str | Path], reference_loops: int) -> tup
         if not isinstance(probe, dict):
             raise DrcError(f"'{path}/source.json' has no extrapolation probe of the model: run "
                            "scripts/extrapolation_probe.py on it and record its output there")
-        trained_k = int(probe["trained_k"])
+        trained_k, mine = int(probe["trained_k"]), []
         for k, r in sorted(probe["per_k"].items(), key=lambda kv: int(kv[0])):
             by_loop = {int(lp): a for lp, a in r["acc_by_loop"].items()}
             above = {lp: a for lp, a in by_loop.items() if lp > reference_loops}
             top = max(above, key=above.get) if above else None
-            rows.append({"lever": label, "k": int(k), "beyond": int(k) > trained_k, "best_acc": r["best_acc"],
+            mine.append({"lever": label, "k": int(k), "beyond": int(k) > trained_k, "best_acc": r["best_acc"],
                          "best_lo": r["best_ci"][0], "best_hi": r["best_ci"][1], "best_loop": r["best_loop"],
                          f"acc_at_{reference_loops}": by_loop.get(reference_loops, np.nan),
-                         "best_above": above[top] if top else np.nan, "loop_above": top,
+                         "best_above": np.nan if top is None else above[top], "loop_above": top,
                          "mean_depth": r["mean_depth"], "overthought": r["overthought"], "answers": r["answers"]})
-        per_k = pd.DataFrame([r for r in rows if r["lever"] == label]).set_index("k")
+        rows += mine
+        per_k = pd.DataFrame(mine).set_index("k")
         for extra, goal in EXTRAPOLATION_TARGETS.items():
             k = trained_k + extra
             value = per_k.best_above.get(k, np.nan)

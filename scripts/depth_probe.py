@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     tw = corpus_task_windows(on, m.model.max_seq_len, n_docs=args.docs, split="val",
                              seed=args.seed)
     traj = answer_trajectories(m.model, tw, max(loops))
-    acc = accuracy_by_k(traj[traj.loop.isin(loops)], by=("family", "k"), n_boot=args.boot)
+    acc = accuracy_by_k(traj, by=("family", "k"), n_boot=args.boot, loops=loops)
     table = acc.pivot(index=["family", "k"], columns="loop", values="acc")
     table["answers"] = acc.groupby(["family", "k"])["n"].first()
     table["last 95% CI"] = [f"[{lo:.3f}, {hi:.3f}]" for lo, hi in

@@ -275,8 +275,7 @@ def checkpoints(run: Path) -> list[Path]:
 
 def skill_accuracy(model, tw, loops: list[int]) -> dict[str, dict[int, float]]:
     """Answer accuracy per ``k`` (``"k1"``, ...) at each of ``loops``, on the task windows ``tw``."""
-    acc = accuracy_by_k(answer_trajectories(model, tw, max(loops)), n_boot=200)
-    acc = acc[acc.loop.isin(loops)]
+    acc = accuracy_by_k(answer_trajectories(model, tw, max(loops)), n_boot=200, loops=loops)
     return {f"k{k}": {int(r.loop): float(r.acc) for r in g.itertuples()} for k, g in acc.groupby("k")}
 
 

@@ -553,6 +553,9 @@ def test_extrapolation_probe_record_round_trips_through_lever_records(tmp_path, 
     tw = dt.generated_task_windows(lm.tokenizer, tasks, lm.model.max_seq_len, pad_id=eot_id(lm.tokenizer))
     traj = dt.answer_trajectories(lm.model, tw, 8)
     probe = dt.extrapolation_probe(traj, [1, 2, 4, 8], 1e-3, n_boot=20)
+    # accuracy at chosen loops only: the same rows as every loop's table filtered to them
+    every, some = dt.accuracy_by_k(traj, n_boot=20), dt.accuracy_by_k(traj, n_boot=20, loops=[8, 1, 4, 2])
+    pd.testing.assert_frame_equal(some, every[every.loop.isin([1, 2, 4, 8])].reset_index(drop=True))
     table = probe.pop("table")
     assert list(table.columns) == [1, 2, 4, 8] and set(probe["per_k"]) == set(tw.answers.k)
     kl = np.nan_to_num(traj.matrix("kl"), nan=np.inf)
