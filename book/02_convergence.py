@@ -69,9 +69,12 @@ t0 = time.time()
 if checkpoint:  # a model trained elsewhere reads text through its own tokenizer
     ensure_corpus(corpus_dir, source, 4096, max_docs=max_docs or None, tokenizer=checkpoint,
                   progress=False)
-model, cfg, corpus, windows, docs, _ = open_study(work_dir, corpus_dir, n_windows, checkpoint)
-# dynamics=True: also the state norms and steps of each loop (the per-token dynamics below)
-meas = drc_core.measure_windows(model, windows, max_loops, doc_ids=docs, dynamics=True)
+model, cfg, corpus, windows, docs, R = open_study(work_dir, corpus_dir, n_windows, checkpoint)
+# dynamics=True: also the state norms and steps of each loop (the per-token dynamics below); the halting rules
+# of the last section read the same loops, so both come from one run of the core loops
+specs = drc_core.default_rules(rule_max_loops)
+passed, meas = drc_core.offline_pass_and_measure(model, windows, specs, reference_loops=R, max_loops=max_loops,
+                                                 doc_ids=docs, dynamics=True)
 meas.save(Path(work_dir) / "frame.parquet",
           made_with={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
 train_mean = cfg.recurrence.mean
@@ -118,7 +121,6 @@ concentration.set_index("loop").map(lambda v: f"{v:.3g}")
 # where a rule's cap, not its threshold, decides the cost.
 
 # %%
-R = round(train_mean)
 share_at = sorted({lp for lp in (2 * R, max_loops) if 2 <= lp <= max_loops})
 cycling, cycle_share = drc_core.oscillating_tokens(meas, share_at=share_at)
 shares = ", ".join(f"{sh:.0%} of the mean KL at loop {lp}" for lp, sh in cycle_share.items())
@@ -232,12 +234,11 @@ over_shares.pivot(index="group", columns="flag", values="share").round(4)
 # %% [markdown]
 # ### Do halting rules stop oscillating or drifting tokens early or late?
 # Each training-free rule at the threshold whose mean exit loop on these windows is closest to R, replayed
-# offline on the same trajectories (`token_exits`): its mean exit loop per dynamics class, and that of the
+# offline on the same trajectories (`OfflinePass.token_exits`): its mean exit loop per dynamics class, and that of the
 # oscillating, contracting and drifting tokens relative to the settled ones (> 1: stopped later).
 
 # %%
-specs = drc_core.default_rules(rule_max_loops)
-exits = drc_core.token_exits(model, windows, specs, reference_loops=R)
+exits = passed.token_exits()
 near_r = exits_by_class(exits, specs, dyn_class, overall.index, near=R)
 print(exits_by_class_text(near_r, dyn_class))
 near_r.round(2).assign(param=near_r.param.map("{:g}".format))

@@ -248,17 +248,32 @@ def answer_depths(traj: Measurement, eps: float = DEFAULT_EPS) -> pd.DataFrame:
 def spearman_ci(x: np.ndarray, y: np.ndarray, clusters: np.ndarray, *, n_boot: int = 1000, seed: int = 0,
                 level: float = 0.95) -> tuple[float, float, float]:
     """Spearman's rank correlation of ``x`` and ``y`` with a percentile interval from resampling ``clusters``
-    (documents) with replacement."""
+    (documents) with replacement (a resample constant in ``x`` or ``y`` has none and is left out)."""
     x, y = np.asarray(x, float), np.asarray(y, float)
     codes = np.unique(np.asarray(clusters), return_inverse=True)[1]
-    members = [np.flatnonzero(codes == c) for c in range(codes.max() + 1)]
-    boot = []
-    for block in cluster_draws(len(members), n_boot, seed, chunk=64):
-        for w in block:
-            idx = np.concatenate([np.repeat(members[c], int(m)) for c, m in enumerate(w) if m])
-            boot.append(sps.spearmanr(x[idx], y[idx]).statistic)
+    boot = np.concatenate([_resampled_spearman(x, y, counts[:, codes])
+                           for counts in cluster_draws(codes.max() + 1, n_boot, seed, chunk=64)])
     lo, hi = np.nanpercentile(boot, [50 * (1 - level), 50 * (1 + level)])
     return float(sps.spearmanr(x, y).statistic), float(lo), float(hi)
+
+
+def _resampled_spearman(x: np.ndarray, y: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """(m,) Spearman's correlation of each resample, given as ``draws`` (m, n): how often each of the n pairs is
+    in it; the same as ranking each resample's rows (ties at their mean rank), without building them."""
+    rx, ry, total = _resampled_ranks(x, draws), _resampled_ranks(y, draws), draws.sum(1, keepdims=True)
+    dx = rx - (draws * rx).sum(1, keepdims=True) / total
+    dy = ry - (draws * ry).sum(1, keepdims=True) / total
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (draws * dx * dy).sum(1) / np.sqrt((draws * dx**2).sum(1) * (draws * dy**2).sum(1))
+
+
+def _resampled_ranks(v: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """(m, n): the mean rank (from 1) each value of ``v`` takes in each resample of ``draws`` (m, n)."""
+    values, inverse = np.unique(v, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(inverse[order]) != 0])
+    tied = np.add.reduceat(draws[:, order], starts, axis=1)  # (m, distinct values): copies of each
+    return (np.cumsum(tied, axis=1) - tied + (tied + 1) / 2)[:, inverse]
 
 
 def cell_table(traj: Measurement, depths: pd.DataFrame, reference_loops: int, *, n_boot: int = 1000,

@@ -285,6 +285,20 @@ def test_spearman_interval_brackets_a_clear_correlation():
     assert lo < p < hi and lo > 0.6
 
 
+def test_resampled_spearman_equals_scipy_on_each_resample_built_out():
+    # ties in both variables, pairs drawn 0..3 times, and one resample constant in x (no correlation)
+    from scipy import stats as sps
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(1, 4, size=40).astype(float), rng.integers(1, 9, size=40).astype(float)
+    draws = rng.integers(0, 4, size=(6, 40)).astype(float)
+    draws[5] = 0
+    draws[5, x == 2] = 2
+    got = dt._resampled_spearman(x, y, draws)
+    want = [sps.spearmanr(np.repeat(x, d.astype(int)), np.repeat(y, d.astype(int))).statistic for d in draws[:5]]
+    np.testing.assert_allclose(got[:5], want, rtol=0, atol=1e-12)
+    assert np.isnan(got[5])
+
+
 def test_depth_growth_tells_linear_from_logarithmic():
     acc = pd.DataFrame([{"k": k, "loop": lp, "acc": float(lp >= k + 1)} for k in range(1, 9) for lp in range(1, 12)])
     g = dt.depth_growth(acc)

@@ -70,3 +70,28 @@ def test_skill_accuracy_reads_each_k_at_the_probed_loops(recipe, one_thread):
     by = recipe.skill_accuracy(model, tw, [1, 4])
     assert set(by) == {f"k{k}" for k in sorted(set(tw.answers.k))}
     assert all(set(v) == {1, 4} and all(0.0 <= a <= 1.0 for a in v.values()) for v in by.values())
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_stage_stops_at_its_target_only_when_asked(recipe, tmp_path, monkeypatch, stop):
+    """Both checkpoints meet the target: a stage that stops at it ends at the first; one trained to its cap (the
+    task-only plan, whose extrapolation may come after a long phase past the target) probes both and ends at the
+    last. The corpus is prepared from the stage's own sources."""
+    import sys
+    from dataclasses import replace
+
+    stage = replace(recipe.PLANS["task-only"][0], stop_at_target=stop)
+    assert recipe.PLANS["task-only"][0].source == "depth-tasks" and not recipe.PLANS["task-only"][0].stop_at_target
+    prepared = []
+    monkeypatch.setattr(recipe.subprocess, "run", lambda cmd, **kw: prepared.append(cmd))
+    monkeypatch.setattr(recipe, "train_command", lambda *a: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(recipe.time, "sleep", lambda s: None)  # the driver's wait for the trainer
+    run = tmp_path / "out" / stage.name / "run"
+    monkeypatch.setattr(recipe, "checkpoints", lambda r: [run / "step-500", run / "step-750"])
+    probed = []
+    monkeypatch.setattr(recipe.Driver, "probe", lambda self, st, ckpt, corpus: probed.append(ckpt.name) or
+                        {"checkpoint": str(ckpt), "met": True, "accuracy": {}})
+    rec = recipe.Driver(tmp_path / "out", 1).run_stage(stage, None)
+    assert prepared[0][prepared[0].index("--source") + 1] == "depth-tasks"
+    assert probed == (["step-500"] if stop else ["step-500", "step-750"])
+    assert rec["step"] == (500 if stop else 750) and rec["met"]

@@ -375,3 +375,25 @@ def test_oscillating_tokens_name_what_is_missing():
         oscillating_tokens(frame, share_at=[9])
     with pytest.raises(DrcError, match="2 loops; a 2-cycle needs at least 3"):
         oscillating_tokens(Measurement({k: v[:, :2] for k, v in frame.stats.items()}, frame.meta))
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_one_run_of_the_core_loops_for_every_token_and_the_rules(model, windows, monkeypatch, one_pass):
+    """Notebook 2's shared pass: every token measured with its dynamics and documents, and the rules replayed
+    offline, from one run of the core loops: the same bits as the measurement and the offline pass alone."""
+    from drc_core.analysis import measure as m
+    from drc_core.halting import sweep as s
+
+    if not one_pass:
+        monkeypatch.setattr(m, "ONE_PASS_BYTES", 0)
+        monkeypatch.setattr(s, "ONE_PASS_BYTES", 0)
+    docs = torch.tensor([0, 0, 1, 2, 2])
+    specs = s.default_rules(4)
+    passed, shared = s.offline_pass_and_measure(model, windows, specs, reference_loops=3, max_loops=L,
+                                                doc_ids=docs, dynamics=True, batch_size=2)
+    alone = measure_windows(model, windows, L, doc_ids=docs, dynamics=True, batch_size=2)
+    pd.testing.assert_frame_equal(shared.to_frame(), alone.to_frame())
+    exits = s.token_exits(model, windows, specs, reference_loops=3, batch_size=2)
+    assert list(passed.token_exits()) == list(exits)
+    for name, ex in exits.items():
+        np.testing.assert_array_equal(passed.token_exits()[name], ex)
