@@ -17,11 +17,13 @@
 # without changing what the model predicts, which is what the halting rules of notebook 4 bet on.
 #
 # **How.** One pass of `max_loops` loops (several times the training mean) over `n_windows` validation windows
-# records, for every token and loop (`drc_core.measure_windows`): the successive-output KL `KL(p_l ‖ p_{l−1})`
+# records, for every token and loop (`drc_core.measure_windows`; with `dynamics=True` also the state's norm
+# and steps): the successive-output KL `KL(p_l ‖ p_{l−1})`
 # (the new output against the previous one), the KL to the deepest output `KL(p_L ‖ p_l)`, the relative state
 # change `‖s_l − s_{l−1}‖ / ‖s_l‖`, the entropy, and the cross-entropy of the next token. Every interval is a 95%
 # percentile bootstrap interval that resamples documents, since tokens of one document are not independent.
-# The measurement is saved for notebook 3.
+# The measurement is saved for notebook 3. The halting rules replayed in the last section read the same
+# loops, so both come from one run of the core loops (`drc_core.offline_pass_and_measure`).
 #
 # **Another model.** With `checkpoint` set (the `huginn` profile) the same measurements run on a depth-recurrent
 # checkpoint trained elsewhere, such as Huginn-0125: the corpus is then prepared with that checkpoint's own
@@ -70,11 +72,9 @@ if checkpoint:  # a model trained elsewhere reads text through its own tokenizer
     ensure_corpus(corpus_dir, source, 4096, max_docs=max_docs or None, tokenizer=checkpoint,
                   progress=False)
 model, cfg, corpus, windows, docs, R = open_study(work_dir, corpus_dir, n_windows, checkpoint)
-# dynamics=True: also the state norms and steps of each loop (the per-token dynamics below); the halting rules
-# of the last section read the same loops, so both come from one run of the core loops
 specs = drc_core.default_rules(rule_max_loops)
-passed, meas = drc_core.offline_pass_and_measure(model, windows, specs, reference_loops=R, max_loops=max_loops,
-                                                 doc_ids=docs, dynamics=True)
+passed, meas = drc_core.offline_pass_and_measure(model, windows, specs, reference_loops=R,
+                                                 max_loops=max_loops, doc_ids=docs, dynamics=True)
 meas.save(Path(work_dir) / "frame.parquet",
           made_with={"corpus": corpus.fingerprint, "tokenizer": corpus.tokenizer_hash})
 train_mean = cfg.recurrence.mean

@@ -417,16 +417,18 @@ class Compute(Record):
             f"with {b} row{'s' * (b > 1)} {g['rule']} at {g['wallclock_speedup']:.2f}x"
             for b in sorted({e["rows"] for e in self.generation})
             for g in [self._best([e for e in self.generation if e["rows"] == b])])
-        met = [t for t in self.speed_targets if t["met"]]
-        missed = [t for t in self.speed_targets if not t["met"]]
+        verdicts = [t.get("verdict", "met" if t["met"] else "missed") for t in self.speed_targets]
+        missed = [t for t, v in zip(self.speed_targets, verdicts, strict=True) if v != "met"]
         r = self.reference_loops
         return (f"**Found.** At matched quality (CE within {self.ce_tolerance:g} nats of uniform depth {r}), "
                 f"{len(faster)} of the {len(rules)} rules beat uniform depth {r} on the clock in batched evaluation; "
                 f"the fastest, {best['rule']}, runs {best['wallclock_speedup']:.2f}x against a FLOP proxy of "
                 f"{best['proxy_speedup']:.2f}x. In generation the best rule against the dense decoder: {gen}. The "
                 f"skipping path at equal depth runs at {self.skip_overhead_at_equal_depth:.2f}x the dense forward. "
-                f"{len(met)} of the {len(self.speed_targets)} speed targets are met; of the {len(missed)} missed, "
-                f"{sum(not t['reachable'] for t in missed)} are out of reach of any implementation of the same work. "
+                f"Of the {len(self.speed_targets)} speed targets, {verdicts.count('met')} are met, "
+                f"{verdicts.count('missed')} missed and {verdicts.count('unresolved')} unresolved on their "
+                f"intervals; {sum(not t['reachable'] for t in missed)} of those not met are out of reach of any "
+                "implementation of the same work. "
                 f"The measurement pass costs {self.measurement_x_forward:.2f}x one forward at its depth and "
                 f"{self.measurement_x_readout_pass:.2f}x the bare every-loop readout pass (itself "
                 f"{self.readout_pass_x_forward:.2f}x the forward).{self._decoder_sentence()}{self._timing_sentence()}")

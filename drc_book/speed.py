@@ -65,9 +65,9 @@ from drc_core import generate_ids as generate
 __all__ = ["TARGET_DECODER", "TARGET_HONEST", "TARGET_KL_BATCHED", "TARGET_MEASURE", "TARGET_OVERHEAD", "TARGET_RATIO",
            "TARGET_REALIZATION", "DecodeTimes", "Matched", "SpeedConfig", "batched_variants", "decode_loop_cost",
            "decode_prediction", "decode_setup", "decoder_calls", "decoder_targets", "matched_rules", "preset_specs",
-           "timing_checks", "with_timings",
-           "serving_latency", "skip_overhead", "speed_summary", "speed_targets", "speedup_table", "targets_met",
-           "time_batched", "time_decoder_sets", "time_decoders", "time_decoding", "time_generation"]
+           "paired_speedup", "serving_latency", "skip_overhead", "speed_summary", "speed_targets", "speedup_table",
+           "target_row", "targets_met", "timing_checks", "time_batched", "time_decoder_sets", "time_decoders",
+           "time_decoding", "time_generation", "with_timings"]
 
 TARGET_RATIO = 0.9  # wall-clock speedup >= 0.9 x the FLOP proxy at matched quality
 TARGET_MEASURE = 1.2  # the measurement pass <= 1.2 x one depth-32 forward (the target as worded)
@@ -326,6 +326,7 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
                             "batched eval", cfg.clock)
     base = rows[0]
     base_s = median(times[base["rule"]])
+    base_rounds = times[base["rule"]]
     base_flops = matmul_flops_per_token(model, r, t_len, "forward")
     for row in rows:
         row["ce_uniform"] = base["ce"]
@@ -335,7 +336,15 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
         row["page_faults_per_batch"] = median(faults[row["rule"]]) / len(batches)
         row["tokens_per_s"] = n_tok / row["seconds"]
         speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
+        row.update(paired_speedup(base_rounds, times[row["rule"]]))
     return with_timings(pd.DataFrame(rows), times)
+
+
+def paired_speedup(base: Sequence[float], timed: Sequence[float]) -> dict[str, float]:
+    """``speedup_lo``, ``speedup_hi``, ``speedup_coverage``: the interval of the median over rounds of the paired
+    ratio ``base`` / ``timed`` (the interleaved rounds pair them, so drift of the machine between rounds cancels)."""
+    lo, hi, coverage = median_interval([b / t for b, t in zip(base, timed, strict=True)])
+    return {"speedup_lo": lo, "speedup_hi": hi, "speedup_coverage": coverage}
 
 
 def decode_setup(model: DepthRecurrentLM, prompt: object, cfg: SpeedConfig) -> tuple[Tensor, Tensor]:
@@ -464,6 +473,9 @@ def _generation_rows(t: _Timed, specs: list[RuleSpec], r: int, t0: int) -> list[
         row["prompt_ms"] = 1e3 * median(t.times[f"{row['rule']} [1]"])
         row["spread"] = spread(t.times[f"{row['rule']} [n]"])
         row.update(t.step_interval(row["rule"]))
+        paired = t.ratio_interval(row["rule"], dense)
+        row.update(speedup_lo=paired["x_dense_lo"], speedup_hi=paired["x_dense_hi"],
+                   speedup_coverage=paired["x_dense_coverage"])
         path = "forward" if spec is None else skip_path(spec.rule)
         speed_columns(row, t.step(dense), r, base_flops,
                       matmul_flops_per_token(t.model, row["avg_loops"], t.seq_len, path))
@@ -689,34 +701,51 @@ def speed_summary(batched: pd.DataFrame, generation: pd.DataFrame) -> dict[str, 
             "target_wall_over_proxy": TARGET_RATIO}
 
 
+def target_row(value: float, lo: float, hi: float, ok: Callable[[float], bool], ceiling: float = 1.0
+               ) -> dict[str, Any]:
+    """A target's judgement: ``met`` on the median ``value``; ``verdict`` "met" or "missed" only when the whole
+    interval ``[lo, hi]`` is on one side of the target (the median alone without one), else "unresolved";
+    ``reachable``: whether the ``ceiling`` (the value were the clock to follow the honest FLOPs) meets it (True
+    where there is no ceiling, NaN)."""
+    inside = [ok(v) for v in (lo, hi) if not math.isnan(v)] or [ok(value)]
+    verdict = "met" if all(inside) else "missed" if not any(inside) else "unresolved"
+    return {"value": float(value), "lo": float(lo), "hi": float(hi), "met": bool(ok(value)), "verdict": verdict,
+            "ceiling": float(ceiling), "reachable": math.isnan(ceiling) or bool(ok(ceiling))}
+
+
 def speed_targets(*frames: pd.DataFrame) -> pd.DataFrame:
-    """One row per (setting, rule, target) of :func:`time_batched` / :func:`time_generation` frames, with the
-    ``ceiling`` (the value were the clock to follow the honest FLOPs) and whether it is ``reachable``."""
+    """One row per (setting, rule, target) of :func:`time_batched` / :func:`time_generation` frames, judged by
+    :func:`target_row` on the interval of the paired per-round speed-up (``speedup_lo``/``speedup_hi``, NaN in
+    frames without it)."""
     rows = []
 
-    def add(setting: str, rule: str, target: str, value: float, threshold: float,
+    def add(setting: str, rule: str, target: str, value: float, lo: float, hi: float, threshold: float,
             ok: Callable[[float, float], bool], ceiling: float = 1.0) -> None:
-        rows.append({"setting": setting, "rule": rule, "target": target, "value": float(value),
-                     "threshold": threshold, "met": bool(ok(value, threshold)), "ceiling": float(ceiling),
-                     "reachable": bool(ok(ceiling, threshold))})
+        rows.append({"setting": setting, "rule": rule, "target": target, "threshold": threshold,
+                     **target_row(value, lo, hi, lambda v: ok(v, threshold), ceiling)})
 
     for frame in frames:
         for r in frame[~frame.baseline].itertuples():
             setting = r.setting if r.setting != "generation" else f"generation, batch {int(r.rows)}"
+            lo, hi = getattr(r, "speedup_lo", math.nan), getattr(r, "speedup_hi", math.nan)
             if r.family == "uniform":
-                add(setting, r.rule, "time / dense time at equal depth <= 1.05", 1 / r.wallclock_speedup,
-                    TARGET_OVERHEAD, operator.le)
+                add(setting, r.rule, "time / dense time at equal depth <= 1.05", 1 / r.wallclock_speedup, 1 / hi,
+                    1 / lo, TARGET_OVERHEAD, operator.le)
                 continue
-            add(setting, r.rule, "faster than uniform depth (wall-clock speedup > 1)", r.wallclock_speedup, 1.0,
-                operator.gt, r.honest_speedup)
-            add(setting, r.rule, "wall / honest FLOPs >= 0.9", r.wall_over_honest, TARGET_HONEST, operator.ge)
+            add(setting, r.rule, "faster than uniform depth (wall-clock speedup > 1)", r.wallclock_speedup, lo, hi,
+                1.0, operator.gt, r.honest_speedup)
+            h = r.honest_speedup
+            add(setting, r.rule, "wall / honest FLOPs >= 0.9", r.wall_over_honest, lo / h, hi / h, TARGET_HONEST,
+                operator.ge)
             if r.family == "state_delta":
-                add(setting, r.rule, "wall / proxy >= 0.9", r.wall_over_proxy, TARGET_RATIO, operator.ge,
-                    r.honest_speedup / r.proxy_speedup)
+                p = r.proxy_speedup
+                add(setting, r.rule, "wall / proxy >= 0.9", r.wall_over_proxy, lo / p, hi / p, TARGET_RATIO,
+                    operator.ge, h / p)
             if r.family == "kl" and r.setting == "batched eval":
-                add(setting, r.rule, "wall-clock speedup >= 1.5", r.wallclock_speedup, TARGET_KL_BATCHED,
-                    operator.ge, r.honest_speedup)
-    return pd.DataFrame(rows)
+                add(setting, r.rule, "wall-clock speedup >= 1.5", r.wallclock_speedup, lo, hi, TARGET_KL_BATCHED,
+                    operator.ge, h)
+    return pd.DataFrame(rows, columns=["setting", "rule", "target", "threshold", "value", "lo", "hi", "met",
+                                       "verdict", "ceiling", "reachable"])
 
 
 def decoder_targets(table: pd.DataFrame, families: Sequence[str] | None = None, batches: Sequence[int] = (8, 32),
@@ -725,22 +754,15 @@ def decoder_targets(table: pd.DataFrame, families: Sequence[str] | None = None, 
     rule (``families``), the continuous decoder reaches :data:`TARGET_DECODER` x the dense decoder's tokens/s (the
     target of the largest listed batch size not above ``b``; batch 8's below 8) and realizes
     >= :data:`TARGET_REALIZATION` of its honest-FLOP speed-up; at equal depth it costs <= 1.05 x; with a
-    :func:`serving_latency` table, its p50 latency is below ``generate``'s. ``met`` judges the median; ``lo``/``hi``
-    is the interval of the paired per-round ratio (``x_dense_lo``/``x_dense_hi``, NaN where there is none) and
-    ``verdict`` says "met" or "missed" only when the whole interval is on one side of the target, else
-    "unresolved". ``ceiling`` is the value were the clock to follow the honest FLOPs (a speed-up's is the
-    ``flop_speedup``: the work the rule asks for, readouts included), and ``reachable`` whether that ceiling meets the
-    target: a target out of reach is bound by the work, not by the implementation (NaN and True for serving)."""
+    :func:`serving_latency` table, its p50 latency is below ``generate``'s. Each judged by :func:`target_row` on the
+    interval of the paired per-round ratio (``x_dense_lo``/``x_dense_hi``); a speed-up's ``ceiling`` is the
+    ``flop_speedup`` (the work the rule asks for, readouts included); serving has no interval and no ceiling."""
     families = (drc_core.KLThreshold.family, drc_core.StateDelta.family) if families is None else families
     out = []
 
     def check(b: int, name: str, value: float, lo: float, hi: float, target: str, ok: Callable[[float], bool],
               ceiling: float = 1.0) -> None:
-        inside = [ok(v) for v in (lo, hi) if not math.isnan(v)] or [ok(value)]
-        verdict = "met" if all(inside) else "missed" if not any(inside) else "unresolved"
-        out.append({"batch": b, "check": name, "value": value, "lo": lo, "hi": hi, "target": target,
-                    "met": bool(ok(value)), "verdict": verdict, "ceiling": float(ceiling),
-                    "reachable": math.isnan(ceiling) or bool(ok(ceiling))})
+        out.append({"batch": b, "check": name, "target": target, **target_row(value, lo, hi, ok, ceiling)})
 
     cont = table[table.path == "continuous"]
     for b in batches:

@@ -432,6 +432,33 @@ def test_speed_targets_rows(report):
     assert {"time / dense time at equal depth <= 1.05", "wall / honest FLOPs >= 0.9", "wall / proxy >= 0.9",
             "wall-clock speedup >= 1.5", "faster than uniform depth (wall-clock speedup > 1)"} <= targets
     assert set(t.setting) == {"batched eval", "generation, batch 1"}
+    # each judged on the interval of its paired per-round speed-up: a verdict only where the interval agrees
+    for frame in (report.batched, report.generation):
+        rules = frame[~frame.baseline]
+        assert (rules.speedup_lo <= rules.speedup_hi).all() and (rules.speedup_coverage >= 0).all()
+    for row in t.itertuples():
+        assert row.lo <= row.hi
+        ends = [row.lo <= row.threshold if "<=" in row.target else row.lo > row.threshold if "> 1" in row.target
+                else row.lo >= row.threshold,
+                row.hi <= row.threshold if "<=" in row.target else row.hi > row.threshold if "> 1" in row.target
+                else row.hi >= row.threshold]
+        assert row.verdict == ("met" if all(ends) else "missed" if not any(ends) else "unresolved")
+
+
+def test_target_row_judges_the_interval_not_the_median():
+    from drc_book.speed import paired_speedup, target_row
+
+    at_least_one = lambda v: v >= 1.0  # noqa: E731
+    assert target_row(1.1, 0.9, 1.3, at_least_one)["verdict"] == "unresolved"
+    assert target_row(1.1, 0.9, 1.3, at_least_one)["met"]  # the median alone would say met
+    assert target_row(1.1, 1.05, 1.3, at_least_one)["verdict"] == "met"
+    assert target_row(0.9, 0.8, 0.95, at_least_one)["verdict"] == "missed"
+    assert target_row(0.9, math.nan, math.nan, at_least_one)["verdict"] == "missed"  # no interval: the median
+    assert not target_row(0.9, 0.8, 0.95, at_least_one, ceiling=0.99)["reachable"]
+    assert target_row(0.9, 0.8, 0.95, at_least_one, ceiling=math.nan)["reachable"]
+    # the median of each round's ratio: drift common to both calls of a round cancels
+    got = paired_speedup([2.0, 4.0, 8.0], [1.0, 2.0, 4.0])
+    assert (got["speedup_lo"], got["speedup_hi"], got["speedup_coverage"]) == (2.0, 2.0, 0.75)
 
 
 def test_presets_profile_and_more_rows(model, windows):
