@@ -3,16 +3,17 @@
     .venv/bin/python scripts/known_depth_recipe.py --out runs/known-depth        # resumable: run it again
     .venv/bin/python scripts/known_depth_recipe.py --out runs/known-depth --ship data/known-depth
 
-Each stage prepares its corpus (natural text + ``links`` problems of ``drc_core.data.depth_tasks``, all with the
-tokenizer of ``data/depth-tasks``), trains the ``cpu`` preset from the previous stage's checkpoint (``train
---init``; the answer tokens weigh 10) and, beside the trainer, probes every checkpoint on one thread: held-out
-answer accuracy at loop 8 for the stage's k (``depth_probe.py``'s number), or in-context copying for the first
-stage. A stage ends at the first checkpoint whose probe meets its target, or at its step cap (then the next
-stage starts from its last checkpoint and ``done.json`` says the target was missed). Every stage but the last runs
-at a constant learning rate after warm-up, so that it can stop at any checkpoint; the last one decays (cosine).
-``--plan`` picks the staging (``PLANS``); ``--budget-min`` cuts the last stage (its cosine included) to the
-minutes left. What each plan reached on the development machine is in ``docs/training.md``: ``deep-k3`` met
-every target in 119.4 minutes and is ``data/known-depth``; the others stopped short on three hops.
+Each stage prepares its corpus (natural text + ``links`` problems of ``drc_core.data.depth_tasks``, or the problems
+alone where the stage's ``source`` says so, all with the tokenizer of ``data/depth-tasks``), trains the ``cpu``
+preset from the previous stage's checkpoint (``train --init``; the answer tokens weigh 10) and, beside the trainer,
+probes every checkpoint on one thread: held-out answer accuracy at loop 8 for the stage's k (``depth_probe.py``'s
+number), or in-context copying for the first stage. A stage ends at the first checkpoint whose probe meets its
+target (unless it trains to its cap whatever the probe says: ``stop_at_target=False``), or at its step cap (then the
+next stage starts from its last checkpoint and ``done.json`` says the target was missed). Every stage but the last
+runs at a constant learning rate after warm-up, so that it can stop at any checkpoint; the last one decays (cosine).
+``--plan`` picks the staging (``PLANS``); ``--budget-min`` cuts the last stage (its cosine included) to the minutes
+left. What each plan reached on the development machine is in ``docs/training.md``: ``deep-k3`` met every target in
+119.4 minutes and is ``data/known-depth``; the others stopped short on three hops.
 
 Written to ``--out``: ``<stage>/run`` (the training run), ``<stage>/probes.jsonl``, ``<stage>/done.json`` (the
 checkpoint the next stage starts from, whether the target was met, the trainer's wall time) and ``recipe.log``.
