@@ -123,10 +123,22 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-def speedups(entries: list[dict], families: set[str]) -> list[tuple[str, float]]:
-    """(rule, wall-clock speed-up over the baseline) for the matched rules, fastest first."""
-    rows = [(e["family"], e["wallclock_speedup"]) for e in entries if not e["baseline"] and e["family"] in families]
+def speedups(entries: list[dict], families: set[str]) -> list[tuple[str, float, str]]:
+    """(rule, wall-clock speed-up over the baseline, the speed-up with its interval) for the matched rules, fastest
+    first."""
+    rows = [(e["family"], e["wallclock_speedup"], xi(e)) for e in entries
+            if not e["baseline"] and e["family"] in families]
     return sorted(rows, key=lambda r: -r[1])
+
+
+PAIRED = ("Brackets: the interval of the median over rounds of each round's paired ratio (`speedup_lo`, "
+          "`speedup_hi`; its coverage is `speedup_coverage`, 75% with three rounds).")
+
+
+def xi(e: dict) -> str:
+    """A row's wall-clock speed-up with the interval of its paired per-round median, where the record has one."""
+    lo, hi = e.get("speedup_lo"), e.get("speedup_hi")
+    return x(e["wallclock_speedup"]) + ("" if lo is None or hi is None else f" [{lo:.2f}, {hi:.2f}]")
 
 
 # ----------------------------------------------------------------------------------------------------- sections
@@ -150,14 +162,14 @@ def reference_model(res: Results) -> str:
     others = sorted((g["family_depth"].value, f) for f, g in gaps.items() if f not in own_rows)
     matched = {m["family"] for m in speed.matched}
     batched = speedups(speed.batched, matched)
-    faster = [f"{name(f)} {x:.2f}x" for f, x in batched if x >= 1.0]
-    slower = [x for _, x in batched if x < 1.0]
+    faster = [f"{name(f)} {said}" for f, v, said in batched if v >= 1.0]
+    slower = [v for _, v, _ in batched if v < 1.0]
     if slower:
         faster.append(f"the other {len(slower)}: {min(slower):.2f}–{max(slower):.2f}x")
     best_gen = []
     for rows in sorted({e["rows"] for e in speed.generation}):
-        f, x = speedups([e for e in speed.generation if e["rows"] == rows], matched)[0]
-        best_gen.append(f"{name(f)} {x:.2f}x with {rows} row{'s' if rows > 1 else ''}")
+        f, _, said = speedups([e for e in speed.generation if e["rows"] == rows], matched)[0]
+        best_gen.append(f"{name(f)} {said} with {rows} row{'s' if rows > 1 else ''}")
     tol = halt.ce_tolerance
     rows = [
         ("the model", f"{train.n_params / 1e6:.2f} M parameters, {train.train_tokens / 1e6:.1f} M training "
@@ -179,7 +191,8 @@ def reference_model(res: Results) -> str:
         ("the other rules and routers at that loss, loops",
          ", ".join(f"{name(f)} {d:.2f}" for d, f in others), "`04_halting_and_routers.json`: `gaps`"),
         (f"wall-clock speed-up over uniform depth {ref} at its loss, batched evaluation, "
-         f"{speed.threads} CPU threads" + (f" of an {kind['cpu']}" if (kind := res.machine()) else ""),
+         f"{speed.threads} CPU threads" + (f" of an {kind['cpu']}" if (kind := res.machine()) else "")
+         + "; brackets here: the median's interval over the timed rounds (`speedup_coverage`), not a bootstrap",
          ", ".join(faster), "`05_compute.json`: `batched`"),
         (f"the same in KV-cached generation, best rule against the dense decoder at depth {ref}",
          "; ".join(best_gen), "`05_compute.json`: `generation`"),
@@ -244,12 +257,12 @@ def batched_table(res: Results) -> str:
     """Notebook 05's batched evaluation: every variant against uniform depth through the dense forward."""
     speed = res.record(Compute)
     rows = [(f"`{e['rule']}` ({e['path']})", f"{e['avg_loops']:.2f}", x(e["proxy_speedup"]), x(e["honest_speedup"]),
-             x(e["wallclock_speedup"]), f"{e['wall_over_proxy']:.2f}", f"{e['wall_over_honest']:.2f}",
+             xi(e), f"{e['wall_over_proxy']:.2f}", f"{e['wall_over_honest']:.2f}",
              f"{e['page_faults_per_batch']:.0f}") for e in speed.batched]
     counts = sorted({int(e.get("rounds", speed.rounds)) for e in speed.batched})  # autoranged: each row's own
     rounds = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
     return (f"{speed.n_windows} windows x {speed.seq_len} tokens, medians of {rounds} interleaved "
-            f"rounds, {speed.threads} threads (`05_compute.json`: `batched`).\n\n"
+            f"rounds, {speed.threads} threads (`05_compute.json`: `batched`). {PAIRED}\n\n"
             + table(("rule (path)", "avg loops", "FLOP proxy", "honest speed-up", "wall-clock", "wall / proxy",
                      "wall / honest", "page faults per batch"), rows))
 
@@ -262,8 +275,8 @@ def generation_table(res: Results) -> str:
     rows = [(f"`{e['rule']}` ({e['path']})", str(e["rows"]), f"{e['avg_loops']:.2f}", f"{e['loops_run']:.2f}",
              f"{e['tokens_per_s']:.0f}", x(e["honest_speedup"]),
              x(predicted[(e["rule"], e["rows"])]) if (e["rule"], e["rows"]) in predicted else "",
-             x(e["wallclock_speedup"]), f"{e['wall_over_honest']:.2f}") for e in speed.generation]
-    return ("`05_compute.json`: `generation`, `decode_prediction`.\n\n"
+             xi(e), f"{e['wall_over_honest']:.2f}") for e in speed.generation]
+    return (f"`05_compute.json`: `generation`, `decode_prediction`. {PAIRED}\n\n"
             + table(("rule (path)", "rows", "avg loops", "loops run", "tokens/s", "honest speed-up",
                      "loop-cost prediction", "wall-clock", "wall / honest"), rows))
 
