@@ -100,3 +100,8 @@ def test_the_script_rewrites_only_the_block(tables):
     out = tables.rewrite(text, "\nnew\n")
     assert out == "before\n" + tables.START + "\nnew\n" + tables.END + "\nafter\n"
     assert tables.readme_block(out) == "\nnew\n"
+
+
+def test_a_speed_up_carries_its_interval_where_the_record_has_one(tables):
+    assert tables.xi({"wallclock_speedup": 1.234, "speedup_lo": 1.1, "speedup_hi": 1.5}) == "1.23x [1.10, 1.50]"
+    assert tables.xi({"wallclock_speedup": 1.234}) == "1.23x"  # a record written before the intervals
