@@ -444,7 +444,7 @@ record = Compute.build(
     profile=profile, reference_loops=reference, rule_max_loops=rule_max_loops,
     ce_tolerance=ce_tolerance, n_windows=len(windows), seq_len=cfg.seq_len, rounds=rounds,
     threads=torch.get_num_threads(), matched=matched.table, batched=batched, generation=generation,
-    measurement=measurement, table=table, **speed.speed_summary(batched, generation),
+    measurement=measurement, table=table, skip_overhead_at_equal_depth=speed.skip_overhead(batched),
     speed_targets=targets, anderson=anderson if anderson_windows else None,
     decode_loop_cost=decode_cost, decode_prediction=prediction, decoders=decoders,
     decoder_targets=decoder_checks, serving=serving, decode_op_calls=op_calls,

@@ -362,10 +362,10 @@ class Halting(Record):
 class Compute(Record):
     """Notebook 05's results: the setting (``reference_loops`` r, the rules' ``rule_max_loops``, the matched-quality
     ``ce_tolerance``, windows, threads), then every timing table as a list of rows: the matched rules, batched
-    evaluation, generation, the measurement pass, the speed-up table and targets, Anderson acceleration, the decode
-    loop cost and its prediction, the three decoders and their targets, serving and bf16 (None where skipped), with
-    the measurement pass's ratios and whether each matched rule reaches ``target_wall_over_proxy``; and the halting
-    decoders' operator calls per generated token (``decode_op_calls``, None in results written before it)."""
+    evaluation, generation, the measurement pass, the speed-up table and targets, Anderson acceleration, the
+    decode loop cost and its prediction, the three decoders and their targets, serving and bf16 (None where
+    skipped), with the measurement pass's ratios; and the halting decoders' operator calls per generated token
+    (``decode_op_calls``, None in results written before it)."""
 
     NOTEBOOK: ClassVar[str] = "05_compute"
     profile: str
@@ -376,14 +376,12 @@ class Compute(Record):
     seq_len: int
     rounds: int
     threads: int
-    target_wall_over_proxy: float
     matched: list[dict[str, Any]]
     batched: list[dict[str, Any]]
     generation: list[dict[str, Any]]
     measurement: list[dict[str, Any]]
     table: list[dict[str, Any]]
     skip_overhead_at_equal_depth: float
-    target_met: dict[str, bool]
     speed_targets: list[dict[str, Any]]
     anderson: list[dict[str, Any]] | None
     decode_loop_cost: list[dict[str, Any]]

@@ -65,8 +65,8 @@ from drc_core import generate_ids as generate
 __all__ = ["TARGET_DECODER", "TARGET_HONEST", "TARGET_KL_BATCHED", "TARGET_MEASURE", "TARGET_OVERHEAD", "TARGET_RATIO",
            "TARGET_REALIZATION", "DecodeTimes", "Matched", "SpeedConfig", "batched_variants", "decode_loop_cost",
            "decode_prediction", "decode_setup", "decoder_calls", "decoder_targets", "matched_rules", "preset_specs",
-           "paired_speedup", "serving_latency", "skip_overhead", "speed_summary", "speed_targets", "speedup_table",
-           "target_row", "targets_met", "timing_checks", "time_batched", "time_decoder_sets", "time_decoders",
+           "paired_speedup", "serving_latency", "skip_overhead", "speed_targets", "speedup_table",
+           "target_row", "timing_checks", "time_batched", "time_decoder_sets", "time_decoders",
            "time_decoding", "time_generation", "with_timings"]
 
 TARGET_RATIO = 0.9  # wall-clock speedup >= 0.9 x the FLOP proxy at matched quality
@@ -685,20 +685,6 @@ def skip_overhead(batched: pd.DataFrame) -> float:
     if row.empty:
         raise DrcError("the batched frame has no skip_forward Uniform(r) row: pass the frame of time_batched")
     return float(row.wallclock_speedup.iloc[0])
-
-
-def targets_met(*frames: pd.DataFrame) -> dict[str, bool]:
-    """``"<setting>: <rule>"`` -> whether its wall-clock speed-up reaches ``TARGET_RATIO`` x its FLOP proxy."""
-    rules = pd.concat(frames)
-    rules = rules[rules.family != "uniform"]
-    return {f"{r.setting}: {r.rule}": bool(r.wall_over_proxy >= TARGET_RATIO) for r in rules.itertuples()}
-
-
-def speed_summary(batched: pd.DataFrame, generation: pd.DataFrame) -> dict[str, Any]:
-    """:func:`skip_overhead`, :func:`targets_met` (Huginn's presets left out) and ``TARGET_RATIO``."""
-    return {"skip_overhead_at_equal_depth": skip_overhead(batched),
-            "target_met": targets_met(batched[batched.family != "huginn"], generation),
-            "target_wall_over_proxy": TARGET_RATIO}
 
 
 def target_row(value: float, lo: float, hi: float, ok: Callable[[float], bool], ceiling: float = 1.0
