@@ -358,6 +358,11 @@ class Halting(Record):
                 f"{', '.join(family_title(f) for f in beats) or 'none'}.")
 
 
+def _verdicts(targets: list[dict[str, Any]]) -> list[str]:
+    """Each target row's verdict on its interval; rows written before verdicts: met or missed on the median."""
+    return [t.get("verdict", "met" if t["met"] else "missed") for t in targets]
+
+
 @dataclass(frozen=True)
 class Compute(Record):
     """Notebook 05's results: the setting (``reference_loops`` r, the rules' ``rule_max_loops``, the matched-quality
@@ -415,7 +420,7 @@ class Compute(Record):
             f"with {b} row{'s' * (b > 1)} {g['rule']} at {g['wallclock_speedup']:.2f}x"
             for b in sorted({e["rows"] for e in self.generation})
             for g in [self._best([e for e in self.generation if e["rows"] == b])])
-        verdicts = [t.get("verdict", "met" if t["met"] else "missed") for t in self.speed_targets]
+        verdicts = _verdicts(self.speed_targets)
         missed = [t for t, v in zip(self.speed_targets, verdicts, strict=True) if v != "met"]
         r = self.reference_loops
         return (f"**Found.** At matched quality (CE within {self.ce_tolerance:g} nats of uniform depth {r}), "
@@ -436,7 +441,7 @@ class Compute(Record):
         checks = self.decoder_targets or []
         if not checks:
             return ""
-        verdicts = [c.get("verdict", "met" if c["met"] else "missed") for c in checks]
+        verdicts = _verdicts(checks)
         reach = (f"; {sum(c['reachable'] is False for c in checks)} are out of reach of any implementation of the "
                  "same work" if all("reachable" in c for c in checks) else "")
         return (f" Of the continuous decoder's {len(checks)} targets, {verdicts.count('met')} are met, "

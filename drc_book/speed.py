@@ -430,15 +430,17 @@ class _Timed:
         return {"ms_lo": 1e3 * (full["seconds_lo"] - first["seconds_hi"]) / (self.n - 1),
                 "ms_hi": 1e3 * (full["seconds_hi"] - first["seconds_lo"]) / (self.n - 1), "rounds": full["rounds"]}
 
+    def step_rounds(self, key: str) -> list[float]:
+        """``key``'s decode step in each round, from that round's two calls."""
+        return [_step_seconds([full], [first], self.n)
+                for full, first in zip(self.times[f"{key} [n]"], self.times[f"{key} [1]"], strict=True)]
+
     def ratio_interval(self, key: str, ref: str) -> dict[str, float]:
-        """``x_dense_lo``, ``x_dense_hi``, ``x_dense_coverage``: the interval of the median over rounds of the
-        paired ratio ``ref``'s step / ``key``'s step, each round's ratio from that round's calls (the interleaved
-        rounds pair them, so drift of the machine between rounds cancels)."""
-        per_round = [_step_seconds([rf], [r1], self.n) / _step_seconds([kf], [k1], self.n)
-                     for rf, r1, kf, k1 in zip(self.times[f"{ref} [n]"], self.times[f"{ref} [1]"],
-                                               self.times[f"{key} [n]"], self.times[f"{key} [1]"], strict=True)]
-        lo, hi, coverage = median_interval(per_round)
-        return {"x_dense_lo": lo, "x_dense_hi": hi, "x_dense_coverage": coverage}
+        """``x_dense_lo``, ``x_dense_hi``, ``x_dense_coverage``: :func:`paired_speedup` of ``key``'s steps over
+        ``ref``'s, round by round."""
+        paired = paired_speedup(self.step_rounds(ref), self.step_rounds(key))
+        return {"x_dense_lo": paired["speedup_lo"], "x_dense_hi": paired["speedup_hi"],
+                "x_dense_coverage": paired["speedup_coverage"]}
 
     def work_per_token(self, key: str) -> float:
         """Honest FLOPs per new token: the work of n new tokens minus that of 1, over b (n - 1)."""
@@ -473,9 +475,7 @@ def _generation_rows(t: _Timed, specs: list[RuleSpec], r: int, t0: int) -> list[
         row["prompt_ms"] = 1e3 * median(t.times[f"{row['rule']} [1]"])
         row["spread"] = spread(t.times[f"{row['rule']} [n]"])
         row.update(t.step_interval(row["rule"]))
-        paired = t.ratio_interval(row["rule"], dense)
-        row.update(speedup_lo=paired["x_dense_lo"], speedup_hi=paired["x_dense_hi"],
-                   speedup_coverage=paired["x_dense_coverage"])
+        row.update(paired_speedup(t.step_rounds(dense), t.step_rounds(row["rule"])))
         path = "forward" if spec is None else skip_path(spec.rule)
         speed_columns(row, t.step(dense), r, base_flops,
                       matmul_flops_per_token(t.model, row["avg_loops"], t.seq_len, path))

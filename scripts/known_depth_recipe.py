@@ -134,7 +134,7 @@ PLANS = {
     # the anchor's setting (arXiv 2604.07822: composition from scratch, extrapolation after long training): problems
     # only, no natural text, from random weights; chains of 1..4 links drawn per chain, every object asked in
     # shuffled order, the heavier-tailed loop count; trained to its cap whatever the probe says, within the 4-hour
-    # budget (5,000 steps at about 2.4 s a step on the idle 2-core AMD machine)
+    # budget (5,000 steps at about 2.5 s a step on the idle 2-core AMD machine)
     "task-only": [Stage("k4-scratch", "tasks14m", links(1, 100000, 0.1, max_k=4), 1e-3, 5000, "1,2,3,4", 0.95, 500,
                         decay=True, sigma=1.0, source="depth-tasks", stop_at_target=False)],
     # one-hop lookups from random weights, without the copying stage
