@@ -78,8 +78,7 @@ def check_fields(cls: type, data: object, where: str) -> dict:
     if unknown := sorted(set(data) - set(names)):
         raise DrcError(f"{where} has unknown {cls.__name__} key {unknown[0]!r}: remove it (valid keys: "
                        f"{', '.join(names)})")
-    missing = [n for n in names if n not in data]
-    if missing:
+    if missing := [n for n in names if n not in data]:
         raise DrcError(f"{where} lacks {cls.__name__} field{'s' if len(missing) > 1 else ''} {', '.join(missing)}: "
                        "the file is damaged or was edited; restore it from the run that wrote it")
     return dict(data)

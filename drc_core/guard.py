@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from drc_core.errors import MAX_JSON_BYTES, MB, DrcError, first_line
 
-__all__ = ["OWNER_KEY", "exclusive", "file_kind", "lock_path", "open_append", "owned_file", "parse_json",
+__all__ = ["OWNER_KEY", "exclusive", "file_kind", "open_append", "owned_file", "parse_json",
            "read_json", "read_regular", "refuse_links", "remove_leftovers", "remove_path", "write_dir", "write_file",
            "write_owned_json"]
 
@@ -42,12 +42,6 @@ def remove_path(p: Path, *, strict: bool = False) -> None:
         shutil.rmtree(p, ignore_errors=not strict)
     else:
         p.unlink(missing_ok=not strict)
-
-
-def lock_path(target: str | Path) -> Path:
-    """The lock file of ``target``: ``.<name>.lock`` in its parent directory."""
-    t = Path(target).absolute()
-    return t.parent / f".{t.name}.lock"
 
 
 def _open_lock(lock: Path) -> int:
@@ -76,8 +70,10 @@ def _busy(what: str, target: str | Path, lock: Path, why: str) -> DrcError:
 @contextmanager
 def exclusive(target: str | Path, what: str) -> Iterator[Path]:
     """Hold the exclusive lock of ``target`` (a directory, existing or not, locked too; ``what`` names it in the
-    error) while the block runs; the OS drops it when the process dies."""
-    lock = lock_path(target)
+    error) while the block runs, through the lock file ``.<name>.lock`` beside it; the OS drops it when the process
+    dies."""
+    t = Path(target).absolute()
+    lock = t.parent / f".{t.name}.lock"
     made = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]  # removed again if left empty
     lock.parent.mkdir(parents=True, exist_ok=True)
     while True:
@@ -100,7 +96,6 @@ def exclusive(target: str | Path, what: str) -> Iterator[Path]:
         os.close(fd)
     dir_fd = None
     try:
-        t = Path(target)
         if t.is_dir():
             dir_fd = os.open(t, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
@@ -126,22 +121,19 @@ def exclusive(target: str | Path, what: str) -> Iterator[Path]:
                 p.rmdir()
 
 
-def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
+def remove_leftovers(target: str | Path, kinds: tuple[str, ...] = ("tmp", "old")) -> None:
     """Remove the ``.<name>.<kind>-*`` siblings a killed writer of ``target`` left (under its lock); where ``target``
     was swapped out and not back, the newest ``.old-*`` is renamed back first."""
     t = Path(target).absolute()
     if not t.parent.is_dir():
-        return []
+        return
     if "old" in kinds and not t.exists() and not t.is_symlink():
         olds = [p for p in t.parent.glob(f".{t.name}.old-*") if p.is_dir() and not p.is_symlink()]
         if olds:
             max(olds, key=lambda p: p.stat().st_mtime).rename(t)
-    removed = []
     for kind in kinds:
         for p in t.parent.glob(f".{t.name}.{kind}-*"):
             remove_path(p)
-            removed.append(p)
-    return removed
 
 
 def refuse_links(paths: Iterable[Path], owner: str) -> None:
@@ -242,13 +234,12 @@ def open_append(path: str | Path) -> IO[str]:
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        fd = -1
-    if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
-        if fd >= 0:
-            os.close(fd)
-        raise DrcError(f"{p} is a symbolic link or not a regular file: it is left as it is; replace it by the file "
-                       "it stands for (or remove it) and rerun")
-    return os.fdopen(fd, "a")
+    else:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return os.fdopen(fd, "a")
+        os.close(fd)
+    raise DrcError(f"{p} is a symbolic link or not a regular file: it is left as it is; replace it by the file it "
+                   "stands for (or remove it) and rerun")
 
 
 def owned_file(path: str | Path, writer: str, flag: str, legacy_keys: frozenset[str] = frozenset()) -> Path:

@@ -23,14 +23,13 @@ def build_parser() -> ArgumentParser:
     for field, kind, what in (("docs", int, "documents to generate"),
                               ("min_k", int, "fewest lookups an answer (a chain) needs"),
                               ("max_k", int, "most lookups an answer needs"),
-                              ("repeat_share", float, "share of problems that are unlabelled repeats")):
+                              ("repeat_share", float, "share of problems that are unlabelled repeats"),
+                              ("problems", int, "problems per document")):
         p.add_argument(f"--task-{field.replace('_', '-')}", type=kind, default=getattr(DepthTaskConfig, field),
                        help=f"depth-tasks: {what} (default: {getattr(DepthTaskConfig, field)})")
     p.add_argument("--task-families", default=",".join(DepthTaskConfig.families),
                    help=f"depth-tasks: labelled families, comma-separated, from {','.join(FAMILIES)} (default: "
                         f"{','.join(DepthTaskConfig.families)})")
-    p.add_argument("--task-problems", type=int, default=DepthTaskConfig.problems,
-                   help=f"depth-tasks: problems per document (default: {DepthTaskConfig.problems})")
     p.add_argument("--task-ask-every", action="store_true",
                    help="depth-tasks: ask about every object of each asked chain (containers, links), not only the "
                         "first")
@@ -67,14 +66,10 @@ def describe(res: PrepareResult) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    tasks = {k.removeprefix("task_"): v for k, v in vars(args).items() if k.startswith("task_")}  # --task-X: field X
+    tasks["families"] = tuple(f.strip() for f in args.task_families.split(",") if f.strip())
     spec = SourceSpec(name=args.source, paths=tuple(args.path), data_files=tuple(args.data_files),
-                      max_docs=args.max_docs,
-                      tasks=DepthTaskConfig(docs=args.task_docs, min_k=args.task_min_k, max_k=args.task_max_k,
-                                            repeat_share=args.task_repeat_share, seed=args.seed,
-                                            families=tuple(f.strip() for f in args.task_families.split(",")
-                                                           if f.strip()),
-                                            problems=args.task_problems, ask_every=args.task_ask_every,
-                                            ask_order=args.task_ask_order))
+                      max_docs=args.max_docs, tasks=DepthTaskConfig(seed=args.seed, **tasks))
     cfg = PrepareConfig(source=spec, out=args.out, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
                         seed=args.seed, seq_len=args.seq_len, force=args.force, tokenizer=args.tokenizer)
     res = prepare(cfg, progress=not args.quiet)

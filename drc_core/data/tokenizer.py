@@ -50,14 +50,12 @@ def tokenizer_hash(tok: Tokenizer) -> str:
 def recorded_hash(directory: str | Path) -> str | None:
     """The tokenizer sha256 that ``directory``'s ``meta.json`` or ``corpus_meta.json`` records, else None."""
     for name in ("meta.json", "corpus_meta.json"):
-        f = Path(directory) / name
-        if f.is_file():
-            try:
-                meta = parse_json(read_regular(f, name))
-            except (OSError, ValueError):
-                continue
-            if isinstance(meta, dict) and isinstance(meta.get("tokenizer_sha256"), str):
-                return meta["tokenizer_sha256"]
+        try:  # missing or not a regular file: an OSError or a DrcError (a ValueError)
+            meta = parse_json(read_regular(Path(directory) / name, name))
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and isinstance(meta.get("tokenizer_sha256"), str):
+            return meta["tokenizer_sha256"]
     return None
 
 
@@ -125,8 +123,7 @@ def encode_checked(tok: Tokenizer, text: str, max_tokens: int, what: str = "text
 def eot_id(tok: Tokenizer, where: str = "the tokenizer") -> int:
     """The id of the first of :data:`EOT_NAMES` the tokenizer has, else a one-line :class:`DrcError`."""
     for name in EOT_NAMES:
-        found = tok.token_to_id(name)
-        if found is not None:
+        if (found := tok.token_to_id(name)) is not None:
             return int(found)
     raise DrcError(f"{where} has no end-of-text token (none of {', '.join(EOT_NAMES)}): pass a tokenizer that "
                    "has one, e.g. one written by prepare")
