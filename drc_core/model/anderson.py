@@ -56,23 +56,22 @@ def anderson_weights(residuals: Tensor, lam: float) -> Tensor:
     trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
     reg = lam * trace + 1e-30 + 1e-12 * trace.amax().clamp_min(0)
     eye = torch.eye(h, dtype=gram.dtype, device=gram.device)
-    z = torch.linalg.solve(gram + reg[..., None, None] * eye, torch.ones(gram.shape[:-1], dtype=gram.dtype,
-                                                                          device=gram.device))
+    z = torch.linalg.solve(gram + reg[..., None, None] * eye, gram.new_ones(gram.shape[:-1]))
     return (z / z.sum(-1, keepdim=True)).to(residuals.dtype)
 
 
 def anderson_step(xs: list[Tensor], fxs: list[Tensor], cfg: AndersonConfig) -> Tensor:
     """The next point from iterates ``xs`` and their images ``fxs`` (each (B, T, d), oldest first)."""
     if cfg.m == 0 or len(xs) < 2:
-        x, fx = xs[-1], fxs[-1]
-        return fx if cfg.beta == 1 else cfg.beta * fx + (1 - cfg.beta) * x
-    X, FX = torch.stack(xs, 2), torch.stack(fxs, 2)  # (B, T, h, d)
-    if cfg.scope == "token":
-        alpha = anderson_weights(FX - X, cfg.lam)[..., None]  # (B, T, h, 1)
+        mix_f, mix_x = fxs[-1], xs[-1]
     else:
-        B, T, h, d = X.shape
-        alpha = anderson_weights((FX - X).permute(0, 2, 1, 3).reshape(B, h, T * d), cfg.lam)[:, None, :, None]
-    mix_f, mix_x = (alpha * FX).sum(2), (alpha * X).sum(2)
+        X, FX = torch.stack(xs, 2), torch.stack(fxs, 2)  # (B, T, h, d)
+        if cfg.scope == "token":
+            alpha = anderson_weights(FX - X, cfg.lam)[..., None]  # (B, T, h, 1)
+        else:
+            B, T, h, d = X.shape
+            alpha = anderson_weights((FX - X).permute(0, 2, 1, 3).reshape(B, h, T * d), cfg.lam)[:, None, :, None]
+        mix_f, mix_x = (alpha * FX).sum(2), (alpha * X).sum(2)
     return mix_f if cfg.beta == 1 else cfg.beta * mix_f + (1 - cfg.beta) * mix_x
 
 
@@ -96,8 +95,7 @@ def anderson_iterate(model: RecurrentModel, idx: Tensor, max_evals: int, cfg: An
         raise DrcError(f"readout={readout!r} is not supported; use logits, log_probs or None")
     e = model.embed(idx)
     x = model.initial_state(e, generator) if state is None else state
-    xs: deque[Tensor] = deque(maxlen=cfg.m + 1)
-    fxs: deque[Tensor] = deque(maxlen=cfg.m + 1)
+    history: deque[tuple[Tensor, Tensor]] = deque(maxlen=cfg.m + 1)  # (x, f(x)), oldest first
     for k in range(1, max_evals + 1):
         fx = model.core_step(x, e)
         residual = (fx - x).norm(dim=-1) / fx.norm(dim=-1).clamp_min(1e-12)
@@ -107,9 +105,8 @@ def anderson_iterate(model: RecurrentModel, idx: Tensor, max_evals: int, cfg: An
         if k < cfg.start:  # plain steps: no history yet
             x = fx
             continue
-        xs.append(x)
-        fxs.append(fx)
-        x = anderson_step(list(xs), list(fxs), cfg)
+        history.append((x, fx))
+        x = anderson_step([p[0] for p in history], [p[1] for p in history], cfg)
 
 
 def evals_to_converge(kl: Tensor, eps: float) -> Tensor:

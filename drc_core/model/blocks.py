@@ -72,13 +72,6 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Causal attention of q over k/v, heads merged: -> (B, T, d) (before the output projection)."""
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        B, _, T, _ = y.shape
-        return y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-
 
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -122,7 +115,9 @@ class Block(nn.Module):
         q, k, v = self.qkv(x, cos, sin)
         if kv_fn is not None:
             k, v = kv_fn(k, v)
-        return self.finish(x, self.attn.attend(q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn.dropout if self.training else 0.0,
+                                           is_causal=True)
+        return self.finish(x, y.transpose(1, 2).flatten(2))  # heads merged: (B, T, d)
 
 
 class BlockStack(nn.Module):
@@ -131,18 +126,15 @@ class BlockStack(nn.Module):
 
     max_seq_len: int
 
-    def _rope(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        if seq_len > self.max_seq_len:
-            raise DrcError(f"sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}; use shorter inputs "
-                           "or a model with a larger max_seq_len")
-        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-
     def _run(self, blocks: nn.ModuleList, x: Tensor, frozen_kv: FrozenKV | None = None,
              frozen: Tensor | None = None) -> Tensor:
         """``x`` through ``blocks``, block j's keys/values through ``frozen_kv``'s slot j for the ``frozen`` tokens."""
         if (frozen_kv is None) != (frozen is None):
             raise DrcError("frozen_kv and frozen go together; pass both (a FrozenKV and a (B, T) mask) or neither")
-        cos, sin = self._rope(x.shape[1])
+        if (seq_len := x.shape[1]) > self.max_seq_len:
+            raise DrcError(f"sequence length {seq_len} exceeds max_seq_len={self.max_seq_len}; use shorter inputs "
+                           "or a model with a larger max_seq_len")
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         for j, block in enumerate(blocks):
             x = block(x, cos, sin, None if frozen_kv is None else frozen_kv.hook(j, frozen))
         return x

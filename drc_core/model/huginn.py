@@ -110,16 +110,13 @@ class HuginnBlock(nn.Module):
         self.norm_1, self.norm_2 = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
         self.norm_3, self.norm_4 = RMSNorm(cfg.d_model, cfg.norm_eps), RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn, self.mlp = Attention(cfg), GatedMLP(cfg)
-        self.entry = entry
-
-    def _in(self, x: Tensor) -> Tensor:
-        return x if self.entry is None else self.entry(x)
+        self.entry = nn.Identity() if entry is None else entry
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, d) -> q, k, v (B, H, T, hd): bias on q and k, then RoPE."""
         B, T, _ = x.shape
         a = self.attn
-        q, k, v = a.Wqkv(self.norm_1(self._in(x))).view(B, T, 3, a.n_heads, a.head_dim).unbind(2)
+        q, k, v = a.Wqkv(self.norm_1(self.entry(x))).view(B, T, 3, a.n_heads, a.head_dim).unbind(2)
         if a.qk_bias is not None:
             q, k = q + a.qk_bias[0], k + a.qk_bias[1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -127,7 +124,7 @@ class HuginnBlock(nn.Module):
 
     def finish(self, x: Tensor, y: Tensor) -> Tensor:
         """The block after attention: ``y`` (..., H * hd) is the attention output of the tokens ``x`` (..., d)."""
-        x = self.norm_2(self.attn.proj(y) + self._in(x))
+        x = self.norm_2(self.attn.proj(y) + self.entry(x))
         return self.norm_4(self.mlp(self.norm_3(x)) + x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_fn: KVFn | None = None) -> Tensor:

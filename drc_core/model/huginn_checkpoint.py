@@ -17,11 +17,11 @@ from torch import nn
 from drc_core.errors import MAX_LOOPS, DrcError, first_line
 from drc_core.guard import read_json, read_regular
 from drc_core.model.huginn import HuginnConfig, HuginnLM, rope_tables
+from drc_core.model.lm import CONFIG_FILE, WEIGHTS_FILE  # the Hugging Face names, which this project's runs share
 
 __all__ = ["config_from_json", "hf_config", "load_huginn", "load_huginn_tokenizer", "rename_tensor"]
 
-CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE, TOKENIZER_FILE = (
-    "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json")
+INDEX_FILE, TOKENIZER_FILE = "model.safetensors.index.json", "tokenizer.json"
 MODEL_TYPE, ARCHITECTURE = "huginn_raven", "RavenForCausalLM"
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header (the safetensors library's own limit)
 # The largest value this reader accepts per config field (Huginn-0125: 5280, 55, 17920, 65536, 4096, 2/4/2, 32).
@@ -154,8 +154,7 @@ def _weight_files(path: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
                                                   for v in names.values()):
             raise DrcError(f"'{path / INDEX_FILE}' has no weight_map of file names beside it: download it again")
         files = [path / f for f in sorted(set(names.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
+        if missing := [f.name for f in files if not f.is_file()]:
             raise DrcError(f"'{path}' lacks the shard {missing[0]} its {INDEX_FILE} names: download the missing files")
     else:
         raise DrcError(f"'{path}' has {CONFIG_FILE} but no {WEIGHTS_FILE} (nor {INDEX_FILE}): download the weights "

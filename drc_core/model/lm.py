@@ -75,6 +75,7 @@ class DepthRecurrentLM(BlockStack):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.vocab_size, self.max_seq_len = cfg.vocab_size, cfg.max_seq_len
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.prelude = nn.ModuleList(Block(cfg) for _ in range(cfg.n_prelude))
         self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False) if cfg.injection == "concat" else None
@@ -95,14 +96,6 @@ class DepthRecurrentLM(BlockStack):
                 nn.init.normal_(module.weight, mean=0.0, std=out_std if small else 0.02)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.cfg.max_seq_len
 
     def token_embedding(self, idx: Tensor) -> Tensor:
         """Token ids (any shape) -> their embeddings (..., d), before the prelude (with dropout)."""

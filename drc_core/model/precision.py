@@ -62,10 +62,9 @@ def bf16_support(device: torch.device) -> str | None:
 
 def choose(autocast: str, compile: str, device: torch.device) -> NumericPath:
     """Resolve ``"auto"`` settings for ``device`` (see the module docstring)."""
-    if autocast not in AUTOCAST_CHOICES:
-        raise ValueError(f"autocast={autocast!r} is not supported: use one of {', '.join(AUTOCAST_CHOICES)}")
-    if compile not in COMPILE_CHOICES:
-        raise ValueError(f"compile={compile!r} is not supported: use one of {', '.join(COMPILE_CHOICES)}")
+    for name, value, allowed in (("autocast", autocast, AUTOCAST_CHOICES), ("compile", compile, COMPILE_CHOICES)):
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r} is not supported: use one of {', '.join(allowed)}")
     reasons = [f"autocast={autocast} as set"]
     if autocast == "auto":
         fast = bf16_support(device)

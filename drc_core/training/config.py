@@ -83,10 +83,9 @@ class TrainConfig:
         need_float("recurrence.sigma", rec.sigma, 0.0, MAX_SIGMA)
         if isinstance(self.compile, bool):  # configs written before "auto" existed stored a bool
             self.compile = "true" if self.compile else "false"
-        if self.autocast not in AUTOCAST_CHOICES:
-            raise DrcError(f"autocast={self.autocast!r} is not supported: use one of {', '.join(AUTOCAST_CHOICES)}")
-        if self.compile not in COMPILE_CHOICES:
-            raise DrcError(f"compile={self.compile!r} is not supported: use one of {', '.join(COMPILE_CHOICES)}")
+        for name, allowed in (("autocast", AUTOCAST_CHOICES), ("compile", COMPILE_CHOICES)):
+            if (value := getattr(self, name)) not in allowed:
+                raise DrcError(f"{name}={value!r} is not supported: use one of {', '.join(allowed)}")
         need_int("seq_len", self.seq_len, 1, maximum=MAX_SEQ_LEN)
         need_int("eval_windows", self.eval_windows, 1, maximum=MAX_BATCH_TOKENS)
         if self.batch_size * self.seq_len > MAX_BATCH_TOKENS:
@@ -111,52 +110,40 @@ class TrainConfig:
         return cls(model=model, recurrence=rec, **{**d, "eval_loops": tuple(d["eval_loops"])})
 
 
-def _tiny() -> TrainConfig:
-    """Seconds on a CPU, for tests and the smoke run (eager: compiling takes longer than the run)."""
-    return TrainConfig(
+PRESETS: dict[str, typing.Callable[[], TrainConfig]] = {
+    # seconds on a CPU, for tests and the smoke run (eager: compiling takes longer than the run)
+    "tiny": lambda: TrainConfig(
         model=ModelConfig(vocab_size=512, d_model=32, n_heads=2, n_prelude=1, n_core=1, n_coda=1,
                           max_seq_len=64),
         recurrence=RecurrenceConfig(mean=4.0, backprop_loops=2, max_loops=16),
         seq_len=32, batch_size=8, max_steps=30, lr=3e-3, warmup_steps=5, eval_every=15, eval_windows=8,
         eval_loops=(1, 2, 4, 8), ckpt_every=10, log_every=5, compile="false",
-    )
-
-
-def _cpu() -> TrainConfig:
-    """The reference model: 4.34 M parameters, 20.5 M tokens, ~1 hour on 2 CPU cores (``scripts/depth_scale.py``)."""
-    return TrainConfig(
-        model=ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_prelude=1, n_core=2, n_coda=1,
-                          max_seq_len=256),
-        recurrence=RecurrenceConfig(mean=8.0, backprop_loops=4, max_loops=32),
-        seq_len=256, batch_size=16, max_steps=5000, lr=2e-3, warmup_steps=100, eval_every=500,
-        eval_windows=64, ckpt_every=250, autocast="auto", compile="auto",
-    )
-
-
-def _small() -> TrainConfig:
-    """Minutes on 2 CPU cores (2.5 M tokens): seed replicates and the training-mean depth experiment."""
-    return TrainConfig(
+    ),
+    # minutes on 2 CPU cores (2.5 M tokens): seed replicates and the training-mean depth experiment
+    "small": lambda: TrainConfig(
         model=ModelConfig(vocab_size=4096, d_model=64, n_heads=2, n_prelude=1, n_core=2, n_coda=1,
                           max_seq_len=256),
         recurrence=RecurrenceConfig(mean=8.0, backprop_loops=4, max_loops=32),
         seq_len=128, batch_size=16, max_steps=1200, lr=4e-3, warmup_steps=60, eval_every=300,
         eval_windows=64, ckpt_every=300,
-    )
-
-
-def _paper_135m() -> TrainConfig:
-    """~124 M parameters for a GPU and FineWeb-Edu (--vocab-size 49152), 4.2 B tokens (docs/gpu.md)."""
-    return TrainConfig(
+    ),
+    # the reference model: 4.34 M parameters, 20.5 M tokens, ~1 hour on 2 CPU cores (scripts/depth_scale.py)
+    "cpu": lambda: TrainConfig(
+        model=ModelConfig(vocab_size=4096, d_model=256, n_heads=4, n_prelude=1, n_core=2, n_coda=1,
+                          max_seq_len=256),
+        recurrence=RecurrenceConfig(mean=8.0, backprop_loops=4, max_loops=32),
+        seq_len=256, batch_size=16, max_steps=5000, lr=2e-3, warmup_steps=100, eval_every=500,
+        eval_windows=64, ckpt_every=250, autocast="auto", compile="auto",
+    ),
+    # ~124 M parameters for a GPU and FineWeb-Edu (--vocab-size 49152), 4.2 B tokens (docs/gpu.md)
+    "paper-135m": lambda: TrainConfig(
         model=ModelConfig(vocab_size=49152, d_model=768, n_heads=12, n_prelude=2, n_core=4, n_coda=2,
                           mlp_hidden=3584, max_seq_len=1024),
         recurrence=RecurrenceConfig(mean=8.0, backprop_loops=8, max_loops=32),
         seq_len=1024, batch_size=256, max_steps=16_000, lr=1e-3, warmup_steps=500, eval_every=500,
         eval_windows=256, ckpt_every=500, keep_last=3, autocast="bf16",
-    )
-
-
-PRESETS: dict[str, typing.Callable[[], TrainConfig]] = {"tiny": _tiny, "small": _small, "cpu": _cpu,
-                                                         "paper-135m": _paper_135m}
+    ),
+}
 
 
 def preset(name: str) -> TrainConfig:
@@ -168,10 +155,9 @@ def preset(name: str) -> TrainConfig:
 def _coerce(raw: str, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
         if raw.lower() in ("none", "null"):
             return None
-        return _coerce(raw, args[0], key)
+        return _coerce(raw, next(a for a in typing.get_args(hint) if a is not type(None)), key)
     if origin is tuple:
         inner = typing.get_args(hint)[0]
         return tuple(_coerce(p, inner, key) for p in raw.strip("()[] ").split(",") if p.strip())
@@ -224,13 +210,10 @@ def apply_overrides(cfg: TrainConfig, pairs: list[str]) -> TrainConfig:
 
 def config_diff(a: TrainConfig, b: TrainConfig) -> list[str]:
     """Dotted keys whose values differ between two configs."""
-    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def flat(d: dict, prefix: str = "") -> dict[str, str]:
+        out: dict[str, str] = {}
         for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = json.dumps(v)
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": json.dumps(v)})
         return out
 
     fa, fb = flat(a.to_dict()), flat(b.to_dict())

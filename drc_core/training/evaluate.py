@@ -82,9 +82,7 @@ def parse_loops(text: str) -> tuple[int, ...]:
         raise DrcError(f"--loops {text!r} is not a comma-separated list of loop counts: e.g. --loops 1,4,8") from None
     if not loops:
         raise DrcError(f"--loops {text!r} names no loop count: e.g. --loops 1,4,8")
-    for n in loops:
-        need_loops("--loops", n)
-    return loops
+    return tuple(need_loops("--loops", n) for n in loops)
 
 
 EVAL_WRITER = "drc_core.training.evaluate"  # the owner mark of the --json files it writes

@@ -20,12 +20,14 @@ from safetensors.torch import load_file, save_file
 from drc_core.errors import DrcError, first_line
 from drc_core.guard import parse_json, read_regular, write_file
 
-__all__ = ["LEGACY_STATE", "STATE_JSON", "STATE_TENSORS", "TrainState", "apply_state", "read_state", "write_state"]
+__all__ = ["LEGACY_STATE", "RESUME_FIX", "STATE_JSON", "STATE_TENSORS", "TrainState", "apply_state", "read_state",
+           "write_state"]
 
 STATE_JSON = "train_state.json"
 STATE_TENSORS = "train_state.safetensors"
 LEGACY_STATE = "train_state.pt"  # written before the format above; read with weights_only=True
 STATE_FORMAT = 1
+RESUME_FIX = "delete that checkpoint directory to resume from the one before it"  # what every refused state says
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # AdamW's per-parameter tensors, each the parameter's shape
 _TENSOR_KEY = re.compile(r"^optimizer\.(\d+)\.(\w+)$|^rng\.torch$|^rng\.cuda\.(\d+)$")
 
@@ -71,13 +73,13 @@ def write_state(directory: Path, opt: torch.optim.Optimizer, sched: Any, sampler
 
 def read_state(ckpt: Path, opt: torch.optim.Optimizer, sched: Any) -> TrainState:
     """The training state of ``ckpt``, checked against a fresh ``opt`` and ``sched`` (else a one-line DrcError)."""
-    fix = "delete that checkpoint directory to resume from the one before it"
     name = STATE_JSON if (ckpt / STATE_JSON).exists() or not (ckpt / LEGACY_STATE).exists() else LEGACY_STATE
     try:
-        state = _read_legacy(ckpt / LEGACY_STATE, fix) if name == LEGACY_STATE else _read_new(ckpt, opt)
+        state = _read_legacy(ckpt / LEGACY_STATE) if name == LEGACY_STATE else _read_new(ckpt, opt)
         _check(state, opt, sched)
     except _Damaged as exc:
-        raise DrcError(f"cannot resume from {ckpt}: its training state ({name}) is damaged ({exc}); {fix}") from None
+        raise DrcError(f"cannot resume from {ckpt}: its training state ({name}) is damaged ({exc}); {RESUME_FIX}"
+                       ) from None
     return state
 
 
@@ -170,7 +172,7 @@ def _read_tensors(path: Path, opt: torch.optim.Optimizer) -> dict[str, torch.Ten
         raise _Damaged(f"{STATE_TENSORS} is not readable: {first_line(exc, 80)}") from None
 
 
-def _read_legacy(path: Path, fix: str) -> TrainState:
+def _read_legacy(path: Path) -> TrainState:
     """A ``train_state.pt`` of the format before this one, read with ``weights_only=True``."""
     if not path.is_file():  # a FIFO or a device would hang or never end
         raise _Damaged(f"{LEGACY_STATE} is not a regular file")
@@ -178,8 +180,8 @@ def _read_legacy(path: Path, fix: str) -> TrainState:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise DrcError(f"cannot resume from {path.parent}: its {LEGACY_STATE} asks to run code or build objects "
-                       f"that a training state does not hold ({first_line(exc, 100)}), so it was not loaded; {fix}"
-                       ) from None
+                       f"that a training state does not hold ({first_line(exc, 100)}), so it was not loaded; "
+                       f"{RESUME_FIX}") from None
     except (OSError, RuntimeError, EOFError, ValueError, TypeError, KeyError, AttributeError, IndexError,
             MemoryError) as exc:
         raise _Damaged(f"{LEGACY_STATE} is not readable: {first_line(exc, 80)}") from None

@@ -44,7 +44,7 @@ from drc_core.training.rundir import (
     metrics_rows,
     open_run,
 )
-from drc_core.training.state import apply_state, read_state, write_state
+from drc_core.training.state import RESUME_FIX, apply_state, read_state, write_state
 
 
 @dataclass
@@ -102,10 +102,7 @@ def make_optimizer(model: DepthRecurrentLM, cfg: TrainConfig) -> torch.optim.Ada
 
 def checkpoints(out: Path) -> list[Path]:
     """The checkpoint directories (``step-N``) of run ``out``, oldest first."""
-    root = out / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step-*") if p.name[5:].isdigit()]
+    found = [p for p in (out / CHECKPOINTS_DIR).glob("step-*") if p.name[5:].isdigit()]  # none without the folder
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
@@ -158,7 +155,8 @@ def checkpoint_bytes(model: DepthRecurrentLM, optimizer: bool = True) -> int:
     return n * 3 + (1 << 20) if optimizer else n + (1 << 16)
 
 
-RUN_FILES = ("config.json", CORPUS_RECORD, "init.json", METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)  # what train writes
+INIT_RECORD = "init.json"
+RUN_FILES = ("config.json", CORPUS_RECORD, INIT_RECORD, METRICS_FILE, CHECKPOINTS_DIR, FINAL_DIR)  # what train writes
 
 
 def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> list[Path]:
@@ -198,8 +196,8 @@ def check_out_dir(out: Path, cfg: TrainConfig, corpus: Corpus, resume: bool) -> 
     # its corpus.json: the same tokenizer and documents; required where there is a checkpoint to continue (a run
     # killed before its first one starts again from step 0 and records its corpus anew)
     open_run(out).check_corpus(corpus, required=bool(found))
-    leftovers = [*root.glob(".tmp-step-*")] if root.is_dir() else []  # a checkpoint a killed run was writing
-    for leftover in [*leftovers, *out.glob(".*.tmp-*")]:  # and a file or final/ it was replacing
+    # a checkpoint a killed run was writing, and a file or final/ it was replacing
+    for leftover in [*root.glob(".tmp-step-*"), *out.glob(".*.tmp-*")]:
         remove_path(leftover, strict=True)
     if not found and (out / FINAL_DIR).exists():
         raise DrcError(f"'{out}' holds a finished run and no checkpoint to resume: choose a new --out")
@@ -229,9 +227,6 @@ def train(cfg: TrainConfig, data: str | Path, out: str | Path, resume: bool = Fa
         return _train(cfg, data, out, resume, progress, d, device, init)
 
 
-INIT_RECORD = "init.json"
-
-
 def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress: bool, d: Dist,
            device: torch.device, init: str | Path | None = None) -> dict:
     corpus = Corpus.open(data)
@@ -249,7 +244,7 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
     recur = RecurrenceSampler(cfg.recurrence)
     start = 0
     if resume and found:
-        ckpt, fix = found[-1], "delete that checkpoint directory to resume from the one before it"
+        ckpt, fix = found[-1], RESUME_FIX
         state = read_state(ckpt, opt, sched)  # JSON + safetensors (or an old train_state.pt, weights only), checked
         try:
             saved = TrainConfig.from_dict(state.train_config, f"{ckpt} (its train_config)")
@@ -308,13 +303,12 @@ def _train(cfg: TrainConfig, data: str | Path, out: Path, resume: bool, progress
             n = recur.sample(step)
             x, y = sampler.batch(step)
             sampler.step = step + 1
-            x, y = x.to(device), y.to(device)
+            x, y, s0 = x.to(device), y.to(device), initial_state(cfg, step, d, device)
             with autocast:
                 if weights is None:
-                    _, loss = net(x, n, n_grad_loops=recur.n_grad_loops(n),
-                                  state=initial_state(cfg, step, d, device), targets=y)
+                    _, loss = net(x, n, n_grad_loops=recur.n_grad_loops(n), state=s0, targets=y)
                 else:
-                    logits = net(x, n, n_grad_loops=recur.n_grad_loops(n), state=initial_state(cfg, step, d, device))
+                    logits = net(x, n, n_grad_loops=recur.n_grad_loops(n), state=s0)
                     loss = weighted_loss(logits, y, sampler.target_weights(step, weights).to(device))
             if not torch.isfinite(loss):
                 where = f"the last good checkpoint is {good}" if good else "no checkpoint was written yet"
