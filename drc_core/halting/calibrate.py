@@ -21,7 +21,7 @@ from scipy import stats as sps
 
 from drc_core.errors import DrcError, need_float, need_int
 from drc_core.halting.rules import RULE_FAMILIES, HaltingRule, Uniform
-from drc_core.halting.sweep import OfflinePass, RuleSpec, offline_pass
+from drc_core.halting.sweep import OfflinePass, RuleSpec, default_families, offline_pass
 from drc_core.model.lm import RecurrentModel
 from drc_core.model.passes import EVAL_STATE_SEED
 
@@ -139,11 +139,10 @@ def family_specs(family: str, max_loops: int, reference_loops: int) -> list[Rule
     """The family's grid as rules from the latest-halting threshold to the earliest (``uniform``: R down to 1)."""
     if family == "uniform":
         return [RuleSpec("uniform", float(u), Uniform(u)) for u in range(reference_loops, 0, -1)]
-    classes = RULE_FAMILIES
-    if not isinstance(family, str) or family not in classes or not classes[family].grid:
+    if family not in default_families():
         raise DrcError(f"family {family!r} has no threshold grid; calibrate one of "
-                       f"{', '.join(f for f, c in classes.items() if c.grid)} or 'uniform'")
-    cls = classes[family]
+                       f"{', '.join(default_families())} or 'uniform'")
+    cls = RULE_FAMILIES[family]
     return [RuleSpec(family, float(t), cls(t, max_loops=max_loops)) for t in reversed(cls.grid)]
 
 
@@ -163,13 +162,11 @@ class LossTable:
         cols = slice(None) if subset is None else np.asarray(subset)
         losses, loops = self.risks[family][:, cols], self.loops[family][:, cols]
         k, p = learn_then_test(losses, alpha, delta)
-        chosen = None if k == 0 else k - 1
-        spec = None if chosen is None else self.specs[family][chosen]
+        c = max(k - 1, 0)  # the last certified row (k rows are), else the first: its p-value
         return Certificate(family=family, risk=self.risk, alpha=alpha, delta=delta, n_units=losses.shape[1],
-                           threshold=None if spec is None else spec.param,
-                           calibration_risk=math.nan if chosen is None else float(losses[chosen].mean()),
-                           avg_loops=math.nan if chosen is None else float(loops[chosen].mean()),
-                           p_value=float(p[0] if chosen is None else p[chosen]),
+                           threshold=self.specs[family][c].param if k else None,
+                           calibration_risk=float(losses[c].mean()) if k else math.nan,
+                           avg_loops=float(loops[c].mean()) if k else math.nan, p_value=float(p[c]),
                            reference_loops=self.reference_loops, tested=min(k + 1, len(p)))
 
 
@@ -256,9 +253,7 @@ def calibrate(model: RecurrentModel, windows: torch.Tensor, units: np.ndarray, f
     table = loss_table(model, windows, units, [family], risk=risk, tolerance=tolerance,
                        reference_loops=reference_loops, max_loops=max_loops, seed=seed)
     cert = table.certify(family, alpha, delta)
-    rule = None
-    if cert.threshold is not None:
-        rule = next(s.rule for s in table.specs[family] if s.param == cert.threshold)
+    rule = None if cert.threshold is None else next(s.rule for s in table.specs[family] if s.param == cert.threshold)
     return CalibratedRule(rule, cert)
 
 

@@ -97,7 +97,7 @@ class _Items(Attn):
                  lockstep: tuple[int, int, int, int] | None = None, *, pos: Tensor | None = None,
                  kv_index: Tensor | None = None, parent: tuple[_Items, Tensor] | None = None) -> None:
         self.rows, self.mask, self.t_k, self.rope, self.heads, self.lockstep = rows, mask, t_k, rope, heads, lockstep
-        self.dense, self.pending, self._parent = False, {}, parent
+        self.dense, self._parent = False, parent
         if parent is None:
             self.pos, self.kv_index = pos, kv_index  # else cached_property: made from the parent on first read
 
@@ -229,13 +229,12 @@ def generate_continuous(model: DepthRecurrentLM, prompts: Tensor | Sequence[Tens
     if isinstance(n_slots, bool) or not isinstance(n_slots, int) or n_slots < 1:
         raise DrcError(f"slots={slots!r} is invalid; it must be an integer >= 1 (or None: one per request)")
     d = model.cfg.d_model
-    device, dtype = model.rope_cos.device, model.tok_emb.weight.dtype
-    like = torch.empty(0, dtype=dtype, device=device)
+    like = torch.empty(0, dtype=model.tok_emb.weight.dtype, device=model.rope_cos.device)
     init = []
     for i, (p, n, s) in enumerate(reqs):
         check_state(s, (p.shape[1] + n, d), f"(T0 + max_new_tokens, d_model) for prompt {i}")  # type: ignore[arg-type]
         s = model.initial_state(like.new_zeros(1, p.shape[1] + n, d), generator) if s is None else s[None]
-        init.append(s.to(device=device, dtype=dtype))
+        init.append(s.to(like))
     decoder = _Decoder(model, rule, reqs, init, min(n_slots, len(reqs)), t_start, temperature=temperature,
                        generator=generator, fused=fused, keep_logits=keep_logits)
     while decoder.step():

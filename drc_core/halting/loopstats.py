@@ -176,9 +176,9 @@ class Tracker:
                 out["kl"][i:j] = _vecdot(p, scratch) - (lse - self.prev["lse"][i:j])
         res = {k: v for k, v in out.items() if k == "lse" or k in need}  # the softmax-based fields
         inf = torch.full((n,), math.inf, device=y.device)
-        if want_p and "kl" in need:
+        if "kl" in need:
             res["kl"] = inf if first else out["kl"]
-        if want_p and {"entropy", "entropy_delta"} <= need:
+        if {"entropy", "entropy_delta"} <= need:
             res["entropy_delta"] = inf if first else (out["entropy"] - self.prev["entropy"]).abs()
         if arg is not None:
             res["argmax"] = arg
@@ -251,15 +251,9 @@ class FullLayout:
     exit-loop values)."""
 
     def __init__(self, shape: tuple[int, int], vocab: int, like: Tensor) -> None:
-        dev = like.device
-        self.full: dict[str, Tensor] = {}
-        for name, stat in STATISTICS.items():
-            if stat.kind == "distribution":
-                self.full[name] = torch.zeros(*shape, vocab, device=dev)
-            elif stat.kind == "vector":
-                self.full[name] = torch.zeros(*shape, like.shape[-1], device=dev)
-            else:
-                self.full[name] = stat.placeholder(shape, dev)
+        width = {"distribution": vocab, "vector": like.shape[-1]}  # the last axis of the non-scalar kinds
+        self.full = {name: torch.zeros(*shape, width[st.kind], device=like.device) if st.kind in width
+                     else st.placeholder(shape, like.device) for name, st in STATISTICS.items()}
 
     def stats(self, loop: int, lin: Tensor, res: dict[str, Tensor], state: Tensor) -> LoopStats:
         for name, buf in self.full.items():

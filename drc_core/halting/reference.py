@@ -205,4 +205,4 @@ def oracle_exit(log_probs_per_loop: Tensor | Iterable[Tensor], reference_loop: i
     exit_loop, reached = first_within(torch.stack(kls), eps)
     exit_loop.clamp_(min=min_loops)
     return OracleResult(exit_loop=exit_loop, avg_depth=float(exit_loop.float().mean()), reached=reached, eps=eps,
-                        reference_loop=reference_loop if reference_loop is not None else last)
+                        reference_loop=last)

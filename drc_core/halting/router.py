@@ -107,8 +107,7 @@ def family_title(family: str) -> str:
     kind = family.removeprefix("router_")
     if family.startswith("router_") and kind in _KINDS:
         return _KINDS[kind].title
-    cls = next((c for c in rule_classes().values() if c.family == family), None)
-    return cls.title if cls is not None and cls.title else family.replace("_", " ")
+    return next((c.title for c in rule_classes().values() if c.family == family and c.title), family.replace("_", " "))
 
 
 @dataclass
@@ -127,18 +126,6 @@ class TrainLog:
     @property
     def epochs_run(self) -> int:
         return len(self.train_loss)
-
-
-def _val_rows(data: RouterData, val_fraction: float, gen: np.random.Generator) -> np.ndarray:
-    """A bool mask of the validation rows: whole windows when there are >= 2, else single rows."""
-    if val_fraction == 0:
-        return np.zeros(len(data), dtype=bool)
-    win = data.window.numpy()
-    uniq = np.unique(win)
-    if len(uniq) < 2:  # one window: hold out single rows
-        win = uniq = np.arange(len(data))
-    n_val = min(max(round(val_fraction * len(uniq)), 1), len(uniq) - 1)
-    return np.isin(win, gen.permutation(uniq)[:n_val])
 
 
 def train_router(router: Router, data: RouterData, *, epochs: int = 50, lr: float = 1e-2, weight_decay: float = 0.0,
@@ -163,8 +150,13 @@ def train_router(router: Router, data: RouterData, *, epochs: int = 50, lr: floa
     if len(data) < 2 and val_fraction > 0:
         raise DrcError(f"{owner}: data has 1 row; pass more rows or val_fraction=0")
 
-    rng = np.random.default_rng(seed)
-    val_mask = torch.from_numpy(_val_rows(data, val_fraction, rng))
+    # the validation rows: whole windows when there are >= 2, else single rows
+    win = data.window.numpy()
+    uniq = np.unique(win)
+    if len(uniq) < 2:
+        win = uniq = np.arange(len(data))
+    n_val = min(max(round(val_fraction * len(uniq)), 1), len(uniq) - 1) if val_fraction else 0
+    val_mask = torch.from_numpy(np.isin(win, np.random.default_rng(seed).permutation(uniq)[:n_val]))
     x_tr, y_tr = data.features[~val_mask].float(), data.labels[~val_mask].float()
     x_va, y_va = data.features[val_mask].float(), data.labels[val_mask].float()
     n_pos = int(y_tr.sum())
@@ -339,7 +331,7 @@ def trained_router_specs(model: RecurrentModel, windows: Tensor, max_loops: int,
     """The book's two routers trained on ``windows``: ``linear`` on the state (the paper's), ``mlp`` (64 hidden) on
     the state, loop one-hot and readout statistics; their sweep points (one per ``tau``) and metrics."""
     specs, metrics = [], {}
-    kinds = [("linear", lambda d: LinearRouter(d), FeatureSpec(max_loops=max_loops)),
+    kinds = [("linear", LinearRouter, FeatureSpec(max_loops=max_loops)),
              ("mlp", lambda d: MLPRouter(d, hidden=64), FeatureSpec(loop="onehot", readout_stats=True,
                                                                     max_loops=max_loops))]
     harvested = harvest_specs(model, windows, [spec for _, _, spec in kinds], max_loops, eps, positions=positions)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -23,7 +23,6 @@ __all__ = ["FeatureSpec", "RouterData", "harvest", "harvest_specs", "router_feat
 
 _LOOP_FEATURES = ("none", "scalar", "onehot")
 _READOUT_STATS = frozenset({"entropy", "top_prob", "kl", "state_delta", "cosine"})  # router_features' order below
-_N_READOUT_STATS = len(_READOUT_STATS)
 _LOG_CLAMP = (-12.0, 4.0)
 
 
@@ -54,14 +53,14 @@ class FeatureSpec:
     def dim(self, d_model: int) -> int:
         """The number of features for a model with state size ``d_model``."""
         loop = {"none": 0, "scalar": 1, "onehot": self.max_loops}[self.loop]
-        return (d_model if self.state else 0) + loop + (_N_READOUT_STATS if self.readout_stats else 0)
+        return (d_model if self.state else 0) + loop + (len(_READOUT_STATS) if self.readout_stats else 0)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> FeatureSpec:
-        known = {"state", "loop", "readout_stats", "max_loops"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise DrcError(f"FeatureSpec: unknown key {unknown[0]!r}; use {', '.join(sorted(known))}")

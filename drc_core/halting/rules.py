@@ -135,12 +135,8 @@ class HaltingRule:
 
 def statistics_read(rules: Iterable[HaltingRule]) -> frozenset[str] | None:
     """The union of the rules' :attr:`HaltingRule.reads`; None (every statistic) when one of them declares none."""
-    out: set[str] = set()
-    for rule in rules:
-        if rule.reads is None:
-            return None
-        out |= rule.reads
-    return frozenset(out)
+    reads = [rule.reads for rule in rules]
+    return None if None in reads else frozenset().union(*reads)
 
 
 @dataclass
@@ -170,7 +166,6 @@ class _BelowThreshold(HaltingRule):
         return f"{self._label}{'>=' if self._above else '<'}{fmt_number(self.tau)}"
 
 
-@dataclass
 class KLThreshold(_BelowThreshold):
     """Halt once the successive-output KL(p_l || p_{l-1}) < ``tau`` (the paper's training-free rule)."""
 
@@ -178,7 +173,6 @@ class KLThreshold(_BelowThreshold):
     _stat = _label = "kl"
 
 
-@dataclass
 class StateDelta(_BelowThreshold):
     """Halt once the relative latent change ||s_l - s_{l-1}|| / ||s_l|| < ``tau``."""
 
@@ -186,7 +180,6 @@ class StateDelta(_BelowThreshold):
     _stat, _label = "state_delta", "dstate"
 
 
-@dataclass
 class EntropyDelta(_BelowThreshold):
     """Halt once the output entropy changes by less than ``tau`` nats: |H_l - H_{l-1}| < ``tau``."""
 
@@ -194,7 +187,6 @@ class EntropyDelta(_BelowThreshold):
     _stat, _label = "entropy_delta", "dH"
 
 
-@dataclass
 class Cosine(_BelowThreshold):
     """Halt once cos(s_l, s_{l-1}) >= ``tau`` (``tau`` in [-1, 1])."""
 
@@ -221,7 +213,6 @@ class ArgmaxPatience(HaltingRule):
         return f"argmax-stable{self.n}"
 
 
-@dataclass
 class SoftmaxConfidence(_BelowThreshold):
     """Halt once the top probability max_v p_l(v) >= ``tau`` (``tau`` in (0, 1])."""
 
@@ -229,7 +220,6 @@ class SoftmaxConfidence(_BelowThreshold):
     _stat, _label, _above, _range = "top_prob", "pmax", True, (0.0, 1.0, True)
 
 
-@dataclass
 class MinPKL(_BelowThreshold):
     """Halt once the min-p filtered KL(q_{l-1} || q_l) < ``tau`` (Huginn's ``minp-kl`` criterion)."""
 
@@ -237,7 +227,6 @@ class MinPKL(_BelowThreshold):
     _stat, _label = "minp_kl", "minp-kl"
 
 
-@dataclass
 class Acceleration(_BelowThreshold):
     """Halt once the relative second difference of the latent trajectory, ||Δs_l - Δs_{l-1}|| / ||s_l||, has been
     below ``tau`` at loops l-1 and l (arXiv 2509.23314); needs no readout, earliest halt at loop 4."""
@@ -280,7 +269,6 @@ class Uniform(HaltingRule):
         return self.name
 
 
-@dataclass
 class Never(HaltingRule):
     """No token halts before ``max_loops`` (so every token runs the full depth)."""
 

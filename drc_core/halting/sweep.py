@@ -66,11 +66,6 @@ def default_rules(max_loops: int = 16, min_loops: int = 1) -> list[RuleSpec]:
             for p in RULE_FAMILIES[family].grid]
 
 
-def _token_quality(logp: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token CE against ``targets`` and KL(p_ref || p) for log-probs (B, T, V)."""
-    return -logp.gather(-1, targets[..., None]).squeeze(-1), kl_successive(ref, logp)
-
-
 def _rows(family: str, param: float, rule: str, window0: int, depth: torch.Tensor, ce: torch.Tensor,
           kl: torch.Tensor) -> list[dict[str, object]]:
     """Per-window means of (B, T) exit depth, CE and KL; ``ce`` and ``kl`` (L, B, T) per loop are read at the exit."""
@@ -86,8 +81,8 @@ def _rows(family: str, param: float, rule: str, window0: int, depth: torch.Tenso
 
 
 def _checked(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec], reference_loops: int,
-             batch_size: int) -> tuple[torch.Tensor, tuple[RuleSpec, ...], int, int, int]:
-    """The arguments of a sweep or an offline pass, checked, and the deepest loop any of them needs."""
+             batch_size: int, loops: int | None = None) -> tuple[torch.Tensor, tuple[RuleSpec, ...], int, int, int]:
+    """The arguments of a sweep or an offline pass, checked; ``loops`` at least (default: just) the deepest needed."""
     windows = check_token_ids(model, windows)
     reference_loops = need_int("reference_loops", reference_loops, 1)
     batch_size = need_int("batch_size", batch_size, 1)
@@ -95,7 +90,8 @@ def _checked(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleS
     for spec in rules:
         if not isinstance(spec, RuleSpec) or not isinstance(spec.rule, HaltingRule):
             raise DrcError(f"rules must be RuleSpec(family, param, HaltingRule); got {spec!r}")
-    return windows, rules, reference_loops, batch_size, max([reference_loops, *(s.rule.max_loops for s in rules)])
+    deepest = max([reference_loops, *(s.rule.max_loops for s in rules)])
+    return windows, rules, reference_loops, batch_size, deepest if loops is None else need_int("loops", loops, deepest)
 
 
 @torch.no_grad()
@@ -128,8 +124,9 @@ def sweep(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[RuleSpec
         bar.update()
         for spec in rules:
             res = forward_fn(model, batch.x, spec.rule, state=s0)
-            ce, kl = _token_quality(res.log_probs(), batch.y, ref)
-            rows += _rows(spec.family, float(spec.param), str(spec.rule), batch.start, res.exit_loop, ce, kl)
+            logp = res.log_probs()
+            rows += _rows(spec.family, float(spec.param), str(spec.rule), batch.start, res.exit_loop,
+                          -logp.gather(-1, batch.y[..., None]).squeeze(-1), kl_successive(ref, logp))
             bar.update()
     bar.close()
     return pd.DataFrame(rows)
@@ -194,9 +191,8 @@ def offline_pass(model: RecurrentModel, windows: torch.Tensor, rules: Sequence[R
                  seed: int = EVAL_STATE_SEED, progress: bool = False) -> OfflinePass:
     """The :class:`OfflinePass` of ``rules`` on ``windows``: ``loops`` uniform loops per batch (default the deepest
     needed), the reference output at ``reference_loops`` from the same s_0."""
-    windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
-                                                                   batch_size)
-    loops = deepest if loops is None else need_int("loops", loops, deepest)
+    windows, rules, reference_loops, batch_size, loops = _checked(model, windows, rules, reference_loops,
+                                                                 batch_size, loops)
     n_batches = (len(windows) + batch_size - 1) // batch_size
     parts = [_trajectory(model, batch, reference_loops, loops, rules)[2:]
              for batch in tqdm(eval_batches(model, windows, batch_size, seed), total=n_batches, desc="offline pass",
@@ -215,9 +211,8 @@ def offline_pass_and_measure(model: RecurrentModel, windows: torch.Tensor, rules
     :func:`~drc_core.analysis.measure.measure_windows` (``max_loops``, ``positions``, ``kl_to_final``,
     ``dynamics``, ``doc_ids``) of the same ``windows``, bit for bit, from one run of the core loops per batch: each
     reads out the shared states as it would alone."""
-    windows, rules, reference_loops, batch_size, deepest = _checked(model, windows, rules, reference_loops,
-                                                                   batch_size)
-    loops = deepest if loops is None else need_int("loops", loops, deepest)
+    windows, rules, reference_loops, batch_size, loops = _checked(model, windows, rules, reference_loops,
+                                                                 batch_size, loops)
     measure = WindowMeasure(model, windows, max_loops, doc_ids=doc_ids, seed=seed, kl_to_final=kl_to_final,
                             positions=positions, dynamics=dynamics)
     parts = []
@@ -508,8 +503,7 @@ def calibration_table(calib: pd.DataFrame, heldout: pd.DataFrame, reference: int
     ce_calib = uniform_ce(calib, reference) + ce_tolerance
     rows = []
     for fam in families:
-        for quality, target in (("ce", ce_heldout), ("kl_ref", kl_target)):
-            chosen_at = target if quality == "kl_ref" else ce_calib
+        for quality, chosen_at, target in (("ce", ce_calib, ce_heldout), ("kl_ref", kl_target, kl_target)):
             c = calibrate(calib, heldout, fam, chosen_at, quality=quality, heldout_target=target)
             rows.append({**vars(c), "heldout_target": target})
     return pd.DataFrame(rows)
