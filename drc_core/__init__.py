@@ -80,11 +80,10 @@ _EXPORTS = {name: module + (f":{attr}" if attr else "") for module, names in _GR
 # public modules: ``from drc_core import plotting`` (the look the explorer and the book's figures share)
 _MODULES = {"plotting": "drc_core.plotting"}
 
-_RULES = "drc_core.halting.rules"  # its rule_classes(): the registered rule classes, exported under their names
-
 
 def _rule_classes() -> dict[str, type]:
-    return importlib.import_module(_RULES).rule_classes()
+    """The registered rule classes, exported under their names."""
+    return importlib.import_module("drc_core.halting.rules").rule_classes()
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,7 @@ from drc_core.analysis.measure import DEFAULT_EPS, DYNAMICS_COLUMNS, Measurement
 from drc_core.analysis.tokens import token_texts
 from drc_core.data.sampler import Corpus, eval_windows
 from drc_core.data.tokenizer import encode_checked, load_tokenizer
-from drc_core.errors import MAX_DOCUMENT_TOKENS, MAX_SEED, MAX_TEXT_FILE_BYTES, DrcError, need_int
+from drc_core.errors import MAX_DOCUMENT_TOKENS, MAX_TEXT_FILE_BYTES, DrcError, need_int
 from drc_core.guard import read_regular
 from drc_core.halting.calibrate import CalibratedRule, check_calibration
 from drc_core.halting.calibrate import calibrate as calibrate_windows
@@ -32,7 +32,7 @@ from drc_core.heap import bound_freed_memory, heap_policy
 from drc_core.model.huginn import HuginnLM
 from drc_core.model.huginn_checkpoint import hf_config, load_huginn, load_huginn_tokenizer
 from drc_core.model.lm import DepthRecurrentLM, RecurrentModel
-from drc_core.model.passes import EVAL_STATE_SEED
+from drc_core.model.passes import EVAL_STATE_SEED, evaluation
 from drc_core.training.config import TrainConfig
 from drc_core.training.rundir import RunDir, open_run
 
@@ -174,13 +174,9 @@ def generate(model: DepthRecurrentLM, tokenizer: Tokenizer, prompt: str, max_new
             raise DrcError(f"rule={rule!r} has no default threshold here: pass make_rule({rule!r}, <threshold>)")
         rule = make_rule(rule, *defaults[rule])
     ids = torch.from_numpy(_encode(tokenizer, prompt, model.max_seq_len, "the prompt"))[None]
-    gen = torch.Generator().manual_seed(need_int("seed", seed, 0, maximum=MAX_SEED))
-    was_training = model.training
-    model.eval()
-    try:
-        out = generate_ids(model, ids, max_new_tokens, rule, temperature=temperature, generator=gen)
-    finally:
-        model.train(was_training)
+    with evaluation(model, seed):  # eval mode, restored after; it checks the seed, which seeds a CPU generator here
+        out = generate_ids(model, ids, max_new_tokens, rule, temperature=temperature,
+                           generator=torch.Generator().manual_seed(int(seed)))
     new = out.new_tokens[0].tolist()
     exits = out.exit_loop[0, out.prompt_len - 1 :].cpu().numpy()
     return Generation(prompt=prompt, text=tokenizer.decode(new), tokens=token_texts(tokenizer, new), ids=new,

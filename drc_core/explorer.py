@@ -25,11 +25,7 @@ import plotly.graph_objects as go
 from drc_core.analysis.measure import DEFAULT_EPS, Measurement, convergence_depth
 from drc_core.analysis.tokens import token_texts
 from drc_core.errors import DrcError, need_eps, need_int
-from drc_core.plotting import CONVERGED_COLOR, LOG_FLOOR, NAN_COLOR, UPDATING_COLOR
-from drc_core.plotting import KL_SCALE as _KL_SCALE
-from drc_core.plotting import PALETTE as _PALETTE
-from drc_core.plotting import SEQ_SCALE as _SEQ_SCALE
-from drc_core.plotting import style as _style
+from drc_core.plotting import CONVERGED_COLOR, KL_SCALE, LOG_FLOOR, NAN_COLOR, PALETTE, SEQ_SCALE, UPDATING_COLOR, style
 
 _LINE_CHARS = 72  # characters per row of the passage layout
 _TRAJECTORY_HEIGHT = 340  # px, the live explorer's trajectory figure
@@ -84,19 +80,18 @@ def _visible(text: str) -> str:
 def _wrap(texts: Sequence[str], line_chars: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Lay tokens out like wrapped text: per token its row, first character column and width (characters of
     its visible text, at least 1). A token that does not fit starts a new row; a row ends after a newline."""
-    rows, starts, widths = [], [], []
+    laid = []
     row = col = 0
     for text in texts:
         width = max(1, len(_visible(text)))
         if col > 0 and col + width > line_chars:
             row, col = row + 1, 0
-        rows.append(row)
-        starts.append(col)
-        widths.append(width)
+        laid.append((row, col, width))
         col += width
         if "\n" in text:
             row, col = row + 1, 0
-    return np.asarray(rows), np.asarray(starts), np.asarray(widths)
+    rows, starts, widths = (np.asarray(a) for a in zip(*laid, strict=True))
+    return rows, starts, widths
 
 
 @dataclass(frozen=True)
@@ -137,8 +132,7 @@ def _passage(m: Measurement, window: object, tokenizer, eps: float, max_tokens: 
                        f"{int(windows.max())}")
     sub = m.select(np.flatnonzero(windows == window)[: int(max_tokens)])  # tokens in pos order
     n_loops = sub.max_loops
-    values = {c: sub.matrix(c) for c in ("kl", "state_delta", "entropy", "kl_final", "ce", "norm", "contraction")
-              if c in sub.stats}
+    values = {c: sub.matrix(c) for c in ("kl", "state_delta", "entropy", "kl_final", "contraction") if c in sub.stats}
     if "commit_loop" in sub.meta.columns:  # per token: the same at every loop
         values["commit_loop"] = np.repeat(sub.meta["commit_loop"].to_numpy(float)[:, None], n_loops, axis=1)
     classes = sub.meta["dyn_class"].to_numpy(object) if "dyn_class" in sub.meta.columns else None
@@ -160,11 +154,11 @@ def _color_range(p: _Passage, mode: _Mode) -> tuple[np.ndarray, float, float, li
         mid = math.log10(p.eps) if mode.key == "kl" else 0.0
         lo, hi = min(lo, mid - 1), max(hi, mid + 1)
         f = (mid - lo) / (hi - lo)
-        scale = [[0.0, _KL_SCALE[0]], [f, _KL_SCALE[1]], [1.0, _KL_SCALE[2]]]
+        scale = [[0.0, KL_SCALE[0]], [f, KL_SCALE[1]], [1.0, KL_SCALE[2]]]
     else:
         if hi - lo < 1e-9:
             lo, hi = lo - 0.5, hi + 0.5
-        scale = [list(x) for x in pcolors.get_colorscale(_SEQ_SCALE)]
+        scale = [list(x) for x in pcolors.get_colorscale(SEQ_SCALE)]
     return v, lo, hi, scale
 
 
@@ -228,10 +222,9 @@ def _strip_parts(p: _Passage, loop: int, mode: _Mode) -> tuple[str, list[str], l
 
 def token_strip_html(m: Measurement, window: int, loop: int, tokenizer, eps: float = DEFAULT_EPS,
                      mode: str = "kl", max_tokens: int = 96) -> str:
-    """The first ``max_tokens`` tokens of ``window`` as HTML, one ``<span>`` per token coloured at ``loop`` (its
-    values in the ``title``). ``mode``: ``"kl"``, ``"state"``, ``"entropy"``, ``"converged"``, and for a
-    :func:`drc_core.trace` the dynamics ``"contraction"`` (yellow at 1), ``"commit"`` and ``"class"``
-    (:data:`CLASS_COLORS`)."""
+    """The first ``max_tokens`` tokens of ``window`` as HTML, one ``<span>`` per token coloured at ``loop`` (its values
+    in the ``title``). ``mode``: ``"kl"``, ``"state"``, ``"entropy"``, ``"converged"``, and for a :func:`drc_core.trace`
+    the dynamics ``"contraction"`` (yellow at 1), ``"commit"`` and ``"class"`` (:data:`CLASS_COLORS`)."""
     p = _passage(m, window, tokenizer, eps, max_tokens)
     header, colors, titles = _strip_parts(p, loop, _mode(mode))
     spans = []
@@ -266,8 +259,7 @@ def depth_slider_figure(m: Measurement, window: int, tokenizer, eps: float = DEF
         return [[_fmt(kl[i, j]), _fmt(sd[i, j]), "converged" if conv[i] else "still updating"]
                 for i in range(len(p.pos))]
 
-    has_value = np.isfinite(v).any(axis=0)
-    start = int(np.argmax(has_value)) if has_value.any() else 0
+    start = int(np.argmax(np.isfinite(v).any(axis=0)))  # the first loop with a value (index 0 if none has)
     colorbar = {"title": {"text": f"{mode.key} ({mode.unit})"}}
     if mode.log:
         ticks = list(range(math.ceil(lo), math.floor(hi) + 1))
@@ -295,10 +287,10 @@ def depth_slider_figure(m: Measurement, window: int, tokenizer, eps: float = DEF
                         {"label": "❚❚", "method": "animate", "args": [[None], step_args]}]}
     fig.update_xaxes(visible=False, range=[-0.5, line_chars + 0.5])
     fig.update_yaxes(visible=False, autorange="reversed")
-    return _style(fig, f"Window {p.window}: {mode.label} per token at loop l (ε = {p.eps:g}; grey: undefined)",
-                  height=max(300, 170 + 26 * n_rows), sliders=[slider], updatemenus=[play], barmode="overlay",
-                  uniformtext={"minsize": 11, "mode": "show"}, plot_bgcolor="white", showlegend=False,
-                  margin={"l": 20, "r": 20, "t": 60, "b": 20})
+    return style(fig, f"Window {p.window}: {mode.label} per token at loop l (ε = {p.eps:g}; grey: undefined)",
+                 height=max(300, 170 + 26 * n_rows), sliders=[slider], updatemenus=[play], barmode="overlay",
+                 uniformtext={"minsize": 11, "mode": "show"}, plot_bgcolor="white", showlegend=False,
+                 margin={"l": 20, "r": 20, "t": 60, "b": 20})
 
 
 class DepthExplorer:
@@ -364,9 +356,8 @@ class DepthExplorer:
 
     # the passage ---------------------------------------------------------------------------------------
     def show_text(self, text: str) -> None:
-        """Trace ``text`` with the explorer's ``tracer`` and show it (all its tokens, up to ``max_tokens``) in
-        place of the current passage. An empty text or a failing trace leaves the passage and says why in
-        ``status``."""
+        """Trace ``text`` with the explorer's ``tracer`` and show it (all its tokens, up to ``max_tokens``) in place of
+        the current passage. An empty text or a failing trace leaves the passage and says why in ``status``."""
         if self.tracer is None:
             raise DrcError("this explorer has no tracer: pass tracer= (a function from a text to its Trace)")
         if not str(text).strip():
@@ -380,8 +371,7 @@ class DepthExplorer:
             return
         with self._quietly():
             self.input.value = text
-        self.status.value = (f"traced {len(passage.pos)} token(s) of your text through "
-                             f"{int(passage.loops[-1])} loops")
+        self.status.value = f"traced {len(passage.pos)} token(s) of your text through {int(passage.loops[-1])} loops"
         self._show(passage)
 
     @staticmethod
@@ -394,17 +384,16 @@ class DepthExplorer:
 
         self.passage = p = passage
         options = self._metric_options(p)
-        first = p.loops[1] if len(p.loops) > 1 else p.loops[0]
         with self._quietly():
             if list(self.metric.options) != options:
                 value = self.metric.value if self.metric.value in dict(options).values() else "kl"
                 self.metric.options = options
                 self.metric.value = value
-            for w, lo, hi, value in ((self.slider, p.loops[0], p.loops[-1], first),
+            for w, lo, hi, value in ((self.slider, p.loops[0], p.loops[-1], p.loops[min(1, len(p.loops) - 1)]),
                                      (self.token, p.pos[0], p.pos[-1], p.pos[0])):
                 w.max = max(int(hi), w.min)  # never below min on the way
                 w.min, w.max, w.value = int(lo), int(hi), int(value)
-        buttons, children = [], []
+        children = []
         for q, text in zip(p.pos, p.texts, strict=True):
             label = _visible(text).replace(" ", "\u00a0") or "\u00a0"
             b = widgets.Button(description=label, layout=widgets.Layout(width="auto", height="26px", margin="1px",
@@ -412,11 +401,10 @@ class DepthExplorer:
                                style={"font_family": "monospace"})
             b.add_class("drc-token")
             b.on_click(lambda _b, q=int(q): setattr(self.token, "value", q))
-            buttons.append(b)
             children.append(b)
             if "\n" in text:  # a line break in the passage: the next token starts a new row
                 children.append(widgets.Box(layout=widgets.Layout(width="100%", height="0px")))
-        self.token_buttons = buttons
+        self.token_buttons = [b for b in children if isinstance(b, widgets.Button)]
         self.tokens.children = children
         self.update_text()
         self.update_trajectory()
@@ -469,20 +457,18 @@ class DepthExplorer:
                 with np.errstate(invalid="ignore"):
                     shown = np.where(np.isfinite(y), np.maximum(y, LOG_FLOOR), np.nan)  # float noise < 0 included
                 fig.add_trace(go.Scatter(x=p.loops, y=shown, mode="lines+markers", name=name, customdata=y,
-                                         line={"color": _PALETTE[k], "dash": dash}, marker={"size": 5},
+                                         line={"color": PALETTE[k], "dash": dash}, marker={"size": 5},
                                          hovertemplate="loop %{x}: %{customdata:.3g}<extra>" + html.escape(name)
                                                        + "</extra>"))
-        x_ends = [p.loops[0], p.loops[-1]]
-        fig.add_trace(go.Scatter(x=x_ends, y=[p.eps, p.eps], mode="lines", name=f"ε = {p.eps:g}",
-                                 line={"color": "grey", "dash": "dot"}))
-        fig.add_trace(go.Scatter(x=x_ends, y=[LOG_FLOOR, LOG_FLOOR], mode="lines",
-                                 name=f"floor {LOG_FLOOR:g}: values below drawn here",
-                                 line={"color": "#999", "dash": "dashdot", "width": 1}))
+        for y, name, line in ((p.eps, f"ε = {p.eps:g}", {"color": "grey", "dash": "dot"}),
+                              (LOG_FLOOR, f"floor {LOG_FLOOR:g}: values below drawn here",
+                               {"color": "#999", "dash": "dashdot", "width": 1})):
+            fig.add_trace(go.Scatter(x=[p.loops[0], p.loops[-1]], y=[y, y], mode="lines", name=name, line=line))
         status = f"converged at depth {p.depth[i]}" if p.settled[i] else "never settled"
         fig.update_yaxes(type="log", exponentformat="power", title_text="value (log scale)")
         fig.update_xaxes(title_text="loop l")
-        _style(fig, f"pos {int(p.pos[i])} {p.texts[i]!r}: {status}", height=_TRAJECTORY_HEIGHT,
-               legend={"orientation": "h", "y": -0.3}, autosize=True)
+        style(fig, f"pos {int(p.pos[i])} {p.texts[i]!r}: {status}", height=_TRAJECTORY_HEIGHT,
+              legend={"orientation": "h", "y": -0.3}, autosize=True)
         self.selected.value = (f"selected: <b>{html.escape(repr(p.texts[i]))}</b> (pos {int(p.pos[i])}), "
                                f"{status}; click a token to select it")
         self.trajectory = fig

@@ -120,15 +120,14 @@ def group_shares(flags: dict[str, np.ndarray], groups: np.ndarray | None = None,
     g = np.full(n, "all", dtype=object) if groups is None else np.asarray(groups, dtype=object).reshape(-1)
     if len(g) != n or (clusters is not None and np.asarray(clusters).size != n):
         raise DrcError(f"flags, groups and clusters must have one entry per token ({n})")
-    levels = ["all", *sorted(set(g.tolist()) - {"all"})] if groups is not None else ["all"]
+    levels = ["all", *sorted(set(g.tolist()) - {"all"})]
     cols, meta = [], []
     for level_name in levels:
         inside = np.ones(n, bool) if level_name == "all" else g == level_name
         for j, name in enumerate(names):
             cols.append(np.where(inside, x[:, j], np.nan))
             meta.append((level_name, name, int(inside.sum())))
-    point, lo, hi = bootstrap_ci(np.stack(cols, axis=1), None if clusters is None else np.asarray(clusters).reshape(-1),
-                                 n_boot=n_boot, seed=seed, level=level)
+    point, lo, hi = bootstrap_ci(np.stack(cols, axis=1), clusters, n_boot=n_boot, seed=seed, level=level)
     return pd.DataFrame([{"group": grp, "flag": name, "n_tokens": cnt, "share": point[i], "ci_low": lo[i],
                           "ci_high": hi[i]} for i, (grp, name, cnt) in enumerate(meta)])
 
@@ -137,8 +136,7 @@ def class_shares(classes: np.ndarray, groups: np.ndarray | None = None, clusters
                  **kwargs) -> pd.DataFrame:
     """:func:`group_shares` with one flag per class of :data:`CLASSES` (the column named ``class``)."""
     c = np.asarray(classes, dtype=object).reshape(-1)
-    out = group_shares({k: c == k for k in CLASSES}, groups, clusters, **kwargs)
-    return out.rename(columns={"flag": "class"})
+    return group_shares({k: c == k for k in CLASSES}, groups, clusters, **kwargs).rename(columns={"flag": "class"})
 
 
 def norm_percentiles(dyn: Dynamics, q: tuple[float, ...] = (5, 25, 50, 75, 95, 99)) -> pd.DataFrame:

@@ -250,11 +250,9 @@ def loop_stats(prev: LoopStats | None, loop: int, log_probs: Tensor, state: Tens
         top_logp, res["argmax"] = log_probs.max(dim=-1)
         res["top_prob"] = top_logp.exp()
     minp = minp_log_probs(log_probs, p) if "minp_kl" in want else None  # kept: the next loop's q_{l-1}
-    if prev is None:
-        inf = torch.full(shape, math.inf, device=device)
-        res.update({name: inf for name in ("kl", "state_delta", "entropy_delta", "minp_kl") if name in want})
-        if "cosine" in want:
-            res["cosine"] = -inf
+    if prev is None:  # each comparison's Statistic.first (accel and accel_prev are set with state_step below)
+        res.update({s.name: torch.full(shape, s.first, device=device) for s in _BUILTIN
+                    if s.first is not None and s.name in want})
         if "argmax_run" in want:
             res["argmax_run"] = torch.ones_like(res["argmax"])
     else:
@@ -320,8 +318,6 @@ def iterate_stats(model: RecurrentModel, idx: Tensor, max_loops: int, *, generat
         core = (replace(out, out=read_out(model, out.state, "log_probs", where)) for out in islice(core, max_loops))
     for out in core:
         assert out.out is not None
-        if where is None:
-            prev = loop_stats(prev, out.loop, out.out, out.state, only=want)
-        else:
-            prev = loop_stats(prev, out.loop, out.out[None], out.state[where][None], only=want)
+        log_probs, kept = (out.out, out.state) if where is None else (out.out[None], out.state[where][None])
+        prev = loop_stats(prev, out.loop, log_probs, kept, only=want)
         yield prev

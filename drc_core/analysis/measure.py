@@ -43,7 +43,6 @@ FRAME_COLUMNS = (
 _METRICS = ("kl", "state_delta", "entropy", "ce", "kl_final")
 DYNAMICS_COLUMNS = ("state_norm", "state_step1", "state_step2")  # measure_windows(dynamics=True), after the statistics
 LEGACY_COLUMNS = {"kl_prev": "kl"}  # frames saved before the statistics had one name each
-_TOKEN_COLUMNS = ("window", "pos", "token", "target", "doc")  # per token in a saved frame without a "stats" record
 
 
 def _int_dtype(max_value: int) -> np.dtype:
@@ -96,8 +95,7 @@ class Measurement:
         """The long table, one row per (token, loop) in (window, pos, loop) order: ``window``, ``pos``, ``loop``,
         ``token``, ``target``, the statistics, then the rest of ``meta`` (``doc``, ...); ``attrs`` as ``.attrs``."""
         n_loops, meta = self.max_loops, self.meta
-        first = [c for c in ("window", "pos") if c in meta.columns]
-        cols = {c: np.repeat(meta[c].to_numpy(), n_loops) for c in first}
+        cols = {c: np.repeat(meta[c].to_numpy(), n_loops) for c in ("window", "pos") if c in meta.columns}
         cols["loop"] = np.tile(np.arange(1, n_loops + 1), len(meta)).astype(_int_dtype(n_loops))
         cols |= {c: np.repeat(meta[c].to_numpy(), n_loops) for c in ("token", "target") if c in meta.columns}
         cols |= {k: v.reshape(-1) for k, v in self.stats.items()}
@@ -119,7 +117,8 @@ class Measurement:
         n_loops = int(loops.max())
         if len(df) % n_loops or (loops.reshape(-1, n_loops) != np.arange(1, n_loops + 1)).any():
             raise DrcError(f"the frame lacks loops or has repeated rows; every token needs loops 1..{n_loops} once")
-        names = list(stats or df.attrs.get("stats") or [c for c in df.columns if c not in (*_TOKEN_COLUMNS, "loop")])
+        per_token = ("window", "pos", "loop", "token", "target", "doc")  # in a saved frame without a "stats" record
+        names = list(stats or df.attrs.get("stats") or [c for c in df.columns if c not in per_token])
         attrs = {k: v for k, v in df.attrs.items() if k != "stats"}
         meta = df.iloc[::n_loops][[c for c in df.columns if c not in (*names, "loop")]]
         return cls({k: df[k].to_numpy().reshape(-1, n_loops) for k in names}, meta, attrs)
@@ -150,7 +149,6 @@ class Measurement:
                 raise DrcError(f"{p} was made with {key}={str(made[key])[:16]!r}, not {str(want)[:16]!r}: re-run the "
                                "notebook that writes it with the same parameters")
         return cls.from_frame(df)
-
 
 
 @torch.no_grad()
@@ -210,9 +208,8 @@ class WindowMeasure:
                 raise DrcError(f"positions must be a bool mask (N, T) = ({n}, {t_len}); got {self.keep.dtype} "
                                f"{tuple(self.keep.shape)}")
         self.frame = frame_statistics()  # kl, state_delta, entropy, argmax and the registered ones
-        self.names = ("kl", "kl_final", "state_delta", "entropy", "argmax", "ce",
-                      *(k for k in self.frame if k not in BUILTIN_STATISTICS),
-                      *(DYNAMICS_COLUMNS if dynamics else ()))
+        self.names = (*FRAME_COLUMNS[FRAME_COLUMNS.index("kl") :],  # then the registered ones, the dynamics
+                      *(k for k in self.frame if k not in BUILTIN_STATISTICS), *(DYNAMICS_COLUMNS if dynamics else ()))
         self.reads = {*self.frame, *(("state_step",) if dynamics else ())}  # what the statistics are made of
         self.parts: dict[str, list[np.ndarray]] = {k: [] for k in self.names}
 
@@ -227,13 +224,10 @@ class WindowMeasure:
         final = p_final = None
         one_pass = self.kl_to_final and y.numel() * model.vocab_size * max_loops * 4 <= ONE_PASS_BYTES
         kept: list[torch.Tensor] = []  # one pass: every loop's log-probs, compared with the last one's at the end
-        if self.kl_to_final and not one_pass:
-            if core is None:
-                replay = gen.get_state()
-                logits = logits_at(model, x, max_loops, generator=gen, positions=where)
-                gen.set_state(replay)
-            else:
-                logits = logits_at(model, x, max_loops, state=state, positions=where)
+        if self.kl_to_final and not one_pass:  # p_L first, from the batch's initial state (gen replayed after)
+            replay = gen.get_state()
+            logits = logits_at(model, x, max_loops, generator=gen, state=state, positions=where)
+            gen.set_state(replay)
             final = torch.log_softmax(logits.float() if where is None else logits.float()[None], dim=-1)
             p_final = final.exp()  # once per batch, not once per loop
         per_loop: dict[str, list[torch.Tensor]] = {k: [] for k in names}
@@ -268,8 +262,7 @@ class WindowMeasure:
         windows, max_loops = self.windows, self.max_loops
         n, t_len = windows.shape[0], windows.shape[1] - 1
         id_dtype = _int_dtype(max(self.model.vocab_size - 1, 1))
-        stats = {k: np.concatenate(self.parts[k]).astype(id_dtype if k == "argmax" else np.float32)
-                 for k in self.names}
+        stats = {k: np.concatenate(self.parts[k]).astype(id_dtype if k == "argmax" else np.float32) for k in self.names}
         mask = np.ones((n, t_len), dtype=bool) if self.keep is None else self.keep.cpu().numpy()
         w_idx, p_idx = np.nonzero(mask)  # row-major: the statistics' (window, pos) order
         meta = {"window": w_idx.astype(_int_dtype(n)), "pos": p_idx.astype(_int_dtype(t_len)),
@@ -419,8 +412,7 @@ def oscillating_tokens(m: Measurement, *, min_kl: float = 1e-6, ratio: float = 1
     if np.isnan(other).all():
         raise DrcError("the measurement has no kl_final values; measure with kl_to_final=True")
     hit = (other >= need_float("min_kl", min_kl, 0.0)) & (other >= need_float("ratio", ratio, 1.0) * same)
-    out = _tokens(m)[hit].assign(token=m.meta["token"].to_numpy(np.int64)[hit], kl_other=other[hit],
-                                 kl_same=same[hit])
+    out = _tokens(m)[hit].assign(token=m.meta["token"].to_numpy(np.int64)[hit], kl_other=other[hit], kl_same=same[hit])
     shares = {}
     for loop in share_at:
         if not 2 <= loop <= n_loops:

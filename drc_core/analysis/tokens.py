@@ -150,7 +150,6 @@ class VocabFeatures:
     first_word: np.ndarray  # first character is a word character (or partial byte)
     last_word: np.ndarray  # last character is a word character (or partial byte); False for specials
     partial: np.ndarray  # bytes are not valid UTF-8 on their own
-    wordpiece: np.ndarray  # base class is continuation/function/content
     function_self: np.ndarray  # the piece alone is a function word
     apostrophe: np.ndarray  # the stripped text is a lone apostrophe
     nbytes: np.ndarray
@@ -179,9 +178,8 @@ def vocab_features(tokenizer) -> VocabFeatures:
             last_word[i] = _is_word_char(text[-1])
             function_self[i] = not part and _is_function(text)
             apostrophe[i] = text.strip() in _APOSTROPHES
-    wordpiece = (base == _CONT) | (base == _FUNC) | (base == _CONTENT)
-    return VocabFeatures(base, raw_all, lead_ws, first_word, last_word, partial, wordpiece, function_self,
-                         apostrophe, np.array([len(r) for r in raw_all], np.int64))
+    return VocabFeatures(base, raw_all, lead_ws, first_word, last_word, partial, function_self, apostrophe,
+                         np.array([len(r) for r in raw_all], np.int64))
 
 
 def classify_vocab(tokenizer) -> list[str]:
@@ -203,8 +201,7 @@ def classify_sequence(tokenizer, ids, features: VocabFeatures | None = None) -> 
         raise DrcError(f"ids must lie in 0..{len(f.base) - 1} (the tokenizer's vocabulary), "
                          f"got {flat.min()}..{flat.max()}")
     codes = _classify_flat(f, flat, row_len=arr.shape[-1] if arr.ndim == 2 else max(flat.size, 1))
-    names = _NAMES[codes]
-    return names.reshape(arr.shape).tolist()
+    return _NAMES[codes].reshape(arr.shape).tolist()
 
 
 def _classify_flat(f: VocabFeatures, ids: np.ndarray, row_len: int) -> np.ndarray:
@@ -214,7 +211,7 @@ def _classify_flat(f: VocabFeatures, ids: np.ndarray, row_len: int) -> np.ndarra
         return codes
     row_start = np.zeros(n, bool)
     row_start[::row_len] = True
-    wordpiece = f.wordpiece[ids].copy()
+    wordpiece = f.base[ids] >= _CONT  # a word piece: continuation, function or content
     last_word = f.last_word[ids].copy()
 
     # partial UTF-8 runs: decode each maximal run together
