@@ -29,9 +29,8 @@ def matmul_flops_per_token(model: DepthRecurrentLM, loops: float, seq_len: int, 
     readout every active loop) or "skip_states" (one readout; the coda context's k/v projections ignored)."""
     parts = flop_parts(model, seq_len)
     prelude, core, coda, head = parts["prelude"], parts["core"], parts["coda"], parts["head"]
-    base = prelude + coda + head
     if path == "forward":
-        return base + loops * core
+        return prelude + coda + head + loops * core
     if path == "skip_log_probs":
         return prelude + loops * (core + coda + head)
     if path == "skip_states":
@@ -169,15 +168,6 @@ class Timings(dict[str, list[float]]):
                 "warmup_ok": bool(p >= 0.05) if n > 1 else None}
 
 
-def _settled(times: dict[str, list[float]], rel: float) -> bool:
-    """Every variant's median interval at 95% coverage and within ``rel`` of the median."""
-    for xs in times.values():
-        lo, hi, cover = median_interval(xs)
-        if cover < 0.95 or (hi - lo) / 2 > rel * median(xs):
-            return False
-    return True
-
-
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int | Autorange, log: Log, what: str,
                 clock: str = "wall", *, keep: Callable[[str, object], None] | None = None) -> Timings:
     """Seconds per call of each variant, one call per round in :func:`rotations`, for ``rounds`` rounds (a number,
@@ -214,7 +204,9 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int | Autoran
                         del xs[0]
                     times.dropped = 1
                     continue
-                if _settled(times, plan.rel):
+                # settled: every variant's median interval at 95% coverage and within ``rel`` of the median
+                if all(cover >= 0.95 and (hi - lo) / 2 <= plan.rel * median(xs)
+                       for xs in times.values() for lo, hi, cover in [median_interval(xs)]):
                     times.stopped = "interval"
                     break
                 if times.seconds >= plan.budget_s:

@@ -66,11 +66,9 @@ def fixed_point_costs(model: RecurrentModel, windows: torch.Tensor, configs: dic
             depths[name].append(torch.stack(kls, -1).flatten(0, 1))
         batch.generator.set_state(end)
         n_tokens += batch.y.numel()
-    rows = []
-    for name, c in curves.items():
-        for k in range(max_evals):
-            rows.append({"method": name, "evals": k + 1, "ce": c[k, 0] / n_tokens, "kl_ref": c[k, 1] / n_tokens,
-                         "kl_prev": c[k, 2] / n_tokens if k else np.nan, "residual": c[k, 3] / n_tokens})
+    rows = [{"method": name, "evals": k + 1, "ce": c[k, 0] / n_tokens, "kl_ref": c[k, 1] / n_tokens,
+             "kl_prev": c[k, 2] / n_tokens if k else np.nan, "residual": c[k, 3] / n_tokens}
+            for name, c in curves.items() for k in range(max_evals)]
     drows = []
     for name, kls in depths.items():
         kl = torch.cat(kls)

@@ -23,11 +23,10 @@ def certificates(tables: Mapping[str, Any], families: Sequence[str], alphas: Seq
             row = [table.certify(fam, a, delta) for fam in [*families, "uniform"]]
             certs += row
             lines += [f"[{risk_name}] {cert}" for cert in row if cert.threshold is not None]
-            none = [c.family for c in row if c.threshold is None]
+            none = [c for c in row if c.threshold is None]
             if none:
-                example = row[[c.family for c in row].index(none[0])]
-                lines.append(f"[{risk_name}] alpha={a:g}: no threshold certified for {', '.join(none)} "
-                             f"(e.g. {example})")
+                lines.append(f"[{risk_name}] alpha={a:g}: no threshold certified for "
+                             f"{', '.join(c.family for c in none)} (e.g. {none[0]})")
     frame = pd.DataFrame([c.__dict__ for c in certs])
     got = frame[frame.threshold.notna()]
     lines.append(f"\n{len(got)} of {len(frame)} (risk, alpha, family) settings certified; smallest alpha certified: "

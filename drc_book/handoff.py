@@ -1,8 +1,6 @@
-"""Each notebook's results as a typed record, written once as JSON and read back the same way by notebook 07, the
-README and the docs tables. A :class:`Record` is the whole file: the notebook builds it, writes it with
-:meth:`Record.save` and states its findings with :meth:`Record.findings`. It is parsed from the JSON by its fields'
-types; a missing field is a one-line :class:`~drc_core.DrcError` naming the notebook to re-run.
-"""
+"""Each notebook's results as a typed :class:`Record`, the whole JSON file: the notebook builds it, writes it once
+and states its findings from it; notebook 07, the README and the docs tables read it back by its fields' types (a
+missing field is a one-line :class:`~drc_core.DrcError` naming the notebook to re-run)."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import math
 import types
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, astuple, dataclass, fields, is_dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, ClassVar, get_args, get_origin, get_type_hints
 
@@ -54,8 +53,7 @@ def _parse(tp: Any, value: Any) -> Any:
 
 
 class Record:
-    """A notebook's whole results: a frozen dataclass whose fields are the JSON file's keys, written by one call and
-    parsed back by its fields' types."""
+    """A notebook's whole results: a frozen dataclass whose fields are the JSON file's keys."""
 
     NOTEBOOK: ClassVar[str]
 
@@ -74,11 +72,14 @@ class Record:
         return cls.from_results(load_results(results_dir, cls.NOTEBOOK))
 
     def save(self, results_dir: str | Path) -> Path:
-        """Write the record as ``results_dir/<NOTEBOOK>.json``; an optional field (default None) left None is not
-        written, so a file from before it was added reads and writes back the same."""
+        """Write the record as ``results_dir/<NOTEBOOK>.json``."""
+        return save_results(results_dir, self.NOTEBOOK, self._json())
+
+    def _json(self) -> dict[str, Any]:
+        """The file's content; an optional field (default None) left None is not written, so a file from before it
+        was added reads and writes back the same."""
         unset = {f.name for f in fields(self) if f.default is None and getattr(self, f.name) is None}  # type: ignore[arg-type]
-        values = {k: v for k, v in asdict(self).items() if k not in unset}  # type: ignore[call-overload]
-        return save_results(results_dir, self.NOTEBOOK, values)
+        return {k: v for k, v in asdict(self).items() if k not in unset}  # type: ignore[call-overload]
 
     def findings(self) -> str:
         """What the notebook found, in a few sentences of Markdown with the record's numbers."""
@@ -87,11 +88,17 @@ class Record:
 
 @dataclass(frozen=True)
 class Interval:
-    """A point estimate with its bootstrap interval (``{"value", "lo", "hi"}`` in the JSON; null is NaN)."""
+    """A point estimate with its bootstrap interval (``{"value", "lo", "hi"}`` in the JSON; null is NaN);
+    ``f"{iv:.2f}"`` writes ``value [lo, hi]``."""
 
     value: float
     lo: float
     hi: float
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return str(self)
+        return f"{self.value:{spec}} [{self.lo:{spec}}, {self.hi:{spec}}]"
 
 
 @dataclass(frozen=True)
@@ -230,12 +237,10 @@ class Convergence(Record):
                   f" The mean's floor is not every token decaying slowly: {self.oscillating.count} tokens in a "
                   f"2-cycle carry {self.oscillating.share_of_mean_kl[top]:.0%} of the mean successive KL at loop "
                   f"{top}.")
-        d = self.median_depth
         return (f"**Found.** {verdict}: the mean successive KL falls from {kl[first].value:.3g} at loop "
                 f"{first} to {kl[deep].value:.3g} at loop {deep}. Half the tokens settle (KL below {self.eps:g} for "
-                f"good) by loop {d.value:.0f} [{d.lo:.0f}, {d.hi:.0f}], and {self.frac_updating.value:.1%} "
-                f"[{self.frac_updating.lo:.1%}, {self.frac_updating.hi:.1%}] are still updating at the training "
-                f"mean depth {R}; {self.frac_unconverged.value:.2%} never settle within the pass "
+                f"good) by loop {self.median_depth:.0f}, and {self.frac_updating:.1%} are still updating at the "
+                f"training mean depth {R}; {self.frac_unconverged.value:.2%} never settle within the pass "
                 f"({self.n_tokens:,} tokens from {self.n_docs} documents).{cycles}")
 
 
@@ -289,28 +294,22 @@ _GAP_STATS = ("family_depth", "uniform_depth", "saved", "saved_frac")
 def gap_intervals(rows: list[Mapping[str, Any]]) -> dict[str, dict[str, Interval]]:
     """:func:`drc_core.gap_table` rows (family, ``<stat>``, ``<stat>_lo``, ``<stat>_hi``) as family -> stat ->
     :class:`Interval`."""
-    return {str(g["family"]): {k: Interval(_num(g[k]), _num(g[f"{k}_lo"]), _num(g[f"{k}_hi"])) for k in _GAP_STATS}
-            for g in rows}
+    return {str(g["family"]): {k: _interval(g, k, f"{k}_lo", f"{k}_hi") for k in _GAP_STATS} for g in rows}
 
 
 def gap_rows(gaps: Mapping[str, Mapping[str, Interval]]) -> list[dict[str, Any]]:
     """The inverse of :func:`gap_intervals`: family -> stat -> :class:`Interval` as :func:`drc_core.gap_table` rows."""
-    rows = []
-    for family, by_stat in gaps.items():
-        row: dict[str, Any] = {"family": family}
-        for stat, iv in by_stat.items():
-            row.update({stat: iv.value, f"{stat}_lo": iv.lo, f"{stat}_hi": iv.hi})
-        rows.append(row)
-    return rows
+    return [{"family": family, **{f"{stat}{end}": v for stat, iv in by_stat.items()
+                                  for end, v in zip(("", "_lo", "_hi"), astuple(iv), strict=True)}}
+            for family, by_stat in gaps.items()]
 
 
 @dataclass(frozen=True)
 class Halting(Record):
-    """Notebook 04's results: the reference depth and the matched-quality targets; per family the (interpolated)
-    average depth that matches uniform depth ``reference_loops``'s CE (``matching`` rows, :func:`drc_core.
-    matching_table`) and the loops it saves against the uniform depth of equal quality (``gaps`` rows,
-    :func:`drc_core.gap_table`); the calibration on the other half, the held-out points, the online check and the
-    guarantee's certificates and validity (``risk_control``). Tables are lists of rows."""
+    """Notebook 04's results, tables as lists of rows: per family the depth matching uniform depth
+    ``reference_loops``'s CE (``matching``, :func:`drc_core.matching_table`) and the loops it saves against the
+    uniform depth of equal quality (``gaps``, :func:`drc_core.gap_table`); the calibration, held-out points, online
+    check and the guarantee's certificates and validity (``risk_control``)."""
 
     NOTEBOOK: ClassVar[str] = "04_halting_and_routers"
     profile: str
@@ -341,21 +340,15 @@ class Halting(Record):
 
     def findings(self) -> str:
         gaps, R = self.gap_intervals, self.reference_loops
-        uniform = self.depth("uniform")
-
-        def saved(family: str) -> str:
-            g = gaps[family]["saved_frac"]
-            return f"{g.value:.0%} [{g.lo:.0%}, {g.hi:.0%}]"
-
-        ranked = sorted((f for f in gaps if f != "oracle"), key=lambda f: -gaps[f]["saved_frac"].value)
-        best = ranked[0] if ranked else None
-        beats = [f for f in ranked if gaps[f]["saved_frac"].lo > 0]
+        saved = {f: g["saved_frac"] for f, g in gaps.items()}
+        ranked = sorted((f for f in saved if f != "oracle"), key=lambda f: -saved[f].value)
+        best = f"{family_title(ranked[0])}, {saved[ranked[0]]:.0%}" if ranked else "none"
+        beats = [family_title(f) for f in ranked if saved[f].lo > 0]
         return (f"**Found.** Uniform depth already matches depth {R}'s loss (within {self.ce_tolerance:g} nats) at "
-                f"{uniform:.2f} loops. Against that depth, the per-token oracle saves "
-                f"{saved('oracle') if 'oracle' in gaps else 'n/a'} of the loops (an offline bound), and the best rule "
-                f"or router, {family_title(best) + ', ' + saved(best) if best else 'none'}; those whose interval lies "
-                f"above zero: "
-                f"{', '.join(family_title(f) for f in beats) or 'none'}.")
+                f"{self.depth('uniform'):.2f} loops. Against that depth, the per-token oracle saves "
+                f"{format(saved['oracle'], '.0%') if 'oracle' in saved else 'n/a'} of the loops (an offline bound), "
+                f"and the best rule or router, {best}; those whose interval lies above zero: "
+                f"{', '.join(beats) or 'none'}.")
 
 
 def _verdicts(targets: list[dict[str, Any]]) -> list[str]:
@@ -365,12 +358,9 @@ def _verdicts(targets: list[dict[str, Any]]) -> list[str]:
 
 @dataclass(frozen=True)
 class Compute(Record):
-    """Notebook 05's results: the setting (``reference_loops`` r, the rules' ``rule_max_loops``, the matched-quality
-    ``ce_tolerance``, windows, threads), then every timing table as a list of rows: the matched rules, batched
-    evaluation, generation, the measurement pass, the speed-up table and targets, Anderson acceleration, the
-    decode loop cost and its prediction, the three decoders and their targets, serving and bf16 (None where
-    skipped), with the measurement pass's ratios; and the halting decoders' operator calls per generated token
-    (``decode_op_calls``, None in results written before it)."""
+    """Notebook 05's results: the setting, then every timing table as a list of rows (None for a skipped section;
+    ``decode_op_calls``, the halting decoders' operator calls per generated token, and ``timing_checks`` are None in
+    results written before them) and the measurement pass's cost ratios."""
 
     NOTEBOOK: ClassVar[str] = "05_compute"
     profile: str
@@ -399,27 +389,26 @@ class Compute(Record):
     measurement_x_readout_pass: float
     readout_pass_x_forward: float
     notebook_seconds: float
-    decode_op_calls: list[dict[str, Any]] | None = None  # aten calls per generated token of both halting decoders
+    decode_op_calls: list[dict[str, Any]] | None = None
     timing_checks: list[dict[str, Any]] | None = None  # how each interleaved timing ended, and its warm-up check
 
     @classmethod
     def build(cls, **values: Any) -> Compute:
         """The record from the notebook's values, its frames (and None for a skipped section) as lists of rows."""
-        return cls(**{k: v.to_dict("records") if isinstance(v, pd.DataFrame) else v for k, v in values.items()})
-
-    def _best(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """The fastest matched rule (not a baseline, uniform depth or a Huginn preset) of a timing table."""
-        return max((e for e in rows if not e["baseline"] and e["family"] not in ("uniform", "huginn")),
-                   key=lambda e: e["wallclock_speedup"])
+        return cls(**_rows(values))
 
     def findings(self) -> str:
-        rules = [e for e in self.batched if not e["baseline"] and e["family"] not in ("uniform", "huginn")]
-        best = self._best(self.batched)
+        def matched(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:  # not a baseline, uniform depth or Huginn
+            return [e for e in rows if not e["baseline"] and e["family"] not in ("uniform", "huginn")]
+
+        speedup = itemgetter("wallclock_speedup")
+        rules = matched(self.batched)
+        best = max(rules, key=speedup)
         faster = [e for e in rules if e["wallclock_speedup"] > 1]
         gen = "; ".join(
             f"with {b} row{'s' * (b > 1)} {g['rule']} at {g['wallclock_speedup']:.2f}x"
             for b in sorted({e["rows"] for e in self.generation})
-            for g in [self._best([e for e in self.generation if e["rows"] == b])])
+            for g in [max(matched([e for e in self.generation if e["rows"] == b]), key=speedup)])
         verdicts = _verdicts(self.speed_targets)
         missed = [t for t, v in zip(self.speed_targets, verdicts, strict=True) if v != "met"]
         r = self.reference_loops
@@ -474,14 +463,11 @@ def _rows(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class KnownDepth(Record):
-    """Notebook 06's results, the model trained on natural text mixed with depth tasks: the model, its training-mean
-    depth ``reference_loops``, the share of its training tokens that are tasks and the lookups ``k_range``; the
-    answers' accuracy (by ``k`` and loop, and by family), the loops they need, their convergence depth, overthinking
-    and dynamics by ``k``; the loops each family saves against the uniform depth of equal quality (``gaps``: window
-    set -> family -> stat, :func:`drc_core.gap_table` rows in the file) and the answers' exits; the guarantee on the
-    task documents and its shift to natural text; the extrapolation, the ``lever`` model and the ``second_law``
-    family's model (None when skipped), copying and the cost of mixing. Tables are lists of rows; the correlations
-    ``[value, lo, hi]`` in the file."""
+    """Notebook 06's results on the model trained on natural text mixed with depth tasks (training-mean depth
+    ``reference_loops``, lookups ``k_range``). Tables are lists of rows; ``gaps`` is window set -> family -> stat
+    (:func:`drc_core.gap_table` rows in the file); ``lever`` and ``second_law`` are
+    :func:`drc_book.known_depth.lever_study` records (None when skipped); the correlations are ``[value, lo, hi]`` in
+    the file."""
 
     NOTEBOOK: ClassVar[str] = "06_known_depth"
     profile: str
@@ -537,57 +523,49 @@ class KnownDepth(Record):
             r = {**r, "gaps": {name: gap_intervals(rows) for name, rows in r["gaps"].items()}}
         return super().from_results(r)
 
-    def save(self, results_dir: str | Path) -> Path:
-        """Write the record in its file's shape: the correlations as ``[value, lo, hi]``, ``gaps`` as rows."""
-        values = {**asdict(self), "spearman_depth": list(astuple(self.spearman_depth)),
-                  "spearman_commit": list(astuple(self.spearman_commit)),
-                  "gaps": {name: gap_rows(g) for name, g in self.gaps.items()}}
-        if self.second_law is None:  # a file from before the second family reads and writes back the same
-            del values["second_law"]
-        return save_results(results_dir, self.NOTEBOOK, values)
+    def _json(self) -> dict[str, Any]:
+        """In the file the correlations are ``[value, lo, hi]`` and ``gaps`` rows."""
+        return {**super()._json(), "spearman_depth": list(astuple(self.spearman_depth)),
+                "spearman_commit": list(astuple(self.spearman_commit)),
+                "gaps": {name: gap_rows(g) for name, g in self.gaps.items()}}
 
     def lowest_accuracy(self) -> tuple[int, Interval]:
         """The ``k`` whose answers are least accurate at ``reference_loops`` loops, and that accuracy."""
         k = min(self.accuracy_at_R, key=self.accuracy_at_R.__getitem__)
         row = next(a for a in self.accuracy if int(a["k"]) == k and a["loop"] == self.reference_loops)
-        return k, Interval(_num(row["acc"]), _num(row["acc_lo"]), _num(row["acc_hi"]))
+        return k, _interval(row, "acc", "acc_lo", "acc_hi")
 
     def findings(self) -> str:
         lo_k, hi_k = self.k_range
         k, acc = self.lowest_accuracy()
         deep = max(self.accuracy_at_1)
-        needed = ", ".join(f"{g['loops_needed']:g}" for g in self.growth)
+        needed = ", ".join(f"{_num(g['loops_needed']):g}" for g in self.growth)
         depth = {int(d["k"]): d["value"] for d in self.depth_by_k if d["series"] == "depth"}
-        rho = self.spearman_depth
         tasks = self.gaps.get("task documents", {})
+        nan = Interval(math.nan, math.nan, math.nan)
 
         def saved(family: str) -> str:
-            g = tasks[family]["saved_frac"] if family in tasks else Interval(math.nan, math.nan, math.nan)
-            return f"{family_title(family)} {g.value:.0%} [{g.lo:.0%}, {g.hi:.0%}]"
+            return f"{family_title(family)} {tasks.get(family, {}).get('saved_frac', nan):.0%}"
 
         lever = ("" if self.lever is None else
-                 " A model trained on chains of up to {} links gives Spearman(k, convergence depth) {:.2f} "
-                 "[{:.2f}, {:.2f}] on chains of up to twice that.".format(self.lever["trained_k"],
-                                                                        *self.lever["spearman_depth"]))
+                 f" A model trained on chains of up to {self.lever['trained_k']} links gives Spearman(k, convergence "
+                 f"depth) {Interval(*self.lever['spearman_depth']):.2f} on chains of up to twice that.")
         if self.lever is not None and "trained_range" in self.lever:
             inside = [c["spearman"] for c in self.lever["cells"] if c["chain"] <= self.lever["trained_k"]
                       and not math.isnan(_num(c["spearman"]))]
-            lever += (" On its training range Spearman is {:.2f} [{:.2f}, {:.2f}]".format(
-                *self.lever["trained_range"]["spearman_depth"])
-                + (f", and {min(inside):.2f} to {max(inside):.2f} inside cells of one chain length and question "
-                   "position." if inside else "."))
+            trained = Interval(*self.lever["trained_range"]["spearman_depth"])
+            lever += (f" On its training range Spearman is {trained:.2f}"
+                      + (f", and {min(inside):.2f} to {max(inside):.2f} inside cells of one chain length and "
+                         "question position." if inside else "."))
         for study in (self.lever, self.second_law):
             if study is not None and "depth_law" in study:
-                fits = {r["law"]: r for r in study["depth_law"]}
-                best = max(fits, key=lambda name: fits[name]["r2"])
-                other = fits["linear" if best == "log" else "log"]
-                verdict = ("follows a line in {} better" if fits[best]["r2_lo"] > other["r2_hi"] else
-                           "does not tell a line in {} from the other law (their intervals overlap)")
-                lever += (" On {} (trained k <= {}) the mean convergence depth " + verdict + ": r² {:.2f} [{:.2f}, "
-                          "{:.2f}] against {:.2f} [{:.2f}, {:.2f}].").format(
-                    study.get("family", "links"), study["trained_k"], "log2 k" if best == "log" else "k",
-                    fits[best]["r2"], fits[best]["r2_lo"], fits[best]["r2_hi"], other["r2"], other["r2_lo"],
-                    other["r2_hi"])
+                r2 = {r["law"]: _interval(r, "r2", "r2_lo", "r2_hi") for r in study["depth_law"]}
+                best = max(r2, key=lambda name: r2[name].value)
+                other, law = r2["linear" if best == "log" else "log"], "log2 k" if best == "log" else "k"
+                verdict = (f"follows a line in {law} better" if r2[best].lo > other.hi else
+                           f"does not tell a line in {law} from the other law (their intervals overlap)")
+                lever += (f" On {study.get('family', 'links')} (trained k <= {study['trained_k']}) the mean "
+                          f"convergence depth {verdict}: r² {r2[best]:.2f} against {other:.2f}.")
             if study is not None and "savings" in study:
                 rows = study["savings"]
                 lever += (f" On the {study.get('family', 'links')} model's documents, loops saved against the "
@@ -595,23 +573,22 @@ class KnownDepth(Record):
                     "{} {:.0%} [{:.0%}, {:.0%}] with {:+.1f} points of answer accuracy".format(
                         family_title(r["family"]), r["saved_frac"], r["saved_frac_lo"], r["saved_frac_hi"],
                         0.0 - r["acc_lost"]) for r in rows) + "."  # 0.0 - x: no "-0.0" for no loss
-        cost = [c["difference"] for c in self.natural_cost_bpb]
+        cost = [_num(c["difference"]) for c in self.natural_cost_bpb]
         return (f"**Found.** Answers needing k = {lo_k}..{hi_k} lookups: at {self.reference_loops} loops the least "
-                f"accurate are those of k = {k}, {acc.value:.1%} [{acc.lo:.1%}, {acc.hi:.1%}]; at one loop those of "
+                f"accurate are those of k = {k}, {acc:.1%}; at one loop those of "
                 f"k = {deep} are {self.accuracy_at_1[deep]:.1%} accurate. The first loop at the accuracy level is "
                 f"{needed} for k = {', '.join(str(g['k']) for g in self.growth)}. The mean convergence depth goes "
                 f"{' → '.join(f'{v:.2f}' for v in depth.values())} loops over k, Spearman(k, convergence depth) "
-                f"{rho.value:.2f} [{rho.lo:.2f}, {rho.hi:.2f}]. On the task documents, loops saved against the "
-                f"uniform depth of equal quality: {saved('oracle')}, {saved('kl')}, {saved('state_delta')}.{lever} "
+                f"{self.spearman_depth:.2f}. On the task documents, loops saved against the uniform depth of equal "
+                f"quality: {saved('oracle')}, {saved('kl')}, {saved('state_delta')}.{lever} "
                 f"Mixing in the tasks costs the natural text {np.mean(cost):+.3f} bits per byte (mean over sources).")
 
 
 @dataclass(frozen=True)
 class Reproduction(Record):
-    """Notebook 07's results: our numbers on the reference (``ours``, ``intervals``, ``scale``), the reproduction
-    ``table`` (one row per claim, with its verdict), the side-by-side loops saved on natural text and controlled
-    depth, the known-depth targets, the seeds of the small preset, the plateau depths by training-mean depth, the
-    shipped lever, scale-grid and damping tables, and how many claims agree. Tables are lists of rows."""
+    """Notebook 07's results, tables as lists of rows: our numbers on the reference (``ours``, ``intervals``,
+    ``scale``), the reproduction ``table`` (one row per claim of :data:`drc_book.report.PAPER`) and the tables beside
+    it, and how many claims agree."""
 
     NOTEBOOK: ClassVar[str] = "07_reproduction"
     profile: str

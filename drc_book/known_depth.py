@@ -58,32 +58,11 @@ from drc_core import (
     unit_risks,
 )
 
-__all__ = [
-    "TaskWindows",
-    "accuracy_by_k",
-    "answer_depths",
-    "answer_dynamics",
-    "answer_trajectories",
-    "cell_table",
-    "copy_accuracy",
-    "corpus_task_windows",
-    "depth_growth",
-    "depth_law",
-    "law_table",
-    "exits_by_k",
-    "generated_task_windows",
-    "halting_against_overthinking",
-    "extrapolation_probe",
-    "lever_records",
-    "lever_sentence",
-    "lever_study",
-    "mean_by_k",
-    "risk_units",
-    "savings",
-    "spearman_ci",
-    "sweep_window_sets",
-    "task_passes",
-]
+__all__ = ["TaskWindows", "accuracy_by_k", "answer_depths", "answer_dynamics", "answer_trajectories", "cell_table",
+           "copy_accuracy", "corpus_task_windows", "depth_growth", "depth_law", "law_table", "exits_by_k",
+           "generated_task_windows", "halting_against_overthinking", "extrapolation_probe", "lever_records",
+           "lever_sentence", "lever_study", "mean_by_k", "risk_units", "savings", "spearman_ci", "sweep_window_sets",
+           "task_passes"]
 
 
 @dataclass
@@ -449,14 +428,14 @@ def law_table(studies: dict[str, dict[str, Any] | None]) -> pd.DataFrame:
 def halting_against_overthinking(traj: Measurement, *, reference_loops: int, eps: float, alpha: float,
                                  delta: float, trained_k: int, family: str = "kl", seed: int = 0,
                                  n_boot: int = 1000) -> pd.DataFrame:
-    """What stopping each answer early recovers of what more loops destroy. The documents are halved at random; on
-    one half Learn then Test certifies a threshold of ``family`` (a document's share of answers whose prediction at
-    the exit differs from depth ``reference_loops``'s is at most ``alpha``, with probability >= 1 - ``delta``); on
-    the other each answer is read at the exit of each way to stop: ``fixed L`` and ``fixed reference_loops``, the
-    rule at ``eps``, the certified threshold (when one is) and the oracle (the first loop whose prediction is the
-    answer). Rows per way and group (``k <= trained_k``, ``k > trained_k``, ``all``): ``mean_exit``, ``acc`` with a
-    95% interval over documents, ``overthought`` (right at some loop, wrong at L), ``recovered`` (the share of those
-    right at the exit), ``threshold``, ``n``; the certificate in ``attrs``."""
+    """What stopping each answer early recovers of what more loops destroy. On a random half of the documents Learn
+    then Test certifies a threshold of ``family`` (a document's share of answers whose prediction at the exit
+    differs from depth ``reference_loops``'s is at most ``alpha``, with probability >= 1 - ``delta``); on the other
+    each answer is read at the exit of ``fixed L``, ``fixed reference_loops``, the rule at ``eps``, the certified
+    threshold (when one is) and the oracle (the first loop whose prediction is the answer). Rows per way and group
+    (``k <= trained_k``, ``k > trained_k``, ``all``): ``mean_exit``, ``acc`` with a 95% interval over documents,
+    ``overthought`` (right at some loop, wrong at L), ``recovered`` (the share of those right at the exit),
+    ``threshold``, ``n``; the certificate in ``attrs``."""
     loops = traj.max_loops
     specs = [s for s in default_rules(loops) if s.family == family]
     by_param = {float(s.param): i for i, s in enumerate(specs)}
@@ -537,14 +516,12 @@ def lever_study(checkpoint: str, *, trained_k: int, docs: int, max_loops: int, e
                 delta: float, seed: int = 0, family: str = "links", corpus: str | None = None,
                 ce_tolerance: float = 0.005) -> dict[str, Any]:
     """The model at ``checkpoint`` (trained on ``family`` problems of k = 1..``trained_k``) on ``docs`` fresh
-    documents of k = 1..2 ``trained_k`` (chains: every object asked, shuffled), at up to ``max_loops`` loops:
-    accuracy by ``k``, per ``k`` its best loop (``beyond``: k > trained_k) beside accuracy at the training-mean depth
-    and at the last loop, the loops needed for 90% accuracy (:func:`depth_growth`, its fits in ``loops_needed_law``),
-    Spearman(k, convergence depth), the :func:`depth_law` of the convergence depth,
-    :func:`halting_against_overthinking`, accuracy at the training-mean depth and Spearman on the training range
-    (``trained_range``: chains of at most ``trained_k`` links), the :func:`cell_table` of chain length and
-    question position, and the KL rule's and the oracle's :func:`savings` on these documents (the offline pass
-    shares the trajectories' core loops); keyed as notebook 06's ``lever`` record (tables as frames)."""
+    documents of k = 1..2 ``trained_k`` (chains: every object asked, shuffled), at up to ``max_loops`` loops, keyed
+    as notebook 06's ``lever`` record (tables as frames): accuracy by ``k``, per ``k`` its ``best`` loop beside the
+    training-mean depth and the last loop, :func:`depth_growth` (``loops_needed``, fits in ``loops_needed_law``),
+    Spearman(k, convergence depth), :func:`depth_law`, :func:`halting_against_overthinking`, ``trained_range``
+    (accuracy and Spearman on chains of at most ``trained_k`` links), :func:`cell_table` and the KL rule's and the
+    oracle's :func:`savings` (the offline pass shares the trajectories' core loops)."""
     lm = load(checkpoint, corpus=corpus)  # corpus: where a run's checkpoint finds its tokenizer
     depth = int(round(lm.config.recurrence.mean))  # its training-mean depth
     if max_loops < depth:

@@ -35,10 +35,10 @@ def repo_root(start: str | Path | None = None) -> Path:
 
 
 def _relative(path: Path) -> str:
-    """``path`` relative to the working directory (absolute when that is shorter to state or on another drive)."""
+    """``path`` relative to the working directory (absolute when on another drive, Windows)."""
     try:
         return os.path.relpath(path)
-    except ValueError:  # another drive (Windows)
+    except ValueError:
         return str(path)
 
 

@@ -258,12 +258,11 @@ def runs_table(root: str | Path) -> pd.DataFrame:
 def ours_from(training: Training, convergence: Convergence, token_types: TokenTypes, halting: Halting,
               max_loops: int) -> tuple[dict[str, object], dict[str, tuple[float, float]], str]:
     """``(ours, intervals, scale)`` for :func:`reproduction_table` and :func:`explain` from notebooks 01-04."""
-    kl_by, ce = convergence.kl_by_loop, convergence.ce_by_loop
-    kl16 = min(16, max_loops)
-    last = max(convergence.kl_final_by_loop)
+    ce, last = convergence.ce_by_loop, max(convergence.kl_final_by_loop)
+    measured = {"kl_2": convergence.kl_by_loop[2], "kl_16": convergence.kl_by_loop[min(16, max_loops)],
+                "median_depth": convergence.median_depth, "frac_updating": convergence.frac_updating}
     ours: dict[str, object] = {
-        "kl_2": kl_by[2].value, "kl_16": kl_by[kl16].value,
-        "median_depth": convergence.median_depth.value, "frac_updating": convergence.frac_updating.value,
+        **{key: iv.value for key, iv in measured.items()},
         "class_order": token_types.order_shallow_to_deep,
         "kl_rule_depth": halting.depth("kl"),
         "router_depth": halting.depth("router_linear"),
@@ -272,12 +271,7 @@ def ours_from(training: Training, convergence: Convergence, token_types: TokenTy
         "kl_end_same_parity": convergence.kl_final_by_loop[last - 1],
         "kl_end_other_parity": convergence.kl_final_by_loop[last],
     }
-    intervals = {
-        "kl_2": (kl_by[2].lo, kl_by[2].hi), "kl_16": (kl_by[kl16].lo, kl_by[kl16].hi),
-        "median_depth": (convergence.median_depth.lo, convergence.median_depth.hi),
-        "frac_updating": (convergence.frac_updating.lo, convergence.frac_updating.hi),
-    }
-    return ours, intervals, training.scale
+    return ours, {key: (iv.lo, iv.hi) for key, iv in measured.items()}, training.scale
 
 
 def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce: float,
@@ -294,22 +288,25 @@ def reference_targets(convergence: Convergence, halting: Halting, *, previous_ce
     rows = [
         ("depth gain", "CE(1) − CE(R) ≥ 0.3 nats", f"{ce1:.3f} − {ceR:.3f} = {ce1 - ceR:.3f}", ce1 - ceR >= 0.3),
         ("a better deep model", f"CE(R) ≤ {previous_ce - 0.1:.3f} ({previous}'s CE@8 {previous_ce:.3f} − 0.1)",
-         f"{ceR:.3f} [{ce[R].lo:.3f}, {ce[R].hi:.3f}]", ceR <= previous_ce - 0.1),
+         f"{ce[R]:.3f}", ceR <= previous_ce - 0.1),
         ("uniform depth needs loops", f"uniform depth within 0.005 nats of CE(R) needs ≥ 0.6·R = {0.6 * R:.1f}",
          f"{uni:.2f} loops ({uni / R:.2f}·R)", uni >= 0.6 * R),
         ("a fixed point", f"mean successive KL at loop 2R = {2 * R} ≤ 1e-5",
          f"{kl2R:.2g}; {cyc.count} tokens in a 2-cycle carry {share:.0%} of it", kl2R <= 1e-5),
     ]
-    out = [{"target": t, "criterion": c, "measured": m, "met": "yes" if ok else "no"} for t, c, m, ok in rows]
+    out = _targets(rows)
     gap = halting.gap_intervals.get("kl")
     if gap is not None:
-        sv, fr = gap["saved"], gap["saved_frac"]
-        out.append({"target": "the headline", "criterion": "KL rule vs the uniform depth of equal quality",
-                    "measured": f"{gap['family_depth'].value:.2f} vs {gap['uniform_depth'].value:.2f} loops: "
-                                f"saves {sv.value:.2f} [{sv.lo:.2f}, {sv.hi:.2f}] loops, "
-                                f"{fr.value:.0%} [{fr.lo:.0%}, {fr.hi:.0%}]",
-                    "met": "—"})
-    return pd.DataFrame(out)
+        out.loc[len(out)] = ["the headline", "KL rule vs the uniform depth of equal quality",
+                             f"{gap['family_depth'].value:.2f} vs {gap['uniform_depth'].value:.2f} loops: saves "
+                             f"{gap['saved']:.2f} loops, {gap['saved_frac']:.0%}", "—"]
+    return out
+
+
+def _targets(rows: list[tuple[str, str, str, bool]]) -> pd.DataFrame:
+    """``(target, criterion, measured, met?)`` rows as a targets table (``met``: ``yes`` or ``no``)."""
+    return pd.DataFrame([{"target": t, "criterion": c, "measured": m, "met": "yes" if ok else "no"}
+                         for t, c, m, ok in rows])
 
 
 def scale_table(root: str | Path) -> pd.DataFrame:
@@ -374,10 +371,6 @@ def lever_effects(grid: pd.DataFrame, levers: Sequence[tuple[str, str, str]] = S
 GAIN_FAMILIES = (Oracle.family, KLThreshold.family, *state_families(), *ROUTER_FAMILIES)
 
 
-def _saved_text(iv) -> str:
-    return f"{iv.value:.0%} [{iv.lo:.0%}, {iv.hi:.0%}]"
-
-
 def depth_gain_side_by_side(halting: Halting, known: KnownDepth | None,
                             families: Sequence[str] = GAIN_FAMILIES) -> pd.DataFrame:
     """Loops saved per family against the uniform depth of equal quality (first row), on natural text beside the
@@ -389,7 +382,7 @@ def depth_gain_side_by_side(halting: Halting, known: KnownDepth | None,
     rows = [{"family": "uniform depth of equal quality", **uniform}]
     for fam in families:
         rows.append({"family": f"{fam}: loops saved",
-                     **{col: _saved_text(g[fam]["saved_frac"]) if fam in g else "" for col, g in sets.items()}})
+                     **{col: format(g[fam]["saved_frac"], ".0%") if fam in g else "" for col, g in sets.items()}})
     return pd.DataFrame(rows)
 
 
@@ -402,18 +395,15 @@ def known_depth_targets(known: KnownDepth) -> pd.DataFrame:
     kl = mixed.get("kl", {}).get("saved_frac", nan)
     rho = known.spearman_depth
     lo_k, hi_k = known.k_range
-    rows = [
-        ("convergence follows k", "Spearman(k, convergence depth) ≥ 0.6",
-         f"{rho.value:.3f} [{rho.lo:.3f}, {rho.hi:.3f}]", rho.value >= 0.6),
+    return _targets([
+        ("convergence follows k", "Spearman(k, convergence depth) ≥ 0.6", f"{rho:.3f}", rho.value >= 0.6),
         ("the oracle finds the deep tokens", "oracle saves ≥ 40% of the matched-uniform loops (mixed)",
-         _saved_text(orc), orc.value >= 0.4),
-        ("the KL rule finds them", "KL rule saves ≥ 25%, interval excluding 0 (mixed)", _saved_text(kl),
+         f"{orc:.0%}", orc.value >= 0.4),
+        ("the KL rule finds them", "KL rule saves ≥ 25%, interval excluding 0 (mixed)", f"{kl:.0%}",
          kl.value >= 0.25 and kl.lo > 0),
         ("the lookups are learned", f"answer accuracy ≥ 90% at R = {known.reference_loops} loops, k = {lo_k}..{hi_k}",
          f"lowest over k: {known.min_accuracy_at_R:.1%}", known.min_accuracy_at_R >= 0.9),
-    ]
-    return pd.DataFrame([{"target": t, "criterion": c, "measured": m, "met": "yes" if ok else "no"}
-                         for t, c, m, ok in rows])
+    ])
 
 
 def side_run(runs_dir: str | Path, corpus_dir: str | Path, *, prefix: str, preset_name: str,

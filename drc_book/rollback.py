@@ -58,7 +58,7 @@ class Rollback:
         return cls(dirs, backup, kept)
 
     @classmethod
-    def recover(cls, backup: Path, allowed: list[Path] | None = None) -> str | None:
+    def recover(cls, backup: Path, allowed: list[Path]) -> str | None:
         """Undo the notebook a killed run left half done and return its name (None: none). A manifest naming a
         directory not in ``allowed``, a path outside its directory or another copy is a :class:`DrcError`."""
         manifest = backup / cls.MANIFEST
@@ -70,7 +70,7 @@ class Rollback:
         return name
 
     @classmethod
-    def _checked(cls, backup: Path, allowed: list[Path] | None) -> tuple[Rollback, str]:
+    def _checked(cls, backup: Path, allowed: list[Path]) -> tuple[Rollback, str]:
         manifest = backup / cls.MANIFEST
         keep = f"nothing was undone; check those outputs by hand, then delete {backup} and rerun"
 
@@ -83,13 +83,13 @@ class Rollback:
         if not isinstance(record, dict) or not isinstance(record.get("dirs"), list):
             raise refuse("is not a rollback record")
         dirs: list[tuple[Path, bool]] = []
-        roots = [a.resolve() for a in allowed] if allowed is not None else None
+        roots = [a.resolve() for a in allowed]
         for entry in record["dirs"]:
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
                     and "\x00" not in entry[0] and isinstance(entry[1], bool)):
                 raise refuse("names a directory that is not [path, recursive]")
             d = Path(entry[0])
-            if roots is not None and d.resolve() not in roots:
+            if d.resolve() not in roots:
                 raise refuse(f"names {d}, which is not an output directory (results_dir, work_dir) of this profile "
                              "as run now (rerun with the --set values of the killed run to undo it)")
             dirs.append((d, entry[1]))
@@ -105,15 +105,13 @@ class Rollback:
                 pairs.append((entry[0], entry[1], entry[2]))
         elif "format" not in record and isinstance(record.get("kept"), dict):  # written before the format field
             for f, c in record["kept"].items():
-                match = None
                 for i, (d, _) in enumerate(dirs):
                     rel = Path(f).relative_to(d) if Path(f).is_relative_to(d) else None
                     if rel is not None and isinstance(c, str) and Path(c) == backup / str(i) / rel:
-                        match = (i, rel.as_posix(), None)
+                        pairs.append((i, rel.as_posix(), None))
                         break
-                if match is None:
+                else:
                     raise refuse(f"keeps {f!r}, which lies in none of its directories")
-                pairs.append(match)
         else:
             raise refuse("is not a rollback record this version writes")
         kept: dict[Path, Path] = {}

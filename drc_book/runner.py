@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -51,9 +52,10 @@ DEFAULT_RENDERER = "plotly_mimetype+notebook_connected"
 PLOTLY_STATIC = Path("_static") / "plotly.min.js"  # copied in by `build`; _config.yml lists it in html_js_files
 BOOK_CSS = "drc-book.css"  # beside the sources; copied into _static/ by `build` (_config.yml: html_css_files)
 REPRODUCTION_MD = Path("_static") / "reproduction.md"  # written by `build`; the root page includes it
-
-
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+OUTPUT_PARAMETERS = ("results_dir", "work_dir")  # where a notebook writes: its results, figures and frames
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a profile's or a notebook's name: one plain path component
+PROFILE_KEYS = frozenset({"description", "plotly_renderer", "parameters", "notebooks", "env", "skip"})
 
 
 def _need_name(kind: str, name: object, path: Path) -> str:
@@ -116,8 +118,7 @@ def load_profiles(path: str | Path = DEFAULT_PROFILES) -> BookSpec:
         raise DrcError(f"profiles file '{path}' is not valid TOML ({first_line(exc, 120)}): fix the line it names") \
             from None
     book = _need_table(raw.get("book", {}), "[book]", path)
-    unknown_book = set(book) - {"source_dir", "root", "notebooks"}
-    if unknown_book:
+    if unknown_book := set(book) - {"source_dir", "root", "notebooks"}:
         raise DrcError(f"{path}: unknown key(s) {sorted(unknown_book)} in [book]: use source_dir, root, notebooks")
     listed = book.get("notebooks", ())
     if not isinstance(listed, list | tuple):
@@ -141,12 +142,9 @@ def load_profiles(path: str | Path = DEFAULT_PROFILES) -> BookSpec:
             _need_table(table.get(key, {}), f"[profiles.{name}.{key}]", path)
         for nb, values in table.get("notebooks", {}).items():
             _need_table(values, f"[profiles.{name}.notebooks.{nb}]", path)
-        allowed = {"description", "plotly_renderer", "parameters", "notebooks", "env", "skip"}
-        extra = set(table) - allowed
-        if extra:
-            raise DrcError(f"{path}: profile '{name}' has unknown key(s) {sorted(extra)}: use {sorted(allowed)}")
-        stray = set(table.get("notebooks", {})) - set(notebooks)
-        if stray:
+        if extra := set(table) - PROFILE_KEYS:
+            raise DrcError(f"{path}: profile '{name}' has unknown key(s) {sorted(extra)}: use {sorted(PROFILE_KEYS)}")
+        if stray := set(table.get("notebooks", {})) - set(notebooks):
             raise DrcError(f"{path}: profile '{name}' sets parameters of unlisted notebook(s) {sorted(stray)}")
         if not all(isinstance(table.get(k, ""), str) for k in ("description", "plotly_renderer")):
             raise DrcError(f"{path}: profile '{name}': description and plotly_renderer must be strings")
@@ -185,10 +183,8 @@ def _tags(cell) -> list[str]:
 def _merge_parameters(source: str, injected: str) -> str:
     """``source`` (a ``parameters`` cell) with each assigned value replaced by the one in ``injected`` (papermill's
     cell) where the two differ, comments and layout kept; a first comment line says so when any was replaced."""
-    new_values = {}
-    for node in ast.parse(injected).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            new_values[node.targets[0].id] = node.value
+    new_values = {node.targets[0].id: node.value for node in ast.parse(injected).body
+                  if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)}
     lines = [ln.encode() for ln in source.split("\n")]
     edits = []
     for node in ast.parse(source).body:
@@ -232,15 +228,10 @@ def present(nb) -> bool:
     return changed
 
 
-def _failure_line(name: str, exc: Exception) -> str:
-    cell = getattr(exc, "cell_index", None)
-    count = getattr(exc, "exec_count", None)
-    ename, evalue = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
-    where = f"cell {cell}" if cell is not None else "a cell"
-    if count is not None:
-        where += f" (In [{count}])"
-    evalue = " ".join(str(evalue).split())
-    return f"notebook {name} failed at {where}: {ename}: {evalue}"
+def _failure_line(name: str, exc: Any) -> str:
+    """A papermill execution error on one line: the notebook, the cell (and its In [n]), the exception."""
+    where = f"cell {exc.cell_index}" + (f" (In [{exc.exec_count}])" if exc.exec_count is not None else "")
+    return f"notebook {name} failed at {where}: {exc.ename}: {' '.join(str(exc.evalue).split())}"
 
 
 def under_out(value: Any, out: str | Path) -> Any:
@@ -255,9 +246,6 @@ def under_out(value: Any, out: str | Path) -> Any:
         raise DrcError(f"parameter value {value!r} climbs out of {DEFAULT_OUT}/ with '..': outputs stay under --out; "
                        "name the directory without '..'")
     return str(Path(out).joinpath(*parts[1:]))
-
-
-OUTPUT_PARAMETERS = ("results_dir", "work_dir")  # where a notebook writes: its results, figures and frames
 
 
 def output_dirs(params: dict[str, Any], cwd: str | Path, notebook: str) -> list[tuple[Path, bool]]:
@@ -299,11 +287,10 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
     ``out/<profile>/``; returns (and writes to ``timings.json``) seconds per notebook."""
     import jupytext
 
-    prof = spec.profile(profile)
+    prof, overrides = spec.profile(profile), overrides or {}
     names = list(spec.notebooks)
     if only:
-        unknown = [n for n in only if n not in names]
-        if unknown:
+        if unknown := [n for n in only if n not in names]:
             raise DrcError(f"unknown notebook(s) {unknown}: choose from {', '.join(names)}")
         names = [n for n in names if n in only]
     for name in [n for n in names if n in prof.skip]:
@@ -312,32 +299,30 @@ def run_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, *, onl
     notebooks = {name: jupytext.read(spec.source_dir / f"{name}.py") for name in names}
     declared = {name: declared_parameters(nb) for name, nb in notebooks.items()}
     for name in names:  # check every parameter against the notebooks before running any of them
-        own = set(prof.notebooks.get(name, {})) - declared[name]
-        if own:
+        if own := set(prof.notebooks.get(name, {})) - declared[name]:
             raise DrcError(f"profile '{profile}' sets {sorted(own)} for notebook {name}, whose parameters cell "
                            f"does not assign them: declare them there or fix the profiles file")
-    stray = set(overrides or {}) - set().union(*declared.values())
-    if stray:
+    if stray := set(overrides) - set().union(*declared.values()):
         raise DrcError(f"--set {sorted(stray)}: no notebook run here declares it; see their parameters cells")
     # every directory any notebook of the profile may write (with these --set values): the only ones a rollback
     # record left by a killed run may name
     allowed = {d for nb in spec.notebooks for d, _ in output_dirs(
-        {k: under_out(v, out) for k, v in {**prof.parameters_for(nb), **(overrides or {})}.items()
+        {k: under_out(v, out) for k, v in {**prof.parameters_for(nb), **overrides}.items()
          if k in OUTPUT_PARAMETERS}, cwd, nb)}
     dest = Path(out) / profile
     with exclusive(dest, "book profile"):  # one runner per profile: they would share .running/ and the results
-        return _run(notebooks, declared, names, prof, profile, out, dest, overrides, cwd, progress, kernel,
-                    sorted(allowed))
+        return _run(notebooks, declared, prof, out, overrides, cwd, progress, kernel, sorted(allowed))
 
 
-def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof: Profile, profile: str,
-         out: str | Path, dest: Path, overrides: dict[str, Any] | None, cwd: str | Path, progress: bool,
-         kernel: str, allowed: list[Path]) -> dict[str, float]:
+def _run(notebooks: dict, declared: dict[str, set[str]], prof: Profile, out: str | Path, overrides: dict[str, Any],
+         cwd: str | Path, progress: bool, kernel: str, allowed: list[Path]) -> dict[str, float]:
+    """:func:`run_book`'s execution of ``notebooks`` (in order), under the profile's lock."""
     import jupytext
     import nbformat
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
+    profile, dest = prof.name, Path(out) / prof.name
     dest.mkdir(parents=True, exist_ok=True)
     failed_dir, work = dest / "failed", dest / ".running"
     # the runner's own directories: written, emptied and removed, so never through a link planted there
@@ -360,49 +345,42 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
     in_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main else None
     try:
-        for name in names:
-            nb = notebooks[name]
+        for name, nb in notebooks.items():
             nb.metadata["kernelspec"] = {"name": kernel, "display_name": "Python 3", "language": "python"}
             work.mkdir(exist_ok=True)
             src, partial = work / f"{name}.src.ipynb", work / f"{name}.ipynb"
             kernel_log = work / f"{name}.kernel.log"
             jupytext.write(nb, src)
-            params = {k: under_out(v, out) for k, v in {**prof.parameters_for(name), **(overrides or {})}.items()
+            params = {k: under_out(v, out) for k, v in {**prof.parameters_for(name), **overrides}.items()
                       if k in declared[name]}
             dirs = output_dirs(params, cwd, name)
-            locks = ExitStack()
-            try:
+            with ExitStack() as locks:
                 for d, _ in dirs:  # another runner writing the same results directory (another profile): refused
                     if d.resolve() != dest.resolve():
                         locks.enter_context(exclusive(d.resolve(), "notebook output directory"))
                 rollback = Rollback.take(dirs, work / "rollback", name)
-            except BaseException:
-                locks.close()
-                raise
-            print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
-                  flush=True)
-            t0 = time.perf_counter()
-            try:
-                pm.execute_notebook(str(src), str(partial), parameters=params, kernel_name=kernel,
-                                    cwd=str(cwd), progress_bar=progress, log_output=False,
-                                    kernel_manager_class=_kernel_log_manager(kernel_log))
-            except (KeyboardInterrupt, PapermillExecutionError) as exc:
-                rollback.undo()
-                rollback.close()
-                # (a PapermillExecutionError of a KeyboardInterrupt: the kernel got the Ctrl-C first)
-                if isinstance(exc, KeyboardInterrupt) or getattr(exc, "ename", "") == "KeyboardInterrupt":
-                    how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
-                    raise Interrupted(f"{how} during notebook {name}: what it wrote was undone and the notebooks "
-                                      "before it are kept; rerun the command (with --only to continue)") from None
-                failed_dir.mkdir(exist_ok=True)
-                kept = failed_dir / f"{name}.ipynb"
-                shutil.move(str(partial), kept)
-                if kernel_log.is_file() and kernel_log.stat().st_size:
-                    shutil.move(str(kernel_log), failed_dir / kernel_log.name)
-                raise NotebookFailed(f"{_failure_line(name, exc)}; partial output kept at {kept} (its results and "
-                                     "frames were undone)") from None
-            finally:
-                locks.close()
+                print(f"[{profile}] {name}: {', '.join(f'{k}={v!r}' for k, v in params.items()) or 'no parameters'}",
+                      flush=True)
+                t0 = time.perf_counter()
+                try:
+                    pm.execute_notebook(str(src), str(partial), parameters=params, kernel_name=kernel,
+                                        cwd=str(cwd), progress_bar=progress, log_output=False,
+                                        kernel_manager_class=_kernel_log_manager(kernel_log))
+                except (KeyboardInterrupt, PapermillExecutionError) as exc:
+                    rollback.undo()
+                    rollback.close()
+                    # (a PapermillExecutionError of a KeyboardInterrupt: the kernel got the Ctrl-C first)
+                    if isinstance(exc, KeyboardInterrupt) or getattr(exc, "ename", "") == "KeyboardInterrupt":
+                        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+                        raise Interrupted(f"{how} during notebook {name}: what it wrote was undone and the notebooks "
+                                          "before it are kept; rerun the command (with --only to continue)") from None
+                    failed_dir.mkdir(exist_ok=True)
+                    kept = failed_dir / f"{name}.ipynb"
+                    shutil.move(str(partial), kept)
+                    if kernel_log.is_file() and kernel_log.stat().st_size:
+                        shutil.move(str(kernel_log), failed_dir / kernel_log.name)
+                    raise NotebookFailed(f"{_failure_line(name, exc)}; partial output kept at {kept} (its results "
+                                         "and frames were undone)") from None
             rollback.close()
             seconds = time.perf_counter() - t0
             executed = nbformat.read(partial, as_version=4)
@@ -433,7 +411,7 @@ def _run(notebooks: dict, declared: dict[str, set[str]], names: list[str], prof:
             shutil.rmtree(work, ignore_errors=True)
         if failed_dir.is_dir() and not any(failed_dir.iterdir()):
             failed_dir.rmdir()
-    return {n: timings[n]["seconds"] for n in names}
+    return {n: timings[n]["seconds"] for n in notebooks}
 
 
 def read_timings(path: Path) -> dict[str, dict[str, Any]]:
@@ -447,19 +425,18 @@ def read_timings(path: Path) -> dict[str, dict[str, Any]]:
         data = read_json(path, "the timings file", fix)
     except FileNotFoundError:  # a symbolic link to nothing
         raise DrcError(f"the timings file '{path}' is a link to a missing file: {fix}") from None
+
     def seconds(v: Any) -> bool:
         return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
-    if not isinstance(data, dict):
+    if isinstance(data, dict):
+        data = {k: {"seconds": v, "cpu": "unknown", "bf16": "unknown", "cores": None} if seconds(v) else v
+                for k, v in data.items()}
+    if not (isinstance(data, dict) and all(isinstance(e, dict) and seconds(e.get("seconds"))
+                                           and all(isinstance(e.get(k), str) for k in ("cpu", "bf16"))
+                                           for e in data.values())):
         raise DrcError(f"the timings file '{path}' is damaged (not an object of seconds): {fix}")
-    read = {}
-    for name, v in data.items():
-        entry = {"seconds": v, "cpu": "unknown", "bf16": "unknown", "cores": None} if seconds(v) else v
-        if not (isinstance(entry, dict) and seconds(entry.get("seconds"))
-                and all(isinstance(entry.get(k), str) for k in ("cpu", "bf16"))):
-            raise DrcError(f"the timings file '{path}' is damaged (not an object of seconds): {fix}")
-        read[name] = entry
-    return read
+    return data
 
 
 def slowest_cells(nb: Any, top: int = 3) -> list[tuple[int, float, str]]:
@@ -522,11 +499,10 @@ def reproduction_markdown(results_dir: str | Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_landing(spec: BookSpec, profile: str, root_dir: Path, out: str | Path = DEFAULT_OUT) -> None:
+def _write_landing(spec: BookSpec, profile: str, root_dir: Path, out: str | Path) -> None:
     """_static/reproduction.md: the profile's reproduction table, included by the root page."""
-    results_dir = under_out(spec.profile(profile).parameters_for("07_reproduction").get(
-        "results_dir", f"{DEFAULT_OUT.as_posix()}/{profile}/results"), out)
-    results_dir = Path(results_dir) if Path(results_dir).is_absolute() else root_dir / results_dir
+    results_dir = root_dir / under_out(spec.profile(profile).parameters_for("07_reproduction").get(
+        "results_dir", f"{DEFAULT_OUT.as_posix()}/{profile}/results"), out)  # an absolute one stays as it is
     dst = root_dir / REPRODUCTION_MD
     dst.parent.mkdir(parents=True, exist_ok=True)
     shown = results_dir.relative_to(root_dir) if results_dir.is_relative_to(root_dir) else results_dir
@@ -560,8 +536,7 @@ def build_book(spec: BookSpec, profile: str, out: str | Path = DEFAULT_OUT, root
     """Render ``profile``'s executed notebooks with Jupyter Book v1 (``toc``, else a generated one); returns the
     ``index.html`` path."""
     root_dir = Path(root_dir).resolve()
-    missing = [n for n in spec.notebooks if not (Path(out) / profile / f"{n}.ipynb").is_file()]
-    if missing:
+    if missing := [n for n in spec.notebooks if not (Path(out) / profile / f"{n}.ipynb").is_file()]:
         raise DrcError(f"no executed notebook(s) {missing} in {Path(out) / profile}: run "
                        f"`python -m drc_book run --profile {profile}` first")
     build_root = root_dir / "_build" if profile == "reference" else root_dir / "_build" / profile
@@ -590,13 +565,8 @@ def find_browser() -> str | None:
     return next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
 def render_png(figure_json: str | Path, png: str | Path, width: int = 900, height: int = 500) -> Path:
     """Draw a plotly figure saved as JSON (``fig.write_json``) to a PNG with headless Chromium."""
-    import tempfile
-
     import plotly.io as pio
 
     out = Path(png)
@@ -680,8 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         except NotebookFailed as exc:  # exit 1; bad input (DrcError) exits 2 through run_cli
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        total = sum(timings.values())
-        print(f"[{args.profile}] {len(timings)} notebook(s) in {total:.0f} s: " +
+        print(f"[{args.profile}] {len(timings)} notebook(s) in {sum(timings.values()):.0f} s: " +
               ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
         return 0
     toc = args.toc or ("_toc.yml" if args.profile == "reference" else None)

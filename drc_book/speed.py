@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import drc_core
 from drc_book.cost import (
     CLOCKS,
     Autorange,
@@ -197,15 +196,15 @@ def _untimed(model: DepthRecurrentLM, fn: Callable[[Tensor, Tensor], Any], batch
     return loops / n, ce / n, flops / n
 
 
-def speed_columns(row: dict, base_seconds: float, r: int, base_flops: float, flops: float) -> dict:
+def speed_columns(row: dict, base_seconds: float, model: DepthRecurrentLM, r: int, seq_len: int, path: str) -> None:
+    """Adds the speed-ups of ``row`` (run on ``path``) over the dense forward at depth r taking ``base_seconds``."""
+    base_flops = matmul_flops_per_token(model, r, seq_len, "forward")
     row["proxy_speedup"] = r / row["avg_loops"]
-    row["flop_speedup"] = base_flops / flops
+    row["flop_speedup"] = base_flops / matmul_flops_per_token(model, row["avg_loops"], seq_len, path)
     row["wallclock_speedup"] = base_seconds / row["seconds"]
     row["wall_over_proxy"] = row["wallclock_speedup"] / row["proxy_speedup"]
-    if "honest_flops" in row:
-        row["honest_speedup"] = base_flops / row["honest_flops"]
-        row["wall_over_honest"] = row["wallclock_speedup"] / row["honest_speedup"]
-    return row
+    row["honest_speedup"] = base_flops / row["honest_flops"]
+    row["wall_over_honest"] = row["wallclock_speedup"] / row["honest_speedup"]
 
 
 @dataclass
@@ -314,20 +313,16 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
             rows.append({"setting": "batched eval", **info, "avg_loops": loops, "ce": ce, "honest_flops": flops})
         faults: dict[str, list[int]] = {info["rule"]: [] for info, _ in variants}
 
-        def run(name: str, fn: Callable[[Tensor, Tensor], Any]) -> Callable[[], None]:
-            def go() -> None:
-                before = page_faults()
-                for x, _, s0 in batches:
-                    fn(x, s0)
-                faults[name].append(page_faults() - before)
-            return go
+        def run(name: str, fn: Callable[[Tensor, Tensor], Any]) -> None:
+            before = page_faults()
+            for x, _, s0 in batches:
+                fn(x, s0)
+            faults[name].append(page_faults() - before)
 
-        times = interleaved({info["rule"]: run(info["rule"], fn) for info, fn in variants}, cfg.autorange(), log,
-                            "batched eval", cfg.clock)
+        times = interleaved({info["rule"]: (lambda name=info["rule"], fn=fn: run(name, fn)) for info, fn in variants},
+                            cfg.autorange(), log, "batched eval", cfg.clock)
     base = rows[0]
-    base_s = median(times[base["rule"]])
     base_rounds = times[base["rule"]]
-    base_flops = matmul_flops_per_token(model, r, t_len, "forward")
     for row in rows:
         row["ce_uniform"] = base["ce"]
         row["ce_gap"] = row["ce"] - base["ce"]
@@ -335,7 +330,7 @@ def time_batched(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleS
         row.update(times.row(row["rule"]))
         row["page_faults_per_batch"] = median(faults[row["rule"]]) / len(batches)
         row["tokens_per_s"] = n_tok / row["seconds"]
-        speed_columns(row, base_s, r, base_flops, matmul_flops_per_token(model, row["avg_loops"], t_len, row["path"]))
+        speed_columns(row, median(base_rounds), model, r, t_len, row["path"])
         row.update(paired_speedup(base_rounds, times[row["rule"]]))
     return with_timings(pd.DataFrame(rows), times)
 
@@ -435,13 +430,6 @@ class _Timed:
         return [_step_seconds([full], [first], self.n)
                 for full, first in zip(self.times[f"{key} [n]"], self.times[f"{key} [1]"], strict=True)]
 
-    def ratio_interval(self, key: str, ref: str) -> dict[str, float]:
-        """``x_dense_lo``, ``x_dense_hi``, ``x_dense_coverage``: :func:`paired_speedup` of ``key``'s steps over
-        ``ref``'s, round by round."""
-        paired = paired_speedup(self.step_rounds(ref), self.step_rounds(key))
-        return {"x_dense_lo": paired["speedup_lo"], "x_dense_hi": paired["speedup_hi"],
-                "x_dense_coverage": paired["speedup_coverage"]}
-
     def work_per_token(self, key: str) -> float:
         """Honest FLOPs per new token: the work of n new tokens minus that of 1, over b (n - 1)."""
         work = [honest_flops(self.model, self.kept[f"{key} [{tag}]"]["work"], self.seq_len) for tag in ("n", "1")]
@@ -466,19 +454,13 @@ def _generation_rows(t: _Timed, specs: list[RuleSpec], r: int, t0: int) -> list[
                      # the loops a step runs while any row is active: the deepest exit among the rows
                      "loops_run": float(out["exit_loop"][:, t0 - 1 :].max(dim=0).values.double().mean()),
                      "honest_flops": t.work_per_token(str(spec.rule))})
-    base_flops = matmul_flops_per_token(t.model, r, t.seq_len, "forward")
     for row, spec in zip(rows, [None, *specs], strict=True):
-        row["seconds"] = t.step(row["rule"])
-        row["ms_per_token"] = 1e3 * row["seconds"]
-        row["tokens_per_s"] = t.b / row["seconds"]
-        row["rows"] = t.b
-        row["prompt_ms"] = 1e3 * median(t.times[f"{row['rule']} [1]"])
-        row["spread"] = spread(t.times[f"{row['rule']} [n]"])
-        row.update(t.step_interval(row["rule"]))
-        row.update(paired_speedup(t.step_rounds(dense), t.step_rounds(row["rule"])))
-        path = "forward" if spec is None else skip_path(spec.rule)
-        speed_columns(row, t.step(dense), r, base_flops,
-                      matmul_flops_per_token(t.model, row["avg_loops"], t.seq_len, path))
+        key = row["rule"]
+        sec = t.step(key)
+        row.update(seconds=sec, ms_per_token=1e3 * sec, tokens_per_s=t.b / sec, rows=t.b,
+                   prompt_ms=1e3 * median(t.times[f"{key} [1]"]), spread=spread(t.times[f"{key} [n]"]),
+                   **t.step_interval(key), **paired_speedup(t.step_rounds(dense), t.step_rounds(key)))
+        speed_columns(row, t.step(dense), t.model, r, t.seq_len, "forward" if spec is None else skip_path(spec.rule))
     return rows
 
 
@@ -501,9 +483,10 @@ def _decoder_rows(t: _Timed, specs: list[RuleSpec], r: int) -> list[dict]:
     for row in rows:
         key = row.pop("key")
         sec = t.step(key)
+        paired = paired_speedup(t.step_rounds(dense), t.step_rounds(key))  # its keys as x_dense_lo, _hi, _coverage
         row.update(ms_per_step=1e3 * sec, tokens_per_s=t.b / sec, x_dense=t.step(dense) / sec,
                    flop_speedup=dense_flops / row["honest_flops"], spread=spread(t.times[f"{key} [n]"]),
-                   **t.step_interval(key), **t.ratio_interval(key, dense))
+                   **t.step_interval(key), **{k.replace("speedup", "x_dense"): v for k, v in paired.items()})
         row["realization"] = row["x_dense"] / row["flop_speedup"]
     return rows
 
@@ -743,7 +726,7 @@ def decoder_targets(table: pd.DataFrame, families: Sequence[str] | None = None, 
     :func:`serving_latency` table, its p50 latency is below ``generate``'s. Each judged by :func:`target_row` on the
     interval of the paired per-round ratio (``x_dense_lo``/``x_dense_hi``); a speed-up's ``ceiling`` is the
     ``flop_speedup`` (the work the rule asks for, readouts included); serving has no interval and no ceiling."""
-    families = (drc_core.KLThreshold.family, drc_core.StateDelta.family) if families is None else families
+    families = SpeedConfig.families if families is None else families
     out = []
 
     def check(b: int, name: str, value: float, lo: float, hi: float, target: str, ok: Callable[[float], bool],

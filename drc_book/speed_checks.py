@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 
 import pandas as pd
@@ -83,10 +82,8 @@ def measurement_cost(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig 
     def measure(kl_to_final: bool) -> Callable[[Tensor, list], object]:
         return lambda w, b: measure_windows(model, w, L, batch_size=bs, seed=cfg.seed, kl_to_final=kl_to_final)
 
-    names = _pass_names(L)
-    passes: dict[str, Callable[[Tensor, list], object]] = {
-        names["forward"]: forward, names["readout"]: readout, names["measure"]: measure(False),
-        names["measure_kl_final"]: measure(True)}
+    names = _pass_names(L)  # in the order of these passes
+    passes = dict(zip(names.values(), (forward, readout, measure(False), measure(True)), strict=True))
     with torch.inference_mode():
         model.eval()
         for fn in passes.values():  # warm-up on one window
@@ -125,19 +122,23 @@ _OP_KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
                                    "aten::nonzero", "aten::scatter", "aten::masked_fill", "aten::bincount")))
 
 
-@contextmanager
-def _quiet_fd2() -> Iterator[None]:
-    """File descriptor 2 to /dev/null: torch's C++ profiler writes a ``USDT`` line there, into a notebook's output."""
+def _profiled(fn: Callable[[], object]) -> dict[str, tuple[float, int]]:
+    """:func:`self_cpu_ms` of one call of ``fn`` under ``torch.profiler``, file descriptor 2 on /dev/null meanwhile:
+    torch's C++ profiler writes a ``USDT`` line there, into a notebook's output."""
+    from torch.profiler import ProfilerActivity, profile
+
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 2)
-        yield
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
     finally:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+    return self_cpu_ms(prof)
 
 
 def self_cpu_ms(prof: object) -> dict[str, tuple[float, int]]:
@@ -175,24 +176,19 @@ def self_cpu_ms(prof: object) -> dict[str, tuple[float, int]]:
 
 def _profile(variants: dict[str, Callable[[], object]], top: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``torch.profiler`` over one call of each variant after an untimed one: :func:`profile_batched`'s result."""
-    from torch.profiler import ProfilerActivity, profile
-
     kinds, ops = [], []
     for name, fn in variants.items():
         fn()
-        with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-        events = {op: v for op, v in self_cpu_ms(prof).items() if v[0] > 0}
+        events = {op: v for op, v in _profiled(fn).items() if v[0] > 0}
         total = sum(ms for ms, _ in events.values())
-        by_op_kind: dict[str, list[float]] = {}
+        by_op_kind: dict[str, tuple[float, int]] = {}
         for op, (ms, calls) in events.items():
             kind = next((k for k, prefixes in _OP_KINDS if any(p in op for p in prefixes)),
                         "other (norms, RoPE, MLP activation, adds, copies)")
-            acc = by_op_kind.setdefault(kind, [0.0, 0.0])
-            acc[0] += ms
-            acc[1] += calls
+            kind_ms, kind_calls = by_op_kind.get(kind, (0.0, 0))
+            by_op_kind[kind] = (kind_ms + ms, kind_calls + calls)
         for kind, (ms, calls) in sorted(by_op_kind.items(), key=lambda kv: -kv[1][0]):
-            kinds.append({"variant": name, "kind": kind, "ms": ms, "calls": int(calls), "share": ms / total})
+            kinds.append({"variant": name, "kind": kind, "ms": ms, "calls": calls, "share": ms / total})
         kinds.append({"variant": name, "kind": "total", "ms": total,
                       "calls": int(sum(calls for _, calls in events.values())), "share": 1.0})
         for op, (ms, calls) in sorted(events.items(), key=lambda kv: -kv[1][0])[:top]:
@@ -239,11 +235,7 @@ def by_kind(kinds: pd.DataFrame) -> pd.DataFrame:
 
 def aten_calls(fn: Callable[[], object]) -> int:
     """The aten operator calls of one call of ``fn``, counted as :func:`self_cpu_ms` counts them."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(calls for op, (_, calls) in self_cpu_ms(prof).items() if op.startswith("aten::"))
+    return sum(calls for op, (_, calls) in _profiled(fn).items() if op.startswith("aten::"))
 
 
 def decode_op_calls(model: DepthRecurrentLM, prompt: Tensor, rules: Sequence[RuleSpec | HaltingRule],
@@ -291,8 +283,8 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
         base_exits: dict[str, list[Tensor]] = {}
         for info, fn in batched_variants(model, rules, cfg, skip_uniform=False):
             name = info["rule"]
-            for bf16 in (False, True):
-                def run(fn: Callable[[Tensor, Tensor], object] = fn, bf16: bool = bf16) -> list:
+            for precision in ("fp32", "bf16"):
+                def run(fn: Callable[[Tensor, Tensor], object] = fn, bf16: bool = precision == "bf16") -> list:
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                         return [fn(x, s0) for x, _, s0 in batches]
                 outs = run()
@@ -300,11 +292,10 @@ def bf16_check(model: DepthRecurrentLM, windows: Tensor, rules: Sequence[RuleSpe
                          for o, (_, y, _) in zip(outs, batches, strict=True)) / n_tok
                 exits = [torch.full(x.shape, r) if isinstance(o, Tensor) else o.exit_loop
                          for o, (x, _, _) in zip(outs, batches, strict=True)]
-                if not bf16:
-                    base_exits[name] = exits
+                base_exits.setdefault(name, exits)  # fp32's, run first
                 same = sum(float((a == b).double().sum()) for a, b in zip(exits, base_exits[name], strict=True))
-                label = f"{name} [{'bf16' if bf16 else 'fp32'}]"
-                rows.append({"rule": name, "precision": "bf16" if bf16 else "fp32",
+                label = f"{name} [{precision}]"
+                rows.append({"rule": name, "precision": precision,
                              "avg_loops": sum(float(e.double().sum()) for e in exits) / n_tok, "ce": ce,
                              "same_exit": same / n_tok, "label": label})
                 variants[label] = run
@@ -350,9 +341,8 @@ def anderson_table(model: DepthRecurrentLM, windows: Tensor, configs: dict[str, 
         model.eval()
         costs = fixed_point_costs(model, windows, configs, max_evals=max_evals, ref_loops=ref_loops,
                                   eps=(1e-3, 1e-5), batch_size=batch_size)
-        x = windows[:batch_size, :-1]
-        secs = {name: seconds_per_eval(model, x, cfg, evals=min(8, max_evals - 1), rounds=time_rounds)
-                for name, cfg in configs.items()}
+        secs = {name: seconds_per_eval(model, windows[:batch_size, :-1], cfg, evals=min(8, max_evals - 1),
+                                       rounds=time_rounds) for name, cfg in configs.items()}
     rows = []
     for name in configs:
         d = costs.depths[costs.depths.method == name].set_index("eps")
@@ -434,7 +424,5 @@ def run_speed(model: DepthRecurrentLM, windows: Tensor, cfg: SpeedConfig | None 
                             for rows in dict.fromkeys((cfg.gen_rows, *cfg.more_gen_rows))], ignore_index=True)
     measurement = measurement_cost(model, windows, cfg, log=log)
     targets = speed_targets(batched[batched.family != "huginn"], generation)
-    kinds = ops = None
-    if cfg.profile:
-        kinds, ops = profile_batched(model, windows, matched.specs, cfg)
+    kinds, ops = profile_batched(model, windows, matched.specs, cfg) if cfg.profile else (None, None)
     return SpeedReport(cfg, matched, batched, generation, measurement, targets, kinds, ops)

@@ -21,6 +21,7 @@ __all__ = ["accuracy_heatmap", "class_depth_bars", "commit_vs_convergence", "dec
 _PALETTE, _style, _need_columns = plotting.PALETTE, plotting.style, plotting.need_columns
 HEIGHT, LOG_FLOOR, NAN_COLOR = plotting.HEIGHT, plotting.LOG_FLOOR, plotting.NAN_COLOR
 CONVERGED_COLOR, UPDATING_COLOR = plotting.CONVERGED_COLOR, plotting.UPDATING_COLOR
+_PATH_ORDER = ("dense decode", "generate", "continuous")  # the decoders of drc_book.speed.time_decoders, in order
 
 
 def _floats(values) -> np.ndarray:
@@ -51,9 +52,9 @@ def _band(fig: go.Figure, x, lo, hi, color: str, name: str, *, log: bool = False
                              **common), **where)
 
 
-def _reference_line(fig: go.Figure, x_min: float, x_max: float, y: float, label: str) -> None:
-    """A dashed horizontal line drawn as a trace (so it has a legend entry and works on log axes)."""
-    fig.add_trace(go.Scatter(x=[x_min, x_max], y=[y, y], mode="lines", name=f"{label} ({y:.4g})",
+def _reference_line(fig: go.Figure, x: pd.Series, y: float, label: str) -> None:
+    """A dashed horizontal line across ``x``'s range, as a trace (so it has a legend entry and works on log axes)."""
+    fig.add_trace(go.Scatter(x=[float(x.min()), float(x.max())], y=[y, y], mode="lines", name=f"{label} ({y:.4g})",
                              line={"color": "grey", "dash": "dash", "width": 1.5},
                              hovertemplate=f"{html.escape(label)}: {y:.4g}<extra></extra>"))
 
@@ -62,13 +63,10 @@ def number_table(df: pd.DataFrame, digits: int = 3):
     """``df`` styled for a page: "KL..." columns in scientific notation, integer-valued ones as integers, other
     numbers with ``digits`` decimals."""
     fmt: dict[str, str] = {}
-    for c in df.columns:
-        col = df[c]
-        if not pd.api.types.is_numeric_dtype(col):
-            continue
+    for c in [c for c in df.columns if pd.api.types.is_numeric_dtype(df[c])]:
         if str(c).startswith("KL"):
             fmt[c] = "{:.2e}"
-        elif bool(np.all(np.isclose(col.dropna() % 1, 0))):
+        elif bool(np.all(np.isclose(df[c].dropna() % 1, 0))):
             fmt[c] = "{:.0f}"
         else:
             fmt[c] = f"{{:.{digits}f}}"
@@ -119,8 +117,7 @@ def loss_vs_depth(table: pd.DataFrame, reference: float | None = None, reference
                                  line={"color": color},
                                  hovertemplate="%{x} loops: %{y:.4f} nats<extra>" + html.escape(name) + "</extra>"))
     if reference is not None:
-        _reference_line(fig, float(df["loops"].min()), float(df["loops"].max()), float(reference),
-                        reference_label or "reference")
+        _reference_line(fig, df["loops"], float(reference), reference_label or "reference")
     lo, hi = float(np.nanmin(df["loops"])), float(np.nanmax(df["loops"]))
     fig.update_xaxes(type="log", tickvals=[2**k for k in range(0, 12) if lo <= 2**k <= hi])
     return _style(fig, "Validation loss versus loops", xaxis_title="loops at inference",
@@ -136,10 +133,10 @@ def per_loop_figure(summary: pd.DataFrame) -> go.Figure:
                         subplot_titles=("successive KL(p_l ‖ p_{l−1})", "relative state change ‖Δs‖/‖s‖"))
     panels = [("kl", "KL(p_l ‖ p_{l−1})", 1, 0, "solid"), ("kl_final", "KL(p_L ‖ p_l)", 1, 2, "dash"),
               ("state_delta", "‖s_l − s_{l−1}‖ / ‖s_l‖", 2, 1, "solid")]
+    s = summary.sort_values("loop")
     for col, name, panel, color_i, dash in panels:
-        if col not in summary.columns:
+        if col not in s.columns:
             continue
-        s = summary.sort_values("loop")
         y = _floats(s[col])
         ok = np.isfinite(y) & (y > 0)
         if not ok.any():
@@ -243,8 +240,7 @@ def quality_vs_depth(df: pd.DataFrame, reference: float | None = None, quality_l
             hovertemplate="param %{customdata}<br>avg depth %{x:.2f} loops<br>quality %{y:.4g}<extra>"
                           + html.escape(name) + "</extra>"))
     if reference is not None:
-        _reference_line(fig, float(df["avg_depth"].min()), float(df["avg_depth"].max()), float(reference),
-                        reference_label)
+        _reference_line(fig, df["avg_depth"], float(reference), reference_label)
     if log_y:
         fig.update_yaxes(type="log", exponentformat="power")
     return _style(fig, f"{quality_label} versus average depth (lower left is better)",
@@ -374,12 +370,6 @@ def depth_by_k_figure(table: pd.DataFrame, title: str = "", y_title: str = "loop
     fig.update_xaxes(title_text="lookups needed (k)", dtick=1)
     fig.update_yaxes(title_text=y_title)
     return _style(fig, title or "Depth by k")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The decoder comparison (drc_book.speed.time_decoders): tokens per second per batch size and rule
-
-_PATH_ORDER = ("dense decode", "generate", "continuous")
 
 
 def decoder_bars(table: pd.DataFrame) -> go.Figure:

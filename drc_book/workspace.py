@@ -98,7 +98,6 @@ def provide_model(work_dir: str | Path, corpus: Corpus, *, preset_name: str, ove
         info = {"kind": "trained", "path": str(run.path), "preset": preset_name, "overrides": list(overrides)}
         if init:
             info["init"] = str(init)
-    assert run is not None
     run.ship(model_dir, info=info, replace=True)
     return info
 

@@ -111,3 +111,15 @@ def test_known_depth_findings_follow_the_record():
     assert f"Spearman(k, convergence depth) {rho.value:.2f} [{rho.lo:.2f}, {rho.hi:.2f}]" in text
     assert f"{record.lever['trained_k']} links" in text
     assert "links" not in dataclasses.replace(record, lever=None).findings()
+
+
+def test_known_depth_findings_read_a_saved_nan(tmp_path):
+    """NaN is saved as null: a level no k reaches and a missing cost read back as NaN, not as a TypeError (a
+    small run's record, where no k reaches the accuracy level)."""
+    data = json.loads((RESULTS / f"{KnownDepth.NOTEBOOK}.json").read_text())
+    for row in data["growth"]:
+        row["loops_needed"] = None
+    for row in data["natural_cost_bpb"]:
+        row["difference"] = None
+    text = KnownDepth.from_results(data).findings()
+    assert "The first loop at the accuracy level is nan" in text and "+nan bits per byte" in text
