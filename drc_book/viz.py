@@ -19,8 +19,7 @@ __all__ = ["accuracy_heatmap", "class_depth_bars", "commit_vs_convergence", "dec
            "risk_validity", "speedup_bars"]
 
 _PALETTE, _style, _need_columns = plotting.PALETTE, plotting.style, plotting.need_columns
-HEIGHT, LOG_FLOOR, NAN_COLOR = plotting.HEIGHT, plotting.LOG_FLOOR, plotting.NAN_COLOR
-CONVERGED_COLOR, UPDATING_COLOR = plotting.CONVERGED_COLOR, plotting.UPDATING_COLOR
+HEIGHT = plotting.HEIGHT
 _PATH_ORDER = ("dense decode", "generate", "continuous")  # the decoders of drc_book.speed.time_decoders, in order
 
 

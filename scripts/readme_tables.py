@@ -239,8 +239,8 @@ def controlled_depth(res: Results) -> str | None:
     head = (f"Controlled depth (`06_known_depth.json`): a second model{stage} trained on the same text mixed with "
             f"generated documents ({pct(known.task_share)} of its training tokens) whose answers need k = "
             f"{lo}..{hi} lookups. Answer accuracy at {known.reference_loops} loops, lowest over k: "
-            f"{known.min_accuracy_at_R * 100:.1f}% ({verdict}); Spearman(k, convergence depth) {rho.value:.2f} "
-            f"[{rho.lo:.2f}, {rho.hi:.2f}]. Loops saved against the uniform depth of equal quality "
+            f"{known.min_accuracy_at_R * 100:.1f}% ({verdict}); Spearman(k, convergence depth) {rho:.2f}. "
+            "Loops saved against the uniform depth of equal quality "
             "(`04_halting_and_routers.json`, `06_known_depth.json`: `gaps`):")
     return head + "\n\n" + table(("", *sets), rows)
 

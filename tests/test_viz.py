@@ -14,7 +14,7 @@ import torch
 
 import drc_core
 from drc_book import viz
-from drc_core import explorer
+from drc_core import explorer, plotting
 from drc_core.analysis.measure import Measurement, convergence_depth, measure_windows, per_loop_summary
 from drc_core.analysis.tokens import class_depth_summary, token_texts
 from drc_core.data.tokenizer import train_bpe
@@ -198,9 +198,9 @@ def test_slider_figure_one_frame_per_loop_coloured_by_log_kl(frame, tok):
     assert [f.name for f in fig.frames] == [str(lp) for lp in range(1, L + 1)]
     assert len(fig.layout.sliders[0].steps) == L and fig.layout.sliders[0].active == 1  # opens at loop 2
     kl = token_rows(frame, 1, "kl")[:20]
-    assert all(c == viz.NAN_COLOR for c in fig.frames[0].data[0].marker.color)  # no KL at loop 1
+    assert all(c == plotting.NAN_COLOR for c in fig.frames[0].data[0].marker.color)  # no KL at loop 1
     for lp in range(2, L + 1):
-        expected = np.round(np.log10(np.maximum(kl[:, lp - 1], viz.LOG_FLOOR)), 3)
+        expected = np.round(np.log10(np.maximum(kl[:, lp - 1], plotting.LOG_FLOOR)), 3)
         np.testing.assert_allclose(fig.frames[lp - 1].data[0].marker.color, expected, atol=1e-9)
     np.testing.assert_allclose(fig.data[0].marker.color, fig.frames[1].data[0].marker.color)
     bar = fig.data[0]
@@ -237,7 +237,7 @@ def test_token_strip_html_escapes_and_follows_the_loop(frame, tok):
     assert "a &lt; b &amp; c &gt; d" in text_nodes
     assert html2.count("<span title=") == T
     assert "↵<br>" in html2  # the first line of TEXT ends at token 22 of window 0
-    assert viz.NAN_COLOR in drc_core.token_strip_html(frame, 0, 1, tok, eps=EPS, max_tokens=T)
+    assert plotting.NAN_COLOR in drc_core.token_strip_html(frame, 0, 1, tok, eps=EPS, max_tokens=T)
 
 
 def test_token_strip_html_converged_mode_matches_convergence_depth(frame, tok):
@@ -245,9 +245,9 @@ def test_token_strip_html_converged_mode_matches_convergence_depth(frame, tok):
     d0 = depths[depths.window == 0].head(20)
     for lp in (2, 4, L):
         out = drc_core.token_strip_html(frame, 0, lp, tok, eps=EPS, mode="converged", max_tokens=20)
-        n_green = out.count(f"background:{viz.CONVERGED_COLOR};")
+        n_green = out.count(f"background:{plotting.CONVERGED_COLOR};")
         assert n_green == int((d0.converged & (d0.depth <= lp)).sum())
-        assert out.count(f"background:{viz.UPDATING_COLOR};") == 20 - n_green
+        assert out.count(f"background:{plotting.UPDATING_COLOR};") == 20 - n_green
 
 
 def span_colors(strip_html: str) -> list[str]:
@@ -286,9 +286,9 @@ def test_depth_explorer_headless(frame, tok):
     assert ex.token.value == 7 and ex.token_buttons[7].layout.border and not ex.token_buttons[6].layout.border
     traj = ex.trajectory
     assert list(traj.data[0].x) == list(range(1, L + 1))
-    np.testing.assert_allclose(traj.data[0].y, np.maximum(kl[7], viz.LOG_FLOOR), equal_nan=True)
+    np.testing.assert_allclose(traj.data[0].y, np.maximum(kl[7], plotting.LOG_FLOOR), equal_nan=True)
     state = [t for t in traj.data if t.name.startswith("state")][0]
-    np.testing.assert_allclose(state.y, np.maximum(sd[7], viz.LOG_FLOOR), equal_nan=True)
+    np.testing.assert_allclose(state.y, np.maximum(sd[7], plotting.LOG_FLOOR), equal_nan=True)
     assert traj.layout.yaxis.type == "log"
     assert traj.layout.shapes[0].x0 == 5  # the current loop
     ex.slider.value = 3
@@ -306,11 +306,11 @@ def test_explorer_kl_floor_on_log_axes(frame, tok):
     noisy.stats["kl"][0, 3] = 0.0
     ex = drc_core.DepthExplorer(noisy, tok, window=0, eps=EPS, max_tokens=4)
     kl = ex.trajectory.data[0]
-    assert kl.y[2] == viz.LOG_FLOOR and kl.y[3] == viz.LOG_FLOOR and math.isnan(kl.y[0])
+    assert kl.y[2] == plotting.LOG_FLOOR and kl.y[3] == plotting.LOG_FLOOR and math.isnan(kl.y[0])
     assert kl.customdata[2] == pytest.approx(-1.5e-7)
     floor = [t for t in ex.trajectory.data if t.name.startswith("floor")]
-    assert len(floor) == 1 and list(floor[0].y) == [viz.LOG_FLOOR] * 2 and "values below" in floor[0].name
-    assert f"values below {viz.LOG_FLOOR:g} drawn at" in ex.text.value
+    assert len(floor) == 1 and list(floor[0].y) == [plotting.LOG_FLOOR] * 2 and "values below" in floor[0].name
+    assert f"values below {plotting.LOG_FLOOR:g} drawn at" in ex.text.value
 
 
 def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
@@ -338,7 +338,7 @@ def test_explorer_traces_any_text(frame, tok, tiny_model_factory):
     depth = want.convergence_depth(EPS)
     assert ex.passage.depth.tolist() == depth["depth"].tolist()
     ex.token_buttons[-1].click()
-    np.testing.assert_allclose(ex.trajectory.data[0].y, np.maximum(want.matrix("kl")[-1], viz.LOG_FLOOR),
+    np.testing.assert_allclose(ex.trajectory.data[0].y, np.maximum(want.matrix("kl")[-1], plotting.LOG_FLOOR),
                                equal_nan=True)
     ex.show_text("The cat sat.")  # the function argument, and the button
     assert calls[-1] == "The cat sat." and ex.input.value == "The cat sat." and len(calls) == 2
