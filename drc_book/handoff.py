@@ -299,9 +299,13 @@ def gap_intervals(rows: list[Mapping[str, Any]]) -> dict[str, dict[str, Interval
 
 def gap_rows(gaps: Mapping[str, Mapping[str, Interval]]) -> list[dict[str, Any]]:
     """The inverse of :func:`gap_intervals`: family -> stat -> :class:`Interval` as :func:`drc_core.gap_table` rows."""
-    return [{"family": family, **{f"{stat}{end}": v for stat, iv in by_stat.items()
-                                  for end, v in zip(("", "_lo", "_hi"), astuple(iv), strict=True)}}
-            for family, by_stat in gaps.items()]
+    rows = []
+    for family, by_stat in gaps.items():
+        row: dict[str, Any] = {"family": family}
+        for stat, iv in by_stat.items():
+            row.update({stat: iv.value, f"{stat}_lo": iv.lo, f"{stat}_hi": iv.hi})
+        rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
